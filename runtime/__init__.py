@@ -1,0 +1,36 @@
+"""Tandem's distributed runtime: discovery over etcd, request and event planes over NATS.
+
+No torch and no model code in this package.
+"""
+
+from .config import RuntimeConfig
+from .errors import (
+    InstanceGone,
+    InstanceTimeout,
+    InvalidRequest,
+    NoInstances,
+    Overloaded,
+    PayloadTooLarge,
+    RemoteError,
+    ShuttingDown,
+    TandemError,
+)
+from .request_plane import RequestContext, ResponseStream
+from .runtime import EndpointClient, Runtime
+
+__all__ = [
+    "EndpointClient",
+    "InstanceGone",
+    "InstanceTimeout",
+    "InvalidRequest",
+    "NoInstances",
+    "Overloaded",
+    "PayloadTooLarge",
+    "RemoteError",
+    "RequestContext",
+    "ResponseStream",
+    "Runtime",
+    "RuntimeConfig",
+    "ShuttingDown",
+    "TandemError",
+]

@@ -1,0 +1,65 @@
+"""Runtime configuration. Environment variables are read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from urllib.parse import urlparse
+
+DEFAULT_ETCD = "http://127.0.0.1:2379"
+DEFAULT_NATS = "nats://127.0.0.1:4222"
+DEFAULT_NAMESPACE = "tandem"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where etcd and NATS are, which namespace to live in, and lifecycle timings."""
+
+    etcd_url: str = DEFAULT_ETCD
+    nats_url: str = DEFAULT_NATS
+    namespace: str = DEFAULT_NAMESPACE
+    lease_ttl: int = 10
+    drain_timeout: float = 30.0
+    ack_timeout: float = 10.0  # how long a client waits for an instance to acknowledge a request
+    heartbeat_interval: float = 1.0  # a stream idle this long gets a heartbeat frame
+    handle_signals: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("etcd_url", "nats_url"):
+            url = urlparse(getattr(self, name))
+            if not url.hostname or not url.port:
+                raise ValueError(f"{name} must look like scheme://host:port, got {getattr(self, name)!r}")
+        if not self.namespace or not self.namespace.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"namespace must be alphanumeric (with - or _), got {self.namespace!r}")
+        if self.lease_ttl < 2:
+            raise ValueError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
+        if self.drain_timeout < 0 or self.ack_timeout <= 0 or self.heartbeat_interval <= 0:
+            raise ValueError("drain_timeout must be >= 0, ack_timeout and heartbeat_interval > 0")
+
+    @classmethod
+    def from_env(cls, **overrides) -> RuntimeConfig:
+        """Defaults, then ``TANDEM_ETCD`` / ``TANDEM_NATS`` / ``TANDEM_NAMESPACE``, then overrides
+        (``None`` values are ignored, so CLI flags can be passed through unconditionally)."""
+        base = cls(
+            etcd_url=os.environ.get("TANDEM_ETCD", DEFAULT_ETCD),
+            nats_url=os.environ.get("TANDEM_NATS", DEFAULT_NATS),
+            namespace=os.environ.get("TANDEM_NAMESPACE", DEFAULT_NAMESPACE),
+        )
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+    @property
+    def etcd_host_port(self) -> tuple[str, int]:
+        url = urlparse(self.etcd_url)
+        return url.hostname or "127.0.0.1", url.port or 2379
+
+
+def add_runtime_args(parser) -> None:
+    """Add the flags every service shares to an ``argparse`` parser."""
+    parser.add_argument("--etcd", default=None, help=f"etcd URL (env TANDEM_ETCD, default {DEFAULT_ETCD})")
+    parser.add_argument("--nats", default=None, help=f"NATS URL (env TANDEM_NATS, default {DEFAULT_NATS})")
+    parser.add_argument("--namespace", default=None, help="namespace (env TANDEM_NAMESPACE, default tandem)")
+
+
+def config_from_args(args, **overrides) -> RuntimeConfig:
+    """Build the runtime config from parsed :func:`add_runtime_args` flags."""
+    return RuntimeConfig.from_env(etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, **overrides)

@@ -1,0 +1,231 @@
+"""Every message that crosses NATS or etcd, as msgspec Structs.
+
+Contract: values are msgpack-encoded with :func:`encode` and decoded with :func:`decode`, which
+keeps one decoder per type, built once. Structs are ``array_like`` (positional on the wire) and
+``omit_defaults``; add new fields only at the end and with a default, so old readers keep working.
+No pickle and no ``dict[str, Any]`` payloads anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Base of all wire messages."""
+
+
+# --------------------------------------------------------------------------- discovery (etcd)
+
+
+class InstanceRecord(_Wire):
+    """One served endpoint of one process, stored under its lease."""
+
+    instance_id: str
+    namespace: str
+    component: str
+    endpoint: str
+    subject: str  # NATS subject that reaches exactly this instance
+    host: str = ""
+    pid: int = 0
+    role: str = ""  # "target", "draft", "router", "frontend", ...
+    model: str = ""
+    grpc_address: str = ""
+    http_address: str = ""  # health/metrics port, when the process serves one
+    started_at: float = 0.0
+
+
+class ModelCard(_Wire):
+    """What a frontend needs to serve a model, published by every worker that serves it."""
+
+    name: str
+    role: str = "target"  # "target" or "draft"
+    tokenizer_path: str = ""  # local directory with tokenizer.json / tokenizer_config.json
+    context_length: int = 2048
+    kv_block_size: int = 16
+    spec_method: str = ""  # "", "ngram", "draft_model", "eagle"
+    num_speculative_tokens: int = 0
+    eos_token_ids: list[int] = []
+    chat_template: str = ""
+    supports_logprobs: bool = True
+    instance_id: str = ""
+
+
+# --------------------------------------------------------------------------- request plane (NATS)
+
+
+class FrameKind:
+    """Kinds of response frames on a reply inbox."""
+
+    ACK = 0  # the worker received the request and started the handler
+    DATA = 1  # one item yielded by the handler
+    END = 2  # the handler finished; nothing follows
+    ERROR = 3  # the handler failed; nothing follows
+    HEARTBEAT = 4  # the stream is alive but has nothing to say yet
+
+
+class RequestEnvelope(_Wire):
+    """A request to one instance; the reply subject is the client's inbox."""
+
+    request_id: str
+    payload: bytes
+    reply_to: str
+
+
+class Frame(_Wire):
+    """One message of a response stream. ``seq`` counts DATA frames from 0."""
+
+    kind: int
+    seq: int = 0
+    payload: bytes = b""
+    error_kind: str = ""
+    error_message: str = ""
+    error_field: str = ""
+
+
+class Cancel(_Wire):
+    """Sent on an instance's control subject: stop the handler of ``request_id``."""
+
+    request_id: str
+
+
+# --------------------------------------------------------------------------- generate endpoint
+
+
+class SamplingParams(_Wire):
+    """Per-request sampling. temperature 0 is greedy; top_k 0 disables top-k."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
+
+
+class GenerateRequest(_Wire):
+    """Token ids in. ``output_ids`` carries tokens already generated elsewhere (migration)."""
+
+    token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    model: str = ""
+    num_speculative_tokens: int | None = None  # None: the worker's default; 0 disables
+    output_ids: list[int] = []
+
+
+class SpecUsage(_Wire):
+    """Speculative-decoding counters of one request."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class Usage(_Wire):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec: SpecUsage | None = None
+
+
+class TopLogprob(_Wire):
+    token_id: int
+    logprob: float
+
+
+class TokenDelta(_Wire):
+    """Token ids out. The last frame of a request has ``finish_reason`` and ``usage``."""
+
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled"
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------- event plane (NATS)
+
+
+class KvEventKind:
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class KvEvent(_Wire):
+    """A change to one worker's prefix cache.
+
+    ``block_hashes`` are chained hashes (see :mod:`runtime.kv_hash`). For ``stored`` they are
+    consecutive blocks of one sequence, the first of which follows ``parent_hash`` (None: the
+    first block of the sequence). ``event_id`` increases by one per event of a worker, so a
+    reader can spot gaps and duplicates.
+    """
+
+    worker_id: str
+    event_id: int
+    kind: str
+    block_hashes: list[int] = []
+    parent_hash: int | None = None
+    block_size: int = 16
+
+
+class KvDumpRequest(_Wire):
+    """Ask workers to republish their whole cache state as one ``stored`` event per chain."""
+
+    requester: str = ""
+
+
+class LoadEvent(_Wire):
+    """A worker's load, published periodically and on change."""
+
+    worker_id: str
+    running: int = 0
+    queued: int = 0
+    active_blocks: int = 0
+    total_blocks: int = 0
+    free_blocks: int = 0
+    timestamp: float = 0.0
+
+
+class SpecStatsEvent(_Wire):
+    """Cumulative speculative-decoding counters of one (target, draft) pair since ``epoch``.
+
+    Counters only grow while ``epoch`` (the target process's start time) stays the same; a new
+    epoch means the target restarted and counts from zero again.
+    """
+
+    target_id: str
+    draft_id: str
+    epoch: float
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+    method: str = ""
+    timestamp: float = 0.0
+
+
+# --------------------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: Any) -> bytes:
+    """msgpack-encode a Struct (or plain value)."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    """Decode ``data`` as ``type_``; raises ``msgspec.DecodeError`` on malformed input."""
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.msgpack.Decoder(type_)
+    return decoder.decode(data)

@@ -1,0 +1,409 @@
+"""Request plane over NATS: one request in, a stream of frames out.
+
+Contract:
+- A client publishes a :class:`RequestEnvelope` to the instance's own subject
+  (``{ns}.{component}.{endpoint}.{instance_id}``) with a reply subject on its inbox.
+- The server answers on that reply subject with :class:`Frame`s: ACK first (the handler started),
+  then DATA frames numbered from 0 as the handler yields, then exactly one END or ERROR. While a
+  stream is idle the server sends HEARTBEAT frames every ``heartbeat_interval`` seconds.
+- The client raises :class:`InstanceTimeout` when no ACK arrives within ``ack_timeout``,
+  :class:`InstanceGone` when NATS reports no responders or the stream stalls (no frame for
+  ``stall_factor`` heartbeat intervals), and the remote error when an ERROR frame arrives.
+- Closing a stream before its end publishes :class:`Cancel` on the instance's control subject;
+  the server cancels the handler's task.
+- Every payload is checked against the server's ``max_payload`` before it is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from .errors import (
+    InstanceGone,
+    InstanceTimeout,
+    InvalidRequest,
+    PayloadTooLarge,
+    ShuttingDown,
+    TandemError,
+    error_from_frame,
+    error_to_frame,
+)
+from .messages import Cancel, Frame, FrameKind, RequestEnvelope, decode, encode
+from .names import control_subject, endpoint_subject
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+STALL_FACTOR = 5  # heartbeat intervals without any frame before a stream counts as dead
+_NO_RESPONDERS = "503"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a handler knows about the request it serves."""
+
+    request_id: str
+    instance_id: str
+
+
+Handler = Callable[[Any, RequestContext], AsyncIterator[Any]]
+
+
+def _check_size(data: bytes, max_payload: int) -> None:
+    if len(data) > max_payload:
+        raise PayloadTooLarge(len(data), max_payload)
+
+
+class _ActiveStream:
+    __slots__ = ("reply_to", "task", "last_sent", "request_id")
+
+    def __init__(self, request_id: str, reply_to: str):
+        self.request_id = request_id
+        self.reply_to = reply_to
+        self.task: asyncio.Task | None = None
+        self.last_sent = time.monotonic()
+
+
+class RequestServer:
+    """Serves the endpoints of one process (one instance id) over NATS."""
+
+    def __init__(self, nc: NATS, namespace: str, instance_id: str, heartbeat_interval: float):
+        self._nc = nc
+        self._ns = namespace
+        self.instance_id = instance_id
+        self._heartbeat_interval = heartbeat_interval
+        self._streams: dict[str, _ActiveStream] = {}
+        self._subs: list = []
+        self._draining = False
+        self._heartbeat_task: asyncio.Task | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        sub = await self._nc.subscribe(control_subject(self._ns, self.instance_id), cb=self._on_control)
+        self._subs.append(sub)
+        self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="request-plane-heartbeats")
+
+    async def serve(self, component: str, endpoint: str, handler: Handler, request_type: type | None) -> str:
+        """Subscribe ``handler`` on this instance's subject for the endpoint; returns the subject."""
+        subject = endpoint_subject(self._ns, component, endpoint, self.instance_id)
+
+        async def on_request(msg) -> None:
+            self._accept(msg, handler, request_type)
+
+        self._subs.append(await self._nc.subscribe(subject, cb=on_request))
+        await self._nc.flush()
+        return subject
+
+    def _accept(self, msg, handler: Handler, request_type: type | None) -> None:
+        try:
+            env = decode(msg.data, RequestEnvelope)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropping undecodable request on %s: %s", msg.subject, exc)
+            return
+        stream = _ActiveStream(env.request_id, env.reply_to)
+        if self._draining:
+            asyncio.create_task(self._send_error(stream, ShuttingDown()))
+            return
+        self._streams[env.request_id] = stream
+        self._idle.clear()
+        stream.task = asyncio.create_task(self._run(stream, env, handler, request_type))
+
+    async def _publish(self, stream: _ActiveStream, frame: Frame) -> None:
+        data = encode(frame)
+        _check_size(data, self._nc.max_payload)
+        stream.last_sent = time.monotonic()
+        await self._nc.publish(stream.reply_to, data)
+
+    async def _send_error(self, stream: _ActiveStream, exc: BaseException) -> None:
+        kind, message, field = error_to_frame(exc)
+        try:
+            await self._publish(stream, Frame(FrameKind.ERROR, error_kind=kind, error_message=message, error_field=field))
+        except Exception as send_exc:
+            log.warning("request %s: could not send error frame: %r", stream.request_id, send_exc)
+
+    async def _run(self, stream: _ActiveStream, env: RequestEnvelope, handler: Handler, request_type) -> None:
+        rid = env.request_id
+        agen = None
+        try:
+            await self._publish(stream, Frame(FrameKind.ACK))
+            if request_type is None:
+                request = env.payload
+            else:
+                try:
+                    request = decode(env.payload, request_type)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise InvalidRequest(f"malformed {request_type.__name__}: {exc}") from None
+            agen = handler(request, RequestContext(rid, self.instance_id))
+            seq = 0
+            async for item in agen:
+                payload = item if isinstance(item, bytes) else encode(item)
+                await self._publish(stream, Frame(FrameKind.DATA, seq, payload))
+                seq += 1
+            await self._publish(stream, Frame(FrameKind.END, seq))
+        except asyncio.CancelledError:
+            log.info("request %s: cancelled", rid)
+        except TandemError as exc:
+            log.info("request %s: %s", rid, exc)
+            await self._send_error(stream, exc)
+        except Exception as exc:
+            log.exception("request %s: handler failed", rid)
+            await self._send_error(stream, exc)
+        finally:
+            if agen is not None:
+                try:
+                    await agen.aclose()
+                except BaseException:
+                    pass
+            self._streams.pop(rid, None)
+            if not self._streams:
+                self._idle.set()
+
+    async def _on_control(self, msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        stream = self._streams.get(cancel.request_id)
+        if stream is not None and stream.task is not None:
+            log.info("request %s: cancel requested by client", cancel.request_id)
+            stream.task.cancel()
+
+    async def _heartbeats(self) -> None:
+        beat = encode(Frame(FrameKind.HEARTBEAT))
+        while True:
+            await asyncio.sleep(self._heartbeat_interval / 2)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                if now - stream.last_sent >= self._heartbeat_interval:
+                    stream.last_sent = now
+                    try:
+                        await self._nc.publish(stream.reply_to, beat)
+                    except Exception:
+                        pass
+
+    def stop_accepting(self) -> None:
+        self._draining = True
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for in-flight streams, then cancel the rest; returns how many were cancelled."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        left = [s.task for s in self._streams.values() if s.task is not None]
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
+
+    async def close(self) -> None:
+        if self._heartbeat_task:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subs.clear()
+
+
+class ResponseStream(Generic[T]):
+    """An async iterator over one request's response items.
+
+    Use ``async with`` (or call :meth:`aclose`) so that leaving early cancels the remote handler.
+    """
+
+    def __init__(self, client: RequestClient, token: str, instance_id: str, request_id: str, response_type):
+        self._client = client
+        self._token = token
+        self.instance_id = instance_id
+        self.request_id = request_id
+        self._type = response_type
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._acked = False
+        self._done = False
+        self._next_seq = 0
+        self.last_frame = time.monotonic()
+        self._sent_at = self.last_frame
+
+    def _push(self, item) -> None:
+        self.last_frame = time.monotonic()
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> ResponseStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        while True:
+            if self._done:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._finish()
+                raise item
+            frame: Frame = item
+            kind = frame.kind
+            if kind == FrameKind.DATA:
+                self._acked = True
+                if frame.seq != self._next_seq:
+                    self._finish()
+                    raise InstanceGone(self.instance_id, f"frame {self._next_seq} lost (got {frame.seq})")
+                self._next_seq += 1
+                return frame.payload if self._type is None else decode(frame.payload, self._type)
+            if kind == FrameKind.END:
+                self._finish()
+                if frame.seq != self._next_seq:
+                    raise InstanceGone(self.instance_id, f"stream ended after {frame.seq} frames, got {self._next_seq}")
+                raise StopAsyncIteration
+            if kind == FrameKind.ERROR:
+                self._finish()
+                raise error_from_frame(frame.error_kind, frame.error_message, frame.error_field)
+            self._acked = True  # ACK or HEARTBEAT
+
+    def _check_stall(self, now: float, ack_timeout: float, stall_timeout: float) -> None:
+        if self._done:
+            return
+        if not self._acked:
+            if now - self._sent_at > ack_timeout:
+                self._queue.put_nowait(InstanceTimeout(self.instance_id, ack_timeout))
+                self._done_pending()
+        elif now - self.last_frame > stall_timeout:
+            self._queue.put_nowait(
+                InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s")
+            )
+            self._done_pending()
+
+    def _done_pending(self) -> None:
+        self._client._streams.pop(self._token, None)
+
+    def _finish(self) -> None:
+        self._done = True
+        self._client._streams.pop(self._token, None)
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    async def aclose(self) -> None:
+        """Stop listening; if the stream had not ended, ask the instance to cancel the handler."""
+        if self._done:
+            return
+        self._finish()
+        await self._client._send_cancel(self.instance_id, self.request_id)
+
+    async def __aenter__(self) -> ResponseStream[T]:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class RequestClient:
+    """Sends requests to instances and demultiplexes their frames from one inbox subscription."""
+
+    def __init__(self, nc: NATS, namespace: str, ack_timeout: float, heartbeat_interval: float):
+        self._nc = nc
+        self._ns = namespace
+        self._ack_timeout = ack_timeout
+        self._stall_timeout = heartbeat_interval * STALL_FACTOR
+        self._streams: dict[str, ResponseStream] = {}
+        self._prefix = ""
+        self._sub = None
+        self._watchdog: asyncio.Task | None = None
+        self._frame_decoder = msgspec.msgpack.Decoder(Frame)
+
+    async def start(self) -> None:
+        self._prefix = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._on_frame, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        self._watchdog = asyncio.create_task(self._watch_stalls(), name="request-plane-watchdog")
+
+    async def close(self) -> None:
+        if self._watchdog:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _on_frame(self, msg) -> None:
+        stream = self._streams.get(msg.subject[len(self._prefix) + 1 :])
+        if stream is None:
+            return
+        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            stream._push(InstanceGone(stream.instance_id, "no responders on its subject"))
+            stream._done_pending()
+            return
+        try:
+            stream._push(self._frame_decoder.decode(msg.data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            stream._push(InstanceGone(stream.instance_id, f"undecodable frame: {exc}"))
+
+    async def call(
+        self,
+        component: str,
+        endpoint: str,
+        instance_id: str,
+        request: Any,
+        response_type: type[T] | None = None,
+        request_id: str | None = None,
+    ) -> ResponseStream[T]:
+        """Send ``request`` (a Struct or bytes) to one instance; returns its response stream.
+
+        Raises :class:`PayloadTooLarge` before sending when the request does not fit.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        token = uuid.uuid4().hex[:12]
+        reply_to = f"{self._prefix}.{token}"
+        payload = request if isinstance(request, bytes) else encode(request)
+        data = encode(RequestEnvelope(request_id, payload, reply_to))
+        _check_size(data, self._nc.max_payload)
+        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type)
+        self._streams[token] = stream
+        subject = endpoint_subject(self._ns, component, endpoint, instance_id)
+        try:
+            await self._nc.publish(subject, data, reply=reply_to, headers=None)
+        except Exception:
+            self._streams.pop(token, None)
+            raise
+        return stream
+
+    async def _send_cancel(self, instance_id: str, request_id: str) -> None:
+        try:
+            await self._nc.publish(control_subject(self._ns, instance_id), encode(Cancel(request_id)))
+        except Exception as exc:
+            log.warning("request %s: could not send cancel to %s: %r", request_id, instance_id, exc)
+
+    async def _watch_stalls(self) -> None:
+        period = min(0.5, self._stall_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                stream._check_stall(now, self._ack_timeout, self._stall_timeout)
+
+
+async def collect(stream: ResponseStream[T]) -> list[T]:
+    """All items of a stream, closing it on error."""
+    async with stream:
+        return [item async for item in stream]
+

@@ -1,0 +1,292 @@
+"""The distributed runtime of one process: an etcd lease, a NATS connection and their lifecycle.
+
+Usage::
+
+    async with Runtime.connect(RuntimeConfig.from_env()) as rt:
+        await rt.serve("target", "generate", handler.generate, GenerateRequest, role="target")
+        await rt.register_model(card)
+        await rt.wait_for_shutdown()      # SIGTERM / SIGINT
+
+Leaving the ``async with`` block (or a signal) revokes the lease first, so other processes stop
+routing here at once, then drains in-flight streams for up to ``drain_timeout`` seconds, cancels
+what is left, and closes NATS and etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import aetcd
+import nats
+
+from .config import RuntimeConfig
+from .discovery import Registrar, Snapshot
+from .errors import NoInstances
+from .events import EventPlane, Subscription
+from .messages import InstanceRecord, ModelCard, encode
+from .names import check_token, instance_key, instances_prefix, model_key, models_prefix, new_instance_id
+from .request_plane import Handler, RequestClient, RequestServer, ResponseStream
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EndpointClient:
+    """Calls instances of one ``component.endpoint``; keeps a live snapshot of them."""
+
+    def __init__(self, runtime: Runtime, component: str, endpoint: str, snapshot: Snapshot[InstanceRecord]):
+        self._rt = runtime
+        self.component = component
+        self.endpoint = endpoint
+        self.snapshot = snapshot
+
+    def instances(self, model: str | None = None) -> list[InstanceRecord]:
+        """Live instances (optionally only those serving ``model``), in a stable order."""
+        found = [r for r in self.snapshot.values() if model is None or r.model == model]
+        return sorted(found, key=lambda r: r.instance_id)
+
+    def instance_ids(self) -> list[str]:
+        return [r.instance_id for r in self.instances()]
+
+    async def wait_for_instances(self, count: int = 1, timeout: float = 30.0, model: str | None = None) -> list[InstanceRecord]:
+        """Wait until at least ``count`` instances are live; raises :class:`NoInstances` on timeout."""
+
+        def enough(items: dict[str, InstanceRecord]) -> bool:
+            return sum(1 for r in items.values() if model is None or r.model == model) >= count
+
+        try:
+            await self.snapshot.wait_for(enough, timeout)
+        except asyncio.TimeoutError:
+            raise NoInstances(self.component, self.endpoint, model or "") from None
+        return self.instances(model)
+
+    async def call(
+        self, instance_id: str, request: Any, response_type: type[T] | None = None, request_id: str | None = None
+    ) -> ResponseStream[T]:
+        """Send ``request`` to one instance; iterate the returned stream for its responses."""
+        return await self._rt._requests.call(self.component, self.endpoint, instance_id, request, response_type, request_id)
+
+
+class Runtime:
+    """One process's connection to the distributed runtime. Build it with :meth:`connect`."""
+
+    def __init__(self, config: RuntimeConfig):
+        self.config = config
+        self.namespace = config.namespace
+        self.instance_id = new_instance_id()
+        self.started_at = time.time()
+        self.nc: nats.NATS | None = None
+        self.etcd: aetcd.Client | None = None
+        self.events: EventPlane | None = None
+        self._registrar: Registrar | None = None
+        self._server: RequestServer | None = None
+        self._requests: RequestClient | None = None
+        self._snapshots: dict[tuple[str, type], Snapshot] = {}
+        self._shutdown = asyncio.Event()
+        self._signals = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, config: RuntimeConfig) -> AsyncIterator[Runtime]:
+        """Open the runtime; everything is released when the block exits."""
+        rt = cls(config)
+        try:
+            await rt._open()
+            yield rt
+        finally:
+            await rt._close()
+
+    async def _open(self) -> None:
+        cfg = self.config
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats: %r", exc)
+
+        async def on_disconnect() -> None:
+            log.warning("nats: disconnected from %s", cfg.nats_url)
+
+        async def on_reconnect() -> None:
+            log.info("nats: reconnected to %s", cfg.nats_url)
+
+        self.nc = await nats.connect(
+            cfg.nats_url,
+            name=f"tandem-{self.instance_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            allow_reconnect=True,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+        host, port = cfg.etcd_host_port
+        self.etcd = aetcd.Client(host=host, port=port, timeout=5)
+        await self.etcd.connect()
+        self._registrar = Registrar(self.etcd, cfg.lease_ttl)
+        await self._registrar.start()
+        self.events = EventPlane(self.nc, self.namespace)
+        self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)
+        await self._server.start()
+        self._requests = RequestClient(self.nc, self.namespace, cfg.ack_timeout, cfg.heartbeat_interval)
+        await self._requests.start()
+        if cfg.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        log.info("runtime %s connected (namespace %s, pid %d)", self.instance_id, self.namespace, os.getpid())
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("%s received: draining (up to %.0fs)", sig.name, self.config.drain_timeout)
+            self.shutdown()
+        else:
+            log.warning("%s received again: cancelling in-flight requests", sig.name)
+            if self._server:
+                self._server.stop_accepting()
+                asyncio.ensure_future(self._server.drain(0))
+
+    def shutdown(self) -> None:
+        """Begin a clean shutdown: stop taking work and let :meth:`wait_for_shutdown` return."""
+        if self._shutdown.is_set():
+            return
+        self._shutdown.set()
+        if self._server:
+            self._server.stop_accepting()
+        if self._registrar:
+            # Deregister at once so that routers stop sending here while we drain.
+            asyncio.ensure_future(self._registrar.revoke())
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutdown.is_set()
+
+    async def wait_for_shutdown(self) -> None:
+        await self._shutdown.wait()
+
+    async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.config.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        self._shutdown.set()
+        if self._server:
+            self._server.stop_accepting()
+        if self._registrar:
+            await self._registrar.revoke()
+        if self._server:
+            cancelled = await self._server.drain(self.config.drain_timeout)
+            if cancelled:
+                log.warning("drain timeout: cancelled %d in-flight requests", cancelled)
+            await self._server.close()
+        for snap in self._snapshots.values():
+            await snap.stop()
+        if self._requests:
+            await self._requests.close()
+        if self.nc is not None:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=5)
+            except Exception:
+                await self.nc.close()
+        if self.etcd is not None:
+            await self.etcd.close()
+        log.info("runtime %s closed", self.instance_id)
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(
+        self,
+        component: str,
+        endpoint: str,
+        handler: Handler,
+        request_type: type | None = None,
+        *,
+        role: str = "",
+        model: str = "",
+        grpc_address: str = "",
+        http_address: str = "",
+    ) -> InstanceRecord:
+        """Serve ``handler`` (an async generator function of ``(request, ctx)``) and register it.
+
+        The NATS subscription is live before the instance appears in etcd, so nobody is routed
+        here before we can answer.
+        """
+        check_token(component, "component")
+        check_token(endpoint, "endpoint")
+        subject = await self._server.serve(component, endpoint, handler, request_type)
+        record = InstanceRecord(
+            instance_id=self.instance_id,
+            namespace=self.namespace,
+            component=component,
+            endpoint=endpoint,
+            subject=subject,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            role=role,
+            model=model,
+            grpc_address=grpc_address,
+            http_address=http_address,
+            started_at=self.started_at,
+        )
+        await self._registrar.put(instance_key(self.namespace, component, endpoint, self.instance_id), encode(record))
+        log.info("serving %s.%s.%s as instance %s", self.namespace, component, endpoint, self.instance_id)
+        return record
+
+    async def register_model(self, card: ModelCard) -> None:
+        """Publish a model card on this process's lease."""
+        if not card.instance_id:
+            card = ModelCard(**{f: getattr(card, f) for f in card.__struct_fields__} | {"instance_id": self.instance_id})
+        await self._registrar.put(model_key(self.namespace, card.name, self.instance_id), encode(card))
+
+    @property
+    def in_flight(self) -> int:
+        return self._server.in_flight if self._server else 0
+
+    @property
+    def lease_changes(self) -> int:
+        return self._registrar.lease_changes if self._registrar else 0
+
+    # ------------------------------------------------------------------ discovery and calls
+
+    async def _snapshot(self, prefix: str, type_: type[T]) -> Snapshot[T]:
+        key = (prefix, type_)
+        snap = self._snapshots.get(key)
+        if snap is None:
+            snap = self._snapshots[key] = Snapshot(self.etcd, prefix, type_)
+            await snap.start()
+        return snap
+
+    async def client(self, component: str, endpoint: str) -> EndpointClient:
+        """A client for ``component.endpoint`` with a live view of its instances."""
+        snap = await self._snapshot(instances_prefix(self.namespace, component, endpoint), InstanceRecord)
+        return EndpointClient(self, component, endpoint, snap)
+
+    async def instances(self) -> Snapshot[InstanceRecord]:
+        """A live view of every instance in the namespace."""
+        return await self._snapshot(instances_prefix(self.namespace), InstanceRecord)
+
+    async def models(self) -> Snapshot[ModelCard]:
+        """A live view of every model card in the namespace (one per serving instance)."""
+        return await self._snapshot(models_prefix(self.namespace), ModelCard)
+
+    # ------------------------------------------------------------------ events
+
+    async def publish(self, topic: str, event) -> None:
+        await self.events.publish(topic, event)
+
+    async def subscribe(self, topic: str, type_: type[T], callback=None) -> Subscription[T]:
+        return await self.events.subscribe(topic, type_, callback)

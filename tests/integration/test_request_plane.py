@@ -1,0 +1,141 @@
+"""Request plane over a real NATS server: streaming, order, errors, cancellation, payload limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime import InstanceGone, InstanceTimeout, InvalidRequest, PayloadTooLarge, RemoteError, Runtime
+from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
+from runtime.request_plane import collect
+
+pytestmark = pytest.mark.integration
+
+
+async def counting_handler(request: GenerateRequest, ctx):
+    for i in range(request.sampling.max_tokens):
+        yield TokenDelta(token_ids=[i])
+
+
+async def test_stream_of_1000_frames_arrives_complete_and_in_order(rt):
+    await rt.serve("worker", "generate", counting_handler, GenerateRequest)
+    client = await rt.client("worker", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    request = GenerateRequest(token_ids=[1], sampling=SamplingParams(max_tokens=1000))
+    items = await collect(await client.call(inst.instance_id, request, TokenDelta))
+    assert [d.token_ids[0] for d in items] == list(range(1000))
+
+
+async def test_handler_exception_arrives_as_typed_remote_error(rt):
+    async def failing(request, ctx):
+        yield b"first"
+        raise ValueError("boom at step 2")
+
+    async def invalid(request, ctx):
+        raise InvalidRequest("max_tokens must be >= 0", field="max_tokens")
+        yield b""  # pragma: no cover
+
+    await rt.serve("worker", "fail", failing)
+    await rt.serve("worker", "invalid", invalid)
+    fail = await rt.client("worker", "fail")
+    [inst] = await fail.wait_for_instances(1, timeout=5)
+    stream = await fail.call(inst.instance_id, b"x")
+    assert await stream.__anext__() == b"first"
+    with pytest.raises(RemoteError) as err:
+        await stream.__anext__()
+    assert err.value.kind == "ValueError" and "boom at step 2" in err.value.message
+
+    inv = await rt.client("worker", "invalid")
+    await inv.wait_for_instances(1, timeout=5)
+    with pytest.raises(InvalidRequest) as err2:
+        await collect(await inv.call(inst.instance_id, b"x"))
+    assert err2.value.field == "max_tokens"
+
+
+async def test_malformed_request_is_a_typed_error(rt):
+    await rt.serve("worker", "generate", counting_handler, GenerateRequest)
+    client = await rt.client("worker", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    with pytest.raises(InvalidRequest):
+        await collect(await client.call(inst.instance_id, b"\x93not-a-request"))
+
+
+async def test_cancelling_mid_stream_cancels_the_handler(rt):
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow(request, ctx):
+        started.set()
+        try:
+            for i in range(10_000):
+                yield TokenDelta(token_ids=[i])
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    await rt.serve("worker", "slow", slow)
+    client = await rt.client("worker", "slow")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    async with await client.call(inst.instance_id, b"", TokenDelta) as stream:
+        got = [await stream.__anext__() for _ in range(3)]
+    assert [d.token_ids for d in got] == [[0], [1], [2]]
+    await asyncio.wait_for(cancelled.wait(), 5)
+    await asyncio.sleep(0.1)
+    assert rt.in_flight == 0
+
+
+async def test_oversized_payload_raises_before_sending(rt):
+    sent = []
+
+    async def handler(request, ctx):
+        sent.append(request)
+        yield b"ok"
+
+    await rt.serve("worker", "echo", handler)
+    client = await rt.client("worker", "echo")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    limit = rt.nc.max_payload
+    with pytest.raises(PayloadTooLarge) as err:
+        await client.call(inst.instance_id, b"x" * (limit + 1))
+    assert err.value.max_payload == limit and err.value.size > limit
+    await asyncio.sleep(0.2)
+    assert sent == []
+    # A payload that fits still works afterwards.
+    assert await collect(await client.call(inst.instance_id, b"y" * 1000)) == [b"ok"]
+
+
+async def test_oversized_response_frame_becomes_an_error_frame(rt):
+    async def handler(request, ctx):
+        yield b"z" * (rt.nc.max_payload + 10)
+
+    await rt.serve("worker", "big", handler)
+    client = await rt.client("worker", "big")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    with pytest.raises(RemoteError) as err:
+        await collect(await client.call(inst.instance_id, b""))
+    assert err.value.kind == "payload_too_large"
+
+
+async def test_unknown_instance_is_reported_by_name(rt):
+    client = await rt.client("worker", "nobody")
+    with pytest.raises(InstanceGone) as err:
+        await collect(await client.call("deadbeef00000000", b""))
+    assert err.value.instance_id == "deadbeef00000000"
+
+
+async def test_silent_instance_times_out_naming_it(runtime_config):
+    # A raw NATS subscriber that swallows requests: it exists, so no "no responders", but never acks.
+    import dataclasses
+
+    cfg = dataclasses.replace(runtime_config, ack_timeout=1.0)
+    async with Runtime.connect(cfg) as rt:
+        async def swallow(msg):
+            pass
+
+        sub = await rt.nc.subscribe(f"{cfg.namespace}.worker.mute.cafe000000000000", cb=swallow)
+        client = await rt.client("worker", "mute")
+        with pytest.raises(InstanceTimeout) as err:
+            await collect(await client.call("cafe000000000000", b""))
+        assert err.value.instance_id == "cafe000000000000"
+        await sub.unsubscribe()

@@ -1,0 +1,1 @@
+"""Test support: real etcd / nats-server processes and a managed-process helper."""

