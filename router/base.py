@@ -1,0 +1,102 @@
+"""The router interface and the two load-blind modes, ``round_robin`` and ``random``.
+
+Contract (what the frontend relies on):
+- ``await router.select(model, token_ids, exclude)`` returns a :class:`Selection` for a live
+  target instance serving ``model`` and not in ``exclude``, or raises :class:`runtime.NoInstances`.
+- ``router.release(selection)`` is called exactly once when that request ends (any way), so the
+  router's own in-flight accounting stays right.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from runtime import NoInstances, Runtime
+from runtime.messages import InstanceRecord
+
+ROUTER_MODES = ("kv", "round_robin", "random")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The instance chosen for one request, and how many of its prompt blocks it already holds."""
+
+    instance_id: str
+    overlap_blocks: int = 0
+    request_id: str = ""
+
+
+class Router:
+    """Base router over the live ``target.generate`` instances of a runtime."""
+
+    mode = "base"
+
+    def __init__(self, instances: Callable[[str | None], list[InstanceRecord]], seed: int | None = None):
+        self._instances = instances
+        self._rng = random.Random(seed)
+        self.in_flight: dict[str, int] = {}
+
+    def candidates(self, model: str, exclude: frozenset[str] | set[str] = frozenset()) -> list[InstanceRecord]:
+        found = [r for r in self._instances(model) if r.instance_id not in exclude]
+        if not found:
+            raise NoInstances("target", "generate", model)
+        return found
+
+    async def start(self) -> None:
+        """Start background work (event subscriptions); the base router has none."""
+
+    async def stop(self) -> None:
+        """Stop background work."""
+
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset()) -> Selection:
+        raise NotImplementedError
+
+    def _selected(self, instance_id: str, overlap: int = 0) -> Selection:
+        self.in_flight[instance_id] = self.in_flight.get(instance_id, 0) + 1
+        return Selection(instance_id, overlap)
+
+    def release(self, selection: Selection) -> None:
+        left = self.in_flight.get(selection.instance_id, 0) - 1
+        if left > 0:
+            self.in_flight[selection.instance_id] = left
+        else:
+            self.in_flight.pop(selection.instance_id, None)
+
+
+class RoundRobinRouter(Router):
+    mode = "round_robin"
+
+    def __init__(self, instances, seed: int | None = None):
+        super().__init__(instances, seed)
+        self._counter = itertools.count()
+
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset()) -> Selection:
+        found = self.candidates(model, exclude)
+        return self._selected(found[next(self._counter) % len(found)].instance_id)
+
+
+class RandomRouter(Router):
+    mode = "random"
+
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset()) -> Selection:
+        return self._selected(self._rng.choice(self.candidates(model, exclude)).instance_id)
+
+
+async def create_router(rt: Runtime, mode: str = "round_robin", **options) -> Router:
+    """A started router of ``mode`` over the runtime's live target instances."""
+    if mode not in ROUTER_MODES:
+        raise ValueError(f"router mode must be one of {ROUTER_MODES}, got {mode!r}")
+    client = await rt.client("target", "generate")
+    if mode == "round_robin":
+        router: Router = RoundRobinRouter(client.instances, options.get("seed"))
+    elif mode == "random":
+        router = RandomRouter(client.instances, options.get("seed"))
+    else:
+        from .kv_router import KvRouter  # arrives with the KV-aware router issue
+
+        router = await KvRouter.create(rt, client, **options)
+    await router.start()
+    return router
