@@ -23,6 +23,8 @@ class RuntimeConfig:
     ack_timeout: float = 10.0  # how long a client waits for an instance to acknowledge a request
     heartbeat_interval: float = 1.0  # a stream idle this long gets a heartbeat frame
     handle_signals: bool = True
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None  # serve /live, /health, /metrics here (0: any free port; None: off)
 
     def __post_init__(self) -> None:
         for name in ("etcd_url", "nats_url"):
@@ -59,10 +61,14 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--nats", default=None, help=f"NATS URL (env TANDEM_NATS, default {DEFAULT_NATS})")
     parser.add_argument("--namespace", default=None, help="namespace (env TANDEM_NAMESPACE, default tandem)")
     parser.add_argument("--lease-ttl", type=int, default=None, help="etcd lease TTL in seconds (default 10)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve /live, /health and /metrics on this port (0: any free port; default: off)")
+    parser.add_argument("--health-host", default=None, help="address for the health port (default 127.0.0.1)")
 
 
 def config_from_args(args, **overrides) -> RuntimeConfig:
     """Build the runtime config from parsed :func:`add_runtime_args` flags."""
     return RuntimeConfig.from_env(
-        etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, lease_ttl=args.lease_ttl, **overrides
+        etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, lease_ttl=args.lease_ttl,
+        health_port=args.health_port, health_host=args.health_host, **overrides
     )

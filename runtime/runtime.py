@@ -31,6 +31,7 @@ from .config import RuntimeConfig
 from .discovery import Registrar, Snapshot
 from .errors import NoInstances
 from .events import EventPlane, Subscription
+from .health import HealthServer
 from .messages import InstanceRecord, ModelCard, encode
 from .names import check_token, instance_key, instances_prefix, model_key, models_prefix, new_instance_id
 from .request_plane import Handler, RequestClient, RequestServer, ResponseStream
@@ -91,6 +92,8 @@ class Runtime:
         self._server: RequestServer | None = None
         self._requests: RequestClient | None = None
         self._snapshots: dict[tuple[str, type], Snapshot] = {}
+        self.health: HealthServer | None = None
+        self._served = 0
         self._shutdown = asyncio.Event()
         self._signals = 0
         self._closed = False
@@ -140,6 +143,9 @@ class Runtime:
         await self._server.start()
         self._requests = RequestClient(self.nc, self.namespace, cfg.ack_timeout, cfg.heartbeat_interval)
         await self._requests.start()
+        if cfg.health_port is not None:
+            self.health = HealthServer(cfg.health_host, cfg.health_port, self.ready)
+            await self.health.start()
         if cfg.handle_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -167,6 +173,10 @@ class Runtime:
         if self._registrar:
             # Deregister at once so that routers stop sending here while we drain.
             asyncio.ensure_future(self._registrar.revoke())
+
+    def ready(self) -> bool:
+        """True while this process serves at least one endpoint, is connected and is not draining."""
+        return self._served > 0 and not self._shutdown.is_set() and self.nc is not None and self.nc.is_connected
 
     @property
     def shutting_down(self) -> bool:
@@ -197,6 +207,8 @@ class Runtime:
             await snap.stop()
         if self._requests:
             await self._requests.close()
+        if self.health is not None:
+            await self.health.stop()
         if self.nc is not None:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=5)
@@ -239,10 +251,11 @@ class Runtime:
             role=role,
             model=model,
             grpc_address=grpc_address,
-            http_address=http_address,
+            http_address=http_address or (self.health.address if self.health else ""),
             started_at=self.started_at,
         )
         await self._registrar.put(instance_key(self.namespace, component, endpoint, self.instance_id), encode(record))
+        self._served += 1
         log.info("serving %s.%s.%s as instance %s", self.namespace, component, endpoint, self.instance_id)
         return record
 
