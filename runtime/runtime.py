@@ -118,7 +118,8 @@ class Runtime:
             log.warning("nats: %r", exc)
 
         async def on_disconnect() -> None:
-            log.warning("nats: disconnected from %s", cfg.nats_url)
+            if not self._closed:
+                log.warning("nats: disconnected from %s", cfg.nats_url)
 
         async def on_reconnect() -> None:
             log.info("nats: reconnected to %s", cfg.nats_url)

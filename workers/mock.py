@@ -84,11 +84,11 @@ class ToyPrefixCache:
         """Cache every block of the chain (pinning it); returns how many were already cached."""
         cached = self.match(hashes)
         new = hashes[cached:]
-        self._make_room(len(new))
-        for i, h in enumerate(hashes):
+        for h in hashes:  # pin first, so making room never evicts the matched prefix
             self._pinned[h] = self._pinned.get(h, 0) + 1
-            if i >= cached:
-                self._blocks[h] = hashes[i - 1] if i else ROOT_HASH
+        self._make_room(len(new))
+        for i in range(cached, len(hashes)):
+            self._blocks[hashes[i]] = hashes[i - 1] if i else ROOT_HASH
         for h in reversed(hashes):
             self._blocks.move_to_end(h)
         if new:
