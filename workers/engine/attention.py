@@ -1,0 +1,161 @@
+"""Paged attention over a flat batch of tokens from many sequences (torch SDPA path).
+
+Every forward call covers B sequences; sequence b contributes ``query_lens[b]`` new tokens at the
+end of its ``context_lens[b]`` tokens (context = cached + new). This one shape serves prefill
+chunks, decode (query_len 1) and multi-token verify (query_len γ+1). The new keys and values are
+written into the paged cache first (``slot_mapping``), then every query attends causally to its
+sequence's cache through the block table.
+
+Cache layout per layer: ``k``/``v`` of shape [num_blocks, block_size, num_kv_heads, head_dim];
+token at position p of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
+Short queries (decode / verify) are padded into one batched SDPA call with a mask; long prefill
+chunks get one SDPA call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+BATCHED_MAX_QUERY = 32  # queries up to this length share one padded SDPA call
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once and shared by all layers."""
+
+    block_size: int
+    query_lens: list[int]
+    context_lens: list[int]
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padding 0)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    context_lens_t: torch.Tensor  # [B] int32
+    # batched group: sequences with short queries, padded to [Bg, qmax]
+    batch_rows: list[int] = field(default_factory=list)
+    batch_token_index: torch.Tensor | None = None  # [Nb] flat token index of each group token
+    batch_pad_index: torch.Tensor | None = None  # [Nb] index into the padded [Bg * qmax] queries
+    batch_slots: torch.Tensor | None = None  # [Bg, Lmax] slot of each key position
+    batch_mask: torch.Tensor | None = None  # [Bg, 1, qmax, Lmax] bool, True = attend
+    qmax: int = 0
+    # long queries, one call each: (row, token start, query_len, context_len)
+    singles: list[tuple[int, int, int, int]] = field(default_factory=list)
+    single_slots: list[torch.Tensor | None] = field(default_factory=list)  # [ctx] slots, None: no prefix
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Inputs for one step; ``block_tables[b]`` must cover ``context_lens[b]`` tokens."""
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
+        max_blocks = max((len(bt) for bt in block_tables), default=1) or 1
+        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)
+        for b, bt in enumerate(block_tables):
+            if len(bt) * block_size < context_lens[b] or not 0 < query_lens[b] <= context_lens[b]:
+                raise ValueError(f"sequence {b}: bad lengths or block table too short")
+            tables[b, : len(bt)] = torch.tensor(bt, dtype=torch.long)
+        offsets = torch.arange(block_size)
+        all_slots = (tables[:, :, None] * block_size + offsets).view(len(block_tables), -1)  # [B, max_blocks * bs]
+        slot_parts, starts = [], [0]
+        for b, (q, c) in enumerate(zip(query_lens, context_lens)):
+            slot_parts.append(all_slots[b, c - q : c])
+            starts.append(starts[-1] + q)
+        meta = cls(
+            block_size=block_size,
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            slot_mapping=torch.cat(slot_parts).to(device),
+            block_tables=tables.to(device=device, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        )
+        rows = [b for b, q in enumerate(query_lens) if q <= BATCHED_MAX_QUERY]
+        for b, q in enumerate(query_lens):
+            if q > BATCHED_MAX_QUERY:
+                c = context_lens[b]
+                meta.singles.append((b, starts[b], q, c))
+                meta.single_slots.append(None if c == q else all_slots[b, :c].to(device))
+        if rows:
+            meta._build_batched(rows, starts, all_slots, device)
+        return meta
+
+    def _build_batched(self, rows: list[int], starts: list[int], all_slots: torch.Tensor, device) -> None:
+        q_lens = torch.tensor([self.query_lens[b] for b in rows])
+        c_lens = torch.tensor([self.context_lens[b] for b in rows])
+        qmax, lmax = int(q_lens.max()), int(c_lens.max())
+        token_index, pad_index = [], []
+        for g, b in enumerate(rows):
+            q = self.query_lens[b]
+            token_index.extend(range(starts[b], starts[b] + q))
+            pad_index.extend(range(g * qmax, g * qmax + q))
+        key_pos = torch.arange(lmax)[None, None, :]  # [1, 1, Lmax]
+        query_pos = (c_lens - q_lens)[:, None, None] + torch.arange(qmax)[None, :, None]  # [Bg, qmax, 1]
+        mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lmax]
+        self.batch_rows = rows
+        self.qmax = qmax
+        self.batch_token_index = torch.tensor(token_index, dtype=torch.long, device=device)
+        self.batch_pad_index = torch.tensor(pad_index, dtype=torch.long, device=device)
+        self.batch_slots = all_slots[rows, :lmax].to(device)
+        self.batch_mask = mask[:, None].to(device)
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k, v) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [T, Hkv, D] at their slots."""
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of new queries over each sequence's cache; k/v already written.
+
+    q [T, H, D]; k, v [T, Hkv, D] (this step's keys, used directly for prefill without prefix);
+    returns [T, H, D].
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    k_flat = k_cache.view(-1, hkv, head_dim)
+    v_flat = v_cache.view(-1, hkv, head_dim)
+    out = torch.empty_like(q)
+    if meta.batch_rows:
+        bg, qmax = len(meta.batch_rows), meta.qmax
+        qp = q.new_zeros(bg * qmax, num_heads, head_dim)
+        qp[meta.batch_pad_index] = q[meta.batch_token_index]
+        qp = qp.view(bg, qmax, num_heads, head_dim).transpose(1, 2)  # [Bg, H, qmax, D]
+        keys = k_flat[meta.batch_slots].transpose(1, 2)  # [Bg, Hkv, Lmax, D]
+        values = v_flat[meta.batch_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.batch_mask, scale=scale,
+                                           enable_gqa=num_heads != hkv)  # [Bg, H, qmax, D]
+        o = o.transpose(1, 2).reshape(bg * qmax, num_heads, head_dim)
+        out[meta.batch_token_index] = o[meta.batch_pad_index]
+    for (_, start, qlen, ctx), slots in zip(meta.singles, meta.single_slots):
+        qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, q, D]
+        if slots is None:  # whole context is new: plain causal attention on this step's keys
+            keys = k[start : start + qlen].transpose(0, 1)[None]
+            values = v[start : start + qlen].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale,
+                                               enable_gqa=num_heads != hkv)
+        else:
+            keys = k_flat[slots].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            values = v_flat[slots].transpose(0, 1)[None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - qlen + torch.arange(qlen, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale,
+                                               enable_gqa=num_heads != hkv)
+        out[start : start + qlen] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,173 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch with a paged KV cache.
+
+``forward(input_ids [T], positions [T], meta, kv_caches)`` runs the tokens of many sequences at
+once (see :mod:`workers.engine.attention` for the batch layout). Logits are computed only for the
+rows in ``logits_indices``; ``hidden_layers`` picks hidden states in Hugging Face's numbering:
+0 = embeddings, k in 1..L-1 = output of decoder layer k-1, L = the final normed output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention_torch, write_kv
+from .config import ModelConfig
+from .layers import MLP, RMSNorm, RotaryEmbedding
+
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+# checkpoint name suffix -> (our parameter suffix, shard index) for fused projections
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [N, vocab] float32 for the requested rows
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
+        self.scale = cfg.head_dim ** -0.5
+        self.attention_fn = attention_fn or paged_attention_torch
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = self.attention_fn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, cfg.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, attention_fn)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, positions, x, kv, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_fn) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """The decoder with Hugging Face parameter names, except fused qkv and gate/up projections."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, attention_fn=None):
+        super().__init__()
+        self.cfg = cfg
+        self.max_positions = max_positions
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.model = _Backbone(cfg, self.rotary, attention_fn)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (needed after ``to_empty``)."""
+        fresh = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, self.max_positions)
+        device = self.lm_head.weight.device
+        self.rotary.cos = fresh.cos.to(device)
+        self.rotary.sin = fresh.sin.to(device)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KvCaches, logits_indices: torch.Tensor | None = None,
+                hidden_layers: Iterable[int] = ()) -> ModelOutput:
+        """input_ids, positions [T]; logits for rows ``logits_indices`` [N] (None: all rows)."""
+        wanted = set(hidden_layers)
+        num_layers = self.cfg.num_layers
+        if any(not 0 <= k <= num_layers for k in wanted):
+            raise ValueError(f"hidden layers must be in [0, {num_layers}], got {sorted(wanted)}")
+        hidden: dict[int, torch.Tensor] = {}
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                hidden[i] = x
+            x = layer(positions, x, kv_caches[i], meta)
+        x = self.model.norm(x)
+        if num_layers in wanted:
+            hidden[num_layers] = x
+        rows = x if logits_indices is None else x[logits_indices]
+        return ModelOutput(self.lm_head(rows).float(), hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) in; raises ValueError on missing/unknown names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        cfg = self.cfg
+        split = {"qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                 "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in _FUSED:
+                fused, shard = _FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            param = params[target]
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                param.copy_(tensor)
+                loaded.add(target)
+            else:
+                sizes = split[target.split(".")[-2]]
+                start = sum(sizes[:shard])
+                dest = param.narrow(0, start, sizes[shard])
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            if pname == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            kind = pname.split(".")[-2] if "." in pname else ""
+            if kind in split:
+                expected.update(f"{pname}#{i}" for i in range(len(split[kind])))
+            else:
+                expected.add(pname)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
