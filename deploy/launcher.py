@@ -1,0 +1,246 @@
+"""``tandem up``: the whole stack on 127.0.0.1 as child processes of one command.
+
+Start order: etcd, nats-server (unless external URLs are given), the standalone router (if asked),
+target workers, draft workers, the frontend. Each child runs in its own process group and its
+output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200,
+prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
+(SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.binaries import free_port, wait_port
+from deploy.children import Child, stop_tiers
+from deploy.infra import etcd_child, nats_child
+from deploy.stack import Component, StackConfig, component_names, filter_flags, module_flags, plan
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(RuntimeError):
+    """The stack could not be brought up (a child exited, a timeout, a missing module)."""
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """Where infrastructure comes from and how long to wait for the stack."""
+
+    etcd_url: str | None = None  # an existing etcd; None: start one
+    nats_url: str | None = None  # an existing NATS server; None: start one
+    etcd_port: int = 0  # 0: a free port
+    nats_port: int = 0
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("etcd_port", "nats_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a TCP port or 0, got {getattr(self, name)}")
+        if self.startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """The status code of ``GET url``, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def module_available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def resolve_demo_model() -> str:
+    """The bundled demo model's directory, via ``python -m workers.demo_model`` (converts once)."""
+    log.info("preparing the bundled demo model (the first run converts it, about 20 s)")
+    out = subprocess.run([sys.executable, "-m", "workers.demo_model"], capture_output=True, text=True, cwd=REPO_ROOT)
+    if out.returncode != 0:
+        raise LaunchError(f"python -m workers.demo_model failed:\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+class Launcher:
+    """Brings a :class:`StackConfig` up locally and keeps it up until :meth:`request_stop`."""
+
+    def __init__(self, config: StackConfig, options: LocalOptions = LocalOptions()):
+        self.config = config
+        self.options = options
+        self._stop = threading.Event()
+        self._infra: list[Child] = []
+        self._children: dict[str, Child] = {}
+        self._components: list[Component] = []
+        self._workdir: Path | None = None
+        self.url = ""
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        """Up, serve until asked to stop, down. Returns the process exit code."""
+        try:
+            self._up()
+            self._announce()
+            return self._supervise()
+        except LaunchError as exc:
+            log.error("%s", exc)
+            return 1
+        except _Stopped:
+            return 0
+        finally:
+            self._down()
+
+    # --- bring up --------------------------------------------------------------------------------
+
+    def _up(self) -> None:
+        cfg = self.config
+        self._workdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
+        model_path = None
+        if not cfg.mock:
+            if not module_available("workers.target"):
+                raise LaunchError("python -m workers.target is not available in this checkout; try `tandem up --mock`")
+            model_path = cfg.model or resolve_demo_model()
+        drafts_ok = module_available("workers.draft")
+        if cfg.num_drafts and not drafts_ok:
+            log.warning("draft workers are not available yet (no workers.draft module): "
+                        "starting %d target(s) with no drafts (plain decoding)", cfg.targets)
+        self._check_stop()
+        etcd_url, nats_url = self._start_infra()
+        ports = {name: free_port() for name in component_names(cfg, drafts_ok)}
+        ports["frontend"] = cfg.http_port or free_port()
+        components = plan(cfg, model_path, ports, drafts_available=drafts_ok)
+        self._components = [self._fit_flags(c) for c in components]
+        env = dict(os.environ, TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
+                   PYTHONUNBUFFERED="1")
+        for comp in self._components:
+            self._check_stop()
+            self._children[comp.name] = Child(comp.name, comp.argv(), env=env, cwd=str(REPO_ROOT)).start()
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+        self.url = f"http://{host}:{ports['frontend']}"
+        self._wait_healthy(f"{self.url}/health")
+
+    def _fit_flags(self, comp: Component) -> Component:
+        return filter_flags(comp, module_flags(comp.module)) if comp.optional_flags else comp
+
+    def _start_infra(self) -> tuple[str, str]:
+        opts, env = self.options, dict(os.environ)
+        etcd_url, nats_url = opts.etcd_url, opts.nats_url
+        if etcd_url is None:
+            port = opts.etcd_port or free_port()
+            child = etcd_child(port, free_port(), self._workdir, env).start()
+            self._infra.append(child)
+            self._wait_port(child, port)
+            etcd_url = f"http://127.0.0.1:{port}"
+        if nats_url is None:
+            port = opts.nats_port or free_port()
+            child = nats_child(port, self._workdir, env).start()
+            self._infra.append(child)
+            self._wait_port(child, port)
+            nats_url = f"nats://127.0.0.1:{port}"
+        log.info("etcd at %s, NATS at %s, namespace %s", etcd_url, nats_url, self.config.namespace)
+        return etcd_url, nats_url
+
+    def _wait_port(self, child: Child, port: int) -> None:
+        try:
+            wait_port(port, timeout=30, alive=child.alive)
+        except (TimeoutError, RuntimeError) as exc:
+            raise LaunchError(f"{child.name} did not start: {exc}\n{child.recent_output()}") from None
+
+    def _wait_healthy(self, url: str) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout
+        log.info("waiting for %s", url)
+        while time.monotonic() < deadline:
+            self._check_stop()
+            for child in [*self._infra, *self._children.values()]:
+                if not child.alive():
+                    raise LaunchError(f"{child.name} exited with {child.returncode} during startup; "
+                                      f"its last lines:\n{child.recent_output()}")
+            if http_status(url) == 200:
+                return
+            self._stop.wait(0.25)
+        raise LaunchError(f"{url} was not healthy within {self.options.startup_timeout:.0f}s")
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise _Stopped()
+
+    # --- serve -----------------------------------------------------------------------------------
+
+    def _announce(self) -> None:
+        name = self.config.model_name(None if self.config.mock else self.config.model)
+        for comp in self._components:
+            log.info("%-10s pid %-7d health http://127.0.0.1:%s/health", comp.name, self._children[comp.name].pid,
+                     comp.health_port)
+        print(
+            f"\nTandem is ready at {self.url}/v1 (model {name!r}).\n"
+            f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"max_tokens\": 32}}'\n"
+            "Press Ctrl-C to stop.\n",
+            flush=True,
+        )
+
+    def _supervise(self) -> int:
+        """Serve until a stop is requested (0) or a component the stack cannot live without dies (1)."""
+        reported: set[str] = set()
+        while not self._stop.wait(0.5):
+            for child in [*self._infra, *self._children.values()]:
+                if child.alive() or child.name in reported:
+                    continue
+                reported.add(child.name)
+                if child.name.startswith(("target-", "draft-")):
+                    log.warning("%s exited with %s; the rest of the stack keeps serving", child.name, child.returncode)
+                else:
+                    log.error("%s exited with %s; stopping the stack. Its last lines:\n%s",
+                              child.name, child.returncode, child.recent_output())
+                    return 1
+        return 0
+
+    # --- bring down ------------------------------------------------------------------------------
+
+    def _down(self) -> None:
+        by_kind: dict[str, list[Child]] = {}
+        for comp in self._components:
+            if comp.name in self._children:
+                by_kind.setdefault(comp.kind, []).append(self._children[comp.name])
+        tiers = [by_kind.get(k, []) for k in ("frontend", "draft", "target", "router")]
+        tiers += [[c] for c in reversed(self._infra)]
+        stop_tiers(tiers, timeout=self.config.drain_timeout + 5)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        log.info("all stopped")
+
+
+class _Stopped(Exception):
+    """A stop was requested while the stack was still coming up."""
+
+
+def run_local(config: StackConfig, options: LocalOptions) -> int:
+    """Run the launcher with SIGINT and SIGTERM wired to a clean stop."""
+    launcher = Launcher(config, options)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, launcher.request_stop)
+    return launcher.run()

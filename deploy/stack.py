@@ -1,0 +1,190 @@
+"""What a Tandem stack is made of: the launcher's config and the list of components to start.
+
+Pure functions of plain values, shared by the local launcher (``tandem up``) and the Ray launcher
+(``tandem ray up``): :func:`plan` turns a :class:`StackConfig` plus the ports chosen for each
+component into :class:`Component` specs (a name, a ``python -m`` module, its flags, whether it
+needs a GPU). Flags a module does not declare are dropped with a warning (see
+:func:`filter_flags`) so the launcher keeps working while the workers' CLIs evolve.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+log = logging.getLogger(__name__)
+
+DRAFT_METHODS = ("ngram", "draft_model", "eagle", "none")
+ROUTER_MODES = ("kv", "round_robin", "random")
+MOCK_MODEL_NAME = "mock"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Everything ``tandem up`` / ``tandem ray up`` was asked for (``None``: a documented default)."""
+
+    model: str | None = None  # None: the bundled SmolLM2 demo
+    served_model_name: str | None = None
+    draft_method: str = "ngram"
+    draft_model: str | None = None
+    num_speculative_tokens: int | None = None
+    targets: int = 1
+    drafts: int | None = None  # None: 1 for a real model (0 with --draft-method none), 0 for --mock
+    router_mode: str = "kv"
+    standalone_router: bool = False
+    http_port: int = 8000
+    host: str = "127.0.0.1"
+    mock: bool = False
+    mock_token_latency_ms: float | None = None
+    namespace: str = "tandem"
+    drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.draft_method not in DRAFT_METHODS:
+            raise ValueError(f"draft_method must be one of {DRAFT_METHODS}, got {self.draft_method!r}")
+        if self.router_mode not in ROUTER_MODES:
+            raise ValueError(f"router_mode must be one of {ROUTER_MODES}, got {self.router_mode!r}")
+        if self.targets < 1:
+            raise ValueError(f"targets must be at least 1, got {self.targets}")
+        if self.drafts is not None and self.drafts < 0:
+            raise ValueError(f"drafts must be >= 0, got {self.drafts}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be a TCP port, got {self.http_port}")
+        if self.mock_token_latency_ms is not None and self.mock_token_latency_ms < 0:
+            raise ValueError(f"mock_token_latency_ms must be >= 0, got {self.mock_token_latency_ms}")
+        if self.mock_token_latency_ms is not None and not self.mock:
+            raise ValueError("--mock-token-latency-ms only applies with --mock")
+        if self.draft_method in ("draft_model", "eagle") and not self.draft_model and self.num_drafts:
+            raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH")
+        if self.draft_method == "none" and self.drafts:
+            raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
+        if self.mock and self.drafts:
+            raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+
+    @property
+    def num_drafts(self) -> int:
+        if self.drafts is not None:
+            return self.drafts
+        return 0 if self.mock or self.draft_method == "none" else 1
+
+    def model_name(self, model_path: str | None) -> str:
+        """The name clients use in ``"model": ...``."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.mock:
+            return MOCK_MODEL_NAME
+        if self.model is None:
+            from workers.demo_model import DEMO_NAME
+
+            return DEMO_NAME
+        return (model_path or self.model).rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Component:
+    """One process of the stack: ``python -m module *args``."""
+
+    name: str  # "frontend", "router", "target-0", "draft-1"
+    kind: str  # frontend | router | target | draft
+    module: str
+    args: tuple[str, ...] = ()
+    health_port: int | None = None  # where /health answers (the HTTP port for frontend and router)
+    gpu: bool = False
+    optional_flags: tuple[str, ...] = field(default=())  # flags dropped when the module lacks them
+
+    def argv(self, python: str = sys.executable) -> list[str]:
+        return [python, "-m", self.module, *self.args]
+
+
+@lru_cache(maxsize=None)
+def module_flags(module: str, python: str = sys.executable) -> frozenset[str]:
+    """The ``--flags`` a ``python -m module`` accepts, read from its ``--help``."""
+    try:
+        out = subprocess.run([python, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("could not read the flags of %s: %s", module, exc)
+        return frozenset()
+    return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", out.stdout))
+
+
+def filter_flags(component: Component, known: frozenset[str]) -> Component:
+    """Drop the optional flags (and their values) that ``known`` lacks, with a warning each."""
+    if not known or not component.optional_flags:
+        return component
+    args, i = [], 0
+    src = component.args
+    while i < len(src):
+        flag = src[i]
+        takes_value = i + 1 < len(src) and not src[i + 1].startswith("--")
+        if flag in component.optional_flags and flag not in known:
+            log.warning("%s: python -m %s has no %s flag yet; not passing it", component.name, component.module, flag)
+            i += 2 if takes_value else 1
+            continue
+        args.append(flag)
+        if takes_value:
+            args.append(src[i + 1])
+        i += 2 if takes_value else 1
+    return Component(component.name, component.kind, component.module, tuple(args),
+                     component.health_port, component.gpu, component.optional_flags)
+
+
+def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], drafts_available: bool = True) -> list[Component]:
+    """The components in start order: router (if standalone), targets, drafts, frontend.
+
+    ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port).
+    """
+    name = config.model_name(model_path)
+    out: list[Component] = []
+    if config.standalone_router:
+        out.append(Component("router", "router", "router",
+                             ("--http-port", str(ports["router"]), "--mode", config.router_mode),
+                             ports["router"]))
+    for i in range(config.targets):
+        cname = f"target-{i}"
+        if config.mock:
+            args = ["--model-name", name, "--health-port", str(ports[cname])]
+            if config.mock_token_latency_ms is not None:
+                args += ["--token-latency-ms", f"{config.mock_token_latency_ms:g}"]
+            if config.num_speculative_tokens is not None:
+                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+            out.append(Component(cname, "target", "workers.mock", tuple(args), ports[cname]))
+        else:
+            args = ["--model", str(model_path), "--served-model-name", name, "--health-port", str(ports[cname])]
+            if config.num_speculative_tokens is not None:
+                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+            out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True,
+                                 optional_flags=("--num-speculative-tokens",)))
+    if drafts_available:
+        for i in range(config.num_drafts):
+            cname = f"draft-{i}"
+            args = ["--method", config.draft_method, "--served-model-name", name, "--health-port", str(ports[cname])]
+            if config.draft_model:
+                args += ["--draft-model", config.draft_model]
+            if config.num_speculative_tokens is not None:
+                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+            if model_path:
+                args += ["--model", str(model_path)]
+            out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
+                                 optional_flags=("--served-model-name", "--num-speculative-tokens", "--model")))
+    out.append(Component("frontend", "frontend", "frontend",
+                         ("--http-port", str(ports["frontend"]), "--host", config.host,
+                          "--router-mode", config.router_mode),
+                         ports["frontend"]))
+    return out
+
+
+def component_names(config: StackConfig, drafts_available: bool = True) -> list[str]:
+    """Names of the components :func:`plan` will return (to choose their ports first)."""
+    names = ["router"] if config.standalone_router else []
+    names += [f"target-{i}" for i in range(config.targets)]
+    if drafts_available:
+        names += [f"draft-{i}" for i in range(config.num_drafts)]
+    return names + ["frontend"]
