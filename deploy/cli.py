@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="NATS URL reachable from every Ray node (env TANDEM_NATS)")
     ray_up.add_argument("--gpus-per-worker", type=float, default=1.0,
                         help="GPUs reserved per target/draft actor (real model; 0 for CPU clusters)")
+    ray_up.add_argument("--cpus-per-component", type=float, default=1.0, help="CPUs reserved per actor")
     ray_up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     return parser
 
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         options = RayOptions(address=args.address, etcd_url=args.etcd, nats_url=args.nats,
-                             gpus_per_worker=args.gpus_per_worker, startup_timeout=args.startup_timeout)
+                             gpus_per_worker=args.gpus_per_worker,
+                             cpus_per_component=args.cpus_per_component, startup_timeout=args.startup_timeout)
     except ValueError as exc:
         sys.exit(f"tandem: error: {exc}")
     sys.exit(run_ray(config, options))

@@ -1,0 +1,168 @@
+"""``tandem ray up``: the same components as ``tandem up``, each supervised by a Ray actor.
+
+Every component (router, target and draft workers, frontend) gets one :class:`ComponentActor`,
+which runs ``python -m <module>`` as a child process on its node (so SIGTERM drain, health ports
+and logs behave exactly as everywhere else). Target and draft actors reserve GPUs
+(``--gpus-per-worker``) when serving a real model. etcd and NATS are not started here: their URLs
+are passed in and must be reachable from every node. The driver waits for the frontend's
+``/health`` (probed from the frontend's own node), prints the URL, and on Ctrl-C stops the actors in
+reverse start order.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from deploy.stack import Component, StackConfig, component_names, plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Which Ray cluster, where etcd and NATS are, and what each worker actor reserves."""
+
+    address: str = "auto"
+    etcd_url: str = "http://127.0.0.1:2379"
+    nats_url: str = "nats://127.0.0.1:4222"
+    gpus_per_worker: float = 1.0
+    cpus_per_component: float = 1.0
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.etcd_url.startswith(("http://", "https://")):
+            raise ValueError(f"etcd_url must be an http(s) URL, got {self.etcd_url!r}")
+        if not self.nats_url.startswith(("nats://", "tls://")):
+            raise ValueError(f"nats_url must be a nats:// URL, got {self.nats_url!r}")
+        if self.gpus_per_worker < 0 or self.cpus_per_component < 0:
+            raise ValueError("gpus_per_worker and cpus_per_component must be >= 0")
+        if self.startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
+
+
+class ComponentActor:
+    """Runs one Tandem component as a child process on the node Ray placed this actor on."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.child = None
+
+    def free_port(self) -> int:
+        from deploy.binaries import free_port
+
+        return free_port()
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def start(self, module: str, args: list[str], env: dict[str, str]) -> int:
+        import os
+        import sys
+
+        from deploy.children import Child
+
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+        self.child = Child(self.name, [sys.executable, "-m", module, *args], env=full_env).start()
+        return self.child.pid
+
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive()
+
+    def recent_output(self) -> str:
+        return self.child.recent_output() if self.child else ""
+
+    def probe(self, port: int, path: str = "/health") -> int | None:
+        from deploy.launcher import http_status
+
+        return http_status(f"http://127.0.0.1:{port}{path}")
+
+    def stop(self, timeout: float) -> int | None:
+        from deploy.children import stop_tiers
+
+        if self.child is None:
+            return None
+        stop_tiers([[self.child]], timeout)
+        return self.child.returncode
+
+
+def _actor_options(comp_kind: str, config: StackConfig, options: RayOptions) -> dict:
+    gpus = options.gpus_per_worker if comp_kind in ("target", "draft") and not config.mock else 0
+    return {"num_cpus": options.cpus_per_component, "num_gpus": gpus, "max_concurrency": 4}
+
+
+def run_ray(config: StackConfig, options: RayOptions) -> int:
+    """Place the stack on the Ray cluster at ``options.address``; serve until SIGINT/SIGTERM."""
+    import ray
+
+    from deploy.launcher import module_available
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(address=options.address, log_to_driver=True)
+    remote_cls = ray.remote(ComponentActor)
+    drafts_ok = module_available("workers.draft")
+    if config.num_drafts and not drafts_ok:
+        log.warning("draft workers are not available yet (no workers.draft module): running with none")
+    model_path = config.model if not config.mock else None
+    if not config.mock and model_path is None:
+        from deploy.launcher import resolve_demo_model
+
+        model_path = resolve_demo_model()
+    names = component_names(config, drafts_ok)
+    kinds = {n: n.split("-")[0] for n in names}
+    actors = {n: remote_cls.options(name=None, **_actor_options(kinds[n], config, options)).remote(n) for n in names}
+    started: list[str] = []
+    try:
+        ports = dict(zip(names, ray.get([actors[n].free_port.remote() for n in names])))
+        ports["frontend"] = config.http_port or ports["frontend"]
+        components = plan(config, model_path, ports, drafts_available=drafts_ok)
+        env = {"TANDEM_ETCD": options.etcd_url, "TANDEM_NATS": options.nats_url, "TANDEM_NAMESPACE": config.namespace}
+        for comp in components:
+            ray.get(actors[comp.name].start.remote(comp.module, list(comp.args), env))
+            started.append(comp.name)
+        frontend_ip = ray.get(actors["frontend"].node_ip.remote())
+        if not _wait_ready(actors, components, options.startup_timeout, stop):
+            return 0 if stop.is_set() else 1
+        url = f"http://{frontend_ip if config.host == '0.0.0.0' else config.host}:{ports['frontend']}"
+        print(f"\nTandem is ready on Ray at {url}/v1 (model {config.model_name(model_path)!r}). "
+              "Press Ctrl-C to stop.\n", flush=True)
+        while not stop.wait(1.0):
+            if not ray.get(actors["frontend"].alive.remote()):
+                log.error("the frontend exited:\n%s", ray.get(actors["frontend"].recent_output.remote()))
+                return 1
+        return 0
+    finally:
+        for name in reversed(started):
+            try:
+                ray.get(actors[name].stop.remote(config.drain_timeout + 5), timeout=config.drain_timeout + 15)
+            except Exception:  # the actor or its node is gone: nothing left to stop there
+                log.warning("could not stop %s cleanly", name, exc_info=True)
+        for actor in actors.values():
+            ray.kill(actor)
+        ray.shutdown()
+        log.info("all stopped")
+
+
+def _wait_ready(actors: dict, components: list[Component], timeout: float, stop: threading.Event) -> bool:
+    import ray
+
+    frontend = next(c for c in components if c.kind == "frontend")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        for comp in components:
+            if not ray.get(actors[comp.name].alive.remote()):
+                log.error("%s exited during startup:\n%s", comp.name, ray.get(actors[comp.name].recent_output.remote()))
+                return False
+        if ray.get(actors["frontend"].probe.remote(frontend.health_port)) == 200:
+            return True
+        stop.wait(0.5)
+    if not stop.is_set():
+        log.error("the frontend was not healthy within %.0fs", timeout)
+    return False
