@@ -1,0 +1,1 @@
+"""Speculative decoding: rejection sampling, proposers (n-gram, draft model, EAGLE), draft worker."""
