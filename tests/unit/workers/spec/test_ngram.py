@@ -1,0 +1,51 @@
+"""Prompt-lookup drafting against a brute-force reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workers.spec.ngram import NgramProposer
+from workers.spec.proposer import DraftInput, VerifyResult
+
+pytestmark = pytest.mark.unit
+
+
+def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_examples():
+    p = NgramProposer(min_n=1, max_n=3)
+    assert p.lookup([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]
+    assert p.lookup([1, 2, 3, 9, 2, 3], 3) == [9, 2, 3]
+    assert p.lookup([5, 6, 7], 4) == []
+    assert p.lookup([7], 4) == []
+    with pytest.raises(ValueError):
+        NgramProposer(min_n=3, max_n=2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_index_matches_brute_force(seed):
+    rng = random.Random(seed)
+    p = NgramProposer(min_n=2, max_n=4)
+    tokens = [rng.randrange(4) for _ in range(5)]
+    out = p.propose([DraftInput("s", 0, list(tokens), 3)])
+    assert out[0].token_ids == reference(tokens, 3, 2, 4)
+    for rnd in range(1, 60):
+        emitted = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+        p.verified([VerifyResult("s", rnd - 1, 0, emitted)])
+        tokens += emitted
+        new = [rng.randrange(4)] if rnd % 7 == 0 else []  # tokens decoded without speculation
+        tokens += new
+        [prop] = p.propose([DraftInput("s", rnd, new, 3)])
+        assert prop.token_ids == reference(tokens, 3, 2, 4), rnd
+        assert prop.distributions == []
+    p.release(["s"])
+    assert len(p) == 0
