@@ -1,0 +1,1 @@
+"""Draft worker: proposes tokens to target workers over a bidirectional gRPC stream."""

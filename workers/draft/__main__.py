@@ -1,0 +1,80 @@
+"""Draft worker: serves proposals to target workers over gRPC; registers as component ``draft``.
+
+Usage: python -m workers.draft --method ngram --grpc-port 0
+       (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+
+from proto import spec_pb2_grpc
+from runtime import Runtime
+from runtime.config import add_runtime_args, config_from_args
+from runtime.messages import ModelCard
+from runtime.service import run_service
+
+from ..spec.ngram import NgramProposer
+from .service import DraftService
+
+log = logging.getLogger("workers.draft")
+
+METHODS = ("ngram",)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.draft", description="Tandem draft worker")
+    add_runtime_args(parser)
+    parser.add_argument("--method", choices=METHODS, default="ngram", help="draft method")
+    parser.add_argument("--model-name", default="", help="target model this draft serves ('' = any)")
+    parser.add_argument("--grpc-host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--max-speculative-tokens", type=int, default=16)
+    parser.add_argument("--drain-timeout", type=float, default=5.0)
+    parser.add_argument("--log-level", default=None)
+    return parser.parse_args(argv)
+
+
+def make_proposer(args: argparse.Namespace):
+    if args.method == "ngram":
+        return NgramProposer(args.ngram_min, args.ngram_max)
+    raise ValueError(f"unknown draft method {args.method!r}")
+
+
+async def _info(request, ctx):
+    yield b""
+
+
+async def amain(args: argparse.Namespace) -> None:
+    proposer = make_proposer(args)
+    config = config_from_args(args, drain_timeout=args.drain_timeout)
+    async with Runtime.connect(config) as rt:
+        service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens)
+        await service.start()
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.max_send_message_length", 64 << 20)])
+        spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
+        port = server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
+        await server.start()
+        address = f"{args.grpc_host}:{port}"
+        await rt.register_model(ModelCard(name=args.model_name or "draft", role="draft", spec_method=args.method,
+                                          num_speculative_tokens=args.max_speculative_tokens))
+        await rt.serve("draft", "speculate", _info, role="draft", model=args.model_name, grpc_address=address)
+        log.info("draft worker %s ready: method %s, gRPC on %s", rt.instance_id, args.method, address)
+        await rt.wait_for_shutdown()
+        await server.stop(grace=args.drain_timeout)
+        await service.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_service(lambda: amain(args), args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The draft worker's gRPC service: one bidirectional stream per target worker, proposals batched
+across every sequence of every stream.
+
+Each stream reads TargetMessages: ``propose`` batches are queued for the shared batcher, ``verify``
+batches and ``release`` batches go straight to the proposer (in arrival order relative to
+proposals, through the same queue, so a verdict is never applied after a later proposal). The
+batcher takes everything queued, runs one ``propose`` call in a worker thread (model-based
+proposers run torch there, off the event loop) and routes each proposal back to its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from proto import spec_pb2, spec_pb2_grpc
+
+from ..spec.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
+from ..spec.proposer import DraftInput, Proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    target_id: str
+    out: asyncio.Queue  # DraftMessage or None (end)
+
+
+class DraftService(spec_pb2_grpc.DraftServiceServicer):
+    """Serves :class:`Proposer` proposals to any number of target workers."""
+
+    def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16):
+        self.proposer = proposer
+        self.draft_id = draft_id
+        self.max_speculative_tokens = max_speculative_tokens
+        self._work: asyncio.Queue = asyncio.Queue()  # (kind, stream, payload)
+        self._task: asyncio.Task | None = None
+        self.streams: dict[int, _Stream] = {}
+        self.batches = 0  # propose() calls made
+        self.proposals = 0  # sequences proposed for
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="draft-batcher")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            items = [await self._work.get()]
+            while not self._work.empty():
+                items.append(self._work.get_nowait())
+            try:
+                await self._process(items)
+            except Exception:
+                log.exception("draft batch failed; answering with empty proposals")
+                for kind, stream, payload in items:
+                    if kind == "propose":  # empty proposals: the target decodes these rounds plainly
+                        empty = [spec_pb2.Proposal(seq_id=d.seq_id, round=d.round) for d in payload]
+                        stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
+
+    async def _process(self, items) -> None:
+        # Verdicts and releases that arrived before proposals apply first, in order.
+        batch: list[tuple[_Stream, DraftInput]] = []
+        for kind, stream, payload in items:
+            if kind == "propose":
+                batch.extend((stream, d) for d in payload)
+                continue
+            if batch:
+                await self._propose(batch)
+                batch = []
+            if kind == "verify":
+                self.proposer.verified(payload)
+            else:
+                self.proposer.release(payload)
+        if batch:
+            await self._propose(batch)
+
+    async def _propose(self, batch: list[tuple[_Stream, DraftInput]]) -> None:
+        inputs = [d for _, d in batch]
+        outputs = await asyncio.to_thread(self.proposer.propose, inputs)
+        self.batches += 1
+        self.proposals += len(outputs)
+        per_stream: dict[int, list] = {}
+        for (stream, _), out in zip(batch, outputs):
+            per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(out))
+        for stream, *proposals in per_stream.values():
+            stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=proposals)))
+
+    async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802 (gRPC name)
+        stream = _Stream("?", asyncio.Queue())
+        self.streams[id(stream)] = stream
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            while True:
+                msg = await stream.out.get()
+                if msg is None:
+                    if reader.done():
+                        break
+                    continue
+                yield msg
+        finally:
+            reader.cancel()
+            self.streams.pop(id(stream), None)
+            log.info("stream from target %s closed", stream.target_id)
+
+    async def _read(self, request_iterator, stream: _Stream) -> None:
+        seqs: set[str] = set()
+        try:
+            async for msg in request_iterator:
+                body = msg.WhichOneof("body")
+                if body == "hello":
+                    stream.target_id = msg.hello.target_id
+                    log.info("target %s connected (model %s)", stream.target_id, msg.hello.model)
+                    stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
+                        draft_id=self.draft_id, method=self.proposer.method,
+                        hidden_layers=self.proposer.hidden_layers,
+                        max_speculative_tokens=self.max_speculative_tokens)))
+                elif body == "propose":
+                    inputs = []
+                    for r in msg.propose.requests:
+                        d = draft_input_from_pb(r)
+                        if d.num_tokens > self.max_speculative_tokens:
+                            d = DraftInput(d.seq_id, d.round, d.new_tokens, self.max_speculative_tokens, d.sampling)
+                        seqs.add(d.seq_id)
+                        inputs.append(d)
+                    self._work.put_nowait(("propose", stream, inputs))
+                elif body == "verify":
+                    self._work.put_nowait(("verify", stream, [verify_from_pb(o) for o in msg.verify.outcomes]))
+                elif body == "release":
+                    seqs.difference_update(msg.release.seq_ids)
+                    self._work.put_nowait(("release", stream, list(msg.release.seq_ids)))
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            if seqs:  # the target went away: forget its sequences
+                self._work.put_nowait(("release", stream, sorted(seqs)))
+            stream.out.put_nowait(None)

@@ -1,0 +1,74 @@
+"""Conversion between protobuf messages (``proto/spec.proto``) and the proposer's own types.
+
+Protobuf objects stop here: the draft worker and the target's draft client convert at the gRPC edge.
+Hidden states travel as raw bytes + dtype + shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from proto import spec_pb2
+
+from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def tensor_to_pb(t: torch.Tensor) -> spec_pb2.Tensor:
+    t = t.detach().contiguous().cpu()
+    if t.dtype not in _NAMES:
+        raise ValueError(f"unsupported hidden-state dtype {t.dtype}")
+    # bfloat16 has no numpy dtype: ship its raw 16-bit pattern.
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return spec_pb2.Tensor(data=raw.numpy().tobytes(), dtype=_NAMES[t.dtype], shape=list(t.shape))
+
+
+def tensor_from_pb(msg: spec_pb2.Tensor) -> torch.Tensor:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise ValueError(f"unsupported hidden-state dtype {msg.dtype!r}")
+    storage = torch.int16 if dtype == torch.bfloat16 else dtype
+    flat = torch.frombuffer(bytearray(msg.data), dtype=storage)
+    return flat.view(dtype).reshape(list(msg.shape))
+
+
+def sampling_to_pb(s: SamplingSpec) -> spec_pb2.SamplingSpec:
+    return spec_pb2.SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                 has_seed=s.seed is not None, seed=s.seed or 0)
+
+
+def sampling_from_pb(msg: spec_pb2.SamplingSpec) -> SamplingSpec:
+    return SamplingSpec(msg.temperature, msg.top_p or 1.0, msg.top_k, msg.seed if msg.has_seed else None)
+
+
+def draft_input_to_pb(d: DraftInput) -> spec_pb2.ProposeRequest:
+    return spec_pb2.ProposeRequest(seq_id=d.seq_id, round=d.round, new_tokens=d.new_tokens,
+                                   num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling))
+
+
+def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
+    return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_tokens, sampling_from_pb(msg.sampling))
+
+
+def draft_output_to_pb(d: DraftOutput) -> spec_pb2.Proposal:
+    return spec_pb2.Proposal(
+        seq_id=d.seq_id, round=d.round, token_ids=d.token_ids, draft_seconds=d.draft_seconds,
+        distributions=[spec_pb2.SparseDistribution(ids=s.ids, probs=s.probs) for s in d.distributions])
+
+
+def draft_output_from_pb(msg: spec_pb2.Proposal) -> DraftOutput:
+    return DraftOutput(msg.seq_id, msg.round, list(msg.token_ids),
+                       [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions], msg.draft_seconds)
+
+
+def verify_to_pb(v: VerifyResult) -> spec_pb2.VerifyOutcome:
+    return spec_pb2.VerifyOutcome(seq_id=v.seq_id, round=v.round, num_accepted=v.num_accepted,
+                                  emitted_tokens=v.emitted_tokens,
+                                  hidden_states=[tensor_to_pb(h) for h in v.hidden_states])
+
+
+def verify_from_pb(msg: spec_pb2.VerifyOutcome) -> VerifyResult:
+    return VerifyResult(msg.seq_id, msg.round, msg.num_accepted, list(msg.emitted_tokens),
+                        [tensor_from_pb(h) for h in msg.hidden_states])
