@@ -1,0 +1,58 @@
+"""Tiny random Hugging Face checkpoints (built in code, saved to a tmp dir) and HF reference loops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+
+
+def tiny_hf_model(family: str, path: Path, *, seed: int = 0, tied: bool = False, vocab: int = 256,
+                  layers: int = 2, max_positions: int = 512):
+    """Save a seeded random tiny model of ``family`` under ``path``; returns the HF model (eval)."""
+    import transformers as tf
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=max_positions,
+                  tie_word_embeddings=tied, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "llama3":
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    cls = {"qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "mistral": tf.MistralForCausalLM}.get(
+        family, tf.LlamaForCausalLM)
+    model = cls(cfg).eval()
+    if family == "qwen2":  # random, non-zero qkv biases so the bias path is exercised
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy continuation with transformers' own KV cache, ignoring eos."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    past, tokens = out.past_key_values, []
+    for _ in range(steps):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return tokens

@@ -1,0 +1,200 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, prefix caching, KV events.
+
+A block holding a full, computed block of some sequence is *registered* under its chained hash
+(:func:`runtime.kv_hash.block_hash`, the same hash the router computes), so a later sequence with
+the same prefix reuses it. A block whose reference count drops to zero goes to the back of the
+free queue but keeps its hash: it is still a cache hit until it is handed out again (LRU: the
+front of the queue is reused first). Blocks of a sequence are freed leaf first, so a chain's tail
+is evicted before its head.
+
+Every change of the cached set appends a :class:`KvEvent` to ``events`` (drained by the worker):
+``stored`` with consecutive hashes and the hash before them, ``removed`` when a cached block is
+evicted or invalidated, ``cleared`` on :meth:`clear`. The format matches ``workers/mock.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from runtime.kv_hash import ROOT_HASH
+from runtime.messages import KvEvent, KvEventKind
+
+
+class NoFreeBlocks(RuntimeError):
+    """More blocks were asked for than are free; callers check :meth:`BlockManager.can_allocate`."""
+
+
+class BlockManager:
+    """Block ids 0..num_blocks-1 with ref counts and a hash → block map; plain values in."""
+
+    def __init__(self, num_blocks: int, block_size: int, worker_id: str = "", enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.worker_id = worker_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_parent: list[int] = [ROOT_HASH] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.events: list[KvEvent] = []
+        self._event_id = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (some may still be cache hits)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_to_block)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def match_prefix(self, hashes: list[int]) -> list[int]:
+        """Block ids of the leading blocks of ``hashes`` that are cached."""
+        out = []
+        if not self.enable_prefix_caching:
+            return out
+        for h in hashes:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    # ------------------------------------------------------------------ changes
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks (from :meth:`match_prefix`)."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self._free[b]
+            self.ref_count[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks, evicting the least recently freed cached ones first."""
+        if n > len(self._free):
+            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        out, evicted = [], []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                self._forget(b)
+                evicted.append(h)
+            self.ref_count[b] = 1
+            out.append(b)
+        if evicted:
+            self._event(KvEventKind.REMOVED, evicted)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference on each block; freed leaf first (pass blocks in sequence order)."""
+        for b in reversed(blocks):
+            if self.ref_count[b] <= 0:
+                raise RuntimeError(f"block {b} freed more often than taken")
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self._free[b] = None
+
+    def register(self, blocks: list[int], hashes: list[int], parent: int) -> None:
+        """Mark full, computed blocks as cached under ``hashes`` (a chain following ``parent``).
+
+        A hash that another block already holds is skipped (that block stays the cached copy).
+        One ``stored`` event is published per run of newly cached consecutive blocks.
+        """
+        if not self.enable_prefix_caching:
+            return
+        run: list[int] = []
+        run_parent = prev = parent
+        for b, h in zip(blocks, hashes):
+            if self.block_hash[b] is None and h not in self.hash_to_block:
+                self.block_hash[b] = h
+                self.block_parent[b] = prev
+                self.hash_to_block[h] = b
+                if not run:
+                    run_parent = prev
+                run.append(h)
+            elif run:  # a prefix hit or a duplicate ends the run
+                self._event(KvEventKind.STORED, run, run_parent)
+                run = []
+            prev = h
+        if run:
+            self._event(KvEventKind.STORED, run, run_parent)
+
+    def truncate(self, blocks: list[int], num_tokens: int) -> list[tuple[int, int]]:
+        """Shrink a block table (in place) to hold ``num_tokens`` tokens: rollback.
+
+        Blocks past the end are freed. If the new last block is only partly kept and is cached,
+        its tail will be overwritten, so it stops being a cache entry: when only this sequence
+        holds it, it is unregistered (``removed``); when shared, it is copied to a fresh block
+        (copy-on-write). Returns the (src, dst) block copies the caller must apply to the KV cache.
+        """
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(blocks):
+            self.free(blocks[keep:])
+            del blocks[keep:]
+        copies: list[tuple[int, int]] = []
+        if num_tokens % self.block_size and blocks:
+            last = blocks[-1]
+            if self.block_hash[last] is not None:
+                if self.ref_count[last] == 1:
+                    h = self.block_hash[last]
+                    self._forget(last)
+                    self._event(KvEventKind.REMOVED, [h])
+                else:
+                    (fresh,) = self.allocate(1)
+                    self.free([last])
+                    blocks[-1] = fresh
+                    copies.append((last, fresh))
+        return copies
+
+    def clear(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated); publishes ``cleared``."""
+        for b in list(self.hash_to_block.values()):
+            self._forget(b)
+        self._event(KvEventKind.CLEARED, [])
+
+    def dump(self) -> list[KvEvent]:
+        """The cached set as ``stored`` events, one block each, parents before children."""
+        out: list[KvEvent] = []
+        seen: set[int] = set()
+
+        def emit(h: int) -> None:
+            if h in seen or h not in self.hash_to_block:
+                return
+            parent = self.block_parent[self.hash_to_block[h]]
+            if parent != ROOT_HASH:
+                emit(parent)
+            seen.add(h)
+            self._event_id += 1
+            out.append(KvEvent(self.worker_id, self._event_id, KvEventKind.STORED, [h],
+                               None if parent == ROOT_HASH else parent, self.block_size))
+
+        for h in list(self.hash_to_block):
+            emit(h)
+        return out
+
+    def drain_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events
+
+    # ------------------------------------------------------------------ internals
+
+    def _forget(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None and self.hash_to_block.get(h) == b:
+            del self.hash_to_block[h]
+        self.block_hash[b] = None
+        self.block_parent[b] = ROOT_HASH
+
+    def _event(self, kind: str, hashes: list[int], parent: int | None = None) -> None:
+        self._event_id += 1
+        parent_hash = None if parent in (None, ROOT_HASH) else parent
+        self.events.append(KvEvent(self.worker_id, self._event_id, kind, list(hashes), parent_hash, self.block_size))

@@ -1,0 +1,65 @@
+"""Runs the model on one step's batch: flat inputs and attention metadata from per-sequence chunks.
+
+A chunk is (new token ids, position of the first one, block table). ``logits_last[b]`` says for how
+many of chunk b's last positions logits are wanted: 1 after a prefill chunk or a decode, γ+1 for a
+verify step, 0 for a prefill chunk that does not reach the end of its prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, allocate_kv_cache
+from .model import DecoderModel, ModelOutput
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache tensors."""
+
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = model.cfg
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                           self.dtype, self.device)
+
+    @staticmethod
+    def bytes_per_block(model: DecoderModel, block_size: int) -> int:
+        cfg = model.cfg
+        itemsize = next(model.parameters()).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
+                hidden_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """Run all chunks in one forward pass; logits rows come in chunk order."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, tables, rows = [], [], [], []
+        for (chunk, start, table), want in zip(chunks, logits_last):
+            first = len(tokens)
+            tokens.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            query_lens.append(len(chunk))
+            context_lens.append(start + len(chunk))
+            tables.append(table)
+            rows.extend(range(first + len(chunk) - want, first + len(chunk)))
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model(input_ids, pos, meta, self.kv_caches, index, hidden_layers)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src → dst in every layer (copy-on-write after a rollback)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]

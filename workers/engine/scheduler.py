@@ -1,0 +1,148 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step has a token budget. Running sequences go first, oldest first: a decoding sequence takes
+one token, a sequence still in prefill takes its next chunk (chunked prefill shares the step with
+decodes). When a running sequence needs a block and none is free, the newest running sequence is
+preempted by recompute (its blocks freed, it goes back to the front of the queue; its computed
+blocks usually stay in the prefix cache, so the recompute is mostly a cache hit). Waiting
+sequences are admitted while the budget, ``max_num_seqs`` and the free blocks allow; at
+admission a sequence takes its cached prefix blocks (never the whole prompt: the last token is
+always computed, so the step yields logits).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """The sequences of one step and how many new tokens each computes (same order)."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    preempted: list[Sequence]
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """Waiting queue + running list over one :class:`BlockManager`; plain values in."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._grow(seq, seq.num_computed + n, batch):
+                continue  # seq itself was preempted; the list shifted under index i
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            i += 1
+        if not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                n = self._admit(seq, budget)
+                if n == 0:
+                    break
+                self.waiting.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+        return batch
+
+    # ------------------------------------------------------------------ internals
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Give ``seq`` blocks for ``num_tokens`` tokens, preempting newer sequences if needed."""
+        need = self._blocks_for(num_tokens) - len(seq.block_table)
+        while need > 0 and not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            k = batch.seqs.index(seq)
+            del batch.seqs[k], batch.num_tokens[k]
+        self._release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
+        log.info("request %s: preempted (recompute), %d blocks free", seq.request_id, self.blocks.num_free_blocks)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Take cached prefix blocks and blocks for the first chunk; 0 if they do not fit."""
+        bs = self.block_size
+        hashes = seq.full_block_hashes(bs, len(seq))[: (len(seq) - 1) // bs]
+        hits = self.blocks.match_prefix(hashes)
+        num_cached = len(hits) * bs
+        n = min(len(seq) - num_cached, budget)
+        need = self._blocks_for(num_cached + n) - len(hits)
+        reclaimed = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # hits that sit in the free queue
+        if not self.blocks.can_allocate(need + reclaimed):
+            return 0
+        self.blocks.acquire(hits)
+        seq.block_table = hits + self.blocks.allocate(need)
+        seq.num_computed = num_cached
+        seq.num_registered = len(hits)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_cached
+        return n
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []

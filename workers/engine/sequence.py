@@ -1,0 +1,73 @@
+"""One request's state inside the engine: its tokens, how many have KV in the cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kv_hash import ROOT_HASH, block_hash
+from runtime.messages import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """``token_ids`` = prompt, then tokens generated elsewhere (migration), then ours.
+
+    ``num_computed`` tokens have their KV in ``block_table``'s blocks; ``block_hashes[i]`` is the
+    chained hash of full block i once computed (what the prefix cache knows it by).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int  # the request's prompt (usage.prompt_tokens)
+    num_prefilled_outputs: int  # output_ids carried in by a migrated request
+    params: SamplingParams
+    stop_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_generated: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def full_block_hashes(self, block_size: int, upto: int) -> list[int]:
+        """Hashes of the full blocks among the first ``upto`` tokens (extends ``block_hashes``)."""
+        full = upto // block_size
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        for i in range(len(self.block_hashes), full):
+            parent = block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size])
+            self.block_hashes.append(parent)
+        return self.block_hashes[:full]
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: no blocks, nothing computed (hashes stay valid: same tokens)."""
+        self.num_computed = 0
+        self.block_table = []
+        self.num_registered = 0
+        self.status = SeqStatus.WAITING
