@@ -1,0 +1,174 @@
+"""The target worker's side of the draft stream: one gRPC stream to one draft worker.
+
+:class:`DraftClient` sends batched proposal requests and verdicts and matches proposals to requests
+by (sequence id, round). Any stream failure marks the client broken; every pending and later
+``propose`` then returns no proposals at once, so the target keeps decoding plainly. A
+:class:`DraftPool` picks a live draft worker from discovery and opens a new client when the old one
+broke or a draft worker (re)appears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+
+import grpc
+
+from proto import spec_pb2, spec_pb2_grpc
+from runtime.messages import InstanceRecord
+
+from .convert import draft_input_to_pb, draft_output_from_pb, verify_to_pb
+from .proposer import DraftInput, DraftOutput, VerifyResult
+
+log = logging.getLogger(__name__)
+
+
+class DraftClient:
+    """A bidirectional stream to one draft worker."""
+
+    def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=()):
+        self.target_id = target_id
+        self.model = model
+        self.vocab_size = vocab_size
+        self.instance = instance
+        self.draft_id = instance.instance_id
+        self.method = ""
+        self.hidden_layers: list[int] = []
+        self._offered_layers = list(hidden_layers)
+        self._channel: grpc.aio.Channel | None = None
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[tuple[str, int], asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self.broken = False
+
+    async def connect(self, timeout: float = 5.0) -> None:
+        self._channel = grpc.aio.insecure_channel(self.instance.grpc_address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        stub = spec_pb2_grpc.DraftServiceStub(self._channel)
+        self._call = stub.Speculate(self._requests())
+        self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
+            target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers)))
+        first = await asyncio.wait_for(self._call.read(), timeout)
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
+            raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
+        self.method = first.hello_ack.method
+        self.hidden_layers = list(first.hello_ack.hidden_layers)
+        self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
+        log.info("speculating with draft worker %s (%s) at %s", self.draft_id, self.method, self.instance.grpc_address)
+
+    async def _requests(self):
+        while (msg := await self._outgoing.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self._call.read()
+                if msg is grpc.aio.EOF:
+                    raise ConnectionError("draft stream ended")
+                if msg.WhichOneof("body") != "proposals":
+                    continue
+                for proposal in msg.proposals.proposals:
+                    fut = self._pending.pop((proposal.seq_id, proposal.round), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(draft_output_from_pb(proposal))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._break(f"{exc!r}")
+
+    def _break(self, reason: str) -> None:
+        if not self.broken:
+            log.warning("draft worker %s lost (%s): falling back to plain decoding", self.draft_id, reason)
+        self.broken = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_result(None)
+        self._pending.clear()
+
+    async def propose(self, inputs: list[DraftInput], timeout: float) -> dict[str, DraftOutput]:
+        """Proposals by sequence id; sequences whose proposal did not come in time are missing."""
+        if self.broken or not inputs:
+            return {}
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for d in inputs:
+            futures[d.seq_id] = self._pending[(d.seq_id, d.round)] = loop.create_future()
+        self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
+            requests=[draft_input_to_pb(d) for d in inputs])))
+        done, _ = await asyncio.wait(futures.values(), timeout=timeout)
+        out = {}
+        for d in inputs:
+            fut = futures[d.seq_id]
+            if fut in done and fut.result() is not None:
+                out[d.seq_id] = fut.result()
+            else:
+                self._pending.pop((d.seq_id, d.round), None)
+        return out
+
+    def verified(self, results: list[VerifyResult]) -> None:
+        if results and not self.broken:
+            self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(
+                outcomes=[verify_to_pb(r) for r in results])))
+
+    def release(self, seq_ids: list[str]) -> None:
+        if seq_ids and not self.broken:
+            self._outgoing.put_nowait(spec_pb2.TargetMessage(release=spec_pb2.ReleaseBatch(seq_ids=seq_ids)))
+
+    async def close(self) -> None:
+        self._outgoing.put_nowait(None)
+        if self._reader:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._break("closed")
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class DraftPool:
+    """Keeps one healthy :class:`DraftClient` to some live draft worker, when there is one."""
+
+    def __init__(self, target_id: str, model: str, vocab_size: int,
+                 instances: Callable[[], list[InstanceRecord]], hidden_layers=()):
+        self._target_id = target_id
+        self._model = model
+        self._vocab = vocab_size
+        self._instances = instances
+        self._hidden_layers = list(hidden_layers)
+        self.client: DraftClient | None = None
+        self._failed: dict[str, float] = {}  # draft id -> when it last failed
+
+    async def get(self) -> DraftClient | None:
+        """A connected client, reconnecting when the current one broke; None without draft workers."""
+        if self.client is not None and not self.client.broken:
+            live = {r.instance_id for r in self._instances()}
+            if self.client.draft_id in live:
+                return self.client
+            self.client._break("deregistered")
+        if self.client is not None:
+            self._failed[self.client.draft_id] = asyncio.get_running_loop().time()
+            await self.client.close()
+            self.client = None
+        now = asyncio.get_running_loop().time()
+        candidates = [r for r in self._instances() if r.grpc_address and now - self._failed.get(r.instance_id, -1e9) > 2.0
+                      and (not r.model or r.model == self._model)]
+        if not candidates:
+            return None
+        choice = random.choice(candidates)
+        client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers)
+        try:
+            await client.connect()
+        except Exception as exc:
+            log.warning("could not open a stream to draft worker %s: %r", choice.instance_id, exc)
+            self._failed[choice.instance_id] = now
+            await client.close()
+            return None
+        self.client = client
+        return client
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
