@@ -1,0 +1,132 @@
+"""deploy/docker-compose.yml against the compose-spec schema (and `docker compose config` where the
+CLI has the plugin), Prometheus scraping every component, the Grafana dashboard, yamllint."""
+
+from __future__ import annotations
+
+import copy
+import importlib.resources
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from yamllint import linter
+from yamllint.config import YamlLintConfig
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+TANDEM_SERVICES = {"frontend", "router", "target", "draft", "mock"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose_validator():
+    # The compose-spec schema as vendored by the check-jsonschema package (a test dependency).
+    text = (importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
+    schema = json.loads(text)
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def test_compose_file_is_valid_against_the_compose_spec(compose, compose_validator):
+    errors = [f"{list(e.path)}: {e.message}" for e in compose_validator.iter_errors(compose)]
+    assert not errors
+
+
+def test_compose_schema_rejects_a_broken_file(compose, compose_validator):
+    broken = copy.deepcopy(compose)
+    broken["services"]["etcd"]["healthcheck"]["intervall"] = "5s"
+    assert not compose_validator.is_valid(broken)
+
+
+@pytest.mark.skipif(
+    shutil.which("docker") is None
+    or subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0,
+    reason="the docker CLI with the compose plugin is not installed here (the schema test covers the file)",
+)
+def test_docker_compose_config_accepts_every_profile():
+    for profile in ("tandem", "mock"):
+        out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+def test_infra_is_pinned_healthchecked_and_persistent(compose):
+    services = compose["services"]
+    for name in ("etcd", "nats", "prometheus", "grafana"):
+        svc = services[name]
+        image, _, tag = svc["image"].rpartition(":")
+        assert image and tag and tag != "latest", name
+        assert svc["healthcheck"]["test"], name
+        assert "profiles" not in svc, f"{name} belongs to the default (infra) stack"
+    assert "--jetstream" in services["nats"]["command"]
+    for name in ("etcd", "nats", "prometheus", "grafana"):
+        assert any(v.split(":")[0] in compose["volumes"] for v in services[name]["volumes"]), name
+
+
+def test_tandem_services_are_profiled_built_from_the_dockerfile_and_gpu_where_needed(compose):
+    services = compose["services"]
+    for name in TANDEM_SERVICES:
+        svc = services[name]
+        assert svc["profiles"], name
+        assert svc["build"]["context"] == ".." and (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
+        assert svc["command"][0] == name or svc["command"][0] == "mock"
+        assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
+        assert svc["environment"]["TANDEM_ETCD"] == "http://etcd:2379"
+        assert svc["stop_grace_period"] == "35s"  # the 30 s drain plus a margin
+        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        assert bool(devices) == (name in ("target", "draft")), name
+        if devices:
+            assert devices[0]["capabilities"] == ["gpu"]
+    assert {"tandem"} <= set(services["target"]["profiles"]) and "mock" in services["frontend"]["profiles"]
+
+
+def test_prometheus_scrapes_every_component(compose):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    ports = {"frontend": 8000, "router": 8001, "target": 9100, "draft": 9100, "mock": 9100}
+    for name, port in ports.items():
+        [sd] = jobs[name]["dns_sd_configs"]
+        assert sd["names"] == [name] and sd["port"] == port
+        command = " ".join(compose["services"][name]["command"])
+        assert str(port) in command, f"{name} does not serve on the port Prometheus scrapes"
+
+
+def test_grafana_is_provisioned_with_the_tandem_dashboard():
+    prov = DEPLOY / "grafana" / "provisioning"
+    [ds] = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and ds["uid"] == "prometheus"
+    provider = yaml.safe_load((prov / "dashboards" / "tandem.yml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "tandem.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for metric in ("tandem_frontend_requests_total", "tandem_frontend_time_to_first_token_seconds_bucket",
+                   "tandem_frontend_inter_token_latency_seconds_bucket", "tandem_spec_decode_num_drafts_total",
+                   "tandem_spec_decode_num_draft_tokens_total", "tandem_spec_decode_num_accepted_tokens_total",
+                   "tandem_spec_decode_num_accepted_tokens_per_pos_total", "tandem_frontend_cached_prompt_tokens_total",
+                   'up{job="draft"}'):
+        assert metric in exprs, metric
+    titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    for word in ("request rate", "first token", "inter-token", "acceptance rate", "mean accepted length",
+                 "kv cache hit", "target workers", "draft workers"):
+        assert word in titles, word
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_yaml_is_lint_clean():
+    config = YamlLintConfig(file=str(ROOT / ".yamllint"))
+    files = sorted([*ROOT.joinpath("k8s").rglob("*.yaml"), *DEPLOY.rglob("*.yml"), *DEPLOY.rglob("*.yaml")])
+    assert len(files) > 20
+    problems = [f"{f.relative_to(ROOT)}:{p.line}: {p.message}" for f in files
+                for p in linter.run(f.read_text(), config, str(f))]
+    assert not problems

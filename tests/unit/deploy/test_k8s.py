@@ -1,0 +1,228 @@
+"""k8s/: every overlay builds (Python kustomize equivalent, and real kubectl when present), every
+object is valid against the Kubernetes schemas, and the wiring between objects holds."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from runtime.config import RuntimeConfig
+from tests.unit.deploy.kustomize import KustomizeError, build, pod_specs, strategic_merge
+
+pytestmark = pytest.mark.unit
+
+K8S = Path(__file__).resolve().parents[3] / "k8s"
+OVERLAYS = ["base", "overlays/cpu-demo", "overlays/gpu"]
+# Oldest and newest Kubernetes minor versions the manifests are checked against.
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.utils.latest_version()]
+
+# ServiceMonitor is a CRD (monitoring.coreos.com/v1) whose schema kubernetes-validate lacks: a strict
+# schema of the fields k8s/ uses, from the prometheus-operator API reference.
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {"type": "array", "items": {
+                            "type": "object", "required": ["key", "operator"], "additionalProperties": False,
+                            "properties": {"key": {"type": "string"},
+                                           "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                           "values": {"type": "array", "items": {"type": "string"}}}}},
+                    },
+                },
+                "namespaceSelector": {"type": "object"},
+                "endpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["port"], "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"}, "path": {"type": "string"},
+                        "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                        "relabelings": {"type": "array", "items": {
+                            "type": "object", "additionalProperties": False,
+                            "properties": {"sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                           "targetLabel": {"type": "string"}, "action": {"type": "string"},
+                                           "regex": {"type": "string"}, "replacement": {"type": "string"}}}},
+                    }}},
+            },
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def built(request) -> tuple[str, list[dict]]:
+    return request.param, build(K8S / request.param)
+
+
+def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_is_valid_against_the_kubernetes_schema(built, version):
+    _, objs = built
+    for obj in objs:
+        if obj["kind"] == "ServiceMonitor":
+            jsonschema.validate(obj, SERVICE_MONITOR_SCHEMA)
+            continue
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schema_validation_rejects_a_broken_object():
+    objs = build(K8S / "base")
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    dep["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}  # misspelt field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[-1], strict=True)
+    monitor = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "x"},
+               "spec": {"selector": {}, "endpoints": [{"port": "http", "intervall": "5s"}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
+
+
+def test_overlays_contain_what_they_promise():
+    kinds = lambda objs: {(o["kind"], o["metadata"]["name"]) for o in objs}  # noqa: E731
+    base, cpu, gpu = (kinds(build(K8S / o)) for o in OVERLAYS)
+    for name in ("tandem-frontend", "tandem-router", "tandem-target", "tandem-draft"):
+        assert ("Deployment", name) in base
+        assert ("PodDisruptionBudget", name) in base
+    assert {("StatefulSet", "tandem-etcd"), ("StatefulSet", "tandem-nats"), ("Service", "tandem-frontend")} <= base
+    assert cpu == base  # the demo only patches
+    assert gpu - base == {("ServiceMonitor", "tandem-http"), ("ServiceMonitor", "tandem-workers"),
+                          ("HorizontalPodAutoscaler", "tandem-frontend"), ("HorizontalPodAutoscaler", "tandem-target"),
+                          ("HorizontalPodAutoscaler", "tandem-draft"), ("PersistentVolumeClaim", "tandem-models")}
+
+
+def test_tandem_pods_probe_health_and_live_and_terminate_gracefully(built):
+    _, objs = built
+    drain = RuntimeConfig().drain_timeout
+    for name, dep in by_kind(objs, "Deployment").items():
+        spec = dep["spec"]["template"]["spec"]
+        [container] = spec["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health", name
+        assert container["livenessProbe"]["httpGet"]["path"] == "/live", name
+        assert container["readinessProbe"]["httpGet"]["port"] in ports, name
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        # The grace period covers the preStop pause and the whole drain.
+        assert spec["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain, name
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        args = container["args"]
+        if args[0] in ("target", "draft"):
+            # The health server listens where the probes look, on all interfaces.
+            assert f"--health-port={ports['health']}" in args and "--health-host=0.0.0.0" in args, name
+        else:
+            assert f"--http-port={ports['http']}" in args, name
+        for ref in container.get("envFrom", []):
+            assert ref["configMapRef"]["name"] in by_kind(objs, "ConfigMap")
+
+
+def test_gpu_overlay_requests_gpus_for_target_and_draft_only():
+    for overlay, want in (("overlays/gpu", True), ("overlays/cpu-demo", False), ("base", False)):
+        deps = by_kind(build(K8S / overlay), "Deployment")
+        for name, dep in deps.items():
+            res = dep["spec"]["template"]["spec"]["containers"][0]["resources"]
+            has_gpu = "nvidia.com/gpu" in res.get("limits", {})
+            assert has_gpu == (want and name in ("tandem-target", "tandem-draft")), (overlay, name)
+    gpu = build(K8S / "overlays/gpu")
+    target = by_kind(gpu, "Deployment")["tandem-target"]["spec"]["template"]["spec"]
+    [models] = [v for v in target["volumes"] if v["name"] == "models"]
+    assert models == {"name": "models", "persistentVolumeClaim": {"claimName": "tandem-models", "readOnly": True}}
+    assert "tandem-models" in by_kind(gpu, "PersistentVolumeClaim")
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        if expr["operator"] == "In" and labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_selectors_find_their_pods_services_and_deployments(built):
+    _, objs = built
+    pods = {n: o["spec"]["template"]["metadata"]["labels"] for n, o in
+            {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}.items()}
+    for kind in ("Deployment", "StatefulSet"):
+        for name, obj in by_kind(objs, kind).items():
+            assert _selects(obj["spec"]["selector"], pods[name]), name
+    for name, svc in by_kind(objs, "Service").items():
+        assert any(_selects({"matchLabels": svc["spec"]["selector"]}, labels) for labels in pods.values()), name
+    for name, pdb in by_kind(objs, "PodDisruptionBudget").items():
+        assert sum(_selects(pdb["spec"]["selector"], labels) for labels in pods.values()) == 1, name
+    deployments = by_kind(objs, "Deployment")
+    for name, hpa in by_kind(objs, "HorizontalPodAutoscaler").items():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in deployments, name
+        assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    services = by_kind(objs, "Service")
+    for name, monitor in by_kind(objs, "ServiceMonitor").items():
+        matched = [s for s in services.values() if _selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        assert matched, name
+        for svc in matched:
+            port_names = {p["name"] for p in svc["spec"]["ports"]}
+            assert all(ep["port"] in port_names for ep in monitor["spec"]["endpoints"]), (name, svc["metadata"]["name"])
+
+
+def test_images_are_pinned():
+    for overlay in OVERLAYS:
+        for obj in build(K8S / overlay):
+            for spec in pod_specs(obj):
+                for c in spec["containers"] + spec.get("initContainers", []):
+                    assert ":" in c["image"] and not c["image"].endswith(":latest"), (overlay, c["image"])
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed: the Python build is checked alone")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_python_build_matches_kubectl_kustomize(overlay):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    theirs = sorted(yaml.safe_load_all(out.stdout), key=key)
+    ours = sorted(build(K8S / overlay), key=key)
+    assert [key(o) for o in ours] == [key(o) for o in theirs]
+    for a, b in zip(ours, theirs):
+        assert a == b, key(a)
+
+
+def test_builder_fails_loudly(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: [missing.yaml]\n")
+    with pytest.raises(KustomizeError, match="does not exist"):
+        build(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text("replicas: [{name: x, count: 2}]\n")
+    with pytest.raises(KustomizeError, match="does not implement"):
+        build(tmp_path)
+    (tmp_path / "a.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml, a.yaml]\n")
+    with pytest.raises(KustomizeError, match="defined twice"):
+        build(tmp_path)
+
+
+def test_strategic_merge_rules():
+    base = {"spec": {"containers": [{"name": "a", "args": ["x"], "env": [{"name": "E", "value": "1"}]}],
+                     "volumes": [{"name": "m", "emptyDir": {}}]}}
+    patch = {"spec": {"containers": [{"name": "a", "args": ["y"], "env": [{"name": "F", "value": "2"}]}],
+                      "volumes": [{"name": "m", "emptyDir": None, "persistentVolumeClaim": {"claimName": "c"}}]}}
+    strategic_merge(base, patch)
+    assert base == {"spec": {"containers": [{"name": "a", "args": ["y"], "env": [{"name": "E", "value": "1"},
+                                                                                   {"name": "F", "value": "2"}]}],
+                             "volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": "c"}}]}}
