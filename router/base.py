@@ -27,6 +27,8 @@ class Selection:
     instance_id: str
     overlap_blocks: int = 0
     request_id: str = ""
+    ticket: int = 0  # names this selection for release (unique per router)
+    router_id: str = ""  # set by RemoteRouter: the shared router service that made the choice
 
 
 class Router:
@@ -37,6 +39,7 @@ class Router:
     def __init__(self, instances: Callable[[str | None], list[InstanceRecord]], seed: int | None = None):
         self._instances = instances
         self._rng = random.Random(seed)
+        self._tickets = itertools.count(1)
         self.in_flight: dict[str, int] = {}
 
     def candidates(self, model: str, exclude: frozenset[str] | set[str] = frozenset()) -> list[InstanceRecord]:
@@ -51,12 +54,12 @@ class Router:
     async def stop(self) -> None:
         """Stop background work."""
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset()) -> Selection:
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
         raise NotImplementedError
 
-    def _selected(self, instance_id: str, overlap: int = 0) -> Selection:
+    def _selected(self, instance_id: str, overlap: int = 0, request_id: str = "") -> Selection:
         self.in_flight[instance_id] = self.in_flight.get(instance_id, 0) + 1
-        return Selection(instance_id, overlap)
+        return Selection(instance_id, overlap, request_id, next(self._tickets))
 
     def release(self, selection: Selection) -> None:
         left = self.in_flight.get(selection.instance_id, 0) - 1
@@ -73,29 +76,42 @@ class RoundRobinRouter(Router):
         super().__init__(instances, seed)
         self._counter = itertools.count()
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset()) -> Selection:
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
         found = self.candidates(model, exclude)
-        return self._selected(found[next(self._counter) % len(found)].instance_id)
+        return self._selected(found[next(self._counter) % len(found)].instance_id, 0, request_id)
 
 
 class RandomRouter(Router):
     mode = "random"
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset()) -> Selection:
-        return self._selected(self._rng.choice(self.candidates(model, exclude)).instance_id)
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
+        return self._selected(self._rng.choice(self.candidates(model, exclude)).instance_id, 0, request_id)
 
 
-async def create_router(rt: Runtime, mode: str = "round_robin", **options) -> Router:
-    """A started router of ``mode`` over the runtime's live target instances."""
+async def create_router(rt: Runtime, mode: str = "round_robin", *, remote: bool = False, **options) -> Router:
+    """A started router of ``mode`` over the runtime's live target instances.
+
+    ``remote=True`` returns a :class:`router.remote.RemoteRouter` that asks the shared
+    ``python -m router`` service instead (the service's own ``--mode`` decides; ``mode`` is only checked).
+    ``options`` for ``kv`` are the fields of :class:`router.cost.KvRouterConfig`; ``seed`` for the others.
+    """
     if mode not in ROUTER_MODES:
         raise ValueError(f"router mode must be one of {ROUTER_MODES}, got {mode!r}")
+    if remote:
+        from .remote import RemoteRouter
+
+        router: Router = await RemoteRouter.create(rt, **options)
+        await router.start()
+        return router
+    if mode != "kv" and set(options) - {"seed"}:
+        raise ValueError(f"router mode {mode!r} takes only the option 'seed', got {sorted(options)}")
     client = await rt.client("target", "generate")
     if mode == "round_robin":
-        router: Router = RoundRobinRouter(client.instances, options.get("seed"))
+        router = RoundRobinRouter(client.instances, options.get("seed"))
     elif mode == "random":
         router = RandomRouter(client.instances, options.get("seed"))
     else:
-        from .kv_router import KvRouter  # arrives with the KV-aware router issue
+        from .kv_router import KvRouter
 
         router = await KvRouter.create(rt, client, **options)
     await router.start()

@@ -212,6 +212,34 @@ class SpecStatsEvent(_Wire):
     timestamp: float = 0.0
 
 
+# --------------------------------------------------------------------------- router service (NATS)
+
+
+class RouteRequest(_Wire):
+    """Ask a shared router (``router.select``) which target instance should serve a prompt."""
+
+    model: str
+    token_ids: list[int] = []
+    exclude: list[str] = []  # instance ids not to choose (e.g. ones that already failed this request)
+    request_id: str = ""
+
+
+class RouteResponse(_Wire):
+    """The router's choice; ``ticket`` names the selection in a later :class:`RouteRelease`."""
+
+    instance_id: str
+    overlap_blocks: int = 0
+    ticket: int = 0
+    router_id: str = ""  # the router instance that holds the in-flight accounting
+
+
+class RouteRelease(_Wire):
+    """Published (event topic ``route_release``) when requests routed by ``router_id`` end."""
+
+    router_id: str
+    tickets: list[int] = []
+
+
 # --------------------------------------------------------------------------- codec
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,151 @@
+"""Sinks for the router's state: Prometheus collectors and the JSON spec-decode report.
+
+Spec-decode counters (names after vLLM's ``spec_decode_*``; ``prometheus_client`` adds ``_total``)::
+
+    tandem_spec_decode_num_drafts_total{target, draft}
+    tandem_spec_decode_num_draft_tokens_total{target, draft}
+    tandem_spec_decode_num_accepted_tokens_total{target, draft}
+    tandem_spec_decode_num_accepted_tokens_per_pos_total{target, draft, position}
+
+PromQL, per target over the last minute::
+
+    acceptance rate:
+      sum by (target) (rate(tandem_spec_decode_num_accepted_tokens_total[1m]))
+        / sum by (target) (rate(tandem_spec_decode_num_draft_tokens_total[1m]))
+    mean accepted length:
+      1 + sum by (target) (rate(tandem_spec_decode_num_accepted_tokens_total[1m]))
+        / sum by (target) (rate(tandem_spec_decode_num_drafts_total[1m]))
+    acceptance at position p:
+      rate(tandem_spec_decode_num_accepted_tokens_per_pos_total{position="p"}[1m])
+        / rate(tandem_spec_decode_num_drafts_total[1m])
+
+The router's own sliding-window view is exported as gauges
+``tandem_spec_decode_window_acceptance_rate{target}`` and
+``tandem_spec_decode_window_mean_accepted_length{target}``. Counters are read from the aggregate at
+scrape time (custom collectors), so there is one source of truth and no double bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .spec_stats import SpecCounters, SpecDecodeStats
+
+
+class SpecDecodeCollector(Collector):
+    """Prometheus view of a :class:`SpecDecodeStats`."""
+
+    def __init__(self, stats: SpecDecodeStats):
+        self.stats = stats
+
+    def collect(self):
+        labels = ["target", "draft"]
+        drafts = CounterMetricFamily("tandem_spec_decode_num_drafts", "Speculative verification steps with a draft", labels=labels)
+        tokens = CounterMetricFamily("tandem_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=labels)
+        accepted = CounterMetricFamily("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=labels)
+        per_pos = CounterMetricFamily("tandem_spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each position",
+                                      labels=[*labels, "position"])
+        for (target, draft), pair in sorted(self.stats.pairs.items()):
+            c = pair.lifetime
+            drafts.add_metric([target, draft], c.num_drafts)
+            tokens.add_metric([target, draft], c.num_draft_tokens)
+            accepted.add_metric([target, draft], c.num_accepted_tokens)
+            for pos, n in enumerate(c.accepted_per_pos):
+                per_pos.add_metric([target, draft, str(pos)], n)
+        rate = GaugeMetricFamily("tandem_spec_decode_window_acceptance_rate",
+                                 f"Accepted / draft tokens over the last {self.stats.window:g}s", labels=["target"])
+        length = GaugeMetricFamily("tandem_spec_decode_window_mean_accepted_length",
+                                   f"1 + accepted tokens / drafts over the last {self.stats.window:g}s", labels=["target"])
+        for target in self.stats.targets():
+            window = self.stats.target_window(target)
+            if window.acceptance_rate is not None:
+                rate.add_metric([target], window.acceptance_rate)
+            if window.mean_accepted_length is not None:
+                length.add_metric([target], window.mean_accepted_length)
+        yield from (drafts, tokens, accepted, per_pos, rate, length)
+
+
+class KvRouterCollector(Collector):
+    """Prometheus view of a KV router: decisions, index size, in-flight selections, event handling."""
+
+    def __init__(self, router):
+        self.router = router
+
+    def collect(self):
+        r = self.router
+        decisions = CounterMetricFamily("tandem_router_decisions", "Routing decisions made")
+        decisions.add_metric([], r.decisions)
+        blocks = GaugeMetricFamily("tandem_router_kv_blocks", "Blocks indexed per worker", labels=["worker"])
+        for worker in sorted(r.index.workers()):
+            blocks.add_metric([worker], r.index.num_blocks(worker))
+        inflight = GaugeMetricFamily("tandem_router_in_flight", "Selections not released yet", labels=["worker"])
+        for worker, n in sorted(r.in_flight.items()):
+            inflight.add_metric([worker], n)
+        events = CounterMetricFamily("tandem_router_kv_events", "KV events by outcome", labels=["outcome"])
+        for outcome, n in dataclasses.asdict(r.index.counters).items():
+            events.add_metric([outcome], n)
+        yield from (decisions, blocks, inflight, events)
+
+
+# --------------------------------------------------------------------------- JSON report
+
+
+class CountersReport(msgspec.Struct):
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+
+
+class SpanReport(msgspec.Struct):
+    lifetime: CountersReport
+    window: CountersReport
+
+
+class PairReport(msgspec.Struct):
+    target: str
+    draft: str
+    method: str
+    lifetime: CountersReport
+    window: CountersReport
+
+
+class TargetReport(msgspec.Struct):
+    target: str
+    lifetime: CountersReport
+    window: CountersReport
+
+
+class SpecStatsReport(msgspec.Struct):
+    """What ``GET /v1/spec_stats`` returns."""
+
+    window_s: float
+    total: SpanReport
+    targets: list[TargetReport]
+    pairs: list[PairReport]
+
+
+def counters_report(c: SpecCounters) -> CountersReport:
+    return CountersReport(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_pos),
+                          c.acceptance_rate, c.mean_accepted_length)
+
+
+def spec_stats_report(stats: SpecDecodeStats, now: float | None = None) -> SpecStatsReport:
+    """Lifetime and sliding-window aggregates in total, per target and per (target, draft) pair."""
+    pairs = [PairReport(t, d, p.method, counters_report(p.lifetime), counters_report(stats.pair_window(p, now)))
+             for (t, d), p in sorted(stats.pairs.items())]
+    targets = [TargetReport(t, counters_report(stats.target_lifetime(t)), counters_report(stats.target_window(t, now)))
+               for t in stats.targets()]
+    total = SpanReport(counters_report(stats.total_lifetime()), counters_report(stats.total_window(now)))
+    return SpecStatsReport(stats.window, total, targets, pairs)
+
+
+def spec_stats_json(stats: SpecDecodeStats, now: float | None = None) -> dict:
+    """The report as plain JSON-ready values."""
+    return msgspec.to_builtins(spec_stats_report(stats, now))

@@ -1,0 +1,146 @@
+"""A router shared by several frontends: the ``router.select`` service and its client.
+
+Contract:
+- :class:`RouterService` serves ``router.select``: a :class:`RouteRequest` in, exactly one
+  :class:`RouteResponse` out (or a typed error: ``no_instances`` when no target serves the model,
+  ``invalid_request`` with a field for bad input). The response's ``ticket`` names the selection.
+- A frontend ends a selection by publishing :class:`RouteRelease` (``router_id`` and tickets) on the
+  event topic :data:`TOPIC_ROUTE_RELEASE`; the service that made it releases it in its router, so the
+  in-flight accounting covers every frontend. Selections never released expire after ``ttl``.
+- :class:`RemoteRouter` is the client with the :class:`router.base.Router` interface; releases are
+  batched, one message per router instance per event-loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from runtime import InstanceGone, InstanceTimeout, InvalidRequest, NoInstances, RemoteError
+from runtime.messages import RouteRelease, RouteRequest, RouteResponse
+from runtime.request_plane import collect
+
+from .base import Router, Selection
+
+log = logging.getLogger(__name__)
+
+TOPIC_ROUTE_RELEASE = "route_release"
+COMPONENT, ENDPOINT = "router", "select"
+
+
+class RouterService:
+    """The ``router.select`` handler over a local router; plain values in."""
+
+    def __init__(self, router: Router, router_id: str, ttl: float = 600.0):
+        if ttl <= 0:
+            raise ValueError(f"ttl must be > 0, got {ttl}")
+        self.router = router
+        self.router_id = router_id
+        self.ttl = ttl
+        self._outstanding: dict[int, tuple[Selection, float]] = {}
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._outstanding)
+
+    async def select(self, request: RouteRequest, ctx):
+        """Choose an instance for ``request``; yields one :class:`RouteResponse`."""
+        if not request.model:
+            raise InvalidRequest("model must be set", field="model")
+        selection = await self.router.select(request.model, request.token_ids, frozenset(request.exclude),
+                                             request.request_id or ctx.request_id)
+        self._outstanding[selection.ticket] = (selection, time.monotonic())
+        yield RouteResponse(selection.instance_id, selection.overlap_blocks, selection.ticket, self.router_id)
+
+    def on_release(self, message: RouteRelease) -> None:
+        if message.router_id != self.router_id:
+            return
+        for ticket in message.tickets:
+            item = self._outstanding.pop(ticket, None)
+            if item is not None:
+                self.router.release(item[0])
+
+    def expire(self, now: float | None = None) -> int:
+        """Release selections older than ``ttl`` (their frontend never released them)."""
+        now = time.monotonic() if now is None else now
+        old = [t for t, (_, since) in self._outstanding.items() if now - since >= self.ttl]
+        for ticket in old:
+            selection, _ = self._outstanding.pop(ticket)
+            log.warning("selection %d (%s) was never released; releasing it", ticket, selection.instance_id)
+            self.router.release(selection)
+        return len(old)
+
+
+class RemoteRouter(Router):
+    """The :class:`Router` interface over the shared ``router.select`` service."""
+
+    mode = "remote"
+
+    def __init__(self, client, publish: Callable[[str, object], Awaitable[None]]):
+        super().__init__(lambda model: [])
+        self._client = client
+        self._publish = publish
+        self._next = itertools.count()
+        self._pending: dict[str, list[int]] = {}
+        self._flush_handle: asyncio.Handle | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    async def create(cls, rt, **options) -> RemoteRouter:
+        if options:
+            raise ValueError(f"a remote router takes no options (the service has them), got {sorted(options)}")
+        return cls(await rt.client(COMPONENT, ENDPOINT), rt.publish)
+
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
+        routers = self._client.instances()
+        if not routers:
+            raise NoInstances(COMPONENT, ENDPOINT)
+        start = next(self._next)
+        request = RouteRequest(model, list(token_ids), sorted(exclude), request_id)
+        error: Exception | None = None
+        for i in range(len(routers)):  # a router instance that is going away: ask the next one
+            instance = routers[(start + i) % len(routers)]
+            try:
+                [response] = await collect(await self._client.call(instance.instance_id, request, RouteResponse))
+                break
+            except (InstanceGone, InstanceTimeout) as exc:
+                log.warning("router %s did not answer (%s); trying another", instance.instance_id, exc)
+                error = exc
+            except RemoteError as exc:
+                if exc.kind == NoInstances.kind:
+                    raise NoInstances("target", "generate", model) from None
+                raise
+        else:
+            raise error
+        self.in_flight[response.instance_id] = self.in_flight.get(response.instance_id, 0) + 1
+        return Selection(response.instance_id, response.overlap_blocks, request_id, response.ticket, response.router_id)
+
+    def release(self, selection: Selection) -> None:
+        super().release(selection)
+        self._pending.setdefault(selection.router_id, []).append(selection.ticket)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        pending, self._pending = self._pending, {}
+        for router_id, tickets in pending.items():
+            task = asyncio.ensure_future(self._send(RouteRelease(router_id, tickets)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, message: RouteRelease) -> None:
+        try:
+            await self._publish(TOPIC_ROUTE_RELEASE, message)
+        except Exception as exc:  # the service expires what it never hears about
+            log.warning("could not release %d selections at router %s: %r", len(message.tickets), message.router_id, exc)
+
+    async def stop(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,174 @@
+"""Speculative-decoding statistics of every target worker, from their ``SpecStatsEvent``s.
+
+Workers publish *cumulative* counters per (target, draft) pair since ``epoch`` (the target's start).
+Per pair and epoch the aggregate keeps the largest counters seen (an older event arriving late never
+lowers them); a new epoch starts a new entry and the earlier ones stay, so lifetime totals are the
+sum over epochs and never go backwards when a target restarts. A target that leaves keeps its totals.
+
+Definitions (as in vLLM's ``v1/spec_decode/metrics.py``):
+- ``num_drafts``: verification steps that had a draft; ``num_draft_tokens``: tokens proposed;
+  ``num_accepted_tokens``: proposed tokens the target accepted; ``accepted_per_pos[i]``: drafts whose
+  token at position ``i`` was accepted.
+- acceptance rate = accepted tokens / draft tokens;
+- mean accepted length = 1 + accepted tokens / drafts (the ``1`` is the token the target adds itself).
+
+The sliding window (``window`` seconds) is the lifetime value now minus the lifetime value at the last
+observation at least ``window`` seconds ago (or when the pair was first seen). A pair whose target
+started after this aggregate did counts from zero at its first event.
+
+This is the state and the arithmetic; :mod:`router.spec_metrics` holds the Prometheus and JSON sinks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.events import TOPIC_SPEC_STATS
+from runtime.messages import SpecStatsEvent
+
+MAX_EPOCHS = 32  # epochs kept per pair; older ones are folded into a base
+
+
+@dataclass
+class SpecCounters:
+    """One set of speculative-decoding counters."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, event: SpecStatsEvent) -> SpecCounters:
+        return cls(event.num_drafts, event.num_draft_tokens, event.num_accepted_tokens, list(event.accepted_per_pos))
+
+    def add(self, other: SpecCounters, sign: int = 1) -> SpecCounters:
+        """A new set: ``self + sign * other`` (position lists are padded with zeros)."""
+        a, b = self.accepted_per_pos, other.accepted_per_pos
+        n = max(len(a), len(b))
+        per_pos = [(a[i] if i < len(a) else 0) + sign * (b[i] if i < len(b) else 0) for i in range(n)]
+        return SpecCounters(self.num_drafts + sign * other.num_drafts, self.num_draft_tokens + sign * other.num_draft_tokens,
+                            self.num_accepted_tokens + sign * other.num_accepted_tokens, per_pos)
+
+    def covers(self, other: SpecCounters) -> bool:
+        """True if no counter of ``self`` is below ``other``'s (``self`` is the same or later)."""
+        return (self.num_drafts >= other.num_drafts and self.num_draft_tokens >= other.num_draft_tokens
+                and self.num_accepted_tokens >= other.num_accepted_tokens)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass
+class PairStats:
+    """Counters of one (target, draft) pair across the target's epochs."""
+
+    target_id: str
+    draft_id: str
+    method: str = ""
+    epochs: dict[float, SpecCounters] = field(default_factory=dict)
+    base: SpecCounters = field(default_factory=SpecCounters)  # epochs folded away
+    lifetime: SpecCounters = field(default_factory=SpecCounters)
+    samples: deque = field(default_factory=deque)  # (time, lifetime) observations
+
+    def observe(self, event: SpecStatsEvent) -> bool:
+        """Apply one event; False if it carried nothing new (stale or duplicate)."""
+        new = SpecCounters.of(event)
+        old = self.epochs.get(event.epoch)
+        if old is not None and (not new.covers(old) or new == old):
+            return False
+        self.epochs[event.epoch] = new
+        if len(self.epochs) > MAX_EPOCHS:
+            first = min(self.epochs)
+            self.base = self.base.add(self.epochs.pop(first))
+        self.method = event.method or self.method
+        self.lifetime = self.lifetime.add(new).add(old, -1) if old is not None else self.lifetime.add(new)
+        return True
+
+
+class SpecDecodeStats:
+    """Aggregates of all workers' spec-decode counters: per pair, per target and in total."""
+
+    def __init__(self, window: float = 60.0, now: float | None = None, wall_now: float | None = None):
+        if window <= 0:
+            raise ValueError(f"window must be > 0 seconds, got {window}")
+        self.window = window
+        self.pairs: dict[tuple[str, str], PairStats] = {}
+        self.events = 0
+        self.stale_events = 0
+        self._started = time.monotonic() if now is None else now
+        self._started_wall = time.time() if wall_now is None else wall_now
+
+    def observe_event(self, event: SpecStatsEvent, now: float | None = None) -> None:
+        """Take one cumulative event (any order, duplicates allowed)."""
+        now = time.monotonic() if now is None else now
+        self.events += 1
+        key = (event.target_id, event.draft_id)
+        pair = self.pairs.get(key)
+        if pair is None:
+            pair = self.pairs[key] = PairStats(event.target_id, event.draft_id, event.method)
+            if event.epoch >= self._started_wall:
+                # the target started after we did: its whole life is in view, counting from zero
+                pair.samples.append((now, SpecCounters()))
+        if not pair.observe(event):
+            self.stale_events += 1
+            return
+        pair.samples.append((now, pair.lifetime))
+        self._trim(pair, now)
+
+    def _trim(self, pair: PairStats, now: float) -> None:
+        """Drop samples older than needed: keep the newest one at or before ``now - window``."""
+        samples = pair.samples
+        cutoff = now - self.window
+        while len(samples) >= 2 and samples[1][0] <= cutoff:
+            samples.popleft()
+
+    # ------------------------------------------------------------------ queries
+
+    def pair_window(self, pair: PairStats, now: float | None = None) -> SpecCounters:
+        now = time.monotonic() if now is None else now
+        self._trim(pair, now)
+        if not pair.samples:
+            return SpecCounters()
+        return pair.lifetime.add(pair.samples[0][1], -1)
+
+    def targets(self) -> list[str]:
+        return sorted({t for t, _ in self.pairs})
+
+    def target_lifetime(self, target_id: str) -> SpecCounters:
+        total = SpecCounters()
+        for (t, _), pair in self.pairs.items():
+            if t == target_id:
+                total = total.add(pair.lifetime)
+        return total
+
+    def target_window(self, target_id: str, now: float | None = None) -> SpecCounters:
+        total = SpecCounters()
+        for (t, _), pair in self.pairs.items():
+            if t == target_id:
+                total = total.add(self.pair_window(pair, now))
+        return total
+
+    def total_lifetime(self) -> SpecCounters:
+        total = SpecCounters()
+        for pair in self.pairs.values():
+            total = total.add(pair.lifetime)
+        return total
+
+    def total_window(self, now: float | None = None) -> SpecCounters:
+        total = SpecCounters()
+        for pair in self.pairs.values():
+            total = total.add(self.pair_window(pair, now))
+        return total
+
+
+async def follow_spec_stats(rt, stats: SpecDecodeStats):
+    """Feed ``stats`` from the runtime's ``TOPIC_SPEC_STATS`` events; returns the subscription."""
+    return await rt.subscribe(TOPIC_SPEC_STATS, SpecStatsEvent, stats.observe_event)
