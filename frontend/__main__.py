@@ -1,0 +1,69 @@
+"""The OpenAI-compatible HTTP frontend.
+
+Usage: python -m frontend --http-port 8000 [--host 127.0.0.1] [--router-mode round_robin|random|kv]
+       (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from router.base import ROUTER_MODES
+from runtime import Runtime
+from runtime.config import add_runtime_args, config_from_args
+from runtime.service import run_service
+
+from .app import Frontend, RouterUnavailable
+from .config import DEFAULT_MAX_BODY_BYTES, FrontendConfig
+from .server import HttpServer
+
+log = logging.getLogger("frontend")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m frontend", description="Tandem OpenAI-compatible frontend")
+    add_runtime_args(parser)
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    parser.add_argument("--router-mode", default="round_robin", choices=ROUTER_MODES)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get a 413")
+    parser.add_argument("--max-n", type=int, default=16, help="most choices per request")
+    parser.add_argument("--max-migrations", type=int, default=3, help="re-sends of a request whose worker died")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
+    parser.add_argument("--log-level", default=None)
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(host=args.host, http_port=args.http_port, router_mode=args.router_mode,
+                          max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations)
+
+
+async def amain(args: argparse.Namespace) -> None:
+    config = build_config(args)
+    async with Runtime.connect(config_from_args(args, drain_timeout=args.drain_timeout)) as rt:
+        async with Frontend.start(rt, config) as frontend:
+            server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout).start()
+            log.info("frontend ready on %s (router %s)", server.url, config.router_mode)
+            await rt.wait_for_shutdown()
+            log.info("shutting down: finishing open requests")
+            await server.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        build_config(args)
+    except ValueError as exc:
+        sys.exit(f"python -m frontend: {exc}")
+    try:
+        run_service(lambda: amain(args), args.log_level)
+    except (RouterUnavailable, OSError) as exc:
+        logging.getLogger("frontend").error("%s", exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The HTTP routes of the frontend and the object that wires them to the runtime.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (200 only while a target worker serves a model), ``GET /live``, ``GET /metrics``,
+and FastAPI's ``/openapi.json`` and ``/docs``. Request bodies are read by hand, so that the size
+limit (413) applies before parsing and parsing errors keep OpenAI's error format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response, StreamingResponse
+
+from router.base import Router, create_router
+from runtime import EndpointClient, InvalidRequest, Runtime
+
+from .config import FrontendConfig
+from .dispatch import Dispatcher
+from .errors import BodyTooLarge, install, to_http
+from .metrics import FrontendMetrics, RequestTimer
+from .models import ModelRegistry
+from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, parse
+from .responses import encode_json
+from .serving import CompletionService, close_all
+from .streaming import ClientDisconnected, until_disconnect
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class RouterUnavailable(RuntimeError):
+    """The requested router mode cannot be started (e.g. ``kv`` before the KV router exists)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or :class:`BodyTooLarge` as soon as it exceeds ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequest("the Content-Length header is not a number")
+        if int(declared) > limit:
+            raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that runs ``cleanup`` after it ends, even if it never started streaming."""
+
+    def __init__(self, events: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._cleanup()
+
+
+class Frontend:
+    """Model registry, router, dispatcher and metrics of one frontend process."""
+
+    def __init__(self, config: FrontendConfig, router: Router, client: EndpointClient, registry: ModelRegistry):
+        self.config = config
+        self.router = router
+        self.client = client
+        self.registry = registry
+        self.metrics = FrontendMetrics()
+        self.dispatcher = Dispatcher(router, client, config.max_migrations)
+        self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
+        self.app = build_app(self)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, rt: Runtime, config: FrontendConfig) -> AsyncIterator[Frontend]:
+        """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
+        try:
+            router = await create_router(rt, config.router_mode)
+        except ImportError as exc:
+            raise RouterUnavailable(f"router mode {config.router_mode!r} is not available in this build: {exc}") from exc
+        registry = ModelRegistry()
+        try:
+            client = await rt.client("target", "generate")
+            cards = await rt.models()
+            cards.add_listener(registry.update)
+            registry.update(cards.items())
+            yield cls(config, router, client, registry)
+        finally:
+            await router.stop()
+            await registry.close()
+
+    def healthy(self) -> tuple[bool, list[str]]:
+        """Ready when some target instance serves a model whose card we know."""
+        served = {r.model for r in self.client.instances()}
+        models = [m.name for m in self.registry.list() if m.name in served]
+        return bool(models), models
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """Serve one chat or text completion request, streaming or not."""
+        start = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        header_id = request.headers.get("x-request-id", "")
+        request_id = header_id if _REQUEST_ID.match(header_id) else uuid.uuid4().hex
+        metrics, model, status, streaming, gauge = self.metrics, "", 200, False, None
+        try:
+            body = await read_body(request, self.config.max_body_bytes)
+            req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            check_supported(req)
+            job = await self.service.prepare(req, request_id)
+            model = job.model.name
+            gauge = metrics.in_flight.labels(model)
+            gauge.inc()
+            timer = RequestTimer(metrics, model, start)
+            gens = await self.service.open(job)
+            outs = job.outputs()
+            if job.stream:
+                firsts = await until_disconnect(request.receive, self.service.first_deltas(gens))
+                streaming = True
+
+                ended = []
+
+                def finished(code: int) -> None:
+                    if ended:
+                        return
+                    ended.append(code)
+                    timer.done()
+                    gauge.dec()
+                    metrics.observe_request(model, endpoint, code)
+                    self.service.account(job, outs)
+
+                async def cleanup() -> None:  # for a stream that never started: the client left at once
+                    finished(499)
+                    await close_all(gens)
+
+                events = self.service.events(job, gens, outs, firsts, timer, self.config.retry_after_s, finished)
+                headers = {"Cache-Control": "no-cache", "X-Request-Id": request_id}
+                return EventStream(events, cleanup, headers=headers)
+            await until_disconnect(request.receive, self.service.collect(job, gens, outs, timer))
+            timer.done()
+            self.service.account(job, outs)
+            return Response(job.builder.body(outs, job.prompt_tokens), media_type=JSON, headers={"X-Request-Id": request_id})
+        except ClientDisconnected:
+            status = 499  # nginx's "client closed request"; nobody reads this answer
+            log.info("request %s: client disconnected", request_id)
+            return Response(status_code=status)
+        except Exception as exc:
+            err = to_http(exc, self.config.retry_after_s)
+            status = err.status
+            if status == 500:
+                log.error("request %s failed", request_id, exc_info=exc)
+            else:
+                log.info("request %s: %d %s", request_id, status, err.message)
+            return err.response()
+        finally:
+            if not streaming:
+                if gauge is not None:
+                    gauge.dec()
+                metrics.observe_request(model, endpoint, status)
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    app = FastAPI(title="Tandem", version="0.1.0", summary="OpenAI-compatible API of a Tandem deployment")
+    install(app, frontend.config.retry_after_s)
+
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest), tags=["openai"])
+    async def chat_completions(request: Request) -> Response:
+        """Chat completion (``stream: true`` for server-sent events)."""
+        return await frontend.complete(request, chat=True)
+
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest), tags=["openai"])
+    async def completions(request: Request) -> Response:
+        """Text completion (``stream: true`` for server-sent events)."""
+        return await frontend.complete(request, chat=False)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> Response:
+        """The models that live target workers serve."""
+        data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "tandem",
+                 "max_model_len": m.card.context_length, "instances": m.num_instances}
+                for m in frontend.registry.list()]
+        return Response(encode_json({"object": "list", "data": data}), media_type=JSON)
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> Response:
+        """200 while some target worker serves a model, else 503."""
+        ok, names = frontend.healthy()
+        body = {"status": "healthy" if ok else "unhealthy", "models": names}
+        return Response(encode_json(body), 200 if ok else 503, media_type=JSON)
+
+    @app.get("/live", tags=["ops"])
+    async def live() -> Response:
+        """200 while the process runs."""
+        return Response(b'{"status":"alive"}', media_type=JSON)
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics() -> Response:
+        """Prometheus metrics."""
+        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,41 @@
+"""The frontend's configuration: one frozen dataclass, built once from CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.base import ROUTER_MODES
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """What the HTTP frontend needs; the runtime's own settings live in ``RuntimeConfig``."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    router_mode: str = "round_robin"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
+    max_n: int = 16  # most choices (n, times the number of prompts) one request may ask for
+    max_migrations: int = 3  # re-sends of one request to another worker after its worker failed
+    retry_after_s: int = 1  # Retry-After on 429 and 503 answers
+    tokenizer_timeout_s: float = 120.0  # how long a request waits for its model's tokenizer to load
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.router_mode not in ROUTER_MODES:
+            raise ValueError(f"router_mode must be one of {ROUTER_MODES}, got {self.router_mode!r}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.tokenizer_timeout_s <= 0:
+            raise ValueError(f"tokenizer_timeout_s must be > 0, got {self.tokenizer_timeout_s}")

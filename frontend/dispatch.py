@@ -1,0 +1,189 @@
+"""Sending one generation to a target worker, and moving it to another when its worker dies.
+
+Contract: :meth:`Dispatcher.open` routes the request (raising ``NoInstances`` or
+``PayloadTooLarge`` before anything is sent) and returns a :class:`Generation`, an async iterator
+of :class:`TokenDelta` that ends after the delta carrying ``finish_reason``. When the worker fails
+mid-request (``InstanceGone``, ``InstanceTimeout``, ``ShuttingDown``) the generation re-selects a
+worker, excluding every one that failed it, and re-sends the prompt with
+``output_ids`` = the tokens generated so far and the token budget that is left; the caller's
+stream just continues. The router's selection is released exactly once per worker tried, and
+:meth:`Generation.aclose` cancels the worker's handler when the caller leaves early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from router.base import Router, Selection
+from runtime import EndpointClient, InstanceGone, InstanceTimeout, ResponseStream, ShuttingDown
+from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
+
+log = logging.getLogger(__name__)
+
+MIGRATABLE = (InstanceGone, InstanceTimeout, ShuttingDown)
+END_TIMEOUT = 2.0  # seconds to wait for a worker's END frame after its finish delta
+
+# Closing a worker stream must finish even when the task closing it is being cancelled (a client
+# that went away); these tasks are kept here so they are not garbage-collected half way.
+_closing: set[asyncio.Task] = set()
+
+
+async def close_stream(stream: ResponseStream) -> None:
+    """Close ``stream`` (cancelling the remote handler if it had not ended), cancellation-proof."""
+    task = asyncio.ensure_future(stream.aclose())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+    await asyncio.shield(task)
+
+
+class Dispatcher:
+    """Routes generate requests for one frontend; plain collaborators in."""
+
+    def __init__(self, router: Router, client: EndpointClient, max_migrations: int = 3):
+        self.router = router
+        self.client = client
+        self.max_migrations = max_migrations
+        self.migrations = 0  # requests moved to another worker (tests and metrics read it)
+
+    async def open(
+        self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str
+    ) -> Generation:
+        gen = Generation(self, model, list(token_ids), sampling, request_id)
+        await gen._send()
+        return gen
+
+
+class Generation:
+    """The token deltas of one request, across however many workers it took."""
+
+    def __init__(self, dispatcher: Dispatcher, model: str, token_ids: list[int], sampling: SamplingParams, request_id: str):
+        self._d = dispatcher
+        self.model = model
+        self.token_ids = token_ids
+        self.sampling = sampling
+        self.request_id = request_id
+        self.output_ids: list[int] = []
+        self.failed: set[str] = set()
+        self.attempt = 0
+        self._selection: Selection | None = None
+        self._stream: ResponseStream[TokenDelta] | None = None
+        self._done = False
+        self._finishing = False  # the finish delta was returned; the END frame is still to come
+
+    @property
+    def instance_id(self) -> str | None:
+        return self._selection.instance_id if self._selection else None
+
+    async def _send(self) -> None:
+        """Pick a worker (not one that failed us) and send it what is left of the request."""
+        sel = await self._d.router.select(self.model, self.token_ids, exclude=self.failed)
+        self._selection = sel
+        sp = self.sampling
+        done = len(self.output_ids)
+        if done:
+            sp = SamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.max_tokens - done,
+                                max(0, sp.min_tokens - done), sp.stop_token_ids, sp.ignore_eos, sp.logprobs)
+        request = GenerateRequest(self.token_ids, sp, self.model, None, list(self.output_ids))
+        rid = self.request_id if self.attempt == 0 else f"{self.request_id}-m{self.attempt}"
+        try:
+            self._stream = await self._d.client.call(sel.instance_id, request, TokenDelta, request_id=rid)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._selection is not None:
+            self._d.router.release(self._selection)
+            self._selection = None
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        while True:
+            if self._finishing:
+                await self.aclose()
+            if self._done or self._stream is None:
+                raise StopAsyncIteration
+            try:
+                delta = await self._stream.__anext__()
+            except StopAsyncIteration:
+                delta = None
+                failure: Exception = InstanceGone(self._stream.instance_id, "stream ended without a finish reason")
+            except MIGRATABLE as exc:
+                delta, failure = None, exc
+            except BaseException:
+                await self.aclose()
+                raise
+            if delta is not None:
+                self.output_ids.extend(delta.token_ids)
+                self._finishing = delta.finish_reason is not None
+                return delta
+            await self._migrate(failure)
+            if len(self.output_ids) >= self.sampling.max_tokens:
+                # The worker died after its last token but before saying so.
+                await self.aclose()
+                return TokenDelta(finish_reason="length")
+
+    async def _migrate(self, failure: Exception) -> None:
+        stream, self._stream = self._stream, None
+        failed = stream.instance_id
+        self.failed.add(failed)
+        if not stream.finished:  # a stalled stream: tell the worker, should it still be alive
+            await close_stream(stream)
+        self._release()
+        self.attempt += 1
+        if self.attempt > self._d.max_migrations:
+            self._done = True
+            raise failure
+        log.warning("request %s: worker %s failed (%s); migrating with %d tokens generated",
+                    self.request_id, failed, failure, len(self.output_ids))
+        if len(self.output_ids) >= self.sampling.max_tokens:
+            return
+        self._d.migrations += 1
+        try:
+            await self._send()
+        except BaseException:
+            self._done = True
+            raise
+
+    def close_nowait(self) -> asyncio.Task | None:
+        """End the generation now: bookkeeping at once, the worker stream's end in a task of its own.
+
+        Safe in a task that is being cancelled (a client that left): nothing here awaits. A worker
+        still generating is told to stop; one that already sent its finish delta is read to its
+        END frame instead, so a finished handler is not cancelled. Idempotent.
+        """
+        self._done = True
+        stream, self._stream = self._stream, None
+        finishing, self._finishing = self._finishing, False
+        self._release()
+        if stream is None or stream.finished:
+            return None
+        task = asyncio.ensure_future(_end_stream(stream, finishing))
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+        return task
+
+    async def aclose(self) -> None:
+        """:meth:`close_nowait`, then wait for the worker stream to be closed."""
+        task = self.close_nowait()
+        if task is not None:
+            await asyncio.shield(task)
+
+
+async def _end_stream(stream: ResponseStream, finishing: bool) -> None:
+    if finishing:
+        try:
+            await asyncio.wait_for(_drain(stream), END_TIMEOUT)
+        except Exception as exc:
+            log.debug("request %s: no clean end from worker %s: %r", stream.request_id, stream.instance_id, exc)
+    if not stream.finished:
+        await stream.aclose()
+
+
+async def _drain(stream: ResponseStream) -> None:
+    async for delta in stream:
+        log.warning("request %s: worker sent a delta after the finish reason: %r", stream.request_id, delta)

@@ -1,0 +1,95 @@
+"""Prometheus metrics of the frontend, in a registry of its own (several apps can share a process).
+
+Acceptance in PromQL, over the last five minutes::
+
+    rate(tandem_frontend_spec_decode_num_accepted_tokens_total[5m])
+      / rate(tandem_frontend_spec_decode_num_draft_tokens_total[5m])             # acceptance rate
+    1 + rate(tandem_frontend_spec_decode_num_accepted_tokens_total[5m])
+      / rate(tandem_frontend_spec_decode_num_drafts_total[5m])                   # mean accepted length
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from runtime.messages import SpecUsage
+
+P = "tandem_frontend_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
+
+
+class FrontendMetrics:
+    """All frontend metrics; ``observe_*`` methods take plain values."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(P + "requests", "HTTP requests by model, endpoint and status", ("model", "endpoint", "status"), registry=r)
+        self.in_flight = Gauge(P + "inflight_requests", "requests being served", ("model",), registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "time from request arrival to the first token",
+                              ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "time between tokens of one choice",
+                             ("model",), buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram(P + "request_duration_seconds", "time from request arrival to its last byte",
+                                  ("model",), buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens", ("model",), registry=r)
+        self.completion_tokens = Counter(P + "completion_tokens", "completion tokens", ("model",), registry=r)
+        self.cached_tokens = Counter(P + "cached_prompt_tokens", "prompt tokens found in a worker's prefix cache", ("model",), registry=r)
+        self.spec_drafts = Counter(P + "spec_decode_num_drafts", "speculative drafts", ("model",), registry=r)
+        self.spec_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "draft tokens proposed", ("model",), registry=r)
+        self.spec_accepted = Counter(P + "spec_decode_num_accepted_tokens", "draft tokens accepted", ("model",), registry=r)
+        self.spec_acceptance = Histogram(P + "spec_decode_request_acceptance_rate", "acceptance rate of each speculated request",
+                                         ("model",), buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+        self.migrations = Counter(P + "migrations", "requests moved to another worker after theirs failed", registry=r)
+
+    def observe_request(self, model: str, endpoint: str, status: int) -> None:
+        self.requests.labels(model, endpoint, str(status)).inc()
+
+    def observe_tokens(self, model: str, prompt: int, completion: int, cached: int) -> None:
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.completion_tokens.labels(model).inc(completion)
+        self.cached_tokens.labels(model).inc(cached)
+
+    def observe_spec(self, model: str, spec: SpecUsage) -> None:
+        self.spec_drafts.labels(model).inc(spec.num_drafts)
+        self.spec_draft_tokens.labels(model).inc(spec.num_draft_tokens)
+        self.spec_accepted.labels(model).inc(spec.num_accepted_tokens)
+        if spec.num_draft_tokens:
+            self.spec_acceptance.labels(model).observe(spec.num_accepted_tokens / spec.num_draft_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Time to first token, inter-token latency (per choice) and duration of one request."""
+
+    __slots__ = ("_m", "model", "start", "first", "_last")
+
+    def __init__(self, metrics: FrontendMetrics, model: str, start: float):
+        self._m = metrics
+        self.model = model
+        self.start = start
+        self.first: float | None = None
+        self._last: dict[int, float] = {}
+
+    def tokens(self, count: int, choice: int = 0) -> None:
+        """``count`` tokens of choice ``choice`` arrived now."""
+        if not count:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self._m.ttft.labels(self.model).observe(now - self.start)
+        last = self._last.get(choice)
+        if last is not None:
+            gap = (now - last) / count
+            hist = self._m.itl.labels(self.model)
+            for _ in range(count):
+                hist.observe(gap)
+        self._last[choice] = now
+
+    def done(self) -> None:
+        self._m.duration.labels(self.model).observe(time.perf_counter() - self.start)

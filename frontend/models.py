@@ -1,0 +1,117 @@
+"""The models this frontend can serve, kept live from the model cards in etcd.
+
+Every target worker publishes one card per model it serves, on its own lease; a model exists
+while at least one card for it does. Tokenizers are loaded once per (directory, chat template),
+in a thread, and the load starts as soon as a model appears so the first request rarely waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from runtime.messages import ModelCard
+
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Loader = Callable[[str, str, tuple[int, ...]], Tokenizer]
+
+
+class UnknownModel(Exception):
+    """No live worker serves a model of this name."""
+
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(f"The model '{name}' does not exist")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model as the frontend sees it: its card (from the first instance) and when it appeared."""
+
+    name: str
+    card: ModelCard
+    created: int
+    num_instances: int
+
+
+class ModelRegistry:
+    """Target models from a live ``{key: ModelCard}`` view, with their tokenizers."""
+
+    def __init__(self, loader: Loader = Tokenizer.load, preload: bool = True):
+        self._loader = loader
+        self._preload = preload
+        self._models: dict[str, ServedModel] = {}
+        self._first_seen: dict[str, int] = {}
+        self._tokenizers: dict[tuple, asyncio.Future[Tokenizer]] = {}
+        self._background: set[asyncio.Task] = set()
+
+    def update(self, cards: Mapping[str, ModelCard]) -> None:
+        """Replace the model set from all current cards (a snapshot listener)."""
+        by_name: dict[str, list[ModelCard]] = {}
+        for card in cards.values():
+            if card.role == "target":
+                by_name.setdefault(card.name, []).append(card)
+        now = int(time.time())
+        models = {}
+        for name, group in by_name.items():
+            group.sort(key=lambda c: c.instance_id)
+            created = self._first_seen.setdefault(name, now)
+            models[name] = ServedModel(name, group[0], created, len(group))
+        for name in models.keys() - self._models.keys():
+            log.info("model %s appeared (%d instances)", name, models[name].num_instances)
+            if self._preload:
+                self._start_load(models[name].card)
+        for name in self._models.keys() - models.keys():
+            log.info("model %s is gone: no worker serves it", name)
+            self._first_seen.pop(name, None)
+        self._models = models
+
+    def list(self) -> list[ServedModel]:
+        return sorted(self._models.values(), key=lambda m: m.name)
+
+    def get(self, name: str) -> ServedModel:
+        model = self._models.get(name)
+        if model is None:
+            raise UnknownModel(name)
+        return model
+
+    async def tokenizer(self, model: ServedModel, timeout: float) -> Tokenizer:
+        """The model's tokenizer, loading it on first use; raises ``TokenizerLoadError``."""
+        future = self._start_load(model.card)
+        if future.done():
+            return future.result()
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+
+    def _start_load(self, card: ModelCard) -> asyncio.Future[Tokenizer]:
+        key = (card.tokenizer_path, card.chat_template, tuple(card.eos_token_ids))
+        future = self._tokenizers.get(key)
+        if future is not None:
+            return future
+        loop = asyncio.get_running_loop()
+        future = self._tokenizers[key] = loop.create_future()
+        task = asyncio.create_task(self._load(key, future), name=f"tokenizer {card.tokenizer_path}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return future
+
+    async def _load(self, key: tuple, future: asyncio.Future[Tokenizer]) -> None:
+        try:
+            tokenizer = await asyncio.to_thread(self._loader, *key)
+        except Exception as exc:
+            log.error("%s", exc)
+            self._tokenizers.pop(key, None)  # a later request tries again
+            future.set_exception(exc)
+            future.exception()  # retrieved: nobody may be waiting
+            return
+        future.set_result(tokenizer)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,101 @@
+"""One choice's output: token deltas in; text, logprobs, finish reason and usage counters out.
+
+A :class:`ChoiceOutput` owns the detokenizer and stop-string matcher of one choice. The text of
+a final stop token (EOS or one of ``stop_token_ids``) is not shown, as OpenAI and vLLM do; it is
+still counted as a completion token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from runtime.messages import SpecUsage, TokenDelta, TopLogprob
+
+from .detokenize import IncrementalDetokenizer, StopStrings
+
+
+@dataclass
+class LogprobEntry:
+    token_id: int
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass
+class Piece:
+    """What one delta added to a choice."""
+
+    text: str = ""
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceOutput:
+    """Accumulates one choice; plain values and the tokenizer's decode function in."""
+
+    def __init__(
+        self,
+        index: int,
+        decode: Callable[[list[int]], str],
+        prompt_ids: Sequence[int],
+        stops: Sequence[str] = (),
+        stop_token_ids: frozenset[int] = frozenset(),
+        top_logprobs: int | None = None,
+    ):
+        self.index = index
+        self._detok = IncrementalDetokenizer(decode, prompt_ids)
+        self._stops = StopStrings(stops)
+        self._stop_token_ids = stop_token_ids
+        self._top = top_logprobs
+        self.text_parts: list[str] = []
+        self.logprobs: list[LogprobEntry] = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.spec: SpecUsage | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: TokenDelta) -> Piece:
+        """Process one delta from the worker; the returned piece may carry a finish reason."""
+        if self.finished:
+            return Piece()
+        ids = delta.token_ids
+        self.completion_tokens += len(ids)
+        piece = Piece()
+        if self._top is not None and delta.logprobs is not None:
+            tops = delta.top_logprobs or [[] for _ in ids]
+            piece.logprobs = [LogprobEntry(t, lp, list(top[: self._top])) for t, lp, top in zip(ids, delta.logprobs, tops)]
+            self.logprobs.extend(piece.logprobs)
+        shown = ids
+        if delta.finish_reason == "stop" and ids and ids[-1] in self._stop_token_ids:
+            shown = ids[:-1]
+        text = self._stops.feed(self._detok.add(shown))
+        if self._stops.stopped:
+            self.finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            text += self._stops.feed(self._detok.flush())
+            text += "" if self._stops.stopped else self._stops.flush()
+            self.finish_reason = "stop" if self._stops.stopped else delta.finish_reason
+        if delta.usage is not None:
+            self.cached_tokens = delta.usage.cached_tokens
+            self.spec = delta.usage.spec
+        piece.text = text
+        piece.finish_reason = self.finish_reason
+        if text:
+            self.text_parts.append(text)
+        return piece
+
+    def abort(self, reason: str) -> Piece:
+        """End the choice without a finish delta from the worker (e.g. the request failed)."""
+        if self.finished:
+            return Piece()
+        self.finish_reason = reason
+        return Piece(finish_reason=reason)

@@ -1,0 +1,225 @@
+"""OpenAI request schemas and their validation.
+
+Contract: :func:`parse` turns a raw JSON body into a validated request or raises
+:class:`runtime.InvalidRequest` whose ``field`` names the offending parameter (``messages[0].role``).
+Validation is strict: wrong JSON types are rejected rather than coerced, unknown fields are
+rejected (nothing is silently ignored), and parameters we know but do not support are rejected by
+:func:`check_supported` unless they carry their neutral value (``presence_penalty: 0``,
+``logit_bias: {}``, ``response_format: {"type": "text"}``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime import InvalidRequest
+
+MAX_INT64 = 2**63 - 1
+MAX_TOKENS_LIMIT = 1 << 24  # far above any context length; keeps integers sane on the wire
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+R = TypeVar("R", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    """One chat message. Content is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Strict):
+    """Parameters shared by chat and text completions."""
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT)
+    seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)
+    n: int = Field(1, ge=1, le=1024)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    user: str | None = None
+    # Known but unsupported: accepted only with their neutral value (see check_supported).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    min_p: float | None = None
+    echo: bool | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    modalities: list[str] | None = None
+    store: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# name -> (is the value neutral?, what to tell the user)
+_NEUTRAL = {
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "logit_bias": lambda v: not v,
+    "min_p": lambda v: v in (None, 0),
+    "echo": lambda v: not v,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None,
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "modalities": lambda v: v is None or v == ["text"],
+    "store": lambda v: not v,
+    "suffix": lambda v: not v,
+}
+
+
+def _param(loc: tuple) -> str:
+    """``("messages", 0, "content")`` -> ``messages[0].content``; drops union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "int", "float", "bool", "none") or "[" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def parse(model: type[R], body: bytes) -> R:
+    """Validate a JSON body as ``model``; raises :class:`InvalidRequest` naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    first = errors[0]
+    kind, param = first["type"], _param(first["loc"])
+    if kind == "json_invalid":
+        raise InvalidRequest(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+    if kind == "model_type" and not param:
+        raise InvalidRequest("the request body must be a JSON object")
+    if kind == "extra_forbidden":
+        raise InvalidRequest(f"Unsupported parameter: '{param}'", param)
+    if kind == "missing":
+        raise InvalidRequest(f"'{param}' is a required property", param)
+    same = [e["msg"] for e in errors if _param(e["loc"]) == param]
+    if len(same) > 1:  # a union: every alternative failed
+        raise InvalidRequest(f"invalid value for '{param}': {'; or '.join(dict.fromkeys(same))}", param)
+    raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param)
+
+
+def check_supported(req: _Sampling) -> None:
+    """Reject known parameters set to anything but their neutral value, and bad combinations."""
+    for name, neutral in _NEUTRAL.items():
+        if name in req.model_fields_set and not neutral(getattr(req, name)):
+            raise InvalidRequest(f"'{name}' is not supported by this server", name)
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if any(not s for s in stops):
+        raise InvalidRequest("stop strings must not be empty", "stop")
+    if req.stop_token_ids and any(not 0 <= t <= MAX_INT64 for t in req.stop_token_ids):
+        raise InvalidRequest("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat(req)
+    else:
+        _check_completion(req)
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    if not req.messages:
+        raise InvalidRequest("'messages' must contain at least one message", "messages")
+    for i, msg in enumerate(req.messages):
+        if isinstance(msg.content, list):
+            for j, part in enumerate(msg.content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise InvalidRequest(f"content parts of type {kind!r} are not supported", f"messages[{i}].content[{j}].type")
+                if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                    raise InvalidRequest("a text part is {\"type\": \"text\", \"text\": <string>}", f"messages[{i}].content[{j}]")
+        elif msg.content is None and msg.role != "assistant":
+            raise InvalidRequest(f"a {msg.role} message needs 'content'", f"messages[{i}].content")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise InvalidRequest("give either 'max_tokens' or 'max_completion_tokens', not two different values", "max_completion_tokens")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    prompt = req.prompt
+    if not prompt or (isinstance(prompt, list) and any(not p for p in prompt)):
+        raise InvalidRequest("'prompt' must not be empty", "prompt")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequest("'best_of' other than 'n' is not supported", "best_of")
+
+
+def stop_strings(req: _Sampling) -> tuple[str, ...]:
+    if req.stop is None:
+        return ()
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+
+
+def message_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the plain dicts a chat template expects; text parts joined by newlines."""
+    out = []
+    for msg in req.messages:
+        content = msg.content
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        item = {"role": msg.role, "content": content or ""}
+        if msg.name:
+            item["name"] = msg.name
+        out.append(item)
+    return out
+
+
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """A completion request's prompts: each a string or a list of token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` that documents a body parsed by hand (we read it ourselves for the size limit)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}

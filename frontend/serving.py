@@ -1,0 +1,252 @@
+"""Serving one completion request: preprocess, send every choice to a worker, build the answer.
+
+:meth:`CompletionService.prepare` turns a validated request into a :class:`Job` (prompt token
+ids, per-choice sampling, output options), raising ``InvalidRequest`` / ``UnknownModel`` with the
+parameter named. :meth:`CompletionService.collect` runs a non-streaming job;
+:meth:`CompletionService.events` yields the SSE bytes of a streaming one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from runtime import InvalidRequest, TandemError
+from runtime.messages import SamplingParams, TokenDelta
+
+from .dispatch import Dispatcher, Generation
+from .errors import to_http
+from .metrics import FrontendMetrics, RequestTimer
+from .models import ModelRegistry, ServedModel
+from .output import ChoiceOutput
+from .protocol import MAX_INT64, ChatCompletionRequest, CompletionRequest, message_dicts, prompts_of, stop_strings
+from .responses import DONE, ResponseBuilder, error_event
+from .streaming import merge
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized in a thread, off the event loop
+
+
+@dataclass
+class Job:
+    """A request ready to send: one entry of ``samplings`` and ``prompt_of`` per choice."""
+
+    request_id: str
+    endpoint: str
+    model: ServedModel
+    tokenizer: Tokenizer
+    prompts: list[list[int]]
+    prompt_of: list[int]
+    samplings: list[SamplingParams]
+    stops: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    top_logprobs: int | None
+    stream: bool
+    include_usage: bool
+    builder: ResponseBuilder
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def outputs(self) -> list[ChoiceOutput]:
+        decode = self.tokenizer.decode
+        return [ChoiceOutput(i, decode, self.prompts[p], self.stops, self.stop_token_ids, self.top_logprobs)
+                for i, p in enumerate(self.prompt_of)]
+
+
+class CompletionService:
+    """Chat and text completions over a model registry and a dispatcher; plain values in."""
+
+    def __init__(self, registry: ModelRegistry, dispatcher: Dispatcher, metrics: FrontendMetrics,
+                 max_n: int = 16, tokenizer_timeout: float = 120.0):
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.max_n = max_n
+        self.tokenizer_timeout = tokenizer_timeout
+
+    async def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Job:
+        chat = isinstance(req, ChatCompletionRequest)
+        model = self.registry.get(req.model)
+        tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
+        if chat:
+            messages = message_dicts(req)
+            prompts = [await self._maybe_thread(sum(len(m["content"]) for m in messages), tok.encode_chat, messages)]
+            field, max_tokens = "messages", req.max_completion_tokens or req.max_tokens
+        else:
+            prompts = []
+            for p in prompts_of(req):
+                if isinstance(p, str):
+                    prompts.append(await self._maybe_thread(len(p), tok.encode, p))
+                else:
+                    tok.check_ids(p, "prompt")
+                    prompts.append(list(p))
+            field, max_tokens = "prompt", req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        if req.n * len(prompts) > self.max_n:
+            raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
+        context = model.card.context_length
+        longest = max(len(p) for p in prompts)
+        if not all(prompts):
+            raise InvalidRequest("the prompt has no tokens", field)
+        if longest >= context:
+            raise InvalidRequest(f"the prompt has {longest} tokens; the model's context length is {context}", field)
+        if max_tokens is None:
+            max_tokens = context - longest
+        elif longest + max_tokens > context:
+            name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+            raise InvalidRequest(f"the prompt ({longest} tokens) plus {name} ({max_tokens}) exceeds the model's "
+                                 f"context length of {context}", name)
+        if req.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+        stop_ids = list(req.stop_token_ids or ())
+        tok.check_ids(stop_ids, "stop_token_ids")
+        top = (req.top_logprobs or 0) if chat and req.logprobs else (None if chat else req.logprobs)
+        if top is not None and not model.card.supports_logprobs:
+            raise InvalidRequest("this model's workers do not return logprobs", "top_logprobs" if chat and req.top_logprobs else "logprobs")
+        samplings, prompt_of = [], []
+        for p in range(len(prompts)):
+            for i in range(req.n):
+                seed = req.seed
+                if seed is not None and req.n > 1:  # n equal seeds would give n equal choices
+                    seed = (seed + i + MAX_INT64 + 1) % (2 * MAX_INT64 + 2) - MAX_INT64 - 1
+                samplings.append(SamplingParams(
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=max(0, req.top_k or 0), seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                    stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=top))
+                prompt_of.append(p)
+        hidden = set(stop_ids) | (set() if req.ignore_eos else set(model.card.eos_token_ids or tok.eos_token_ids))
+        stream = req.stream
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None)
+        return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
+                   stop_strings(req), frozenset(hidden), top, stream, include_usage, builder)
+
+    @staticmethod
+    async def _maybe_thread(size: int, fn, arg):
+        return fn(arg) if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, arg)
+
+    async def open(self, job: Job) -> list[Generation]:
+        """Route and send every choice; on failure the ones already sent are closed."""
+        gens: list[Generation] = []
+        try:
+            for i, sampling in enumerate(job.samplings):
+                rid = job.request_id if len(job.samplings) == 1 else f"{job.request_id}-{i}"
+                gens.append(await self.dispatcher.open(job.model.name, job.prompts[job.prompt_of[i]], sampling, rid))
+        except BaseException:
+            await close_all(gens)
+            raise
+        return gens
+
+    async def first_deltas(self, gens: Sequence[Generation]) -> list[TokenDelta]:
+        """The first delta of every choice (so that early worker errors still get a status code)."""
+        try:
+            if len(gens) == 1:
+                return [await gens[0].__anext__()]
+            return list(await asyncio.gather(*(g.__anext__() for g in gens)))
+        except BaseException:
+            await close_all(gens)
+            raise
+
+    async def collect(self, job: Job, gens: Sequence[Generation], outs: Sequence[ChoiceOutput], timer: RequestTimer) -> None:
+        """Run a non-streaming job to the end of every choice."""
+
+        async def one(gen: Generation, out: ChoiceOutput) -> None:
+            try:
+                async for delta in gen:
+                    timer.tokens(len(delta.token_ids), out.index)
+                    if out.add(delta).finish_reason is not None:
+                        break
+            finally:
+                await gen.aclose()
+
+        try:
+            if len(gens) == 1:
+                await one(gens[0], outs[0])
+            else:
+                async with asyncio.TaskGroup() as group:
+                    for gen, out in zip(gens, outs):
+                        group.create_task(one(gen, out))
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        finally:
+            await close_all(gens)
+
+    async def events(self, job: Job, gens: Sequence[Generation], outs: Sequence[ChoiceOutput],
+                     firsts: Sequence[TokenDelta], timer: RequestTimer, retry_after: int,
+                     on_finish: Callable[[int], None]) -> AsyncIterator[bytes]:
+        """The SSE bytes of a streaming job, ending in ``[DONE]``; ``on_finish(status)`` runs at the end
+        (200, the status an error would have had, or 499 when the client left)."""
+        b, usage_on = job.builder, job.include_usage
+        status = 499  # stays so only if the client leaves (the task is cancelled) before the end
+        try:
+            if b.chat:
+                for out in outs:
+                    yield b.role_chunk(out.index, usage_on)
+            for out, delta in zip(outs, firsts):
+                chunk = self._step(b, out, delta, timer, usage_on)
+                if chunk:
+                    yield chunk
+            live = [g for g, out in zip(gens, outs) if not out.finished]
+            index = [out for out in outs if not out.finished]
+            if len(live) == 1:
+                async for delta in live[0]:
+                    chunk = self._step(b, index[0], delta, timer, usage_on)
+                    if chunk:
+                        yield chunk
+                    if index[0].finished:
+                        break
+            elif live:
+                async with contextlib.aclosing(merge(live)) as merged:
+                    async for i, delta in merged:
+                        chunk = self._step(b, index[i], delta, timer, usage_on)
+                        if chunk:
+                            yield chunk
+                        if index[i].finished:
+                            await live[i].aclose()  # a stop string: the worker need not go on
+                        if all(o.finished for o in index):
+                            break
+            if usage_on:
+                yield b.usage_chunk(outs, job.prompt_tokens)
+            status = 200
+            yield DONE
+        except TandemError as exc:
+            err = to_http(exc, retry_after)
+            status = err.status
+            log.warning("request %s: failed mid-stream: %s", job.request_id, exc)
+            yield error_event(err.body())
+            yield DONE
+        except Exception as exc:
+            status = 500
+            log.exception("request %s: failed mid-stream", job.request_id)
+            yield error_event(to_http(exc).body())
+            yield DONE
+        finally:
+            on_finish(status)
+            await close_all(gens)
+
+    def _step(self, b: ResponseBuilder, out: ChoiceOutput, delta: TokenDelta, timer: RequestTimer, usage_on: bool) -> bytes | None:
+        timer.tokens(len(delta.token_ids), out.index)
+        return b.piece_chunk(out.index, out.add(delta), usage_on)
+
+    def account(self, job: Job, outs: Sequence[ChoiceOutput]) -> None:
+        """Token and speculation counters of a finished job."""
+        m, name = self.metrics, job.model.name
+        m.observe_tokens(name, job.prompt_tokens, sum(o.completion_tokens for o in outs), max((o.cached_tokens for o in outs), default=0))
+        for out in outs:
+            if out.spec is not None:
+                m.observe_spec(name, out.spec)
+
+
+async def close_all(gens: Sequence[Generation]) -> None:
+    """Close every generation, even when the calling task is being cancelled."""
+    tasks = [t for t in (g.close_nowait() for g in gens) if t is not None]
+    if tasks:
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))

@@ -1,0 +1,86 @@
+"""Server-sent events, merging the deltas of several choices, and watching for a client that left.
+
+The SSE stream is what OpenAI clients expect: for chat a role delta first, then content deltas,
+one chunk per choice with its ``finish_reason``, an optional usage chunk with ``choices: []``,
+then ``data: [DONE]``. An error after the status line went out becomes an ``error`` event
+followed by ``[DONE]``.
+
+A client that disconnects cancels the task producing its answer; the ``finally`` blocks of the
+producers close the worker streams, which cancels the handlers on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+_END = object()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it and raising :class:`ClientDisconnected` if the client leaves.
+
+    Call only after the request body was read: from then on ``receive`` yields only the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as ``(index, item)``, in arrival order.
+
+    The first exception of any iterator is raised here; leaving early cancels every pump.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    left = len(tasks)
+    try:
+        while left:
+            i, item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,87 @@
+"""A model's tokenizer and chat template, loaded from the local directory a model card names.
+
+Workers receive token ids; the frontend owns text. Encoding and decoding go through the Rust
+``tokenizers`` backend where the tokenizer has one (a fast tokenizer), which is what keeps the
+frontend's per-request overhead small.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from runtime import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerLoadError(Exception):
+    """The tokenizer files named by a model card could not be loaded."""
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts for one model."""
+
+    def __init__(self, hf_tokenizer, chat_template: str = "", eos_token_ids: Sequence[int] = ()):
+        self._hf = hf_tokenizer
+        self._fast = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None) or ""
+        self.vocab_size = len(hf_tokenizer)
+        self.special_ids = frozenset(getattr(hf_tokenizer, "all_special_ids", ()) or ())
+        eos = list(eos_token_ids)
+        if not eos and getattr(hf_tokenizer, "eos_token_id", None) is not None:
+            eos = [hf_tokenizer.eos_token_id]
+        self.eos_token_ids = tuple(eos)
+
+    @classmethod
+    def load(cls, path: str, chat_template: str = "", eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Load from a local directory (blocking, about 2 s: call it in a thread)."""
+        if not path or not Path(path).is_dir():
+            raise TokenizerLoadError(f"tokenizer directory {path!r} does not exist")
+        from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
+
+        try:
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            raise TokenizerLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
+        log.info("loaded tokenizer from %s (vocab %d)", path, len(hf))
+        return cls(hf, chat_template, eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` without special tokens (what users see)."""
+        if self._fast is not None:
+            return self._fast.decode(token_ids, skip_special_tokens=True)
+        return self._hf.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included (for logprobs)."""
+        if self._fast is not None:
+            return self._fast.decode([token_id], skip_special_tokens=False)
+        return self._hf.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to ``messages`` with the assistant's turn opened."""
+        if not self.chat_template:
+            raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+        try:
+            return self._hf.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2 errors, raise_exception() in the template
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template already writes the special tokens (BOS, role markers) it wants.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def check_ids(self, token_ids: Sequence[int], field: str) -> None:
+        """Raise :class:`InvalidRequest` when a token id is outside the vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", field)

@@ -1,0 +1,123 @@
+"""Request validation: every rejection names its parameter; nothing is silently ignored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frontend.protocol import ChatCompletionRequest, CompletionRequest, check_supported, message_dicts, parse, prompts_of
+from runtime import InvalidRequest
+
+pytestmark = pytest.mark.unit
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TEXT = {"model": "m", "prompt": "hi"}
+
+
+def reject(schema, body, extra=None) -> InvalidRequest:
+    raw = body if isinstance(body, bytes) else json.dumps({**body, **(extra or {})}).encode()
+    with pytest.raises(InvalidRequest) as info:
+        check_supported(parse(schema, raw))
+    return info.value
+
+
+def test_valid_requests_parse():
+    req = parse(ChatCompletionRequest, json.dumps({**CHAT, "temperature": 0, "stop": "x", "n": 2, "user": "u"}).encode())
+    check_supported(req)
+    assert req.temperature == 0.0 and req.n == 2 and message_dicts(req) == [{"role": "user", "content": "hi"}]
+    text = parse(CompletionRequest, json.dumps({**TEXT, "prompt": [[1, 2], [3]]}).encode())
+    check_supported(text)
+    assert prompts_of(text) == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"n": True}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"seed": 2**70}, "seed"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"echo": True}, "echo"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({"mystery": 1}, "mystery"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"model": ""}, "model"),
+    ],
+)
+def test_chat_rejections_name_the_parameter(extra, param):
+    assert reject(ChatCompletionRequest, CHAT, extra).field == param
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_completion_rejections_name_the_parameter(extra, param):
+    assert reject(CompletionRequest, TEXT, extra).field == param
+
+
+def test_missing_fields_and_bad_json():
+    assert reject(CompletionRequest, {"prompt": "x"}).field == "model"
+    assert "required" in str(reject(CompletionRequest, {"prompt": "x"}))
+    assert reject(ChatCompletionRequest, {"model": "m"}).field == "messages"
+    assert "not valid JSON" in str(reject(ChatCompletionRequest, b'{"model": '))
+    assert "not valid JSON" in str(reject(ChatCompletionRequest, b'{"model": "\xff\xfe"}'))
+    assert "JSON object" in str(reject(ChatCompletionRequest, b"[1, 2]"))
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted():
+    body = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [],
+            "tool_choice": "none", "response_format": {"type": "text"}, "min_p": 0, "echo": False}
+    check_supported(parse(ChatCompletionRequest, json.dumps(body).encode()))
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+          "stream_options", "logprobs", "top_logprobs", "tools", "logit_bias", "user", "min_tokens", "echo", "best_of"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), JSON_VALUES, max_size=6), st.booleans())
+def test_fuzzed_bodies_either_parse_or_raise_invalid_request(body, chat):
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        check_supported(parse(model, json.dumps(body).encode()))
+    except InvalidRequest as exc:
+        assert str(exc)
