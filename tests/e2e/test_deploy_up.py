@@ -1,0 +1,171 @@
+"""``tandem up --mock``: the whole stack from one command, one OpenAI request, and no process left
+behind after Ctrl-C (SIGINT) — or even after the launcher itself is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.servers import free_port
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = {p for p in pids if running(p)}
+        if not left:
+            return set()
+        time.sleep(0.1)
+    return {p for p in pids if running(p)}
+
+
+class Launcher:
+    """``tandem up --mock`` on free ports, output in a log file."""
+
+    def __init__(self, *extra: str):
+        self.http_port, self.etcd_port, self.nats_port = free_port(), free_port(), free_port()
+        fd, path = tempfile.mkstemp(prefix="tandem-up-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(path)
+        argv = [sys.executable, "-m", "deploy.cli", "up", "--mock", "--mock-token-latency-ms", "2",
+                "--http-port", str(self.http_port), "--etcd-port", str(self.etcd_port),
+                "--nats-port", str(self.nats_port), "--namespace", f"up{os.getpid()}", *extra]
+        self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"tandem up exited with {self.proc.returncode}:\n{self.logs()[-4000:]}"
+            if "Tandem is ready" in self.logs():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"tandem up not ready in {timeout}s:\n{self.logs()[-4000:]}")
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            for pid in descendants(self.proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def launcher():
+    made: list[Launcher] = []
+
+    def make(*extra: str) -> Launcher:
+        made.append(Launcher(*extra))
+        return made[-1]
+
+    yield make
+    for item in made:
+        item.cleanup()
+
+
+def ask(url: str) -> dict:
+    body = {"model": "mock", "messages": [{"role": "user", "content": "Say something nice about tandem bicycles."}],
+            "max_tokens": 12}
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
+    up = launcher("--targets", "2")
+    up.wait_ready()
+    assert httpx.get(f"{up.url}/health", timeout=5).status_code == 200
+    answer = ask(up.url)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 12 and answer["choices"][0]["message"]["content"]
+    models = httpx.get(f"{up.url}/v1/models", timeout=5).json()
+    assert [m["id"] for m in models["data"]] == ["mock"]
+
+    logs = up.logs()
+    for prefix in ("[etcd] ", "[nats] ", "[target-0] ", "[target-1] ", "[frontend] "):
+        assert prefix in logs, prefix
+    assert f"curl {up.url}/v1/chat/completions" in logs
+    children = descendants(up.proc.pid)
+    assert len(children) >= 5  # etcd, nats, two targets, frontend
+
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(60) == 0, up.logs()[-4000:]
+    assert wait_gone(children, 5) == set()
+    for port in (up.http_port, up.etcd_port, up.nats_port):
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+    logs = up.logs()
+    # Reverse start order: the frontend stops before the workers, the workers before NATS and etcd.
+    order = [logs.index(f"stopping {name} ") for name in ("frontend", "target-0", "nats", "etcd")]
+    assert order == sorted(order)
+    assert "all stopped" in logs
+
+
+def test_children_die_with_a_killed_launcher(launcher):
+    up = launcher()
+    up.wait_ready()
+    children = descendants(up.proc.pid)
+    assert len(children) >= 4
+    up.proc.kill()
+    up.proc.wait()
+    # PR_SET_PDEATHSIG sends each child SIGTERM when the launcher dies: nothing is orphaned.
+    assert wait_gone(children, 40) == set()
+
+
+def test_bad_flags_are_rejected_before_anything_starts():
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--mock", "--drafts", "2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode != 0 and "no draft workers" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--draft-method", "eagle"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode != 0 and "--draft-model" in out.stderr
