@@ -37,12 +37,13 @@ class AttentionMetadata:
     batch_rows: list[int] = field(default_factory=list)
     batch_token_index: torch.Tensor | None = None  # [Nb] flat token index of each group token
     batch_pad_index: torch.Tensor | None = None  # [Nb] index into the padded [Bg * qmax] queries
-    batch_slots: torch.Tensor | None = None  # [Bg, Lmax] slot of each key position
-    batch_mask: torch.Tensor | None = None  # [Bg, 1, qmax, Lmax] bool, True = attend
+    batch_blocks: torch.Tensor | None = None  # [Bg * nb] block ids, nb = blocks of the longest context
+    batch_mask: torch.Tensor | None = None  # [Bg, 1, qmax, nb * bs] bool, True = attend; None: attend to all
+    batch_kv_len: int = 0  # longest context in the group
     qmax: int = 0
     # long queries, one call each: (row, token start, query_len, context_len)
     singles: list[tuple[int, int, int, int]] = field(default_factory=list)
-    single_slots: list[torch.Tensor | None] = field(default_factory=list)  # [ctx] slots, None: no prefix
+    single_blocks: list[torch.Tensor | None] = field(default_factory=list)  # [nb] block ids, None: no prefix
 
     @property
     def num_tokens(self) -> int:
@@ -80,28 +81,32 @@ class AttentionMetadata:
             if q > BATCHED_MAX_QUERY:
                 c = context_lens[b]
                 meta.singles.append((b, starts[b], q, c))
-                meta.single_slots.append(None if c == q else all_slots[b, :c].to(device))
+                meta.single_blocks.append(None if c == q else tables[b, : -(-c // block_size)].to(device))
         if rows:
-            meta._build_batched(rows, starts, all_slots, device)
+            meta._build_batched(rows, starts, tables, device)
         return meta
 
-    def _build_batched(self, rows: list[int], starts: list[int], all_slots: torch.Tensor, device) -> None:
+    def _build_batched(self, rows: list[int], starts: list[int], tables: torch.Tensor, device) -> None:
         q_lens = torch.tensor([self.query_lens[b] for b in rows])
         c_lens = torch.tensor([self.context_lens[b] for b in rows])
         qmax, lmax = int(q_lens.max()), int(c_lens.max())
+        num_blocks = -(-lmax // self.block_size)
         token_index, pad_index = [], []
         for g, b in enumerate(rows):
             q = self.query_lens[b]
             token_index.extend(range(starts[b], starts[b] + q))
             pad_index.extend(range(g * qmax, g * qmax + q))
-        key_pos = torch.arange(lmax)[None, None, :]  # [1, 1, Lmax]
-        query_pos = (c_lens - q_lens)[:, None, None] + torch.arange(qmax)[None, :, None]  # [Bg, qmax, 1]
-        mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lmax]
         self.batch_rows = rows
         self.qmax = qmax
+        self.batch_kv_len = lmax
         self.batch_token_index = torch.tensor(token_index, dtype=torch.long, device=device)
         self.batch_pad_index = torch.tensor(pad_index, dtype=torch.long, device=device)
-        self.batch_slots = all_slots[rows, :lmax].to(device)
+        self.batch_blocks = tables[rows, :num_blocks].flatten().to(device)
+        if len(rows) == 1 and qmax == 1:
+            return  # one decode query sees its whole context: no mask
+        key_pos = torch.arange(num_blocks * self.block_size)[None, None, :]  # [1, 1, Lpad]
+        query_pos = (c_lens - q_lens)[:, None, None] + torch.arange(qmax)[None, :, None]  # [Bg, qmax, 1]
+        mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lpad]
         self.batch_mask = mask[:, None].to(device)
 
 
@@ -130,32 +135,37 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     hkv = k.shape[1]
-    k_flat = k_cache.view(-1, hkv, head_dim)
-    v_flat = v_cache.view(-1, hkv, head_dim)
+    gqa = num_heads != hkv
     out = torch.empty_like(q)
     if meta.batch_rows:
-        bg, qmax = len(meta.batch_rows), meta.qmax
-        qp = q.new_zeros(bg * qmax, num_heads, head_dim)
-        qp[meta.batch_pad_index] = q[meta.batch_token_index]
-        qp = qp.view(bg, qmax, num_heads, head_dim).transpose(1, 2)  # [Bg, H, qmax, D]
-        keys = k_flat[meta.batch_slots].transpose(1, 2)  # [Bg, Hkv, Lmax, D]
-        values = v_flat[meta.batch_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.batch_mask, scale=scale,
-                                           enable_gqa=num_heads != hkv)  # [Bg, H, qmax, D]
+        bg, qmax, bs = len(meta.batch_rows), meta.qmax, meta.block_size
+        if bg == q.shape[0] and qmax == 1:
+            qp = q[:, None]  # every token is one sequence's decode query, in order: [B, 1, H, D]
+        else:
+            qp = q.new_zeros(bg * qmax, num_heads, head_dim)
+            qp[meta.batch_pad_index] = q[meta.batch_token_index]
+            qp = qp.view(bg, qmax, num_heads, head_dim)
+        keys = k_cache.index_select(0, meta.batch_blocks).view(bg, -1, hkv, head_dim)  # [Bg, Lpad, Hkv, D]
+        values = v_cache.index_select(0, meta.batch_blocks).view(bg, -1, hkv, head_dim)
+        if meta.batch_mask is None:
+            keys, values = keys[:, : meta.batch_kv_len], values[:, : meta.batch_kv_len]
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=meta.batch_mask, scale=scale, enable_gqa=gqa)  # [Bg, H, qmax, D]
         o = o.transpose(1, 2).reshape(bg * qmax, num_heads, head_dim)
-        out[meta.batch_token_index] = o[meta.batch_pad_index]
-    for (_, start, qlen, ctx), slots in zip(meta.singles, meta.single_slots):
+        if bg == q.shape[0] and qmax == 1:
+            out = o
+        else:
+            out[meta.batch_token_index] = o[meta.batch_pad_index]
+    for (_, start, qlen, ctx), blocks in zip(meta.singles, meta.single_blocks):
         qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, q, D]
-        if slots is None:  # whole context is new: plain causal attention on this step's keys
+        if blocks is None:  # whole context is new: plain causal attention on this step's keys
             keys = k[start : start + qlen].transpose(0, 1)[None]
             values = v[start : start + qlen].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale,
-                                               enable_gqa=num_heads != hkv)
+            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            keys = k_flat[slots].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
-            values = v_flat[slots].transpose(0, 1)[None]
+            keys = k_cache.index_select(0, blocks).view(-1, hkv, head_dim)[:ctx].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            values = v_cache.index_select(0, blocks).view(-1, hkv, head_dim)[:ctx].transpose(0, 1)[None]
             mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - qlen + torch.arange(qlen, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale,
-                                               enable_gqa=num_heads != hkv)
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start : start + qlen] = o[0].transpose(0, 1)
     return out
