@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.events import TOPIC_SPEC_STATS
@@ -96,19 +97,21 @@ class PairStats:
 class SpecDecodeStats:
     """Aggregates of all workers' spec-decode counters: per pair, per target and in total."""
 
-    def __init__(self, window: float = 60.0, now: float | None = None, wall_now: float | None = None):
+    def __init__(self, window: float = 60.0, clock: Callable[[], float] = time.monotonic, wall_now: float | None = None):
+        """``clock`` times observations and windows; ``wall_now`` (default: now) is compared with
+        targets' epochs, which are wall-clock start times."""
         if window <= 0:
             raise ValueError(f"window must be > 0 seconds, got {window}")
         self.window = window
         self.pairs: dict[tuple[str, str], PairStats] = {}
         self.events = 0
         self.stale_events = 0
-        self._started = time.monotonic() if now is None else now
+        self._clock = clock
         self._started_wall = time.time() if wall_now is None else wall_now
 
     def observe_event(self, event: SpecStatsEvent, now: float | None = None) -> None:
         """Take one cumulative event (any order, duplicates allowed)."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         self.events += 1
         key = (event.target_id, event.draft_id)
         pair = self.pairs.get(key)
@@ -133,7 +136,7 @@ class SpecDecodeStats:
     # ------------------------------------------------------------------ queries
 
     def pair_window(self, pair: PairStats, now: float | None = None) -> SpecCounters:
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         self._trim(pair, now)
         if not pair.samples:
             return SpecCounters()

@@ -1,0 +1,136 @@
+"""The KV router fed by hand (no runtime): prefix affinity, bursts spread, departures, errors, logs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from router.base import Selection
+from router.cost import KvRouterConfig
+from router.kv_router import KvRouter
+from runtime import InvalidRequest, NoInstances
+from runtime.kv_hash import block_hashes
+from runtime.messages import InstanceRecord, KvEvent, LoadEvent
+
+pytestmark = pytest.mark.unit
+
+PREFIX = list(range(1000, 1512))  # 32 blocks
+
+
+def record(wid: str, model: str = "m") -> InstanceRecord:
+    return InstanceRecord(wid, "ns", "target", "generate", f"s.{wid}", model=model)
+
+
+def make_router(workers=("w0", "w1", "w2"), **options) -> tuple[KvRouter, dict]:
+    records = {w: record(w) for w in workers}
+    router = KvRouter(lambda model: [r for r in records.values() if model is None or r.model == model],
+                      KvRouterConfig(seed=7, **options))
+    router.on_instances({w: r for w, r in records.items()})
+    return router, records
+
+
+def prompt(suffix_id: int, n: int = 64) -> list[int]:
+    return PREFIX + [suffix_id * 100_000 + i for i in range(n)]
+
+
+async def test_prefix_goes_to_the_worker_that_holds_it():
+    router, _ = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
+    for i in range(5):
+        s = await router.select("m", prompt(i))
+        assert (s.instance_id, s.overlap_blocks) == ("w1", 32)
+        router.release(s)
+    assert router.in_flight == {} and router.load.in_flight() == 0
+
+
+async def test_a_burst_spreads_once_the_holder_is_loaded():
+    router, _ = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
+    chosen = [(await router.select("m", prompt(i))).instance_id for i in range(30)]
+    # Each request adds 4 unshared blocks on top of the shared 32: w1 stays cheapest for a while.
+    assert chosen[:5] == ["w1"] * 5
+    assert {"w0", "w2"} <= set(chosen)
+
+
+async def test_reported_load_alone_moves_requests():
+    router, _ = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
+    router.on_load_event(LoadEvent("w1", running=20, active_blocks=500))
+    s = await router.select("m", prompt(0))
+    assert s.instance_id != "w1" and s.overlap_blocks == 0
+
+
+async def test_a_worker_that_left_is_never_chosen_and_forgotten():
+    router, records = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
+    held = await router.select("m", prompt(0))
+    assert held.instance_id == "w1"
+    del records["w1"]
+    router.on_instances(dict(records))
+    assert router.index.num_blocks("w1") == 0 and "w1" not in router.in_flight
+    router.release(held)  # a late release of a forgotten selection is harmless
+    router.on_kv_event(KvEvent("w1", 2, "stored", block_hashes(PREFIX, 16)))  # straggler
+    for i in range(20):
+        assert (await router.select("m", prompt(i))).instance_id != "w1"
+    assert router.index.num_blocks("w1") == 0
+
+
+async def test_exclude_model_and_no_instances():
+    router, records = make_router(("a", "b"))
+    records["c"] = record("c", model="other")
+    router.on_instances(dict(records))
+    assert (await router.select("m", prompt(0), exclude={"a"})).instance_id == "b"
+    assert (await router.select("other", prompt(0))).instance_id == "c"
+    with pytest.raises(NoInstances):
+        await router.select("m", prompt(0), exclude={"a", "b"})
+    with pytest.raises(NoInstances):
+        await router.select("nope", prompt(0))
+
+
+async def test_bad_token_ids_raise_a_typed_error():
+    router, _ = make_router()
+    with pytest.raises(InvalidRequest) as err:
+        await router.select("m", [1, -5] * 16)
+    assert err.value.field == "token_ids"
+
+
+async def test_workers_with_other_block_sizes_use_their_own_hashes():
+    router, _ = make_router(("w16", "w32"))
+    router.on_kv_event(KvEvent("w16", 1, "stored", block_hashes(PREFIX[:64], 16), block_size=16))
+    router.on_kv_event(KvEvent("w32", 1, "stored", block_hashes(PREFIX, 32), block_size=32))
+    s = await router.select("m", prompt(0))
+    assert (s.instance_id, s.overlap_blocks) == ("w32", 16)
+    assert router.load.decode_blocks("w32") == (512 + 64) // 32
+
+
+async def test_decisions_are_logged_with_overlap_and_cost_per_candidate(caplog):
+    router, _ = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
+    with caplog.at_level(logging.DEBUG, logger="router.kv_router"):
+        await router.select("m", prompt(0), request_id="req-9")
+    [line] = [r.getMessage() for r in caplog.records if "req-9" in r.getMessage()]
+    assert "chose w1" in line
+    # 36 blocks; w1 holds 32: cost 2*4; the others 2*36
+    assert "w1: overlap=32 cost=8" in line and "w0: overlap=0 cost=72" in line and "w2: overlap=0 cost=72" in line
+
+
+async def test_unreleased_selections_expire_and_ghost_workers_are_dropped():
+    router, _ = make_router(inflight_ttl=10.0, unregistered_grace=5.0)
+    s = await router.select("m", prompt(0))
+    router.on_kv_event(KvEvent("ghost", 1, "stored", block_hashes(PREFIX, 16)))
+    router.maintain(now=router.load._inflight[s.ticket].since + 11.0)
+    assert router.in_flight == {} and router.load.in_flight() == 0
+    assert "ghost" not in router.index.workers()
+    router.release(s)
+    assert router.in_flight == {}
+
+
+async def test_tickets_are_unique_and_release_only_counts_once():
+    router, _ = make_router()
+    a = await router.select("m", prompt(0))
+    b = await router.select("m", prompt(0))
+    assert a.ticket != b.ticket and isinstance(a, Selection)
+    router.release(a)
+    router.release(a)
+    assert sum(router.in_flight.values()) == 1
