@@ -22,7 +22,7 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,6 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-name", default="", help="target model this draft serves ('' = any)")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--draft-model", default=None, help="draft LM directory or .gguf (method draft_model)")
+    parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (method draft_model)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
@@ -43,6 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_proposer(args: argparse.Namespace):
     if args.method == "ngram":
         return NgramProposer(args.ngram_min, args.ngram_max)
+    if args.method == "draft_model":
+        if not args.draft_model:
+            raise SystemExit("--method draft_model needs --draft-model PATH")
+        from ..engine.weights import load_model
+        from ..spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size)
     raise ValueError(f"unknown draft method {args.method!r}")
 
 
@@ -54,7 +65,7 @@ async def amain(args: argparse.Namespace) -> None:
     proposer = make_proposer(args)
     config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(config) as rt:
-        service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens)
+        service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
         await service.start()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.max_send_message_length", 64 << 20)])

@@ -33,8 +33,11 @@ class _Stream:
 class DraftService(spec_pb2_grpc.DraftServiceServicer):
     """Serves :class:`Proposer` proposals to any number of target workers."""
 
-    def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16):
+    def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True):
         self.proposer = proposer
+        # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
+        self.overlap = overlap and hasattr(proposer, "predraft")
+        self._ahead: dict[str, int] = {}  # seq id -> γ of its last proposal, to draft ahead for
         self.draft_id = draft_id
         self.max_speculative_tokens = max_speculative_tokens
         self._work: asyncio.Queue = asyncio.Queue()  # (kind, stream, payload)
@@ -42,6 +45,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self.streams: dict[int, _Stream] = {}
         self.batches = 0  # propose() calls made
         self.proposals = 0  # sequences proposed for
+        self.drafted_ahead = 0  # draft-ahead passes run
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="draft-batcher")
@@ -58,6 +62,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 items.append(self._work.get_nowait())
             try:
                 await self._process(items)
+                if self.overlap and self._ahead and self._work.empty():
+                    await self._draft_ahead()
             except Exception:
                 log.exception("draft batch failed; answering with empty proposals")
                 for kind, stream, payload in items:
@@ -79,11 +85,25 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 self.proposer.verified(payload)
             else:
                 self.proposer.release(payload)
+                for seq_id in payload:
+                    self._ahead.pop(seq_id, None)
         if batch:
             await self._propose(batch)
 
+    async def _draft_ahead(self) -> None:
+        # γ drafts + a guess of the target's bonus token + γ drafts for the next round.
+        by_gamma: dict[int, list[str]] = {}
+        for seq_id, gamma in self._ahead.items():
+            by_gamma.setdefault(2 * gamma + 1, []).append(seq_id)
+        self._ahead.clear()
+        for length, seq_ids in by_gamma.items():
+            await asyncio.to_thread(self.proposer.predraft, seq_ids, length)
+        self.drafted_ahead += 1
+
     async def _propose(self, batch: list[tuple[_Stream, DraftInput]]) -> None:
         inputs = [d for _, d in batch]
+        if self.overlap:
+            self._ahead.update((d.seq_id, d.num_tokens) for d in inputs if d.num_tokens > 0)
         outputs = await asyncio.to_thread(self.proposer.propose, inputs)
         self.batches += 1
         self.proposals += len(outputs)
