@@ -1,0 +1,89 @@
+"""The real target worker process on a tiny random model: same tokens as the engine in-process,
+model card, KV events, prefix hits, typed errors, and cancellation that frees the blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.errors import InvalidRequest
+from runtime.events import TOPIC_KV, TOPIC_LOAD
+from runtime.kv_hash import block_hashes
+from runtime.messages import GenerateRequest, KvEvent, KvEventKind, LoadEvent, SamplingParams, TokenDelta
+from runtime.request_plane import collect
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
+
+pytestmark = pytest.mark.e2e
+
+BLOCKS, BLOCK = 96, 4
+PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(10 + 5 * i)] for i in range(4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-target")
+    tiny_hf_model("qwen2", path)
+    return path
+
+
+def _tokens(deltas: list[TokenDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_dir):
+    kv_events: list[KvEvent] = []
+    await rt.subscribe(TOPIC_KV, KvEvent, kv_events.append)
+    loads: list[LoadEvent] = []
+    await rt.subscribe(TOPIC_LOAD, LoadEvent, loads.append)
+    proc = spawn("workers.target", "--model", str(model_dir), "--served-model-name", "tiny", "--num-blocks", str(BLOCKS),
+          "--block-size", str(BLOCK), "--max-model-len", "384", "--threads", "1", "--load-interval", "0.2",
+          "--lease-ttl", "3")
+    client = await rt.client("target", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=90)
+    assert inst.model == "tiny" and inst.role == "target"
+    cards = await rt.models()
+    await cards.wait_for(lambda c: any(card.instance_id == inst.instance_id for card in c.values()), 5)
+    card = next(c for c in cards.values() if c.instance_id == inst.instance_id)
+    assert (card.name, card.role, card.kv_block_size, card.context_length) == ("tiny", "target", BLOCK, 384)
+    assert card.tokenizer_path == str(model_dir)
+
+    engine = Engine(load_model(model_dir), EngineConfig(num_blocks=BLOCKS, block_size=BLOCK))
+    expected = engine.generate({str(i): p for i, p in enumerate(PROMPTS)}, GREEDY)
+
+    streams = [await client.call(inst.instance_id, GenerateRequest(p, GREEDY, model="tiny"), TokenDelta) for p in PROMPTS]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for i, deltas in enumerate(results):
+        assert _tokens(deltas) == expected[str(i)]
+        assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 20
+    # the same prompt again hits the prefix cache
+    again = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[3], GREEDY), TokenDelta))
+    assert _tokens(again) == expected["3"]
+    assert again[-1].usage.cached_tokens == (len(PROMPTS[3]) - 1) // BLOCK * BLOCK
+    stored = {h for e in kv_events if e.kind == KvEventKind.STORED for h in e.block_hashes}
+    assert set(block_hashes(PROMPTS[3], BLOCK)) <= stored
+    assert kv_events[0].kind == KvEventKind.CLEARED and all(e.worker_id == inst.instance_id for e in kv_events)
+
+    with pytest.raises(InvalidRequest) as err:
+        await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[0], SamplingParams(top_p=1.5)), TokenDelta))
+    assert err.value.field == "top_p"
+    with pytest.raises(InvalidRequest) as err:
+        await collect(await client.call(inst.instance_id, GenerateRequest([1] * 400, SamplingParams()), TokenDelta))
+    assert err.value.field == "prompt"
+
+    # cancellation: leave a long request early; its blocks come back
+    long = GenerateRequest(PROMPTS[2], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    stream = await client.call(inst.instance_id, long, TokenDelta)
+    async with stream:
+        first = await stream.__anext__()
+        assert first.token_ids
+    loads.clear()
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        if loads and loads[-1].running == 0 and loads[-1].free_blocks == BLOCKS:
+            break
+    assert loads and loads[-1].running == 0 and loads[-1].free_blocks == loads[-1].total_blocks == BLOCKS
+    await asyncio.to_thread(proc.wait_for_log, "cancelled by the client", 5)

@@ -1,0 +1,163 @@
+"""Target worker service: the model engine behind ``target.generate``.
+
+Usage: python -m workers.target --model PATH [--served-model-name NAME] [--block-size 16] [--num-blocks N]
+       (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime import Runtime
+from runtime.config import add_runtime_args, config_from_args
+from runtime.events import TOPIC_KV_DUMP
+from runtime.messages import GenerateRequest, KvDumpRequest, ModelCard
+from runtime.service import run_service
+
+log = logging.getLogger("workers.target")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Everything the target service needs besides the runtime flags."""
+
+    model: str
+    served_model_name: str
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    kv_cache_gb: float = 1.0
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    attention: str = "torch"
+    enable_prefix_caching: bool = True
+    load_interval: float = 0.5
+
+    def __post_init__(self):
+        if not Path(self.model).exists():
+            raise ValueError(f"--model {self.model} does not exist")
+        if not self.served_model_name:
+            raise ValueError("the served model name must not be empty")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.attention not in ("torch", "triton"):
+            raise ValueError(f"--attention must be torch or triton, got {self.attention}")
+        if self.kv_cache_gb <= 0 or self.load_interval <= 0:
+            raise ValueError("--kv-cache-gb and --load-interval must be positive")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError("--threads must be positive")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.target", description="Tandem target worker")
+    add_runtime_args(parser)
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the demo SmolLM2)")
+    parser.add_argument("--served-model-name", default=None, help="model name to register (default: the model's name)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from --kv-cache-gb)")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    parser.add_argument("--attention", default="torch", help="attention backend: torch or triton (GPU)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--log-level", default=None)
+    return parser.parse_args(argv)
+
+
+def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
+    name = args.served_model_name or (model.stem if model.suffix == ".gguf" else model.name)
+    return TargetConfig(str(model), name, args.block_size, args.num_blocks, args.max_num_seqs,
+                        args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
+                        args.threads, args.attention, not args.no_prefix_caching, args.load_interval)
+
+
+def chat_template(model_dir: Path) -> str:
+    """The chat template shipped with the model, if any."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.exists():
+        template = json.loads(cfg.read_text()).get("chat_template") or ""
+        return template if isinstance(template, str) else ""
+    return ""
+
+
+def build_engine(cfg: TargetConfig, worker_id: str):
+    """Load the model and build the engine (blocking: call off the event loop)."""
+    import torch
+
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.weights import load_model
+
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    attention_fn = None
+    if cfg.attention == "triton":
+        from workers.engine.triton_attention import paged_attention_triton as attention_fn
+    max_len = cfg.max_model_len
+    model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, max_positions=max_len,
+                       attention_fn=attention_fn)
+    engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
+                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
+                              kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+                              enable_prefix_caching=cfg.enable_prefix_caching)
+    return Engine(model, engine_cfg, worker_id)
+
+
+async def amain(args: argparse.Namespace) -> None:
+    from workers.target.worker import TargetWorker
+
+    if args.model:
+        model_path = Path(args.model)
+    else:
+        from workers.demo_model import demo_model_dir
+
+        model_path = await asyncio.to_thread(demo_model_dir)
+    cfg = target_config(args, model_path)
+    runtime_config = config_from_args(args, drain_timeout=args.drain_timeout)
+    async with Runtime.connect(runtime_config) as rt:
+        engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
+        worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval)
+        await worker.start()
+        await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
+        model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
+        await rt.register_model(ModelCard(
+            name=cfg.served_model_name,
+            role="target",
+            tokenizer_path=str(model_dir),
+            context_length=engine.max_model_len,
+            kv_block_size=cfg.block_size,
+            eos_token_ids=sorted(engine.eos_token_ids),
+            chat_template=chat_template(model_dir),
+        ))
+        # The instance record goes last: once it is visible, the model card is there too.
+        await rt.serve("target", "generate", worker.generate, GenerateRequest, role="target", model=cfg.served_model_name)
+        log.info("target worker %s ready: model %s (%d blocks of %d)", rt.instance_id, cfg.served_model_name,
+                 engine.blocks.num_blocks, cfg.block_size)
+        await rt.wait_for_shutdown()
+        await worker.drain(args.drain_timeout)
+        await worker.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_service(lambda: amain(args), args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The target worker's ``generate`` handler and its event publishers (KV events, load, KV dumps)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from runtime.errors import InvalidRequest
+from runtime.events import TOPIC_KV, TOPIC_LOAD
+from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, TokenDelta
+
+from workers.engine.engine import Engine
+
+from .engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, object], Awaitable[None]]
+
+
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """Several deltas of one request as one (the stream's consumer fell behind the engine)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = [x for d in deltas for x in d.logprobs] if all(d.logprobs is not None for d in deltas) else None
+    top = [x for d in deltas for x in d.top_logprobs] if all(d.top_logprobs is not None for d in deltas) else None
+    last = deltas[-1]
+    return TokenDelta(tokens, logprobs, top, last.finish_reason, last.usage)
+
+
+class TargetWorker:
+    """Serves ``generate`` from an :class:`Engine` run on its own thread; plain values in."""
+
+    def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
+                 load_interval: float = 0.5):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self._publish = publish
+        self._load_interval = load_interval
+        self._kv_out: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
+        self.loop = EngineLoop(engine, self._kv_out.put_nowait)
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count()
+        self.cancelled = 0  # handlers cancelled by their client
+
+    async def start(self) -> None:
+        self.loop.start()
+        await self.loop.call(lambda engine: engine.blocks.clear())  # tell routers we start empty
+        self._tasks.append(asyncio.create_task(self._publish_kv(), name="target-kv-events"))
+        self._tasks.append(asyncio.create_task(self._publish_load(), name="target-load"))
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) until the engine has no requests; new ones are refused by the runtime."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.loop.num_requests and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.loop.stop()
+
+    async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[TokenDelta]:
+        """Token ids in, token deltas out; the last delta has the finish reason and usage."""
+        if req.model and req.model != self.model_name:
+            raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
+        rid = f"{ctx.request_id}#{next(self._ids)}"
+        out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids))
+        finished = False
+        try:
+            while not finished:
+                items = [await out.get()]
+                while not out.empty():
+                    items.append(out.get_nowait())
+                for item in items:
+                    if isinstance(item, Exception):
+                        raise item
+                delta = merge_deltas(items)
+                finished = delta.finish_reason is not None
+                yield delta
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1
+            log.info("request %s: cancelled by the client, freeing its blocks", ctx.request_id)
+            raise
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+
+    async def on_dump_request(self, _request: KvDumpRequest) -> None:
+        events = await self.loop.call(lambda engine: engine.blocks.dump())
+        self._kv_out.put_nowait(events)
+
+    def load(self) -> LoadEvent:
+        engine = self.engine
+        total = engine.blocks.num_blocks
+        free = engine.blocks.num_free_blocks
+        return LoadEvent(self.worker_id, running=engine.num_running, queued=engine.num_waiting,
+                         active_blocks=total - free, total_blocks=total, free_blocks=free, timestamp=time.time())
+
+    async def _publish_kv(self) -> None:
+        while True:
+            events = await self._kv_out.get()
+            for event in events:
+                try:
+                    await self._publish(TOPIC_KV, event)
+                except Exception as exc:  # NATS reconnecting; routers resync with a dump request
+                    log.warning("KV event %d not published: %r", event.event_id, exc)
+
+    async def _publish_load(self) -> None:
+        last = None
+        ticks = 0
+        while True:
+            await asyncio.sleep(self._load_interval / 5)
+            ticks += 1
+            load = self.load()
+            key = (load.running, load.queued, load.free_blocks)
+            if key == last and ticks % 5:
+                continue  # unchanged: publish only every load_interval
+            last = key
+            try:
+                await self._publish(TOPIC_LOAD, load)
+            except Exception as exc:
+                log.debug("load not published: %r", exc)
