@@ -1,0 +1,74 @@
+"""Launcher children: prefixed output, and a stop that leaves nothing of the process group behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+
+import pytest
+
+from deploy.children import Child, stop_tiers
+
+pytestmark = pytest.mark.unit
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_output_is_forwarded_with_a_prefix():
+    out = io.StringIO()
+    child = Child("target-0", [sys.executable, "-c", "print('hello'); import sys; print('oops', file=sys.stderr)"],
+                  out=out).start()
+    assert child.wait(20) == 0
+    child.join_output()
+    assert out.getvalue().splitlines() == ["[target-0] hello", "[target-0] oops"]
+    assert child.recent_output() == "hello\noops"
+
+
+def test_stop_kills_stragglers_and_their_whole_process_group(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    # The child ignores SIGTERM and leaves a grandchild that ignores it too.
+    script = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(g.pid))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    out = io.StringIO()
+    child = Child("stubborn", [sys.executable, "-c", script], out=out).start()
+    deadline = time.monotonic() + 20
+    while "ready" not in out.getvalue():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    assert os.getpgid(grandchild) == child.pid  # its own group, led by the child
+    started = time.monotonic()
+    stop_tiers([[child]], timeout=0.5)
+    assert time.monotonic() - started < 10
+    assert child.returncode == -9
+    deadline = time.monotonic() + 5
+    while running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(grandchild)
+
+
+def test_tiers_stop_in_order(caplog):
+    out = io.StringIO()
+    a = Child("a", [sys.executable, "-c", "import time; time.sleep(60)"], out=out).start()
+    b = Child("b", [sys.executable, "-c", "import time; time.sleep(60)"], out=out).start()
+    with caplog.at_level("INFO", logger="deploy.children"):
+        stop_tiers([[b], [a]], timeout=5)
+    assert not a.alive() and not b.alive()
+    events = [r.getMessage().split(" (")[0] for r in caplog.records]
+    assert [e for e in events if e.startswith(("stopping", "a exited", "b exited"))] == \
+        ["stopping b", "b exited with -15", "stopping a", "a exited with -15"]

@@ -1,0 +1,117 @@
+"""The launcher's plan: config validation, which components start with which flags, the CLI's flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.cli import build_parser, stack_config
+from deploy.stack import Component, StackConfig, component_names, filter_flags, plan
+
+pytestmark = pytest.mark.unit
+
+
+def ports_for(config: StackConfig, drafts_available: bool = True) -> dict[str, int]:
+    return {name: 9000 + i for i, name in enumerate(component_names(config, drafts_available))}
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"draft_method": "medusa"}, "draft_method"),
+    ({"router_mode": "kv2"}, "router_mode"),
+    ({"targets": 0}, "targets"),
+    ({"drafts": -1}, "drafts"),
+    ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
+    ({"http_port": 70000}, "http_port"),
+    ({"mock_token_latency_ms": 5.0}, "only applies with --mock"),
+    ({"mock": True, "mock_token_latency_ms": -1.0}, "mock_token_latency_ms"),
+    ({"draft_method": "draft_model"}, "--draft-model"),
+    ({"draft_method": "eagle", "drafts": 2}, "--draft-model"),
+    ({"draft_method": "none", "drafts": 1}, "--draft-method none"),
+    ({"mock": True, "drafts": 1}, "no draft workers"),
+])
+def test_bad_configs_raise_value_error_naming_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StackConfig(**kwargs)
+
+
+def test_draft_defaults():
+    assert StackConfig().num_drafts == 1
+    assert StackConfig(mock=True).num_drafts == 0
+    assert StackConfig(draft_method="none").num_drafts == 0
+    assert StackConfig(draft_method="eagle", drafts=0).num_drafts == 0  # no drafts: no head needed
+    assert StackConfig(drafts=3).num_drafts == 3
+
+
+def test_model_names():
+    assert StackConfig(mock=True).model_name(None) == "mock"
+    assert StackConfig().model_name("/cache/smollm2") == "SmolLM2-135M-Instruct"  # the bundled demo
+    assert StackConfig(model="/models/Llama-3.1-8B/").model_name("/models/Llama-3.1-8B/") == "Llama-3.1-8B"
+    assert StackConfig(model="/m", served_model_name="llama").model_name("/m") == "llama"
+
+
+def test_mock_plan():
+    cfg = StackConfig(mock=True, targets=2, mock_token_latency_ms=0, num_speculative_tokens=3)
+    ports = ports_for(cfg)
+    comps = plan(cfg, None, ports)
+    assert [c.name for c in comps] == ["target-0", "target-1", "frontend"]
+    t0 = comps[0]
+    assert t0.module == "workers.mock" and not t0.gpu
+    assert t0.argv("py") == ["py", "-m", "workers.mock", "--model-name", "mock", "--health-port", str(ports["target-0"]),
+                             "--token-latency-ms", "0", "--num-speculative-tokens", "3"]
+    assert comps[-1].args == ("--http-port", str(ports["frontend"]), "--host", "127.0.0.1", "--router-mode", "kv")
+    assert comps[-1].health_port == ports["frontend"]
+
+
+def test_real_plan_with_router_targets_and_drafts():
+    cfg = StackConfig(model="/m/target", draft_method="draft_model", draft_model="/m/draft", drafts=2,
+                      router_mode="round_robin", standalone_router=True, num_speculative_tokens=5)
+    comps = plan(cfg, "/m/target", ports_for(cfg))
+    assert [c.name for c in comps] == ["router", "target-0", "draft-0", "draft-1", "frontend"]
+    router, target, draft = comps[0], comps[1], comps[2]
+    assert router.args[-2:] == ("--mode", "round_robin")
+    assert target.module == "workers.target" and target.gpu
+    assert target.args[:4] == ("--model", "/m/target", "--served-model-name", "target")
+    assert draft.module == "workers.draft" and draft.gpu
+    args = list(draft.args)
+    assert args[args.index("--method") + 1] == "draft_model" and args[args.index("--draft-model") + 1] == "/m/draft"
+    assert args[args.index("--num-speculative-tokens") + 1] == "5"
+    assert len({c.health_port for c in comps}) == len(comps)
+
+
+def test_no_drafts_when_the_module_is_missing():
+    cfg = StackConfig(model="/m")
+    assert [c.name for c in plan(cfg, "/m", ports_for(cfg, False), drafts_available=False)] == ["target-0", "frontend"]
+
+
+def test_filter_flags_drops_only_unknown_optional_flags_with_their_values():
+    comp = Component("draft-0", "draft", "workers.draft",
+                     ("--method", "ngram", "--served-model-name", "m", "--verbose", "--model", "/m"),
+                     optional_flags=("--served-model-name", "--verbose", "--model"))
+    got = filter_flags(comp, frozenset({"--method", "--model"}))
+    assert got.args == ("--method", "ngram", "--model", "/m")
+    assert filter_flags(comp, frozenset()) is comp  # unknown help output: pass everything
+
+
+def test_cli_flags_and_defaults():
+    args = build_parser().parse_args(["up"])
+    cfg = stack_config(args)
+    assert (cfg.http_port, cfg.draft_method, cfg.router_mode, cfg.targets, cfg.mock, cfg.model) == \
+        (8000, "ngram", "kv", 1, False, None)
+    args = build_parser().parse_args([
+        "up", "--model", "/m", "--served-model-name", "n", "--draft-method", "eagle", "--draft-model", "/h",
+        "--num-speculative-tokens", "4", "--targets", "2", "--drafts", "3", "--router-mode", "random",
+        "--http-port", "9000", "--etcd-port", "1234", "--nats-port", "1235"])
+    cfg = stack_config(args)
+    assert (cfg.model, cfg.served_model_name, cfg.draft_method, cfg.draft_model, cfg.num_speculative_tokens,
+            cfg.targets, cfg.drafts, cfg.router_mode, cfg.http_port) == ("/m", "n", "eagle", "/h", 4, 2, 3, "random", 9000)
+    assert (args.etcd_port, args.nats_port) == (1234, 1235)
+    mock = stack_config(build_parser().parse_args(["up", "--mock", "--mock-token-latency-ms", "0"]))
+    assert mock.mock and mock.mock_token_latency_ms == 0
+
+
+def test_ray_up_needs_etcd_and_nats(monkeypatch):
+    monkeypatch.delenv("TANDEM_ETCD", raising=False)
+    monkeypatch.delenv("TANDEM_NATS", raising=False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ray", "up", "--mock"])
+    args = build_parser().parse_args(["ray", "up", "--mock", "--etcd", "http://e:2379", "--nats", "nats://n:4222"])
+    assert (args.address, args.gpus_per_worker) == ("auto", 1.0)
