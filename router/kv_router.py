@@ -173,10 +173,7 @@ class KvRouter(Router):
                       overlaps[wid], costs[chosen],
                       ", ".join(f"{c}: overlap={overlaps[c]} cost={cost:g}" for c, cost in zip(ids, costs)))
         selection = self._selected(wid, overlaps[wid], request_id)
-        worker_size = self.index.block_size(wid) or block_size
-        if worker_size != block_size:
-            hashes = block_hashes(token_ids, worker_size)
-        self.load.add(selection.ticket, wid, hashes, request_blocks(len(token_ids), worker_size) - len(hashes))
+        self.load.add(selection.ticket, wid, request_blocks(len(token_ids), self.index.block_size(wid) or block_size))
         return selection
 
     def _candidate_ids(self, model: str, exclude) -> list[str]:

@@ -1,37 +1,26 @@
 """Per-worker load as the KV router sees it: workers' load events plus its own in-flight requests.
 
-Load events arrive every fraction of a second and include requests other routers sent; the router's
-own accounting changes at once, so a burst of selections does not all land on the worker that looked
-idle at the last event. A worker's active decode blocks are the larger of the two. Own blocks are
-counted as distinct block hashes (requests sharing a prefix share its blocks, as in a paged cache)
-plus each request's partial last block.
+A worker's *active decode blocks* are the KV blocks its running requests read at every decode step:
+each request reads its whole context, so a prefix shared by ten requests is read ten times and counts
+ten times (it is stored once, but routing balances work, not memory).
+
+Load events arrive every fraction of a second and include requests that other routers sent; the
+router's own accounting changes at once, so a burst of selections does not all land on the worker
+that looked idle at the last event. The router uses the larger of the two.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runtime.messages import LoadEvent
 
 
 @dataclass
-class _Own:
-    refs: dict[int, int] = field(default_factory=dict)  # block hash -> in-flight requests using it
-    partial: int = 0  # partial last blocks (never shared)
-    requests: int = 0
-
-    @property
-    def blocks(self) -> int:
-        return len(self.refs) + self.partial
-
-
-@dataclass
 class _InFlight:
     worker_id: str
-    hashes: Sequence[int]
-    partial: int
+    blocks: int
     since: float
 
 
@@ -41,7 +30,8 @@ class LoadTracker:
     def __init__(self, queue_weight: float = 0.0) -> None:
         self.queue_weight = queue_weight
         self._reported: dict[str, LoadEvent] = {}
-        self._own: dict[str, _Own] = {}
+        self._own_blocks: dict[str, int] = {}
+        self._own_requests: dict[str, int] = {}
         self._inflight: dict[int, _InFlight] = {}
         # worker -> decode_blocks + queue_weight * queued, kept current so a decision reads one dict
         self.pressure: dict[str, float] = {}
@@ -50,24 +40,11 @@ class LoadTracker:
         self._reported[event.worker_id] = event
         self._update(event.worker_id)
 
-    def _update(self, worker_id: str) -> None:
-        value = self.decode_blocks(worker_id) + self.queue_weight * self.queued(worker_id)
-        if value:
-            self.pressure[worker_id] = value
-        else:
-            self.pressure.pop(worker_id, None)
-
-    def add(self, ticket: int, worker_id: str, hashes: Sequence[int], partial: int, now: float | None = None) -> None:
-        """Count a new selection: the prompt's full-block ``hashes`` and ``partial`` extra blocks."""
-        own = self._own.get(worker_id)
-        if own is None:
-            own = self._own[worker_id] = _Own()
-        refs = own.refs
-        for h in hashes:
-            refs[h] = refs.get(h, 0) + 1
-        own.partial += partial
-        own.requests += 1
-        self._inflight[ticket] = _InFlight(worker_id, hashes, partial, time.monotonic() if now is None else now)
+    def add(self, ticket: int, worker_id: str, blocks: int, now: float | None = None) -> None:
+        """Count a new selection of a request with ``blocks`` prompt blocks."""
+        self._own_blocks[worker_id] = self._own_blocks.get(worker_id, 0) + blocks
+        self._own_requests[worker_id] = self._own_requests.get(worker_id, 0) + 1
+        self._inflight[ticket] = _InFlight(worker_id, blocks, time.monotonic() if now is None else now)
         self._update(worker_id)
 
     def remove(self, ticket: int) -> bool:
@@ -75,21 +52,15 @@ class LoadTracker:
         item = self._inflight.pop(ticket, None)
         if item is None:
             return False
-        own = self._own.get(item.worker_id)
-        if own is None:  # cannot happen: drop_worker removes the in-flight items too
-            return True
-        refs = own.refs
-        for h in item.hashes:
-            left = refs.get(h, 0) - 1
-            if left > 0:
-                refs[h] = left
-            else:
-                refs.pop(h, None)
-        own.partial -= item.partial
-        own.requests -= 1
-        if own.requests <= 0:
-            del self._own[item.worker_id]
-        self._update(item.worker_id)
+        wid = item.worker_id
+        requests = self._own_requests[wid] - 1
+        if requests > 0:
+            self._own_requests[wid] = requests
+            self._own_blocks[wid] -= item.blocks
+        else:
+            del self._own_requests[wid]
+            del self._own_blocks[wid]
+        self._update(wid)
         return True
 
     def expire(self, older_than: float, now: float | None = None) -> list[tuple[int, str]]:
@@ -102,26 +73,32 @@ class LoadTracker:
 
     def drop_worker(self, worker_id: str) -> None:
         self._reported.pop(worker_id, None)
-        self._own.pop(worker_id, None)
+        self._own_blocks.pop(worker_id, None)
+        self._own_requests.pop(worker_id, None)
         self.pressure.pop(worker_id, None)
         for ticket in [t for t, item in self._inflight.items() if item.worker_id == worker_id]:
             del self._inflight[ticket]
 
+    def _update(self, worker_id: str) -> None:
+        value = self.decode_blocks(worker_id) + self.queue_weight * self.queued(worker_id)
+        if value:
+            self.pressure[worker_id] = value
+        else:
+            self.pressure.pop(worker_id, None)
+
     def decode_blocks(self, worker_id: str) -> int:
-        own = self._own.get(worker_id)
         reported = self._reported.get(worker_id)
-        return max(own.blocks if own else 0, reported.active_blocks if reported else 0)
+        return max(self._own_blocks.get(worker_id, 0), reported.active_blocks if reported else 0)
 
     def queued(self, worker_id: str) -> int:
         reported = self._reported.get(worker_id)
         return reported.queued if reported else 0
 
     def own_requests(self, worker_id: str) -> int:
-        own = self._own.get(worker_id)
-        return own.requests if own else 0
+        return self._own_requests.get(worker_id, 0)
 
     def in_flight(self) -> int:
         return len(self._inflight)
 
     def workers(self) -> list[str]:
-        return sorted(set(self._reported) | set(self._own))
+        return sorted(set(self._reported) | set(self._own_blocks))

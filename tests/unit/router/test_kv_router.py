@@ -48,9 +48,11 @@ async def test_a_burst_spreads_once_the_holder_is_loaded():
     router, _ = make_router()
     router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
     chosen = [(await router.select("m", prompt(i))).instance_id for i in range(30)]
-    # Each request adds 4 unshared blocks on top of the shared 32: w1 stays cheapest for a while.
-    assert chosen[:5] == ["w1"] * 5
-    assert {"w0", "w2"} <= set(chosen)
+    # 36-block requests; w1 holds 32: it costs 2*4 + 36k with k requests running, the others 2*36 + 36j.
+    # So w1 takes two, then the others one each, and w1 stays at most two requests ahead.
+    assert chosen[:2] == ["w1", "w1"] and set(chosen[2:4]) == {"w0", "w2"}
+    counts = {w: chosen.count(w) for w in ("w0", "w1", "w2")}
+    assert 1 <= counts["w1"] - max(counts["w0"], counts["w2"]) <= 2 and sum(counts.values()) == 30
 
 
 async def test_reported_load_alone_moves_requests():
@@ -101,7 +103,7 @@ async def test_workers_with_other_block_sizes_use_their_own_hashes():
     router.on_kv_event(KvEvent("w32", 1, "stored", block_hashes(PREFIX, 32), block_size=32))
     s = await router.select("m", prompt(0))
     assert (s.instance_id, s.overlap_blocks) == ("w32", 16)
-    assert router.load.decode_blocks("w32") == (512 + 64) // 32
+    assert router.load.decode_blocks("w32") == (512 + 64) // 32  # its own block size
 
 
 async def test_decisions_are_logged_with_overlap_and_cost_per_candidate(caplog):

@@ -1,0 +1,122 @@
+"""The KV router against 3 real mock worker processes over real etcd and NATS.
+
+Requests sharing a long prefix go to the worker that holds it (and hit its cache); a burst spreads once
+that worker is loaded; a worker that leaves is never chosen again; a router that starts late recovers
+the index from the workers' dumps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router import create_router
+from runtime.kv_hash import block_hashes
+from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
+from runtime.request_plane import collect
+
+pytestmark = pytest.mark.integration
+
+PREFIX = list(range(1000, 1512))  # 32 blocks of 16
+PREFIX_HASHES = block_hashes(PREFIX, 16)
+
+
+def prompt(i: int) -> list[int]:
+    return PREFIX + [5000 + 37 * i + k for k in range(40)]  # 2 more full blocks and a partial one
+
+
+async def eventually(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+async def start_workers(rt, spawn, n: int, *extra: str):
+    procs = [spawn("workers.mock", "--lease-ttl", "3", "--stats-interval", "0.2", "--num-speculative-tokens", "0",
+                   *extra, name=f"mock{i}") for i in range(n)]
+    client = await rt.client("target", "generate")
+    records = await client.wait_for_instances(n, timeout=60)
+    by_pid = {p.pid: p for p in procs}
+    return client, {r.instance_id: by_pid[r.pid] for r in records}
+
+
+async def generate(client, instance_id: str, tokens: list[int], max_tokens: int = 1) -> list[TokenDelta]:
+    return await collect(await client.call(instance_id, GenerateRequest(tokens, SamplingParams(temperature=0, max_tokens=max_tokens)), TokenDelta))
+
+
+async def routed(router, client, tokens: list[int], max_tokens: int = 1):
+    selection = await router.select("mock", tokens)
+    try:
+        deltas = await generate(client, selection.instance_id, tokens, max_tokens)
+    finally:
+        router.release(selection)
+    return selection, deltas[-1].usage
+
+
+async def test_prefix_affinity_then_spread_under_load_then_departure(rt, spawn):
+    router = await create_router(rt, "kv", seed=3)
+    try:
+        client, procs = await start_workers(rt, spawn, 3, "--token-latency-ms", "40")
+        first, _ = await routed(router, client, prompt(0))
+        holder = first.instance_id
+        await eventually(lambda: router.index.overlaps(PREFIX_HASHES, [holder])[holder] == 32, what="holder indexed")
+
+        for i in range(1, 6):  # requests sharing the prefix go to the holder and hit its cache
+            selection, usage = await routed(router, client, prompt(i))
+            assert (selection.instance_id, selection.overlap_blocks) == (holder, 32)
+            assert usage.cached_tokens == 512
+
+        # A burst of long requests: the holder takes the first ones, then it counts as loaded.
+        async def long_request(i: int) -> str:
+            selection = await router.select("mock", prompt(100 + i))
+            try:
+                await generate(client, selection.instance_id, prompt(100 + i), max_tokens=25)
+            finally:
+                router.release(selection)
+            return selection.instance_id
+
+        tasks = []
+        for i in range(24):
+            tasks.append(asyncio.create_task(long_request(i)))
+            await asyncio.sleep(0)  # each select runs before the next one starts
+        chosen = await asyncio.gather(*tasks)
+        # 35-block prompts, 32 cached on the holder: it costs 2*3 + 35k with k requests running there,
+        # a cold worker 2*35 + 35j. The holder takes two, then the burst spreads over all three.
+        assert chosen[:2] == [holder] * 2 and holder not in chosen[2:4], chosen
+        assert all(chosen.count(w) >= 5 for w in procs), chosen
+        assert router.in_flight == {} and router.load.in_flight() == 0
+
+        # The holder leaves: it is dropped from the index and never chosen again.
+        await asyncio.to_thread(procs[holder].stop)
+        await client.snapshot.wait_for(lambda items: all(r.instance_id != holder for r in items.values()), 10)
+        assert router.index.num_blocks(holder) == 0 and holder not in router.index.workers()
+        for i in range(20):
+            selection, _ = await routed(router, client, prompt(200 + i))
+            assert selection.instance_id != holder
+        assert router.index.is_departed(holder) and holder not in router.index.workers()
+    finally:
+        await router.stop()
+
+
+async def test_late_router_recovers_the_index_from_worker_dumps(rt, spawn):
+    client, procs = await start_workers(rt, spawn, 3, "--token-latency-ms", "0")
+    ids = sorted(procs)
+    holder = ids[1]
+    await generate(client, holder, prompt(0))  # no router yet: only the worker knows
+    other = block_hashes(list(range(9000, 9160)), 16)
+    await generate(client, ids[2], list(range(9000, 9160)))
+
+    router = await create_router(rt, "kv", seed=5)
+    try:
+        await eventually(lambda: router.index.num_blocks(holder) >= 34 and router.index.num_blocks(ids[2]) >= 10,
+                         what="index recovered from dumps")
+        assert router.index.overlaps(PREFIX_HASHES, ids) == {ids[0]: 0, holder: 32, ids[2]: 0}
+        assert router.index.overlaps(other, ids)[ids[2]] == 10
+        selection, usage = await routed(router, client, prompt(1))
+        assert (selection.instance_id, selection.overlap_blocks, usage.cached_tokens) == (holder, 32, 512)
+    finally:
+        await router.stop()
