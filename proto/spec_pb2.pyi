@@ -65,18 +65,20 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling")
+    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling", "hidden_states")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     sampling: SamplingSpec
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ...) -> None: ...
+    hidden_states: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests",)

@@ -147,7 +147,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     for r in msg.propose.requests:
                         d = draft_input_from_pb(r)
                         if d.num_tokens > self.max_speculative_tokens:
-                            d = DraftInput(d.seq_id, d.round, d.new_tokens, self.max_speculative_tokens, d.sampling)
+                            d = DraftInput(d.seq_id, d.round, d.new_tokens, self.max_speculative_tokens, d.sampling,
+                                           d.hidden_states)
                         seqs.add(d.seq_id)
                         inputs.append(d)
                     self._work.put_nowait(("propose", stream, inputs))

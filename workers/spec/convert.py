@@ -45,11 +45,13 @@ def sampling_from_pb(msg: spec_pb2.SamplingSpec) -> SamplingSpec:
 
 def draft_input_to_pb(d: DraftInput) -> spec_pb2.ProposeRequest:
     return spec_pb2.ProposeRequest(seq_id=d.seq_id, round=d.round, new_tokens=d.new_tokens,
-                                   num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling))
+                                   num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling),
+                                   hidden_states=[tensor_to_pb(h) for h in d.hidden_states])
 
 
 def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
-    return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_tokens, sampling_from_pb(msg.sampling))
+    return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_tokens, sampling_from_pb(msg.sampling),
+                      [tensor_from_pb(h) for h in msg.hidden_states])
 
 
 def draft_output_to_pb(d: DraftOutput) -> spec_pb2.Proposal:

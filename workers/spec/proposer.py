@@ -39,6 +39,7 @@ class DraftInput:
     new_tokens: list[int]
     num_tokens: int
     sampling: SamplingSpec = SamplingSpec()
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [rows, hidden], see spec.proto
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class VerifyResult:
     round: int
     num_accepted: int
     emitted_tokens: list[int]
-    hidden_states: list[torch.Tensor] = field(default_factory=list)  # one [len(emitted), hidden] per layer
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [len(emitted), hidden]
 
 
 class Proposer(Protocol):
