@@ -83,7 +83,7 @@ class Frontend:
         self.client = client
         self.registry = registry
         self.metrics = FrontendMetrics()
-        self.dispatcher = Dispatcher(router, client, config.max_migrations)
+        self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
         self.app = build_app(self)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, ResponseStream, ShuttingDown
@@ -41,11 +41,13 @@ async def close_stream(stream: ResponseStream) -> None:
 class Dispatcher:
     """Routes generate requests for one frontend; plain collaborators in."""
 
-    def __init__(self, router: Router, client: EndpointClient, max_migrations: int = 3):
+    def __init__(self, router: Router, client: EndpointClient, max_migrations: int = 3,
+                 on_migrate: Callable[[], None] | None = None):
         self.router = router
         self.client = client
         self.max_migrations = max_migrations
-        self.migrations = 0  # requests moved to another worker (tests and metrics read it)
+        self.migrations = 0  # requests moved to another worker
+        self._on_migrate = on_migrate
 
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str
@@ -143,6 +145,8 @@ class Generation:
         if len(self.output_ids) >= self.sampling.max_tokens:
             return
         self._d.migrations += 1
+        if self._d._on_migrate is not None:
+            self._d._on_migrate()
         try:
             await self._send()
         except BaseException:

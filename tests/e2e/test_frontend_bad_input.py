@@ -1,0 +1,163 @@
+"""Bad input gets the right 4xx and an OpenAI-format JSON error, and the server stays up;
+fuzzed request bodies never get a 5xx. Real frontend and mock worker processes, real etcd/NATS."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.e2e.test_frontend_openai import FrontendStack
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TEXT = {"model": "mock", "prompt": "hi", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    s = FrontendStack(servers)
+    s.worker("--token-latency-ms", "0", "--num-speculative-tokens", "0")
+    s.frontend("--max-body-bytes", str(256 * 1024))
+    s.wait_healthy()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        yield client
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param != "any":
+        assert error["param"] == param, error
+    return error
+
+
+def post(http, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return http.post(path, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b'{"model": "mock",}', b"not json", b"[1, 2]", b"null", b'"string"', b"[" * 5000 + b"]" * 5000,
+     b'{"model": "mock", "messages": [{"role": "user", "content": "\xff\xfe bad utf-8"}]}',
+     b'{"model": "mock", "messages": [{"role": "user", "content": "\\ud800"}]}'],
+)
+def test_malformed_bodies_are_400(http, raw):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert_error(post(http, path, raw), 400, None)
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"model": 5}, "model"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"n": 50}, "n"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -5}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": {"a": 1}}, "stop"),
+        ({"stream": 1}, "stream"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"min_tokens": 10}, "min_tokens"),
+        ({"whatever": True}, "whatever"),
+    ],
+)
+def test_chat_field_errors_name_the_field(http, patch, param):
+    assert_error(post(http, "/v1/chat/completions", {**CHAT, **patch}), 400, param)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"prompt": "x"}, "model"), ({"model": "mock"}, "prompt"), ({"model": "mock", "messages": []}, "messages")],
+)
+def test_missing_fields(http, body, param):
+    path = "/v1/chat/completions" if param == "messages" or "prompt" in body else "/v1/completions"
+    assert_error(post(http, path, body), 400, param)
+
+
+def test_unknown_model_is_404(http):
+    err = assert_error(post(http, "/v1/completions", {**TEXT, "model": "ghost"}), 404, "model")
+    assert err["code"] == "model_not_found"
+
+
+def test_huge_bodies_are_413_with_and_without_content_length(http):
+    big = {**TEXT, "prompt": "x" * (300 * 1024)}
+    assert_error(post(http, "/v1/completions", big), 413)
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * 8192
+        yield json.dumps(TEXT).encode()
+
+    resp = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(resp, 413)
+
+
+def test_wrong_methods_and_paths_get_json_errors(http):
+    assert_error(http.get("/v1/chat/completions"), 405)
+    assert_error(http.get("/v1/nothing"), 404)
+
+
+def test_server_stays_up_after_bad_input(http):
+    assert http.get("/live").status_code == 200
+    resp = post(http, "/v1/chat/completions", CHAT)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+          "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "logit_bias",
+          "user", "min_tokens", "ignore_eos", "stop_token_ids", "echo", "presence_penalty", "response_format"]
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"])},
+                                optional={"content": JSON_VALUES | st.text(max_size=20), "name": JSON_VALUES})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    base=st.sampled_from([CHAT, TEXT]),
+    patch=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=4),
+    messages=st.none() | st.lists(MESSAGE, max_size=3),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+)
+def test_fuzzed_requests_never_get_a_5xx(http, base, patch, messages, path):
+    body = {**base, **patch}
+    if messages is not None:
+        body["messages"] = messages
+    resp = post(http, path, body)
+    assert resp.status_code < 500, resp.text
+    if resp.status_code >= 400:
+        assert_error(resp, resp.status_code)
+    elif body.get("stream") is True:
+        assert resp.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert resp.json()["object"] in ("chat.completion", "text_completion")

@@ -1,0 +1,146 @@
+"""The frontend when things go wrong: no workers yet, a model with no live instance, a client that
+disconnects (the worker's handler must be cancelled), and a worker killed with SIGKILL in the middle
+of a streamed request (the request migrates and the client's stream just continues)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+from runtime import Runtime, RuntimeConfig
+from runtime.events import TOPIC_LOAD
+from runtime.messages import LoadEvent, ModelCard
+from tests.e2e.test_frontend_openai import FrontendStack
+
+pytestmark = pytest.mark.e2e
+
+CANCELLED = "cancelled after client left"
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    s = FrontendStack(servers)
+    s.frontend()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(stack):
+    procs = [stack.worker("--token-latency-ms", "40", "--num-speculative-tokens", "0", name=f"mock{i}") for i in range(2)]
+    stack.wait_healthy()
+    deadline = time.monotonic() + 30
+    while {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock", 0) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return procs
+
+
+def runtime_config(stack) -> RuntimeConfig:
+    env = stack.env
+    return RuntimeConfig(etcd_url=env["TANDEM_ETCD"], nats_url=env["TANDEM_NATS"], namespace=env["TANDEM_NAMESPACE"],
+                         lease_ttl=3, handle_signals=False)
+
+
+def cancelled_count(procs) -> int:
+    return sum(p.logs().count(CANCELLED) for p in procs)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_without_workers_health_is_503_and_requests_404(stack):
+    assert httpx.get(stack.url + "/live").status_code == 200
+    health = httpx.get(stack.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+    resp = httpx.post(stack.url + "/v1/chat/completions", json={"model": "mock", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+
+
+async def test_a_model_without_a_live_instance_is_503_with_retry_after(stack):
+    from workers.demo_model import demo_tokenizer_dir
+
+    async with Runtime.connect(runtime_config(stack)) as rt:
+        # A worker that published its card but serves nothing (still starting, or its endpoint is gone).
+        await rt.register_model(ModelCard("ghost", tokenizer_path=str(demo_tokenizer_dir())))
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            deadline = time.monotonic() + 10
+            while "ghost" not in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            resp = await http.post("/v1/completions", json={"model": "ghost", "prompt": "hi", "max_tokens": 2})
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["code"] == "no_workers"
+            assert (await http.get("/health")).status_code == 503  # a card alone is not a serving worker
+
+
+def test_streaming_client_disconnect_cancels_the_worker_handler(stack, workers):
+    before = cancelled_count(workers)
+    body = {"model": "mock", "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 500, "stream": True}
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            data = [line for line in (next(lines) for _ in range(8)) if line.startswith("data:")]
+            assert len(data) >= 3
+    wait_until(lambda: cancelled_count(workers) == before + 1, 10, "the worker handler was not cancelled")
+
+
+async def test_non_streaming_client_disconnect_cancels_the_worker_handler(stack, workers):
+    before = cancelled_count(workers)
+    body = json.dumps({"model": "mock", "prompt": "a long one", "max_tokens": 500}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    await asyncio.sleep(1.0)  # the worker is generating by now (500 tokens take 20 s)
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.to_thread(wait_until, lambda: cancelled_count(workers) == before + 1, 10, "handler not cancelled")
+
+
+async def test_killing_the_serving_worker_migrates_the_stream(stack, workers):
+    prompt, max_tokens = "the quick brown fox jumps over the lazy dog", 100
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        reference = (await http.post("/v1/completions", json={"model": "mock", "prompt": prompt, "max_tokens": max_tokens,
+                                                               "temperature": 0})).json()["choices"][0]["text"]
+        async with Runtime.connect(runtime_config(stack)) as rt:
+            busy: set[str] = set()
+            await rt.subscribe(TOPIC_LOAD, LoadEvent, lambda e: busy.add(e.worker_id) if e.running else None)
+            body = {"model": "mock", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                events = resp.aiter_lines()
+                chunks = []
+                while len(chunks) < 5:
+                    line = await anext(events)
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                deadline = time.monotonic() + 5
+                while not busy:
+                    assert time.monotonic() < deadline, "no worker reported the request as running"
+                    await asyncio.sleep(0.05)
+                [serving] = busy
+                client = await rt.client("target", "generate")
+                [pid] = [r.pid for r in client.instances() if r.instance_id == serving]
+                [victim] = [p for p in workers if p.pid == pid]
+                victim.kill()
+                async for line in events:
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+    assert all("error" not in c for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    assert text == reference  # greedy: the surviving worker carried on from where the dead one stopped
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert re.search(r"^tandem_frontend_migrations_total 1\.0$", metrics, re.M), metrics
