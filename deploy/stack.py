@@ -13,7 +13,7 @@ import logging
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,7 @@ def filter_flags(component: Component, known: frozenset[str]) -> Component:
         if takes_value:
             args.append(src[i + 1])
         i += 2 if takes_value else 1
-    return Component(component.name, component.kind, component.module, tuple(args),
-                     component.health_port, component.gpu, component.optional_flags)
+    return replace(component, args=tuple(args))
 
 
 def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], drafts_available: bool = True) -> list[Component]:
@@ -165,20 +164,19 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
     if drafts_available:
         for i in range(config.num_drafts):
             cname = f"draft-{i}"
-            args = ["--method", config.draft_method, "--served-model-name", name, "--health-port", str(ports[cname])]
+            args = ["--method", config.draft_method, "--model-name", name, "--health-port", str(ports[cname])]
             if config.draft_model:
                 args += ["--draft-model", config.draft_model]
             if config.num_speculative_tokens is not None:
-                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-            if model_path:
-                args += ["--model", str(model_path)]
+                args += ["--max-speculative-tokens", str(config.num_speculative_tokens)]
             out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
-                                 optional_flags=("--served-model-name", "--num-speculative-tokens", "--model")))
+                                 optional_flags=("--max-speculative-tokens",)))
     out.append(Component("frontend", "frontend", "frontend",
                          ("--http-port", str(ports["frontend"]), "--host", config.host,
                           "--router-mode", config.router_mode),
                          ports["frontend"]))
-    return out
+    drain = ("--drain-timeout", f"{config.drain_timeout:g}")
+    return [replace(c, args=c.args + drain) for c in out]
 
 
 def component_names(config: StackConfig, drafts_available: bool = True) -> list[str]:

@@ -1,0 +1,92 @@
+"""Every command line the deployment files give a component parses with that component's own flags:
+the Kubernetes manifests, the compose services and the local launcher's plan."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.stack import StackConfig, component_names, plan
+from tests.unit.deploy.kustomize import build, pod_specs
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+MODULES = {"frontend": "frontend.__main__", "router": "router.__main__", "target": "workers.target.__main__",
+           "draft": "workers.draft.__main__", "mock": "workers.mock"}
+BY_MODULE = {"frontend": "frontend", "router": "router", "workers.target": "target", "workers.draft": "draft",
+             "workers.mock": "mock"}
+
+
+def parse(component: str, args: list[str]) -> None:
+    module = pytest.importorskip(MODULES[component], reason=f"{MODULES[component]} has not landed in this checkout")
+    try:
+        module.parse_args(args)
+    except SystemExit as exc:
+        pytest.fail(f"`{component} {' '.join(args)}` is rejected by its parser (exit {exc.code})")
+
+
+def k8s_command_lines() -> list[tuple[str, list[str]]]:
+    out = []
+    for overlay in ("base", "overlays/cpu-demo", "overlays/gpu"):
+        for obj in build(ROOT / "k8s" / overlay):
+            for spec in pod_specs(obj):
+                for container in spec["containers"]:
+                    args = container.get("args", [])
+                    if args and args[0] in MODULES:
+                        out.append((args[0], args[1:]))
+    return out
+
+
+def compose_command_lines() -> list[tuple[str, list[str]]]:
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    out = []
+    for svc in compose["services"].values():
+        command = svc.get("command", [])
+        if command and command[0] in MODULES:
+            # ${VAR:-default} as compose would expand it with VAR unset.
+            out.append((command[0], [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in command[1:]]))
+    return out
+
+
+def launcher_command_lines() -> list[tuple[str, list[str]]]:
+    out = []
+    for cfg in (StackConfig(mock=True, targets=2, mock_token_latency_ms=0, num_speculative_tokens=2),
+                StackConfig(model="/m", drafts=2, num_speculative_tokens=4, standalone_router=True),
+                StackConfig(model="/m", draft_method="draft_model", draft_model="/d")):
+        ports = {n: 9000 + i for i, n in enumerate(component_names(cfg))}
+        for comp in plan(cfg, cfg.model, ports):
+            args = [a for a in comp.args]
+            if comp.optional_flags:  # the launcher drops these when the module lacks them
+                args = _without(args, comp.optional_flags, MODULES[BY_MODULE[comp.module]])
+            out.append((BY_MODULE[comp.module], args))
+    return out
+
+
+def _without(args: list[str], optional: tuple[str, ...], module_name: str) -> list[str]:
+    module = pytest.importorskip(module_name, reason=f"{module_name} has not landed in this checkout")
+    known = set()
+    parser_src = Path(module.__file__).read_text()
+    for flag in optional:
+        if f'"{flag}"' in parser_src:
+            known.add(flag)
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in optional and args[i] not in known:
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("source", [k8s_command_lines, compose_command_lines, launcher_command_lines])
+def test_command_lines_parse(source):
+    lines = source()
+    assert lines
+    for component, args in lines:
+        parse(component, args)
