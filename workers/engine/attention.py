@@ -33,6 +33,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32 (padding 0)
     query_start_loc: torch.Tensor  # [B + 1] int32
     context_lens_t: torch.Tensor  # [B] int32
+    token_seq: torch.Tensor  # [T] int32: which sequence (row of block_tables) each token belongs to
+    token_pos: torch.Tensor  # [T] int32: each token's position (it attends to keys 0..pos)
     # batched group: sequences with short queries, padded to [Bg, qmax]
     batch_rows: list[int] = field(default_factory=list)
     batch_token_index: torch.Tensor | None = None  # [Nb] flat token index of each group token
@@ -63,10 +65,12 @@ class AttentionMetadata:
             tables[b, : len(bt)] = torch.tensor(bt, dtype=torch.long)
         offsets = torch.arange(block_size)
         all_slots = (tables[:, :, None] * block_size + offsets).view(len(block_tables), -1)  # [B, max_blocks * bs]
-        slot_parts, starts = [], [0]
+        slot_parts, starts, token_seq, token_pos = [], [0], [], []
         for b, (q, c) in enumerate(zip(query_lens, context_lens)):
             slot_parts.append(all_slots[b, c - q : c])
             starts.append(starts[-1] + q)
+            token_seq.extend([b] * q)
+            token_pos.extend(range(c - q, c))
         meta = cls(
             block_size=block_size,
             query_lens=list(query_lens),
@@ -75,6 +79,8 @@ class AttentionMetadata:
             block_tables=tables.to(device=device, dtype=torch.int32),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
+            token_pos=torch.tensor(token_pos, dtype=torch.int32, device=device),
         )
         rows = [b for b, q in enumerate(query_lens) if q <= BATCHED_MAX_QUERY]
         for b, q in enumerate(query_lens):
