@@ -116,6 +116,7 @@ def test_grafana_is_provisioned_with_the_tandem_dashboard():
                    'up{job="draft"}'):
         assert metric in exprs, metric
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    assert "sum by (target)" in exprs and "sum by (draft)" in exprs  # the router's labels (router/metrics.py)
     for word in ("request rate", "first token", "inter-token", "acceptance rate", "mean accepted length",
                  "kv cache hit", "target workers", "draft workers"):
         assert word in titles, word
