@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP frontend.
 
-Usage: python -m frontend --http-port 8000 [--host 127.0.0.1] [--router-mode round_robin|random|kv]
+Usage: python -m frontend --http-port 8000 [--host 127.0.0.1] [--router-mode round_robin|random|kv] [--remote-router]
        (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
 """
 
@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     parser.add_argument("--router-mode", default="round_robin", choices=ROUTER_MODES)
+    parser.add_argument("--remote-router", action="store_true",
+                        help="route through the shared `python -m router` service instead of an embedded router")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get a 413")
     parser.add_argument("--max-n", type=int, default=16, help="most choices per request")
     parser.add_argument("--max-migrations", type=int, default=3, help="re-sends of a request whose worker died")
@@ -38,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace) -> FrontendConfig:
     return FrontendConfig(host=args.host, http_port=args.http_port, router_mode=args.router_mode,
+                          remote_router=args.remote_router,
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations)
 
 

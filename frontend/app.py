@@ -92,7 +92,7 @@ class Frontend:
     async def start(cls, rt: Runtime, config: FrontendConfig) -> AsyncIterator[Frontend]:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
         try:
-            router = await create_router(rt, config.router_mode)
+            router = await create_router(rt, config.router_mode, remote=config.remote_router)
         except ImportError as exc:
             raise RouterUnavailable(f"router mode {config.router_mode!r} is not available in this build: {exc}") from exc
         registry = ModelRegistry()

@@ -80,7 +80,8 @@ class Generation:
 
     async def _send(self) -> None:
         """Pick a worker (not one that failed us) and send it what is left of the request."""
-        sel = await self._d.router.select(self.model, self.token_ids, exclude=self.failed)
+        sel = await self._d.router.select(self.model, self.token_ids, exclude=frozenset(self.failed),
+                                          request_id=self.request_id)
         self._selection = sel
         sp = self.sampling
         done = len(self.output_ids)
