@@ -67,8 +67,7 @@ class Launcher:
         fd, path = tempfile.mkstemp(prefix="tandem-up-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
-        argv = [sys.executable, "-m", "deploy.cli", "up", "--mock", "--mock-token-latency-ms", "2",
-                "--http-port", str(self.http_port), "--etcd-port", str(self.etcd_port),
+        argv = [sys.executable, "-m", "deploy.cli", "up", "--http-port", str(self.http_port), "--etcd-port", str(self.etcd_port),
                 "--nats-port", str(self.nats_port), "--namespace", f"up{os.getpid()}", *extra]
         self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, cwd=ROOT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -113,16 +112,19 @@ def launcher():
         item.cleanup()
 
 
-def ask(url: str) -> dict:
-    body = {"model": "mock", "messages": [{"role": "user", "content": "Say something nice about tandem bicycles."}],
-            "max_tokens": 12}
-    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+def ask(url: str, model: str = "mock", max_tokens: int = 12) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say something nice about tandem bicycles."}],
+            "max_tokens": max_tokens}
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
+MOCK = ("--mock", "--mock-token-latency-ms", "2")
+
+
 def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
-    up = launcher("--targets", "2")
+    up = launcher(*MOCK, "--targets", "2")
     up.wait_ready()
     assert httpx.get(f"{up.url}/health", timeout=5).status_code == 200
     answer = ask(up.url)
@@ -152,7 +154,7 @@ def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
 
 
 def test_children_die_with_a_killed_launcher(launcher):
-    up = launcher()
+    up = launcher(*MOCK)
     up.wait_ready()
     children = descendants(up.proc.pid)
     assert len(children) >= 4
@@ -160,6 +162,20 @@ def test_children_die_with_a_killed_launcher(launcher):
     up.proc.wait()
     # PR_SET_PDEATHSIG sends each child SIGTERM when the launcher dies: nothing is orphaned.
     assert wait_gone(children, 40) == set()
+
+
+def test_tandem_up_serves_the_bundled_demo_model_with_an_ngram_draft(launcher):
+    # What `make run` runs: the real target worker on SmolLM2-135M and one ngram draft worker.
+    up = launcher()
+    up.wait_ready(timeout=240)
+    answer = ask(up.url, model="SmolLM2-135M-Instruct", max_tokens=4)
+    assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["finish_reason"] == "length"
+    logs = up.logs()
+    assert "[target-0] " in logs and "[draft-0] " in logs and "method ngram" in logs
+    children = descendants(up.proc.pid)
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(60) == 0, up.logs()[-4000:]
+    assert wait_gone(children, 5) == set()
 
 
 def test_bad_flags_are_rejected_before_anything_starts():
