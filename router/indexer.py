@@ -65,11 +65,11 @@ class KvIndex:
         self.gap_timeout = gap_timeout
         self._blocks: dict[int, int] = {}  # hash -> bitmask of workers holding it
         self._workers: dict[str, _Worker] = {}
-        self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._sizes: dict[int, int] = {}  # block size -> workers using it
+        self._masks: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}  # candidate sets seen
         self.counters = IndexCounters()
         self.resync_needed = False
 
@@ -99,16 +99,17 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return w is not None and block_hash in w.blocks
 
-    def overlaps(self, hashes: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
-        """For each of ``worker_ids``: how many leading blocks of ``hashes`` it holds."""
+    def overlaps(self, hashes: Iterable[int], worker_ids: Sequence[str]) -> dict[str, int]:
+        """For each of ``worker_ids``: how many leading blocks of ``hashes`` it holds.
+
+        ``hashes`` is consumed only until no candidate holds a block, so it may be a lazy iterator.
+        """
         out = dict.fromkeys(worker_ids, 0)
-        by_bit = {}
-        mask = 0
-        for wid in out:
-            w = self._workers.get(wid)
-            if w is not None:
-                mask |= 1 << w.bit
-                by_bit[w.bit] = wid
+        key = tuple(worker_ids)
+        found = self._masks.get(key)
+        if found is None:
+            found = self._candidate_mask(key)
+        mask, by_bit = found
         if not mask:
             return out
         get = self._blocks.get
@@ -131,6 +132,19 @@ class KvIndex:
             out[by_bit[low.bit_length() - 1]] = depth
             active ^= low
         return out
+
+    def _candidate_mask(self, key: tuple[str, ...]) -> tuple[int, dict[int, str]]:
+        """(bitmask, bit -> worker id) of the indexed workers among ``key``; cached until membership changes."""
+        mask, by_bit = 0, {}
+        for wid in key:
+            w = self._workers.get(wid)
+            if w is not None:
+                mask |= 1 << w.bit
+                by_bit[w.bit] = wid
+        if len(self._masks) >= 1024:
+            self._masks.clear()
+        self._masks[key] = (mask, by_bit)
+        return mask, by_bit
 
     # ------------------------------------------------------------------ events
 
@@ -217,7 +231,7 @@ class KvIndex:
             return
         self._clear_blocks(w)
         self._count_size(w.block_size, -1)
-        del self._by_bit[w.bit]
+        self._masks.clear()
         self._free_bits.append(w.bit)
         log.info("kv index: dropped worker %s", worker_id)
 
@@ -232,7 +246,7 @@ class KvIndex:
     def _add_worker(self, worker_id: str, now: float) -> _Worker:
         bit = self._free_bits.pop() if self._free_bits else self._take_bit()
         w = self._workers[worker_id] = _Worker(bit, now)
-        self._by_bit[bit] = worker_id
+        self._masks.clear()
         return w
 
     def _take_bit(self) -> int:

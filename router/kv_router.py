@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from runtime import InvalidRequest, NoInstances
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD
-from runtime.kv_hash import block_hashes
+from runtime.kv_hash import ROOT_HASH, block_hash
 from runtime.messages import InstanceRecord, KvDumpRequest, KvEvent, LoadEvent
 
 from .base import Router, Selection
@@ -32,6 +32,15 @@ from .load import LoadTracker
 log = logging.getLogger(__name__)
 
 RESYNC_MIN_INTERVAL = 5.0  # seconds between dump requests caused by gaps in event sequences
+
+
+def lazy_block_hashes(tokens: Sequence[int], block_size: int) -> Iterator[int]:
+    """``runtime.kv_hash.block_hashes`` one block at a time: the index walk stops at the first block
+    no candidate holds, so the blocks after it are never hashed (hashing is most of a decision's cost)."""
+    parent = ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start : start + block_size])
+        yield parent
 
 
 class KvRouter(Router):
@@ -153,15 +162,14 @@ class KvRouter(Router):
         sizes = self.index.block_sizes()
         block_size = sizes[0] if len(sizes) == 1 else cfg.block_size
         try:
-            hashes = block_hashes(token_ids, block_size)
+            if len(sizes) > 1:  # workers with different block sizes: each is scored with its own hashes
+                overlaps, prefill = self._mixed_sizes(token_ids, ids)
+            else:
+                overlaps = self.index.overlaps(lazy_block_hashes(token_ids, block_size), ids)
+                n = request_blocks(len(token_ids), block_size)
+                prefill = [n - overlaps[w] for w in ids]
         except (OverflowError, TypeError) as exc:
             raise InvalidRequest(f"token ids must be integers in [0, 2**32): {exc}", field="token_ids") from None
-        if len(sizes) > 1:  # workers with different block sizes: each is scored with its own hashes
-            overlaps, prefill = self._mixed_sizes(token_ids, ids)
-        else:
-            overlaps = self.index.overlaps(hashes, ids)
-            n = request_blocks(len(token_ids), block_size)
-            prefill = [n - overlaps[w] for w in ids]
         pressure = self.load.pressure
         weight = cfg.overlap_weight
         costs = [weight * p + pressure.get(w, 0) for w, p in zip(ids, prefill)]
@@ -191,7 +199,7 @@ class KvRouter(Router):
         prefill = []
         for w in ids:
             size = self.index.block_size(w) or self.config.block_size
-            overlaps.update(self.index.overlaps(block_hashes(token_ids, size), [w]))
+            overlaps.update(self.index.overlaps(lazy_block_hashes(token_ids, size), [w]))
             prefill.append(request_blocks(len(token_ids), size) - overlaps[w])
         return overlaps, prefill
 

@@ -50,6 +50,8 @@ class RouterService:
         """Choose an instance for ``request``; yields one :class:`RouteResponse`."""
         if not request.model:
             raise InvalidRequest("model must be set", field="model")
+        if request.token_ids and not (0 <= min(request.token_ids) and max(request.token_ids) < 2**32):
+            raise InvalidRequest("token ids must be integers in [0, 2**32)", field="token_ids")
         selection = await self.router.select(request.model, request.token_ids, frozenset(request.exclude),
                                              request.request_id or ctx.request_id)
         self._outstanding[selection.ticket] = (selection, time.monotonic())

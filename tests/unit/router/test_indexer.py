@@ -209,3 +209,19 @@ def test_random_event_sequences_match_a_brute_force_model(seed, shuffle):
     for p in prompts:
         assert index.overlaps(p, workers) == {w: _model_overlap(model[w], p) for w in workers}
     assert not index.resync_needed
+
+
+def test_the_walk_stops_consuming_hashes_at_the_first_block_nobody_holds():
+    index = KvIndex()
+    index.apply(stored("w", 1, A[:2]))
+    consumed = []
+
+    def lazy():
+        for h in A:
+            consumed.append(h)
+            yield h
+
+    assert index.overlaps(lazy(), ["w", "x"]) == {"w": 2, "x": 0}
+    assert consumed == A[:3]
+    consumed.clear()
+    assert index.overlaps(lazy(), ["x"]) == {"x": 0} and consumed == []  # no indexed candidate: nothing hashed

@@ -92,6 +92,7 @@ async def test_exclude_model_and_no_instances():
 
 async def test_bad_token_ids_raise_a_typed_error():
     router, _ = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", block_hashes(PREFIX, 16)))
     with pytest.raises(InvalidRequest) as err:
         await router.select("m", [1, -5] * 16)
     assert err.value.field == "token_ids"
@@ -136,3 +137,11 @@ async def test_tickets_are_unique_and_release_only_counts_once():
     router.release(a)
     router.release(a)
     assert sum(router.in_flight.values()) == 1
+
+
+def test_lazy_hashes_equal_the_runtime_hashes():
+    from router.kv_router import lazy_block_hashes
+
+    for n in (0, 15, 16, 17, 100, 513):
+        tokens = list(range(7, 7 + n))
+        assert list(lazy_block_hashes(tokens, 16)) == block_hashes(tokens, 16)

@@ -40,11 +40,15 @@ async def test_select_answers_with_a_ticket_and_release_frees_it():
     assert router.in_flight == {} and service.outstanding == 0
 
 
-async def test_select_without_a_model_is_invalid():
+async def test_select_without_a_model_or_with_bad_tokens_is_invalid():
     service = RouterService(RoundRobinRouter(lambda model: RECORDS), "r")
     with pytest.raises(InvalidRequest) as err:
         await one(service.select(RouteRequest(""), CTX))
     assert err.value.field == "model"
+    for bad in ([1, -1], [2**32]):
+        with pytest.raises(InvalidRequest) as err:
+            await one(service.select(RouteRequest("m", bad), CTX))
+        assert err.value.field == "token_ids"
 
 
 async def test_unreleased_selections_expire():
