@@ -1,0 +1,117 @@
+"""Speculative decoding is lossless: greedy output equals plain decoding token for token (float32, CPU),
+for every draft method, alone and with 8 requests in one batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
+from workers.spec.draft_model import DraftModelProposer
+from workers.spec.ngram import NgramProposer
+from workers.spec.spec_engine import SpecEngine
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 96
+CFG = EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target_dir = tmp_path_factory.mktemp("target")
+    draft_dir = tmp_path_factory.mktemp("draft")
+    tiny_hf_model("llama", target_dir, seed=1, vocab=VOCAB, layers=2)
+    tiny_hf_model("llama", draft_dir, seed=2, vocab=VOCAB, layers=1)
+    return target_dir, draft_dir
+
+
+def prompts(n: int, seed: int) -> dict[str, list[int]]:
+    """Prompts with repeated segments, so that prompt lookup finds matches."""
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        motif = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 7))]
+        noise = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 5))]
+        out[f"r{i}"] = (motif * rng.randrange(2, 4) + noise + motif)[: 24]
+    return out
+
+
+def run_spec(engine: SpecEngine, proposer, batch: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    result = {rid: [] for rid in batch}
+    for rid, tokens in batch.items():
+        engine.add_request(rid, tokens, params)
+    while engine.has_work():
+        inputs = engine.draft_inputs()
+        proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
+        for rid, delta in engine.step(proposals):
+            result[rid].extend(delta.token_ids)
+        proposer.verified(engine.take_verdicts())
+        proposer.release(engine.take_released())
+    return result
+
+
+def plain(target_dir, batch, params):
+    # Batched plain decoding equals one-at-a-time decoding (the engine's own tests show it).
+    return Engine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=64)).generate(batch, params)
+
+
+def make_proposer(method: str, target_dir, draft_dir):
+    if method == "ngram":
+        return NgramProposer(1, 3)
+    if method == "draft_model":
+        return DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4)
+    if method == "self_draft":  # the target's own weights: every draft is accepted
+        return DraftModelProposer(load_model(target_dir), num_blocks=512, block_size=4)
+    raise ValueError(method)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft"])
+def test_greedy_speculation_equals_plain_decoding(models, method):
+    target_dir, draft_dir = models
+    batch = prompts(50, seed=hash(method) % 1000)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4)
+    proposer = make_proposer(method, target_dir, draft_dir)
+    got = {}
+    items = list(batch.items())
+    for start in range(0, len(items), 8):  # 8 concurrent requests in one batch at a time
+        got.update(run_spec(engine, proposer, dict(items[start : start + 8]), params))
+    assert got == want
+    counters = engine.counters[""]
+    assert counters.num_drafts > 0
+    if method == "self_draft":
+        assert counters.acceptance_rate == 1.0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # nothing leaked through rollbacks
+    assert len(proposer) == 0  # every sequence released on the draft side
+
+
+def test_stop_tokens_max_tokens_and_usage_with_speculation(models):
+    target_dir, _ = models
+    batch = prompts(6, seed=5)
+    want = plain(target_dir, batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    # Stop at a token that appears in the middle of each continuation.
+    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=3)
+    proposer = DraftModelProposer(load_model(target_dir), num_blocks=256, block_size=4)
+    for rid, toks in batch.items():
+        cut = next(i for i in range(4, 12) if want[rid][i] not in want[rid][:i]) + 1
+        stop = want[rid][cut - 1]
+        engine.add_request(rid, toks, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], logprobs=2))
+        got, last = [], None
+        while engine.has_work():
+            inputs = engine.draft_inputs()
+            for _, delta in engine.step({o.seq_id: o for o in proposer.propose(inputs)}):
+                got.extend(delta.token_ids)
+                assert len(delta.logprobs) == len(delta.token_ids) and len(delta.top_logprobs[0]) == 2
+                last = delta
+            proposer.verified(engine.take_verdicts())
+            proposer.release(engine.take_released())
+        assert got == want[rid][:cut] and last.finish_reason == "stop"
+        assert last.usage.completion_tokens == cut and last.usage.spec.num_drafts >= 1
+        assert last.usage.spec.num_accepted_tokens <= last.usage.spec.num_draft_tokens
