@@ -56,3 +56,48 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
         out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return tokens
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_llama_gguf(model, path: Path) -> None:
+    """Write a HF Llama model as an F32 GGUF file the way llama.cpp's converter lays it out
+    (q/k rows permuted for its rotary layout), so transformers' GGUF loader can read it back."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, gguf_name in _GGUF_NAMES.items():
+            t = state[f"model.layers.{i}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                t = permute(t, cfg.num_attention_heads)
+            elif gguf_name == "attn_k":
+                t = permute(t, cfg.num_key_value_heads)
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(t))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

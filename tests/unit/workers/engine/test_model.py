@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model
+from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model, write_llama_gguf
 from workers.engine.attention import AttentionMetadata, allocate_kv_cache
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
@@ -70,6 +70,17 @@ def test_missing_or_misshaped_weights_raise(tmp_path):
         load_model(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         load_model(tmp_path / "nope")
+
+
+def test_gguf_checkpoint_loads_through_transformers(tmp_path):
+    hf = tiny_hf_model("llama", tmp_path)
+    write_llama_gguf(hf, tmp_path / "tiny.gguf")
+    model = load_model(tmp_path / "tiny.gguf")
+    prompt = torch.arange(20) * 11
+    with torch.inference_mode():
+        ref = hf(prompt[None]).logits[0]
+        out = model(prompt, torch.arange(20), AttentionMetadata.build([20], [20], [list(range(5))], 4), _cache(model)).logits
+    assert (out - ref).abs().max() < 1e-4
 
 
 def test_smollm2_matches_transformers():
