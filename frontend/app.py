@@ -125,9 +125,10 @@ class Frontend:
             check_supported(req)
             job = await self.service.prepare(req, request_id)
             model = job.model.name
-            gauge = metrics.in_flight.labels(model)
+            series = metrics.series(model)
+            gauge = series.in_flight
             gauge.inc()
-            timer = RequestTimer(metrics, model, start)
+            timer = RequestTimer(series, start)
             gens = await self.service.open(job)
             outs = job.outputs()
             if job.stream:

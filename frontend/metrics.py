@@ -43,34 +43,63 @@ class FrontendMetrics:
         self.spec_acceptance = Histogram(P + "spec_decode_request_acceptance_rate", "acceptance rate of each speculated request",
                                          ("model",), buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
         self.migrations = Counter(P + "migrations", "requests moved to another worker after theirs failed", registry=r)
+        self._series: dict[str, ModelSeries] = {}
+        self._requests: dict[tuple[str, str, int], object] = {}
+
+    def series(self, model: str) -> ModelSeries:
+        """The label-bound series of one model (built once: ``labels()`` is not free)."""
+        found = self._series.get(model)
+        if found is None:
+            found = self._series[model] = ModelSeries(self, model)
+        return found
 
     def observe_request(self, model: str, endpoint: str, status: int) -> None:
-        self.requests.labels(model, endpoint, str(status)).inc()
-
-    def observe_tokens(self, model: str, prompt: int, completion: int, cached: int) -> None:
-        self.prompt_tokens.labels(model).inc(prompt)
-        self.completion_tokens.labels(model).inc(completion)
-        self.cached_tokens.labels(model).inc(cached)
-
-    def observe_spec(self, model: str, spec: SpecUsage) -> None:
-        self.spec_drafts.labels(model).inc(spec.num_drafts)
-        self.spec_draft_tokens.labels(model).inc(spec.num_draft_tokens)
-        self.spec_accepted.labels(model).inc(spec.num_accepted_tokens)
-        if spec.num_draft_tokens:
-            self.spec_acceptance.labels(model).observe(spec.num_accepted_tokens / spec.num_draft_tokens)
+        key = (model, endpoint, status)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(model, endpoint, str(status))
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class ModelSeries:
+    """One model's children of every per-model metric."""
+
+    def __init__(self, m: FrontendMetrics, model: str):
+        self.in_flight = m.in_flight.labels(model)
+        self.ttft = m.ttft.labels(model)
+        self.itl = m.itl.labels(model)
+        self.duration = m.duration.labels(model)
+        self.prompt_tokens = m.prompt_tokens.labels(model)
+        self.completion_tokens = m.completion_tokens.labels(model)
+        self.cached_tokens = m.cached_tokens.labels(model)
+        self.spec_drafts = m.spec_drafts.labels(model)
+        self.spec_draft_tokens = m.spec_draft_tokens.labels(model)
+        self.spec_accepted = m.spec_accepted.labels(model)
+        self.spec_acceptance = m.spec_acceptance.labels(model)
+
+    def observe_tokens(self, prompt: int, completion: int, cached: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.completion_tokens.inc(completion)
+        self.cached_tokens.inc(cached)
+
+    def observe_spec(self, spec: SpecUsage) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens)
+        if spec.num_draft_tokens:
+            self.spec_acceptance.observe(spec.num_accepted_tokens / spec.num_draft_tokens)
+
+
 class RequestTimer:
     """Time to first token, inter-token latency (per choice) and duration of one request."""
 
-    __slots__ = ("_m", "model", "start", "first", "_last")
+    __slots__ = ("_s", "start", "first", "_last")
 
-    def __init__(self, metrics: FrontendMetrics, model: str, start: float):
-        self._m = metrics
-        self.model = model
+    def __init__(self, series: ModelSeries, start: float):
+        self._s = series
         self.start = start
         self.first: float | None = None
         self._last: dict[int, float] = {}
@@ -82,14 +111,14 @@ class RequestTimer:
         now = time.perf_counter()
         if self.first is None:
             self.first = now
-            self._m.ttft.labels(self.model).observe(now - self.start)
+            self._s.ttft.observe(now - self.start)
         last = self._last.get(choice)
         if last is not None:
             gap = (now - last) / count
-            hist = self._m.itl.labels(self.model)
+            observe = self._s.itl.observe
             for _ in range(count):
-                hist.observe(gap)
+                observe(gap)
         self._last[choice] = now
 
     def done(self) -> None:
-        self._m.duration.labels(self.model).observe(time.perf_counter() - self.start)
+        self._s.duration.observe(time.perf_counter() - self.start)

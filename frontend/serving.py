@@ -238,11 +238,12 @@ class CompletionService:
 
     def account(self, job: Job, outs: Sequence[ChoiceOutput]) -> None:
         """Token and speculation counters of a finished job."""
-        m, name = self.metrics, job.model.name
-        m.observe_tokens(name, job.prompt_tokens, sum(o.completion_tokens for o in outs), max((o.cached_tokens for o in outs), default=0))
+        series = self.metrics.series(job.model.name)
+        series.observe_tokens(job.prompt_tokens, sum(o.completion_tokens for o in outs),
+                              max((o.cached_tokens for o in outs), default=0))
         for out in outs:
             if out.spec is not None:
-                m.observe_spec(name, out.spec)
+                series.observe_spec(out.spec)
 
 
 async def close_all(gens: Sequence[Generation]) -> None:

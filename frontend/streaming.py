@@ -36,21 +36,30 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work``, cancelling it and raising :class:`ClientDisconnected` if the client leaves.
 
     Call only after the request body was read: from then on ``receive`` yields only the disconnect.
+    ``work`` runs in the calling task (no extra task on the hot path); a watcher task cancels the
+    caller when the disconnect arrives.
     """
-    task = asyncio.ensure_future(work)
+    caller = asyncio.current_task()
+    left = False
+
+    def on_disconnect(_task: asyncio.Task) -> None:
+        nonlocal left
+        if not _task.cancelled() and _task.exception() is None:
+            left = True
+            caller.cancel()
+
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    watcher.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
-        task.cancel()
+        if left:
+            caller.uncancel()
+            raise ClientDisconnected() from None
         raise
     finally:
+        watcher.remove_done_callback(on_disconnect)
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientDisconnected()
 
 
 async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
