@@ -81,11 +81,13 @@ class NetNs:
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
         for proc in reversed(self.procs):
             try:
-                proc.wait(20)
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         # Whatever Ray daemonized inside the namespace (and only there).
         for _ in range(3):
             for pid in self.pids():
