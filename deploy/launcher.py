@@ -94,6 +94,8 @@ class Launcher:
         self._children: dict[str, Child] = {}
         self._components: list[Component] = []
         self._workdir: Path | None = None
+        self._env: dict[str, str] = {}
+        self._model_path: str | None = None
         self.url = ""
 
     def request_stop(self, *_: object) -> None:
@@ -123,6 +125,7 @@ class Launcher:
             if not module_available("workers.target"):
                 raise LaunchError("python -m workers.target is not available in this checkout; try `tandem up --mock`")
             model_path = cfg.model or resolve_demo_model()
+        self._model_path = model_path
         drafts_ok = module_available("workers.draft")
         if cfg.num_drafts and not drafts_ok:
             log.warning("draft workers are not available yet (no workers.draft module): "
@@ -140,10 +143,15 @@ class Launcher:
             self._children[comp.name] = Child(comp.name, comp.argv(), env=env, cwd=str(REPO_ROOT)).start()
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
-        self._wait_healthy(f"{self.url}/health")
+        self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
+        # Every component ready, the frontend last (its /health needs a registered target).
+        urls = [f"http://127.0.0.1:{c.health_port}/health" for c in self._components if c.kind != "frontend"]
+        self._wait_healthy([*urls, f"{self.url}/health"])
 
     def _fit_flags(self, comp: Component) -> Component:
-        return filter_flags(comp, module_flags(comp.module)) if comp.optional_flags else comp
+        if not set(comp.optional_flags) & set(comp.args):
+            return comp
+        return filter_flags(comp, module_flags(comp.module))
 
     def _start_infra(self) -> tuple[str, str]:
         opts, env = self.options, dict(os.environ)
@@ -169,19 +177,22 @@ class Launcher:
         except (TimeoutError, RuntimeError) as exc:
             raise LaunchError(f"{child.name} did not start: {exc}\n{child.recent_output()}") from None
 
-    def _wait_healthy(self, url: str) -> None:
+    def _wait_healthy(self, urls: list[str]) -> None:
         deadline = time.monotonic() + self.options.startup_timeout
-        log.info("waiting for %s", url)
+        pending = list(urls)
+        log.info("waiting for %s", ", ".join(pending))
         while time.monotonic() < deadline:
             self._check_stop()
             for child in [*self._infra, *self._children.values()]:
                 if not child.alive():
                     raise LaunchError(f"{child.name} exited with {child.returncode} during startup; "
                                       f"its last lines:\n{child.recent_output()}")
-            if http_status(url) == 200:
+            while pending and http_status(pending[0]) == 200:
+                pending.pop(0)
+            if not pending:
                 return
             self._stop.wait(0.25)
-        raise LaunchError(f"{url} was not healthy within {self.options.startup_timeout:.0f}s")
+        raise LaunchError(f"{pending[0]} was not healthy within {self.options.startup_timeout:.0f}s")
 
     def _check_stop(self) -> None:
         if self._stop.is_set():
@@ -190,7 +201,9 @@ class Launcher:
     # --- serve -----------------------------------------------------------------------------------
 
     def _announce(self) -> None:
-        name = self.config.model_name(None if self.config.mock else self.config.model)
+        name = self.config.model_name(self._model_path)
+        worker = (f"workers.mock --model-name {name}" if self.config.mock
+                  else f"workers.target --model {self._model_path} --served-model-name {name}")
         for comp in self._components:
             log.info("%-10s pid %-7d health http://127.0.0.1:%s/health", comp.name, self._children[comp.name].pid,
                      comp.health_port)
@@ -199,6 +212,10 @@ class Launcher:
             f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
             f"\"max_tokens\": 32}}'\n"
+            f"Add a worker while it runs:\n"
+            f"  TANDEM_ETCD={self._env['TANDEM_ETCD']} TANDEM_NATS={self._env['TANDEM_NATS']} "
+            f"TANDEM_NAMESPACE={self._env['TANDEM_NAMESPACE']} {sys.executable} -m "
+            f"{worker}\n"
             "Press Ctrl-C to stop.\n",
             flush=True,
         )

@@ -4,6 +4,7 @@ behind after Ctrl-C (SIGINT) — or even after the launcher itself is killed wit
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +163,26 @@ def test_children_die_with_a_killed_launcher(launcher):
     up.proc.wait()
     # PR_SET_PDEATHSIG sends each child SIGTERM when the launcher dies: nothing is orphaned.
     assert wait_gone(children, 40) == set()
+
+
+def test_a_stopped_worker_is_survived_and_a_dead_frontend_stops_the_stack(launcher):
+    up = launcher(*MOCK, "--targets", "2")
+    up.wait_ready()
+    pids = {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", up.logs())}
+    assert set(pids) == {"etcd", "nats", "target-0", "target-1", "frontend"}
+    os.kill(pids["target-1"], signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while "target-1 exited with 0; the rest of the stack keeps serving" not in up.logs():
+        assert time.monotonic() < deadline, up.logs()[-3000:]
+        time.sleep(0.1)
+    assert ask(up.url)["usage"]["completion_tokens"] == 12
+    assert up.proc.poll() is None
+
+    children = descendants(up.proc.pid)
+    os.kill(pids["frontend"], signal.SIGKILL)
+    assert up.proc.wait(60) == 1
+    assert "frontend exited with -9; stopping the stack" in up.logs()
+    assert wait_gone(children, 5) == set()
 
 
 def test_tandem_up_serves_the_bundled_demo_model_with_an_ngram_draft(launcher):
