@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.binaries import free_port, wait_port
+from deploy.binaries import free_port, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.stack import Component, StackConfig, component_names, filter_flags, module_flags, plan
@@ -119,6 +119,8 @@ class Launcher:
 
     def _up(self) -> None:
         cfg = self.config
+        if cfg.http_port and port_open(cfg.http_port, "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host):
+            raise LaunchError(f"port {cfg.http_port} is already in use: stop what runs there or pass --http-port")
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
         model_path = None
         if not cfg.mock:

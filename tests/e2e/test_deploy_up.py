@@ -199,6 +199,19 @@ def test_tandem_up_serves_the_bundled_demo_model_with_an_ngram_draft(launcher):
     assert wait_gone(children, 5) == set()
 
 
+def test_a_busy_http_port_is_reported_before_anything_starts():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--mock", "--http-port", str(port)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and f"port {port} is already in use" in out.stderr
+    assert "started etcd" not in out.stderr
+
+
 def test_bad_flags_are_rejected_before_anything_starts():
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--mock", "--drafts", "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
