@@ -22,7 +22,7 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,7 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--draft-model", default=None, help="draft LM directory or .gguf (method draft_model)")
-    parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (method draft_model)")
+    parser.add_argument("--eagle-model", default=None, help="EAGLE-1/EAGLE-3 head directory (method eagle)")
+    parser.add_argument("--target-model", default=None,
+                        help="the target's model directory: EAGLE uses its embedding and LM head (method eagle)")
+    parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
     parser.add_argument("--ngram-min", type=int, default=1)
@@ -54,6 +57,15 @@ def make_proposer(args: argparse.Namespace):
         from ..spec.draft_model import DraftModelProposer
 
         return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size)
+    if args.method == "eagle":
+        if not args.eagle_model or not args.target_model:
+            raise SystemExit("--method eagle needs --eagle-model PATH and --target-model PATH")
+        from ..spec.eagle import load_eagle, load_target_parts
+        from ..spec.eagle_proposer import EagleProposer
+
+        embed, lm_head, target_cfg = load_target_parts(args.target_model)
+        head, layers = load_eagle(args.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
+        return EagleProposer(head, layers, args.num_blocks, args.block_size)
     raise ValueError(f"unknown draft method {args.method!r}")
 
 

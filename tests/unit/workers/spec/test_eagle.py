@@ -1,0 +1,111 @@
+"""EAGLE heads: checkpoint layouts load (EAGLE-1 and EAGLE-3), and speculation with them is lossless."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.unit.workers.spec.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
+from workers.engine.weights import load_model
+from workers.spec.eagle import Eagle1Head, Eagle3Head, load_eagle, load_target_parts
+from workers.spec.eagle_proposer import EagleProposer
+from workers.spec.spec_engine import SpecEngine
+
+pytestmark = pytest.mark.unit
+
+H, HEADS, KV_HEADS, INTER = 64, 4, 2, 128
+
+
+def layer_tensors(prefix: str, gen: torch.Generator, qkv_in: int = H, input_norm: bool = True) -> dict:
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    d = H // HEADS
+    t = {f"{prefix}.self_attn.q_proj.weight": w(HEADS * d, qkv_in), f"{prefix}.self_attn.k_proj.weight": w(KV_HEADS * d, qkv_in),
+         f"{prefix}.self_attn.v_proj.weight": w(KV_HEADS * d, qkv_in), f"{prefix}.self_attn.o_proj.weight": w(H, HEADS * d),
+         f"{prefix}.mlp.gate_proj.weight": w(INTER, H), f"{prefix}.mlp.up_proj.weight": w(INTER, H),
+         f"{prefix}.mlp.down_proj.weight": w(H, INTER), f"{prefix}.post_attention_layernorm.weight": torch.ones(H)}
+    if input_norm:
+        t[f"{prefix}.input_layernorm.weight"] = torch.ones(H)
+    return t
+
+
+def config(**extra) -> dict:
+    return {"model_type": "llama", "hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "num_hidden_layers": 1, "vocab_size": VOCAB, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 512, **extra}
+
+
+def write_eagle1(path, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    state = {"fc.weight": torch.randn(H, 2 * H, generator=gen) * 0.1, "fc.bias": torch.zeros(H),
+             **layer_tensors("layers.0", gen, input_norm=False)}
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config()))
+
+
+def write_eagle3(path, seed=0, draft_vocab=48):
+    gen = torch.Generator().manual_seed(seed)
+    state = {"fc.weight": torch.randn(H, 3 * H, generator=gen) * 0.1,
+             **layer_tensors("midlayer", gen, qkv_in=2 * H), "midlayer.hidden_norm.weight": torch.ones(H),
+             "norm.weight": torch.ones(H), "lm_head.weight": torch.randn(draft_vocab, H, generator=gen) * 0.1,
+             # draft token i is target token 2i: d2t holds the offsets
+             "d2t": torch.arange(draft_vocab, dtype=torch.long), "t2d": torch.zeros(VOCAB, dtype=torch.bool)}
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config(draft_vocab_size=draft_vocab, target_hidden_size=H,
+                                                         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]})))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target4")
+    tiny_hf_model("llama", path, seed=7, vocab=VOCAB, layers=4)
+    return path
+
+
+def test_layouts_load_and_map_vocab(target_dir, tmp_path):
+    embed, lm_head, tcfg = load_target_parts(target_dir)
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e3").mkdir()
+    write_eagle1(tmp_path / "e1")
+    write_eagle3(tmp_path / "e3")
+    head1, layers1 = load_eagle(tmp_path / "e1", embed, lm_head, tcfg, 512)
+    assert isinstance(head1, Eagle1Head) and layers1 == [4] and head1.fc.bias is not None
+    head3, layers3 = load_eagle(tmp_path / "e3", embed, lm_head, tcfg, 512)
+    assert isinstance(head3, Eagle3Head) and layers3 == [1, 2, 3]
+    logits = head3.logits(torch.randn(2, H))
+    finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert finite == list(range(0, 96, 2))  # only target ids 2i are reachable
+    (tmp_path / "bad").mkdir()
+    write_eagle1(tmp_path / "bad")
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "bad" / "model.safetensors"))
+    del state["layers.0.mlp.down_proj.weight"]
+    save_file(state, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks"):
+        load_eagle(tmp_path / "bad", embed, lm_head, tcfg, 512)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_greedy_speculation_with_eagle_equals_plain_decoding(target_dir, tmp_path, version):
+    (write_eagle1 if version == 1 else write_eagle3)(tmp_path)
+    embed, lm_head, tcfg = load_target_parts(target_dir)
+    head, layers = load_eagle(tmp_path, embed, lm_head, tcfg, 512)
+    batch = prompts(50, seed=40 + version)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=3, hidden_layers=tuple(layers))
+    proposer = EagleProposer(head, layers, num_blocks=512, block_size=4)
+    got = {}
+    items = list(batch.items())
+    for start in range(0, len(items), 8):
+        got.update(run_spec(engine, proposer, dict(items[start : start + 8]), params))
+    assert got == want
+    assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0
+    assert not any(s.broken for s in proposer._seqs.values())
+    assert len(proposer) == 0 and engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -1,0 +1,193 @@
+"""Drafting with an EAGLE head fed by the target's hidden states (see :mod:`workers.spec.eagle`).
+
+Per sequence: tokens (committed + drafted tail) and features f_t per position — from the target's
+hidden states for committed positions (they arrive with proposal requests and verdicts, one row
+per new token: the hidden state at the position just before it), from the head for drafted ones.
+The head's KV cache holds pairs (x_{t+1}, f_t) for t < ``computed``. A verdict replaces predicted
+features by the target's real ones, so the head's KV is rolled back to the first position whose
+feature changed and the drafted tail is dropped: the next proposal is drafted from real features.
+A sequence whose target features are incomplete (it started before this draft worker joined)
+gets empty proposals rather than guesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.attention import AttentionMetadata, allocate_kv_cache
+from ..engine.block_manager import BlockManager
+from .eagle import EagleHead
+from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    tokens: list[int] = field(default_factory=list)
+    committed: int = 0
+    feats: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> feature [H]
+    computed: int = 0  # pairs t < computed are in the head's KV cache
+    blocks: list[int] = field(default_factory=list)
+    dists: list[SparseDist | None] = field(default_factory=list)
+    sampling: SamplingSpec = SamplingSpec()
+    generator: torch.Generator | None = None
+    broken: bool = False  # target features missing: no proposals
+
+    @property
+    def tail(self) -> list[int]:
+        return self.tokens[self.committed :]
+
+
+class EagleProposer:
+    method = "eagle"
+
+    def __init__(self, head: EagleHead, hidden_layers: list[int], num_blocks: int, block_size: int = 16,
+                 max_support: int = 64):
+        self.head = head
+        self.hidden_layers = list(hidden_layers)
+        cfg = head.cfg
+        param = next(head.parameters())
+        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    param.dtype, param.device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.block_size = block_size
+        self.max_support = max_support
+        self._seqs: dict[str, _Seq] = {}
+        self.forward_calls = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------------ protocol
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
+        start = time.perf_counter()
+        for item in batch:
+            seq = self._seqs.get(item.seq_id)
+            if seq is None:
+                seq = self._seqs[item.seq_id] = _Seq()
+                if item.sampling.seed is not None:
+                    seq.generator = torch.Generator().manual_seed(item.sampling.seed)
+            seq.sampling = item.sampling
+            if item.new_tokens:
+                self._truncate_tail(seq)
+                first = len(seq.tokens)
+                seq.tokens.extend(item.new_tokens)
+                seq.committed = len(seq.tokens)
+                self._set_features(seq, max(first - 1, 0), item.hidden_states, len(item.new_tokens) - (first == 0))
+        self._extend({item.seq_id: item.num_tokens for item in batch})
+        elapsed = time.perf_counter() - start
+        out = []
+        for item in batch:
+            seq = self._seqs[item.seq_id]
+            n = min(item.num_tokens, len(seq.tail))
+            dists = [] if seq.sampling.greedy else seq.dists[:n]
+            out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists, elapsed))
+        return out
+
+    def verified(self, results: list[VerifyResult]) -> None:
+        for result in results:
+            seq = self._seqs.get(result.seq_id)
+            if seq is None:
+                continue
+            self._truncate_tail(seq)
+            first = len(seq.tokens)
+            seq.tokens.extend(result.emitted_tokens)
+            seq.committed = len(seq.tokens)
+            self._set_features(seq, first - 1, result.hidden_states, len(result.emitted_tokens))
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is not None and seq.blocks:
+                self.blocks.free(seq.blocks)
+
+    # ------------------------------------------------------------------ internals
+
+    def _truncate_tail(self, seq: _Seq) -> None:
+        del seq.tokens[seq.committed :]
+        seq.dists = []
+        for pos in [p for p in seq.feats if p >= seq.committed - 1]:
+            del seq.feats[pos]  # predicted features of drafted positions
+        self._rollback(seq, min(seq.computed, max(seq.committed - 1, 0)))
+
+    def _rollback(self, seq: _Seq, pairs: int) -> None:
+        if pairs < seq.computed:
+            seq.computed = pairs
+            self.blocks.truncate(seq.blocks, pairs)
+
+    @torch.inference_mode()
+    def _set_features(self, seq: _Seq, start: int, hidden: list[torch.Tensor], rows: int) -> None:
+        """Target features for positions start .. start+rows-1."""
+        if rows <= 0:
+            return
+        if len(hidden) != len(self.hidden_layers) or any(h.shape[0] != rows for h in hidden):
+            seq.broken = True
+            return
+        feats = self.head.project([h.to(next(self.head.parameters()).dtype) for h in hidden])
+        for i in range(rows):
+            seq.feats[start + i] = feats[i]
+        self._rollback(seq, min(seq.computed, start))
+
+    def _ensure_blocks(self, seq: _Seq, pairs: int) -> bool:
+        need = -(-pairs // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.blocks.extend(self.blocks.allocate(need))
+        return True
+
+    @torch.inference_mode()
+    def _extend(self, wanted: dict[str, int]) -> None:
+        while True:
+            ready = []
+            for sid, n in wanted.items():
+                seq = self._seqs[sid]
+                last = len(seq.tokens) - 2  # the newest pair: (x_{t+1}, f_t) with t = len - 2
+                if seq.broken or len(seq.tail) >= n or last < 0:
+                    continue
+                if any(t not in seq.feats for t in range(seq.computed, last + 1)):
+                    seq.broken = True  # history without target features
+                    log.warning("sequence %s lacks target features: no EAGLE proposals for it", sid)
+                    continue
+                if self._ensure_blocks(seq, last + 1):
+                    ready.append(seq)
+            if not ready:
+                return
+            ids, feats, pos, qlens, clens, tables = [], [], [], [], [], []
+            for seq in ready:
+                last = len(seq.tokens) - 2
+                span = range(seq.computed, last + 1)
+                ids.extend(seq.tokens[t + 1] for t in span)
+                feats.extend(seq.feats[t] for t in span)
+                pos.extend(span)
+                qlens.append(len(span))
+                clens.append(last + 1)
+                tables.append(seq.blocks)
+            meta = AttentionMetadata.build(qlens, clens, tables, self.block_size)
+            out = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
+            self.forward_calls += 1
+            ends = torch.tensor(qlens).cumsum(0) - 1
+            logits = self.head.logits(out[ends])
+            for seq, row, feat in zip(ready, logits, out[ends]):
+                seq.computed = len(seq.tokens) - 1
+                token, dist = self._sample(row, seq)
+                seq.feats[len(seq.tokens) - 1] = feat
+                seq.tokens.append(token)
+                seq.dists.append(dist)
+
+    def _sample(self, logits: torch.Tensor, seq: _Seq) -> tuple[int, SparseDist | None]:
+        s = seq.sampling
+        if s.greedy:
+            return int(logits.argmax()), None
+        k = min(self.max_support, s.top_k) if s.top_k > 0 else self.max_support
+        top_vals, top_ids = (logits.float() / s.temperature).topk(min(k, logits.shape[-1]))
+        probs = top_vals.softmax(-1)
+        choice = int(torch.multinomial(probs, 1, generator=seq.generator))
+        return int(top_ids[choice]), SparseDist(top_ids.tolist(), probs.tolist())
