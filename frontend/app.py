@@ -85,7 +85,11 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
-        self.app = build_app(self)
+        self.fastapi = build_app(self)
+        self.app = FastPath(self.fastapi, {
+            "/v1/chat/completions": lambda request: self.complete(request, chat=True),
+            "/v1/completions": lambda request: self.complete(request, chat=False),
+        })
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -174,6 +178,25 @@ class Frontend:
                 if gauge is not None:
                     gauge.dec()
                 metrics.observe_request(model, endpoint, status)
+
+
+class FastPath:
+    """ASGI app that sends the two completion routes straight to their handler, skipping FastAPI's
+    routing and middleware (about 0.1 ms a request); everything else goes to the FastAPI app, which
+    also declares the completion routes (OpenAPI, and the same handler behind them)."""
+
+    def __init__(self, app: FastAPI, routes: dict[str, Callable[[Request], Awaitable[Response]]]):
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.routes.get(scope["path"])
+            if handler is not None:
+                response = await handler(Request(scope, receive, send))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(frontend: Frontend) -> FastAPI:
