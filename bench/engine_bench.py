@@ -1,6 +1,6 @@
 """Engine throughput against transformers' ``generate`` on the same weights, same machine, same run.
 
-Usage: .venv/bin/python bench/engine_bench.py [--models tiny,smollm2] [--new-tokens 64] [--repeats 2]
+Usage: .venv/bin/python bench/engine_bench.py [--models tiny,smollm2] [--new-tokens 64] [--repeats 3] [--threads 1]
 
 For each model, child processes measure (one implementation per process, so peak RSS is its own):
   ours: the engine at batch 1 and with 16 concurrent requests (continuous batching, greedy);
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import subprocess
@@ -34,15 +33,15 @@ def prompts(vocab: int, n: int = BATCH) -> list[list[int]]:
 
 
 def tiny_model_dir() -> Path:
-    """A seeded random Llama of ~20M parameters, saved once per run in a temp dir."""
+    """A seeded random Llama of ~1.3M parameters (overhead-bound), saved once in a temp dir."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = Path(tempfile.gettempdir()) / "tandem-bench-tiny-llama"
+    path = Path(tempfile.gettempdir()) / "tandem-bench-tiny-llama-v2"
     if not (path / "config.json").exists():
         torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024,
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024,
                           tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=0)
         LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -64,7 +63,7 @@ def run_ours(path: Path, new_tokens: int) -> dict:
     from workers.engine.weights import load_model
 
     model = load_model(path, max_positions=1024)
-    engine = Engine(model, EngineConfig(num_blocks=1024, max_model_len=1024, max_num_batched_tokens=1024),
+    engine = Engine(model, EngineConfig(num_blocks=256, max_model_len=1024, max_num_batched_tokens=1024),
                     eos_token_ids=())
     ps = prompts(model.cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -118,8 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (same for both)")
     parser.add_argument("--child", choices=["ours", "hf"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

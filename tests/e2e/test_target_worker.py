@@ -87,3 +87,22 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
             break
     assert loads and loads[-1].running == 0 and loads[-1].free_blocks == loads[-1].total_blocks == BLOCKS
     await asyncio.to_thread(proc.wait_for_log, "cancelled by the client", 5)
+
+
+async def test_default_model_is_the_demo_smollm2(rt, spawn):
+    from workers.demo_model import demo_model_dir
+
+    spawn("workers.target", "--num-blocks", "64", "--max-model-len", "512", "--threads", "1", "--lease-ttl", "3")
+    client = await rt.client("target", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=90)
+    cards = await rt.models()
+    await cards.wait_for(lambda c: any(card.instance_id == inst.instance_id for card in c.values()), 5)
+    card = next(c for c in cards.values() if c.instance_id == inst.instance_id)
+    assert card.name == inst.model == demo_model_dir().name
+    assert card.tokenizer_path == str(demo_model_dir()) and card.eos_token_ids == [2]
+    assert "im_start" in card.chat_template and card.context_length == 512
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 2, 198, 1, 4093, 198, 22503, 2, 198, 1, 520]
+    deltas = await collect(await client.call(inst.instance_id, GenerateRequest(prompt, SamplingParams(
+        temperature=0, max_tokens=4, logprobs=2)), TokenDelta))
+    assert len(_tokens(deltas)) == 4 or deltas[-1].finish_reason == "stop"
+    assert all(d.logprobs is not None and len(d.top_logprobs) == len(d.token_ids) for d in deltas)
