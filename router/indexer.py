@@ -119,7 +119,7 @@ class KvIndex:
             held = get(h, 0) & active
             if held != active:
                 dropped = active ^ held
-                while dropped:
+                while dropped and depth:  # workers dropped at depth 0 keep their 0
                     low = dropped & -dropped
                     out[by_bit[low.bit_length() - 1]] = depth
                     dropped ^= low

@@ -166,13 +166,16 @@ class KvRouter(Router):
                 overlaps, prefill = self._mixed_sizes(token_ids, ids)
             else:
                 overlaps = self.index.overlaps(lazy_block_hashes(token_ids, block_size), ids)
-                n = request_blocks(len(token_ids), block_size)
-                prefill = [n - overlaps[w] for w in ids]
+                prefill = None
         except (OverflowError, TypeError) as exc:
             raise InvalidRequest(f"token ids must be integers in [0, 2**32): {exc}", field="token_ids") from None
-        pressure = self.load.pressure
+        pressure = self.load.pressure.get
         weight = cfg.overlap_weight
-        costs = [weight * p + pressure.get(w, 0) for w, p in zip(ids, prefill)]
+        if prefill is None:
+            n = request_blocks(len(token_ids), block_size)
+            costs = [weight * (n - overlaps[w]) + pressure(w, 0) for w in ids]
+        else:
+            costs = [weight * p + pressure(w, 0) for w, p in zip(ids, prefill)]
         chosen = choose(costs, cfg.temperature, self._rng)
         wid = ids[chosen]
         self.decisions += 1
