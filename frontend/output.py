@@ -68,16 +68,28 @@ class ChoiceOutput:
         if self.finished:
             return Piece()
         ids = delta.token_ids
-        self.completion_tokens += len(ids)
-        piece = Piece()
-        if self._top is not None and delta.logprobs is not None:
-            tops = delta.top_logprobs or [[] for _ in ids]
-            piece.logprobs = [LogprobEntry(t, lp, list(top[: self._top])) for t, lp, top in zip(ids, delta.logprobs, tops)]
-            self.logprobs.extend(piece.logprobs)
-        shown = ids
+        shown = len(ids)
         if delta.finish_reason == "stop" and ids and ids[-1] in self._stop_token_ids:
-            shown = ids[:-1]
-        text = self._stops.feed(self._detok.add(shown))
+            shown -= 1
+        piece = Piece()
+        with_logprobs = self._top is not None and delta.logprobs is not None
+        if with_logprobs or self._stops.stops:
+            # Token by token, so that nothing after a stop string is counted or reported.
+            tops = (delta.top_logprobs or [[] for _ in ids]) if with_logprobs else ()
+            parts = []
+            for i, token in enumerate(ids):
+                self.completion_tokens += 1
+                if i < shown:
+                    parts.append(self._stops.feed(self._detok.add((token,))))
+                if with_logprobs:
+                    piece.logprobs.append(LogprobEntry(token, delta.logprobs[i], list(tops[i][: self._top])))
+                if self._stops.stopped:
+                    break
+            text = "".join(parts)
+            self.logprobs.extend(piece.logprobs)
+        else:
+            self.completion_tokens += len(ids)
+            text = self._detok.add(ids[:shown])
         if self._stops.stopped:
             self.finish_reason = "stop"
         elif delta.finish_reason is not None:

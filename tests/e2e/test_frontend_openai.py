@@ -174,6 +174,8 @@ def test_stop_strings_including_one_spanning_tokens(client):
         return r.choices[0].text, r.choices[0].finish_reason
 
     assert text(" gamma") == ("alpha beta", "stop")
+    r = client.completions.create(model="mock", prompt=WORDS, max_tokens=10, temperature=0, stop=" gamma", logprobs=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].logprobs.tokens == ["alpha", " beta", " gamma"]
     assert text(["ta gam", "zzz"]) == ("alpha be", "stop")  # spans the tokens " beta" and " gamma"
     assert text("nowhere") == (WORDS + WORDS, "length")
     streamed = client.completions.create(model="mock", prompt=WORDS, max_tokens=10, temperature=0, stop="ta gam", stream=True)
