@@ -96,6 +96,28 @@ def _actor_options(comp_kind: str, config: StackConfig, options: RayOptions) -> 
     return {"num_cpus": options.cpus_per_component, "num_gpus": gpus, "max_concurrency": 4}
 
 
+class _Abort(Exception):
+    """Stop requested, or Ray could not do what was asked in time."""
+
+
+def _get(refs, stop: threading.Event, timeout: float, what: str):
+    """``ray.get(refs)`` that gives up on Ctrl-C or after ``timeout`` (e.g. no node has the GPUs)."""
+    import ray
+
+    single = not isinstance(refs, list)
+    pending = [refs] if single else list(refs)
+    deadline = time.monotonic() + timeout
+    while pending:
+        if stop.is_set():
+            raise _Abort("stopped")
+        if time.monotonic() > deadline:
+            raise _Abort(f"{what}: Ray gave no answer within {timeout:.0f}s "
+                         "(not enough free CPUs/GPUs for the actors? see `ray status`, --gpus-per-worker)")
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+    values = ray.get([refs] if single else refs)
+    return values[0] if single else values
+
+
 def run_ray(config: StackConfig, options: RayOptions) -> int:
     """Place the stack on the Ray cluster at ``options.address``; serve until SIGINT/SIGTERM."""
     import ray
@@ -110,34 +132,35 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
     drafts_ok = module_available("workers.draft")
     if config.num_drafts and not drafts_ok:
         log.warning("draft workers are not available yet (no workers.draft module): running with none")
-    model_path = config.model if not config.mock else None
-    if not config.mock and model_path is None:
-        from deploy.launcher import resolve_demo_model
-
-        model_path = resolve_demo_model()
+    # No --model: each target resolves the bundled demo model on its own node.
+    model_path = None if config.mock else config.model
     names = component_names(config, drafts_ok)
-    kinds = {n: n.split("-")[0] for n in names}
-    actors = {n: remote_cls.options(name=None, **_actor_options(kinds[n], config, options)).remote(n) for n in names}
+    actors = {n: remote_cls.options(**_actor_options(n.split("-")[0], config, options)).remote(n) for n in names}
     started: list[str] = []
+    wait = options.startup_timeout
     try:
-        ports = dict(zip(names, ray.get([actors[n].free_port.remote() for n in names])))
+        ports = dict(zip(names, _get([actors[n].free_port.remote() for n in names], stop, wait, "placing actors")))
         ports["frontend"] = config.http_port or ports["frontend"]
         components = plan(config, model_path, ports, drafts_available=drafts_ok)
         env = {"TANDEM_ETCD": options.etcd_url, "TANDEM_NATS": options.nats_url, "TANDEM_NAMESPACE": config.namespace}
         for comp in components:
-            ray.get(actors[comp.name].start.remote(comp.module, list(comp.args), env))
+            _get(actors[comp.name].start.remote(comp.module, list(comp.args), env), stop, 60, f"starting {comp.name}")
             started.append(comp.name)
-        frontend_ip = ray.get(actors["frontend"].node_ip.remote())
-        if not _wait_ready(actors, components, options.startup_timeout, stop):
-            return 0 if stop.is_set() else 1
+        frontend_ip = _get(actors["frontend"].node_ip.remote(), stop, 60, "frontend address")
+        _wait_ready(actors, components, wait, stop)
         url = f"http://{frontend_ip if config.host == '0.0.0.0' else config.host}:{ports['frontend']}"
         print(f"\nTandem is ready on Ray at {url}/v1 (model {config.model_name(model_path)!r}). "
               "Press Ctrl-C to stop.\n", flush=True)
         while not stop.wait(1.0):
-            if not ray.get(actors["frontend"].alive.remote()):
+            if not _get(actors["frontend"].alive.remote(), stop, 60, "frontend status"):
                 log.error("the frontend exited:\n%s", ray.get(actors["frontend"].recent_output.remote()))
                 return 1
         return 0
+    except _Abort as exc:
+        if stop.is_set():
+            return 0
+        log.error("%s", exc)
+        return 1
     finally:
         for name in reversed(started):
             try:
@@ -150,19 +173,18 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
         log.info("all stopped")
 
 
-def _wait_ready(actors: dict, components: list[Component], timeout: float, stop: threading.Event) -> bool:
-    import ray
-
-    frontend = next(c for c in components if c.kind == "frontend")
+def _wait_ready(actors: dict, components: list[Component], timeout: float, stop: threading.Event) -> None:
+    """Every component alive and its ``/health`` 200 (probed on its own node), the frontend last."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not stop.is_set():
+    pending = [c for c in components if c.kind != "frontend"] + [c for c in components if c.kind == "frontend"]
+    while pending:
         for comp in components:
-            if not ray.get(actors[comp.name].alive.remote()):
-                log.error("%s exited during startup:\n%s", comp.name, ray.get(actors[comp.name].recent_output.remote()))
-                return False
-        if ray.get(actors["frontend"].probe.remote(frontend.health_port)) == 200:
-            return True
-        stop.wait(0.5)
-    if not stop.is_set():
-        log.error("the frontend was not healthy within %.0fs", timeout)
-    return False
+            if not _get(actors[comp.name].alive.remote(), stop, 60, f"{comp.name} status"):
+                tail = _get(actors[comp.name].recent_output.remote(), stop, 60, f"{comp.name} output")
+                raise _Abort(f"{comp.name} exited during startup:\n{tail}")
+        while pending and _get(actors[pending[0].name].probe.remote(pending[0].health_port), stop, 60, "probe") == 200:
+            pending.pop(0)
+        if pending:
+            if time.monotonic() > deadline:
+                raise _Abort(f"{pending[0].name} was not healthy within {timeout:.0f}s")
+            stop.wait(0.5)

@@ -156,7 +156,8 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
             out.append(Component(cname, "target", "workers.mock", tuple(args), ports[cname]))
         else:
-            args = ["--model", str(model_path), "--served-model-name", name, "--health-port", str(ports[cname])]
+            args = ["--model", str(model_path)] if model_path else []  # none: the worker's default, the demo
+            args += ["--served-model-name", name, "--health-port", str(ports[cname])]
             if config.num_speculative_tokens is not None:
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
             out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True,

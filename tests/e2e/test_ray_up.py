@@ -164,3 +164,10 @@ def test_tandem_ray_up_mock_serves_a_request(netns):
     assert "all stopped" in netns.log("tandem")
     left = [c for c in cmdlines(netns.pids()) if "-m workers.mock" in c or "-m frontend" in c]
     assert not left, left
+
+    # Real workers want a GPU each; this cluster has none: a clear error, not a hang.
+    gpu = netns.start("tandem-gpu", sys.executable, "-m", "deploy.cli", "ray", "up",
+                      f"--address=127.0.0.1:{RAY_PORT}", f"--etcd=http://127.0.0.1:{ETCD_PORT}",
+                      f"--nats=nats://127.0.0.1:{NATS_PORT}", "--startup-timeout=5")
+    assert gpu.wait(90) == 1, netns.log("tandem-gpu")[-4000:]
+    assert "not enough free CPUs/GPUs" in netns.log("tandem-gpu")

@@ -79,6 +79,12 @@ def test_real_plan_with_router_targets_and_drafts():
     assert len({c.health_port for c in comps}) == len(comps)
 
 
+def test_no_model_path_leaves_the_target_on_its_default_model():
+    cfg = StackConfig(drafts=0)
+    [target, _] = plan(cfg, None, ports_for(cfg))
+    assert "--model" not in target.args and target.args[:2] == ("--served-model-name", "SmolLM2-135M-Instruct")
+
+
 def test_no_drafts_when_the_module_is_missing():
     cfg = StackConfig(model="/m")
     assert [c.name for c in plan(cfg, "/m", ports_for(cfg, False), drafts_available=False)] == ["target-0", "frontend"]
