@@ -8,9 +8,17 @@ import asyncio
 import pytest
 
 from runtime.errors import InvalidRequest
-from runtime.events import TOPIC_KV, TOPIC_LOAD
+from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD
 from runtime.kv_hash import block_hashes
-from runtime.messages import GenerateRequest, KvEvent, KvEventKind, LoadEvent, SamplingParams, TokenDelta
+from runtime.messages import (
+    GenerateRequest,
+    KvDumpRequest,
+    KvEvent,
+    KvEventKind,
+    LoadEvent,
+    SamplingParams,
+    TokenDelta,
+)
 from runtime.request_plane import collect
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
@@ -66,6 +74,16 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
     stored = {h for e in kv_events if e.kind == KvEventKind.STORED for h in e.block_hashes}
     assert set(block_hashes(PROMPTS[3], BLOCK)) <= stored
     assert kv_events[0].kind == KvEventKind.CLEARED and all(e.worker_id == inst.instance_id for e in kv_events)
+    # a router that lost track asks for a dump: the whole cache comes back as stored events
+    kv_events.clear()
+    await rt.publish(TOPIC_KV_DUMP, KvDumpRequest("test"))
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        dumped = {h for e in kv_events for h in e.block_hashes}
+        if all(set(block_hashes(p, BLOCK)) <= dumped for p in PROMPTS):
+            break
+    assert all(set(block_hashes(p, BLOCK)) <= dumped for p in PROMPTS)
+    assert all(e.kind == KvEventKind.STORED and len(e.block_hashes) == 1 for e in kv_events)
 
     with pytest.raises(InvalidRequest) as err:
         await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[0], SamplingParams(top_p=1.5)), TokenDelta))

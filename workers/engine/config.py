@@ -118,7 +118,15 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.exists():
             raise ValueError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(config_path.read_text()))
+        raw = json.loads(config_path.read_text())
+        generation = Path(path) / "generation_config.json"
+        if generation.exists():  # Llama 3 lists its extra end-of-turn ids only here
+            extra = json.loads(generation.read_text()).get("eos_token_id")
+            ids = extra if isinstance(extra, list) else ([extra] if extra is not None else [])
+            base = raw.get("eos_token_id")
+            base = base if isinstance(base, list) else ([base] if base is not None else [])
+            raw["eos_token_id"] = sorted(set(base) | set(ids))
+        return cls.from_dict(raw)
 
 
 def _parse_rope(cfg: dict) -> RopeConfig:

@@ -6,7 +6,6 @@ lazily one tensor at a time. Nothing is downloaded: paths must exist locally.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -58,8 +57,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         cfg = ModelConfig.from_dict(raw)
         weights = iter(state.items())
     else:
-        cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text())) if (path / "config.json").exists() \
-            else ModelConfig.from_dir(path)
+        cfg = ModelConfig.from_dir(path)
         weights = iter_safetensors(path)
     with torch.device("meta"):
         model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn)

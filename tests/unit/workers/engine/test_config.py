@@ -44,3 +44,13 @@ def test_unsupported_configs_raise_value_error(change, message):
 def test_engine_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         EngineConfig(**kwargs)
+
+
+def test_from_dir_merges_generation_config_eos_ids(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "llama", "eos_token_id": 5}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (5, 7)
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig.from_dir(tmp_path / "missing")
