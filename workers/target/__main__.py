@@ -41,6 +41,8 @@ class TargetConfig:
     attention: str = "torch"
     enable_prefix_caching: bool = True
     load_interval: float = 0.5
+    num_speculative_tokens: int = 4
+    propose_timeout: float = 2.0
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -55,6 +57,8 @@ class TargetConfig:
             raise ValueError("--kv-cache-gb and --load-interval must be positive")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("--threads must be positive")
+        if self.num_speculative_tokens < 0 or self.propose_timeout <= 0:
+            raise ValueError("--num-speculative-tokens must be >= 0 and --propose-timeout positive")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention", default="torch", help="attention backend: torch or triton (GPU)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="γ: draft tokens verified per step when a draft worker is available (0 disables)")
+    parser.add_argument("--propose-timeout", type=float, default=2.0,
+                        help="seconds to wait for a draft worker's proposals before decoding plainly")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default=None)
     return parser.parse_args(argv)
@@ -83,7 +91,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
     name = args.served_model_name or (model.stem if model.suffix == ".gguf" else model.name)
     return TargetConfig(str(model), name, args.block_size, args.num_blocks, args.max_num_seqs,
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
-                        args.threads, args.attention, not args.no_prefix_caching, args.load_interval)
+                        args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
+                        args.num_speculative_tokens, args.propose_timeout)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -102,8 +111,9 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     """Load the model and build the engine (blocking: call off the event loop)."""
     import torch
 
-    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.engine import EngineConfig
     from workers.engine.weights import load_model
+    from workers.spec.spec_engine import SpecEngine
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     attention_fn = None
@@ -116,7 +126,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching)
-    return Engine(model, engine_cfg, worker_id)
+    return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens)
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -131,8 +141,15 @@ async def amain(args: argparse.Namespace) -> None:
     cfg = target_config(args, model_path)
     runtime_config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(runtime_config) as rt:
+        from workers.spec.draft_client import DraftPool
+        from workers.spec.speculator import SpecEngineLoop, Speculator
+
         engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
-        worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval)
+        drafts = await rt.client("draft", "speculate")
+        pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances)
+        speculator = Speculator(pool, engine, rt.instance_id, rt.started_at, rt.publish, cfg.propose_timeout)
+        worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
+                              lambda eng, on_kv: SpecEngineLoop(eng, speculator, on_kv))
         await worker.start()
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
@@ -144,6 +161,7 @@ async def amain(args: argparse.Namespace) -> None:
             kv_block_size=cfg.block_size,
             eos_token_ids=sorted(engine.eos_token_ids),
             chat_template=chat_template(model_dir),
+            num_speculative_tokens=cfg.num_speculative_tokens,
         ))
         # The instance record goes last: once it is visible, the model card is there too.
         await rt.serve("target", "generate", worker.generate, GenerateRequest, role="target", model=cfg.served_model_name)

@@ -55,8 +55,12 @@ class EngineLoop:
             await asyncio.to_thread(self._thread.join, 10)
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-               output_ids: list[int] = ()) -> asyncio.Queue:
-        """Validate (raises InvalidRequest here, on the caller's side) and queue a request."""
+               output_ids: list[int] = (), num_speculative_tokens: int | None = None) -> asyncio.Queue:
+        """Validate (raises InvalidRequest here, on the caller's side) and queue a request.
+
+        ``num_speculative_tokens`` is used by loops whose engine speculates (see
+        :class:`workers.spec.speculator.SpecEngineLoop`); a plain engine decodes one token a step.
+        """
         self.engine.validate(token_ids, params, output_ids)
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out

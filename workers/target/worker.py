@@ -36,14 +36,15 @@ class TargetWorker:
     """Serves ``generate`` from an :class:`Engine` run on its own thread; plain values in."""
 
     def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
-                 load_interval: float = 0.5):
+                 load_interval: float = 0.5,
+                 make_loop: Callable[[Engine, Callable[[list[KvEvent]], None]], EngineLoop] = EngineLoop):
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
         self._publish = publish
         self._load_interval = load_interval
         self._kv_out: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
-        self.loop = EngineLoop(engine, self._kv_out.put_nowait)
+        self.loop = make_loop(engine, self._kv_out.put_nowait)
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client
@@ -71,7 +72,10 @@ class TargetWorker:
         if req.model and req.model != self.model_name:
             raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
         rid = f"{ctx.request_id}#{next(self._ids)}"
-        out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids))
+        if req.num_speculative_tokens is not None and req.num_speculative_tokens < 0:
+            raise InvalidRequest(f"num_speculative_tokens must be >= 0, got {req.num_speculative_tokens}",
+                                 field="num_speculative_tokens")
+        out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids), req.num_speculative_tokens)
         finished = False
         try:
             while not finished:

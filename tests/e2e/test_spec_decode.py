@@ -1,0 +1,117 @@
+"""Disaggregated speculative decoding with real processes: target and draft workers over gRPC.
+
+Greedy output equals the target alone; killing the draft mid-request degrades to plain decoding
+without failing anything; a restarted draft worker is picked up again; spec stats are published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from runtime.events import TOPIC_SPEC_STATS
+from runtime.messages import GenerateRequest, SamplingParams, SpecStatsEvent, TokenDelta
+from runtime.request_plane import collect
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [[(5 * i + 7 * j) % 200 for j in range(8 + 3 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec-target")
+    tiny_hf_model("llama", path, seed=11, vocab=256, layers=2, max_positions=1024)
+    return path
+
+
+def tokens(deltas: list[TokenDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def expected(target_dir, params: SamplingParams) -> dict[str, list[int]]:
+    engine = Engine(load_model(target_dir), EngineConfig(block_size=8, num_blocks=512, max_num_seqs=16))
+    return engine.generate({str(i): p for i, p in enumerate(PROMPTS)}, params)
+
+
+async def start_target(rt, spawn, target_dir):
+    proc = spawn("workers.target", "--model", str(target_dir), "--served-model-name", "tiny", "--block-size", "8",
+                 "--num-blocks", "512", "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "4",
+                 "--lease-ttl", "3", name="target")
+    client = await rt.client("target", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=90)
+    return proc, client, inst
+
+
+def start_draft(spawn, target_dir, name="draft"):
+    # The target's own weights as the draft model: every draft is accepted.
+    return spawn("workers.draft", "--method", "draft_model", "--draft-model", str(target_dir), "--block-size", "8",
+                 "--num-blocks", "512", "--lease-ttl", "3", name=name)
+
+
+async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(rt, spawn, target_dir):
+    stats: list[SpecStatsEvent] = []
+    await rt.subscribe(TOPIC_SPEC_STATS, SpecStatsEvent, stats.append)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = expected(target_dir, greedy)
+    _, client, inst = await start_target(rt, spawn, target_dir)
+    start_draft(spawn, target_dir)
+    drafts = await rt.client("draft", "speculate")
+    [draft] = await drafts.wait_for_instances(1, timeout=90)
+
+    streams = [await client.call(inst.instance_id, GenerateRequest(p, greedy), TokenDelta) for p in PROMPTS]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for i, deltas in enumerate(results):
+        assert tokens(deltas) == want[str(i)]
+        spec = deltas[-1].usage.spec
+        assert spec is not None and spec.num_drafts > 0
+        assert spec.num_accepted_tokens == spec.num_draft_tokens  # a perfect draft
+        assert max(len(d.token_ids) for d in deltas) > 1  # several tokens per verify step
+
+    # γ = 0 on a request disables speculation for it.
+    plain = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[0], greedy, num_speculative_tokens=0), TokenDelta))
+    assert tokens(plain) == want["0"] and plain[-1].usage.spec is None
+
+    deadline = time.monotonic() + 10
+    while not any(s.target_id == inst.instance_id and s.draft_id == draft.instance_id and
+                  s.num_drafts >= sum(r[-1].usage.spec.num_drafts for r in results) for s in stats):
+        assert time.monotonic() < deadline, stats[-3:]
+        await asyncio.sleep(0.2)
+    latest = [s for s in stats if s.draft_id == draft.instance_id][-1]
+    assert latest.num_accepted_tokens == latest.num_draft_tokens and latest.method == "draft_model"
+    assert latest.accepted_per_pos[0] == latest.num_drafts
+
+
+async def test_killing_the_draft_mid_request_falls_back_and_restarting_resumes(rt, spawn, target_dir):
+    long = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    want = Engine(load_model(target_dir), EngineConfig(block_size=8, num_blocks=512)).generate({"0": PROMPTS[1]}, long)["0"]
+    target, client, inst = await start_target(rt, spawn, target_dir)
+    draft = start_draft(spawn, target_dir)
+    drafts = await rt.client("draft", "speculate")
+    await drafts.wait_for_instances(1, timeout=90)
+
+    stream = await client.call(inst.instance_id, GenerateRequest(PROMPTS[1], long), TokenDelta)
+    first = await stream.__anext__()
+    draft.kill()
+    rest = [d async for d in stream]
+    assert tokens([first] + rest) == want  # the request completed, and exactly
+    assert rest[-1].finish_reason == "length"
+    target.wait_for_log("falling back to plain decoding", timeout=10)
+    spec_rounds_before = rest[-1].usage.spec.num_drafts if rest[-1].usage.spec else 0
+
+    # A new draft worker appears: speculation resumes for new requests.
+    start_draft(spawn, target_dir, name="draft-2")
+    deadline = time.monotonic() + 60
+    while True:
+        out = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[2], SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True)), TokenDelta))
+        if out[-1].usage.spec is not None and out[-1].usage.spec.num_drafts > 0:
+            break
+        assert time.monotonic() < deadline, "speculation did not resume"
+        await asyncio.sleep(0.5)
+    assert spec_rounds_before < 600 / 5  # the killed draft did not serve the whole request
