@@ -120,8 +120,9 @@ class Frontend:
         """Serve one chat or text completion request, streaming or not."""
         start = time.perf_counter()
         endpoint = "chat" if chat else "completions"
+        # Unique even when clients reuse an X-Request-Id: workers key streams and cancels by this id.
         header_id = request.headers.get("x-request-id", "")
-        request_id = header_id if _REQUEST_ID.match(header_id) else uuid.uuid4().hex
+        request_id = f"{header_id}-{uuid.uuid4().hex[:8]}" if _REQUEST_ID.match(header_id) else uuid.uuid4().hex
         metrics, model, status, streaming, gauge = self.metrics, "", 200, False, None
         try:
             body = await read_body(request, self.config.max_body_bytes)

@@ -1,12 +1,8 @@
-"""Server-sent events, merging the deltas of several choices, and watching for a client that left.
+"""Merging the deltas of several choices, and watching for a client that left.
 
-The SSE stream is what OpenAI clients expect: for chat a role delta first, then content deltas,
-one chunk per choice with its ``finish_reason``, an optional usage chunk with ``choices: []``,
-then ``data: [DONE]``. An error after the status line went out becomes an ``error`` event
-followed by ``[DONE]``.
-
-A client that disconnects cancels the task producing its answer; the ``finally`` blocks of the
-producers close the worker streams, which cancels the handlers on the workers.
+A client that disconnects cancels the task producing its answer (a non-streaming request, or a
+streaming one before its first byte; Starlette cancels a started stream itself); the ``finally``
+blocks of the producers close the worker streams, which cancels the handlers on the workers.
 """
 
 from __future__ import annotations
