@@ -124,8 +124,13 @@ def ask(url: str, model: str = "mock", max_tokens: int = 12) -> dict:
 MOCK = ("--mock", "--mock-token-latency-ms", "2")
 
 
+def metric_names(url: str) -> set[str]:
+    text = httpx.get(url, timeout=5).text
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
-    up = launcher(*MOCK, "--targets", "2")
+    up = launcher(*MOCK, "--targets", "2", "--standalone-router")
     up.wait_ready()
     assert httpx.get(f"{up.url}/health", timeout=5).status_code == 200
     answer = ask(up.url)
@@ -134,12 +139,23 @@ def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
     models = httpx.get(f"{up.url}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["mock"]
 
+    # Every metric the Grafana dashboard plots is served by the frontend or the router.
+    [router_port] = re.findall(r"router +pid \d+ +health http://127.0.0.1:(\d+)/health", up.logs())
+    wanted = set(re.findall(r"tandem_[a-z_]+", (ROOT / "deploy/grafana/dashboards/tandem.json").read_text()))
+    deadline = time.monotonic() + 10
+    while True:  # the router's spec-decode counters appear once a worker's stats event arrives
+        served = metric_names(f"{up.url}/metrics") | metric_names(f"http://127.0.0.1:{router_port}/metrics")
+        if wanted <= served or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert wanted - served == set()
+
     logs = up.logs()
-    for prefix in ("[etcd] ", "[nats] ", "[target-0] ", "[target-1] ", "[frontend] "):
+    for prefix in ("[etcd] ", "[nats] ", "[router] ", "[target-0] ", "[target-1] ", "[frontend] "):
         assert prefix in logs, prefix
     assert f"curl {up.url}/v1/chat/completions" in logs
     children = descendants(up.proc.pid)
-    assert len(children) >= 5  # etcd, nats, two targets, frontend
+    assert len(children) >= 6  # etcd, nats, router, two targets, frontend
 
     up.proc.send_signal(signal.SIGINT)
     assert up.proc.wait(60) == 0, up.logs()[-4000:]
@@ -149,7 +165,7 @@ def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
             httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
     logs = up.logs()
     # Reverse start order: the frontend stops before the workers, the workers before NATS and etcd.
-    order = [logs.index(f"stopping {name} ") for name in ("frontend", "target-0", "nats", "etcd")]
+    order = [logs.index(f"stopping {name} ") for name in ("frontend", "target-0", "router", "nats", "etcd")]
     assert order == sorted(order)
     assert "all stopped" in logs
 
