@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 
@@ -107,6 +108,8 @@ async def test_add_and_remove_target_workers_under_load(rt, spawn):
         while inst2.instance_id not in first_traffic and time.monotonic() - registered < 2.0:
             await asyncio.sleep(0.01)
         assert inst2.instance_id in first_traffic, "the new target got no request within 2 s of registering"
+        logging.getLogger(__name__).info("new target's first request %.3fs after it registered (%d requests done)",
+                                         first_traffic[inst2.instance_id] - registered, done)
         assert done < TOTAL - 60, f"the load ended too early ({done} done) to test removal under load"
 
         first.signal(signal.SIGTERM)
