@@ -123,3 +123,24 @@ def test_ray_up_needs_etcd_and_nats(monkeypatch):
         build_parser().parse_args(["ray", "up", "--mock"])
     args = build_parser().parse_args(["ray", "up", "--mock", "--etcd", "http://e:2379", "--nats", "nats://n:4222"])
     assert (args.address, args.gpus_per_worker) == ("auto", 1.0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"etcd_url": "127.0.0.1:2379"}, "etcd_url"),
+    ({"nats_url": "http://n:4222"}, "nats_url"),
+    ({"gpus_per_worker": -1}, ">= 0"),
+    ({"startup_timeout": 0}, "startup_timeout"),
+])
+def test_ray_options_are_validated(kwargs, message):
+    from deploy.ray_launcher import RayOptions
+
+    with pytest.raises(ValueError, match=message):
+        RayOptions(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [({"etcd_port": -1}, "etcd_port"), ({"startup_timeout": -5}, "startup_timeout")])
+def test_local_options_are_validated(kwargs, message):
+    from deploy.launcher import LocalOptions
+
+    with pytest.raises(ValueError, match=message):
+        LocalOptions(**kwargs)
