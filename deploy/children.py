@@ -26,12 +26,15 @@ _PR_SET_PDEATHSIG = 1
 _write_lock = threading.Lock()
 
 
+try:  # looked up once here, so the forked child only makes one foreign call before exec
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGTERM me when my parent dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Child:
@@ -53,7 +56,7 @@ class Child:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self.env, cwd=self.cwd, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=_die_with_parent if _prctl is not None else None,  # noqa: PLW1509 (no locks taken)
         )
         self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
         self._reader.start()

@@ -3,7 +3,6 @@ the Kubernetes manifests, the compose services and the local launcher's plan."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 

@@ -99,8 +99,7 @@ def test_schema_validation_rejects_a_broken_object():
 
 
 def test_overlays_contain_what_they_promise():
-    kinds = lambda objs: {(o["kind"], o["metadata"]["name"]) for o in objs}  # noqa: E731
-    base, cpu, gpu = (kinds(build(K8S / o)) for o in OVERLAYS)
+    base, cpu, gpu = ({(o["kind"], o["metadata"]["name"]) for o in build(K8S / overlay)} for overlay in OVERLAYS)
     for name in ("tandem-frontend", "tandem-router", "tandem-target", "tandem-draft"):
         assert ("Deployment", name) in base
         assert ("PodDisruptionBudget", name) in base
@@ -196,11 +195,13 @@ def test_images_are_pinned():
 def test_python_build_matches_kubectl_kustomize(overlay):
     out = subprocess.run(["kubectl", "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    def key(obj: dict) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
     theirs = sorted(yaml.safe_load_all(out.stdout), key=key)
     ours = sorted(build(K8S / overlay), key=key)
     assert [key(o) for o in ours] == [key(o) for o in theirs]
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a == b, key(a)
 
 
