@@ -144,3 +144,12 @@ def test_local_options_are_validated(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         LocalOptions(**kwargs)
+
+
+def test_tandem_console_script_points_at_the_cli():
+    from importlib.metadata import entry_points
+
+    from deploy.cli import main
+
+    [script] = entry_points(group="console_scripts", name="tandem")
+    assert script.value == "deploy.cli:main" and script.load() is main
