@@ -81,10 +81,18 @@ class RemoteRouter(Router):
 
     mode = "remote"
 
-    def __init__(self, client, publish: Callable[[str, object], Awaitable[None]]):
+    def __init__(self, client, publish: Callable[[str, object], Awaitable[None]], timeout: float = 2.0,
+                 suspect_for: float = 10.0):
+        """``timeout``: seconds to wait for one router instance's answer before asking the next;
+        an instance that failed is asked last for ``suspect_for`` seconds."""
+        if timeout <= 0 or suspect_for < 0:
+            raise ValueError("timeout must be > 0 and suspect_for >= 0")
         super().__init__(lambda model: [])
         self._client = client
         self._publish = publish
+        self.timeout = timeout
+        self.suspect_for = suspect_for
+        self._suspects: dict[str, float] = {}  # instance id -> when it last failed
         self._next = itertools.count()
         self._pending: dict[str, list[int]] = {}
         self._flush_handle: asyncio.Handle | None = None
@@ -96,20 +104,36 @@ class RemoteRouter(Router):
             raise ValueError(f"a remote router takes no options (the service has them), got {sorted(options)}")
         return cls(await rt.client(COMPONENT, ENDPOINT), rt.publish)
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
-        routers = self._client.instances()
-        if not routers:
+    def _order(self) -> list[str]:
+        """Live router instances, round robin, recently failed ones last."""
+        ids = [r.instance_id for r in self._client.instances()]
+        if not ids:
             raise NoInstances(COMPONENT, ENDPOINT)
-        start = next(self._next)
+        start = next(self._next) % len(ids)
+        ids = ids[start:] + ids[:start]
+        now = time.monotonic()
+        self._suspects = {i: t for i, t in self._suspects.items() if now - t < self.suspect_for}
+        return sorted(ids, key=lambda i: i in self._suspects)
+
+    async def _ask(self, instance_id: str, request: RouteRequest) -> RouteResponse:
+        stream = await self._client.call(instance_id, request, RouteResponse)
+        try:
+            [response] = await asyncio.wait_for(collect(stream), self.timeout)
+        except asyncio.TimeoutError:
+            await stream.aclose()
+            raise InstanceTimeout(instance_id, self.timeout) from None
+        return response
+
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
         request = RouteRequest(model, list(token_ids), sorted(exclude), request_id)
         error: Exception | None = None
-        for i in range(len(routers)):  # a router instance that is going away: ask the next one
-            instance = routers[(start + i) % len(routers)]
+        for instance_id in self._order():  # a router instance that is gone or stuck: ask the next one
             try:
-                [response] = await collect(await self._client.call(instance.instance_id, request, RouteResponse))
+                response = await self._ask(instance_id, request)
                 break
             except (InstanceGone, InstanceTimeout) as exc:
-                log.warning("router %s did not answer (%s); trying another", instance.instance_id, exc)
+                log.warning("router %s did not answer (%s); trying another", instance_id, exc)
+                self._suspects[instance_id] = time.monotonic()
                 error = exc
             except RemoteError as exc:
                 if exc.kind == NoInstances.kind:

@@ -27,6 +27,18 @@ async def eventually(predicate, timeout: float = 10.0, what: str = "condition") 
         await asyncio.sleep(0.1)
 
 
+async def select_when_seen(router, model: str, tokens: list[int], **kw):
+    """The service's own etcd view may lag the test's by a moment: retry NoInstances briefly."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return await router.select(model, tokens, **kw)
+        except NoInstances:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime_config, spawn):
     service = spawn("router", "--lease-ttl", "3", "--http-port", "0", "--seed", "1", name="router")
     for i in range(2):
@@ -41,7 +53,7 @@ async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime
         frontend_a = await create_router(rt, "kv", remote=True)
         frontend_b = await create_router(rt_b, "kv", remote=True)
         assert frontend_a.mode == "remote"
-        first = await frontend_a.select("mock", PREFIX + [1, 2, 3], request_id="a-1")
+        first = await select_when_seen(frontend_a, "mock", PREFIX + [1, 2, 3], request_id="a-1")
         assert first.router_id == router_record.instance_id and first.ticket > 0
         out = await collect(await targets.call(first.instance_id, GenerateRequest(PREFIX + [1, 2, 3], SamplingParams(max_tokens=8)), TokenDelta))
         frontend_a.release(first)
@@ -102,3 +114,21 @@ async def test_remote_router_without_a_service_raises_no_instances(rt):
     assert err.value.component == "router"
     with pytest.raises(ValueError):
         await create_router(rt, "kv", remote=True, overlap_weight=3.0)
+
+
+async def test_a_frontend_fails_over_to_another_router_instance(rt, spawn):
+    routers = [spawn("router", "--lease-ttl", "10", "--mode", "round_robin", name=f"router{i}") for i in range(2)]
+    spawn("workers.mock", "--lease-ttl", "3", "--token-latency-ms", "0", name="mock")
+    await (await rt.client("target", "generate")).wait_for_instances(1, timeout=60)
+    records = await (await rt.client("router", "select")).wait_for_instances(2, timeout=60)
+    frontend = await create_router(rt, "round_robin", remote=True)
+    used = {(await select_when_seen(frontend, "mock", [1, 2, 3])).router_id for _ in range(4)}
+    assert used == {r.instance_id for r in records}  # both instances answer
+    routers[0].kill()  # SIGKILL: its registration outlives it until the 10 s lease expires
+    dead = next(r.instance_id for r in records if r.pid == routers[0].pid)
+    started = time.monotonic()
+    for _ in range(4):
+        selection = await frontend.select("mock", [1, 2, 3])
+        assert selection.router_id != dead
+    assert time.monotonic() - started < 4  # RemoteRouter.timeout (2 s) at most once, not the lease
+    await frontend.stop()
