@@ -90,6 +90,14 @@ def test_tandem_services_are_profiled_built_from_the_dockerfile_and_gpu_where_ne
     assert {"tandem"} <= set(services["target"]["profiles"]) and "mock" in services["frontend"]["profiles"]
 
 
+def test_the_frontend_mounts_what_the_workers_mount(compose):
+    # The frontend loads the tokenizer from the local path in a worker's model card.
+    services = compose["services"]
+    frontend = set(services["frontend"]["volumes"])
+    for name in ("target", "draft", "mock"):
+        assert set(services[name]["volumes"]) <= frontend, name
+
+
 def test_prometheus_scrapes_every_component(compose):
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}

@@ -227,3 +227,30 @@ def test_strategic_merge_rules():
     assert base == {"spec": {"containers": [{"name": "a", "args": ["y"], "env": [{"name": "E", "value": "1"},
                                                                                    {"name": "F", "value": "2"}]}],
                              "volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": "c"}}]}}
+
+
+def _source_of(spec: dict, container: dict, path: str) -> tuple[str, dict, bool]:
+    """(mount path, volume source, filled by the demo-model init container) holding ``path``."""
+    mounts = [m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts, f"{path} is on no volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    filled = any("workers.demo_model" in init.get("args", []) and
+                 any(m["name"] == mount["name"] for m in init.get("volumeMounts", []))
+                 for init in spec.get("initContainers", []))
+    return mount["mountPath"], {k: v for k, v in volume.items() if k != "name"}, filled
+
+
+def test_the_frontend_sees_the_tokenizer_at_the_path_the_targets_model_card_names(built):
+    # The frontend loads the tokenizer from the model card's local path, so that path must hold
+    # the same files in the frontend's pod: the same PVC, or the same demo model prepared there.
+    overlay, objs = built
+    deps = by_kind(objs, "Deployment")
+    target = deps["tandem-target"]["spec"]["template"]["spec"]
+    frontend = deps["tandem-frontend"]["spec"]["template"]["spec"]
+    [model] = [a.split("=", 1)[1] for a in target["containers"][0]["args"] if a.startswith("--model=")]
+    t_mount, t_source, t_filled = _source_of(target, target["containers"][0], model)
+    f_mount, f_source, f_filled = _source_of(frontend, frontend["containers"][0], model)
+    assert (f_mount, f_source) == (t_mount, t_source), overlay
+    if "emptyDir" in t_source and overlay != "base":
+        assert t_filled and f_filled, f"{overlay}: an emptyDir holds the model but nothing prepares it"
