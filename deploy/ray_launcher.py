@@ -71,6 +71,17 @@ class ComponentActor:
         self.child = Child(self.name, [sys.executable, "-m", module, *args], env=full_env).start()
         return self.child.pid
 
+    def prepare_demo(self, tokenizer_only: bool) -> str:
+        """Convert the bundled demo model (or only its tokenizer) on this node; returns its path."""
+        import subprocess
+        import sys
+
+        argv = [sys.executable, "-m", "workers.demo_model", *(["--tokenizer-only"] if tokenizer_only else [])]
+        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"python -m workers.demo_model failed on this node:\n{out.stderr[-2000:]}")
+        return out.stdout.strip().splitlines()[-1]
+
     def alive(self) -> bool:
         return self.child is not None and self.child.alive()
 
@@ -142,6 +153,10 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
         ports = dict(zip(names, _get([actors[n].free_port.remote() for n in names], stop, wait, "placing actors")))
         ports["frontend"] = config.http_port or ports["frontend"]
         components = plan(config, model_path, ports, drafts_available=drafts_ok)
+        if config.model is None:
+            # Model cards name a local tokenizer path, which the frontend reads on its own node:
+            # prepare the demo files there too (targets and mock workers do it on theirs).
+            _get(actors["frontend"].prepare_demo.remote(config.mock), stop, wait, "preparing the demo tokenizer")
         env = {"TANDEM_ETCD": options.etcd_url, "TANDEM_NATS": options.nats_url, "TANDEM_NAMESPACE": config.namespace}
         for comp in components:
             _get(actors[comp.name].start.remote(comp.module, list(comp.args), env), stop, 60, f"starting {comp.name}")
