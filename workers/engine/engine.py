@@ -136,6 +136,29 @@ class Engine:
         self.scheduler.finish(seq)
         return True
 
+    def rollback(self, request_id: str, num_tokens: int, append: list[int] = ()) -> None:
+        """Cut a running sequence back to its first ``num_tokens`` tokens, then append ``append``.
+
+        Used after a verify step rejects draft tokens: KV past the cut is dropped (blocks freed; a
+        cached block that would be overwritten is unregistered or copied, see
+        ``BlockManager.truncate``); ``append`` is typically the target's corrected or bonus token.
+        At least the last token is always left uncomputed, so the next step samples after it.
+        """
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise KeyError(request_id)
+        if not seq.num_prompt_tokens <= num_tokens <= len(seq):
+            raise ValueError(f"cannot roll back to {num_tokens} tokens (prompt {seq.num_prompt_tokens}, have {len(seq)})")
+        bs = self.config.block_size
+        seq.num_generated += len(append) - (len(seq) - num_tokens)
+        del seq.token_ids[num_tokens:]
+        seq.token_ids.extend(append)
+        seq.num_computed = min(seq.num_computed, num_tokens, len(seq) - 1)
+        if seq.block_table:
+            self.runner.copy_blocks(self.blocks.truncate(seq.block_table, seq.num_computed))
+        del seq.block_hashes[seq.num_computed // bs :]
+        seq.num_registered = min(seq.num_registered, seq.num_computed // bs)
+
     def has_work(self) -> bool:
         return bool(self._immediate) or self.scheduler.has_work()
 
