@@ -144,3 +144,41 @@ async def test_killing_the_serving_worker_migrates_the_stream(stack, workers):
     assert text == reference  # greedy: the surviving worker carried on from where the dead one stopped
     metrics = httpx.get(stack.url + "/metrics").text
     assert re.search(r"^tandem_frontend_migrations_total 1\.0$", metrics, re.M), metrics
+
+
+def migrations(stack) -> float:
+    text = httpx.get(stack.url + "/metrics").text
+    return float(re.search(r"^tandem_frontend_migrations_total (\S+)$", text, re.M).group(1))
+
+
+async def test_a_dead_worker_still_registered_is_skipped_without_failing_requests(stack, workers):
+    # Its lease (10 s) outlives it, so the router still offers it: requests sent there find no
+    # responder and move on to a live worker.
+    ghost = stack.worker("--token-latency-ms", "0", "--lease-ttl", "10", name="doomed")
+    async with Runtime.connect(runtime_config(stack)) as rt:
+        client = await rt.client("target", "generate")
+        await client.snapshot.wait_for(lambda items: any(r.pid == ghost.pid for r in items.values()), 30)
+        live = len(client.instances())
+    wait_until(lambda: {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock") == live,
+               10, "the frontend never saw the new worker")
+    before = migrations(stack)
+    ghost.kill()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        answers = [await http.post("/v1/completions", json={"model": "mock", "prompt": "still here?", "max_tokens": 3})
+                   for _ in range(live)]  # round robin: one of them goes to the dead worker
+    assert [a.status_code for a in answers] == [200] * live
+    assert all(a.json()["usage"]["completion_tokens"] == 3 for a in answers)
+    assert migrations(stack) >= before + 1
+
+
+async def test_a_card_whose_tokenizer_cannot_load_is_a_500_and_the_server_stays_up(stack):
+    async with Runtime.connect(runtime_config(stack)) as rt:
+        await rt.register_model(ModelCard("broken", tokenizer_path="/nonexistent/tokenizer"))
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            deadline = time.monotonic() + 10
+            while "broken" not in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            resp = await http.post("/v1/completions", json={"model": "broken", "prompt": "hi"})
+            assert resp.status_code == 500 and resp.json()["error"]["code"] == "tokenizer_unavailable"
+            assert (await http.get("/live")).status_code == 200
