@@ -139,9 +139,13 @@ def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
     models = httpx.get(f"{up.url}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["mock"]
 
-    # Every metric the Grafana dashboard plots is served by the frontend or the router.
+    # Every metric the Grafana dashboard plots and the k8s HPAs scale on is served by the frontend
+    # or the router.
     [router_port] = re.findall(r"router +pid \d+ +health http://127.0.0.1:(\d+)/health", up.logs())
     wanted = set(re.findall(r"tandem_[a-z_]+", (ROOT / "deploy/grafana/dashboards/tandem.json").read_text()))
+    hpa_metrics = set(re.findall(r"name: (tandem_[a-z_]+)", (ROOT / "k8s/components/autoscaling/hpa.yaml").read_text()))
+    assert hpa_metrics
+    wanted |= hpa_metrics
     deadline = time.monotonic() + 10
     while True:  # the router's spec-decode counters appear once a worker's stats event arrives
         served = metric_names(f"{up.url}/metrics") | metric_names(f"http://127.0.0.1:{router_port}/metrics")
