@@ -147,11 +147,18 @@ class CompletionService:
 
     async def first_deltas(self, gens: Sequence[Generation]) -> list[TokenDelta]:
         """The first delta of every choice (so that early worker errors still get a status code)."""
-        try:
-            if len(gens) == 1:
+        if len(gens) == 1:
+            try:
                 return [await gens[0].__anext__()]
-            return list(await asyncio.gather(*(g.__anext__() for g in gens)))
+            except BaseException:
+                await close_all(gens)
+                raise
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        try:
+            return list(await asyncio.gather(*tasks))
         except BaseException:
+            for task in tasks:  # gather leaves the others running
+                task.cancel()
             await close_all(gens)
             raise
 
