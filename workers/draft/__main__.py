@@ -22,7 +22,7 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram", "draft_model", "eagle")
+METHODS = ("ngram", "draft_model", "eagle", "oracle")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
+    parser.add_argument("--oracle-file", default=None,
+                        help="benchmarks only (method oracle): JSON list of reference token sequences")
+    parser.add_argument("--oracle-error-rate", type=float, default=0.0, help="method oracle: wrong-token probability")
+    parser.add_argument("--oracle-vocab-size", type=int, default=49152, help="method oracle: vocabulary for wrong tokens")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
@@ -57,6 +61,12 @@ def make_proposer(args: argparse.Namespace):
         from ..spec.draft_model import DraftModelProposer
 
         return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size)
+    if args.method == "oracle":
+        from ..spec.oracle import OracleProposer
+
+        if not args.oracle_file:
+            raise SystemExit("--method oracle needs --oracle-file")
+        return OracleProposer.from_file(args.oracle_file, args.oracle_error_rate, args.oracle_vocab_size)
     if args.method == "eagle":
         if not args.eagle_model or not args.target_model:
             raise SystemExit("--method eagle needs --eagle-model PATH and --target-model PATH")
