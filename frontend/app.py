@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response, StreamingResponse
 
 from router.base import Router, create_router
@@ -26,7 +27,7 @@ from .dispatch import Dispatcher
 from .errors import BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry
-from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, openapi_components, parse
 from .responses import encode_json
 from .serving import CompletionService, close_all
 from .streaming import ClientDisconnected, until_disconnect
@@ -203,6 +204,16 @@ class FastPath:
 def build_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0", summary="OpenAI-compatible API of a Tandem deployment")
     install(app, frontend.config.retry_after_s)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(openapi_components(ChatCompletionRequest, CompletionRequest))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest), tags=["openai"])
     async def chat_completions(request: Request) -> Response:

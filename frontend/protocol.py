@@ -222,4 +222,15 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
 
 def openapi_body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` that documents a body parsed by hand (we read it ourselves for the size limit)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_components(*models: type[BaseModel]) -> dict[str, dict]:
+    """JSON schemas of ``models`` and everything they refer to, for ``components.schemas``."""
+    out: dict[str, dict] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out

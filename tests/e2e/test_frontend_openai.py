@@ -106,8 +106,21 @@ def test_models_health_live_openapi(stack, client):
     spec = httpx.get(stack.url + "/openapi.json").json()
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics"):
         assert path in spec["paths"]
-    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    ref = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    body = spec["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert "messages" in body["properties"] and "messages" in body["required"]
+
+    def refs(node):
+        if isinstance(node, dict):
+            yield from ([node["$ref"]] if "$ref" in node else [])
+            for value in node.values():
+                yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    for target in refs(spec):  # every reference resolves inside the document
+        assert target.startswith("#/components/schemas/") and target.rsplit("/", 1)[1] in spec["components"]["schemas"]
 
 
 def test_chat_non_streaming_with_usage_and_spec_decode(client):
