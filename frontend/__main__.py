@@ -59,6 +59,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         build_config(args)
+        config_from_args(args, drain_timeout=args.drain_timeout)
     except ValueError as exc:
         sys.exit(f"python -m frontend: {exc}")
     try:
