@@ -132,6 +132,17 @@ def test_grafana_is_provisioned_with_the_tandem_dashboard():
     assert len(ids) == len(set(ids))
 
 
+def test_dashboard_queries_are_valid_promql():
+    promql_parser = pytest.importorskip("promql_parser", reason="promql-parser is in the test extra")
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "tandem.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            # Grafana fills in $__rate_interval before Prometheus sees the query.
+            promql_parser.parse(target["expr"].replace("$__rate_interval", "1m"))
+    with pytest.raises(ValueError):
+        promql_parser.parse("sum by (target (rate(x[1m]))")
+
+
 def test_yaml_is_lint_clean():
     config = YamlLintConfig(file=str(ROOT / ".yamllint"))
     files = sorted([*ROOT.joinpath("k8s").rglob("*.yaml"), *DEPLOY.rglob("*.yml"), *DEPLOY.rglob("*.yaml")])
