@@ -1,10 +1,11 @@
 """What a Tandem stack is made of: the launcher's config and the list of components to start.
 
-Pure functions of plain values, shared by the local launcher (``tandem up``) and the Ray launcher
-(``tandem ray up``): :func:`plan` turns a :class:`StackConfig` plus the ports chosen for each
-component into :class:`Component` specs (a name, a ``python -m`` module, its flags, whether it
-needs a GPU). Flags a module does not declare are dropped with a warning (see
-:func:`filter_flags`) so the launcher keeps working while the workers' CLIs evolve.
+Shared by the local launcher (``tandem up``) and the Ray launcher (``tandem ray up``): :func:`plan`,
+a pure function, turns a :class:`StackConfig` plus the ports chosen for each component into
+:class:`Component` specs (a name, a ``python -m`` module, its flags, whether it needs a GPU).
+Optional flags a module does not declare (read from its ``--help`` by :func:`module_flags`) are
+dropped with a warning by :func:`filter_flags`, so the launcher keeps working while the workers'
+CLIs evolve.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Component:
     args: tuple[str, ...] = ()
     health_port: int | None = None  # where /health answers (the HTTP port for frontend and router)
     gpu: bool = False
-    optional_flags: tuple[str, ...] = field(default=())  # flags dropped when the module lacks them
+    optional_flags: tuple[str, ...] = ()  # flags dropped when the module lacks them
 
     def argv(self, python: str = sys.executable) -> list[str]:
         return [python, "-m", self.module, *self.args]
