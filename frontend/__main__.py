@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get a 413")
     parser.add_argument("--max-n", type=int, default=16, help="most choices per request")
     parser.add_argument("--max-migrations", type=int, default=3, help="re-sends of a request whose worker died")
+    parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None)
     return parser.parse_args(argv)
@@ -41,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace) -> FrontendConfig:
     return FrontendConfig(host=args.host, http_port=args.http_port, router_mode=args.router_mode,
                           remote_router=args.remote_router,
-                          max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations)
+                          max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations,
+                          max_inflight=args.max_inflight)
 
 
 async def amain(args: argparse.Namespace) -> None:

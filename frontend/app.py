@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response, StreamingResponse
 
 from router.base import Router, create_router
-from runtime import EndpointClient, InvalidRequest, Runtime
+from runtime import EndpointClient, InvalidRequest, Overloaded, Runtime
 
 from .config import FrontendConfig
 from .dispatch import Dispatcher
@@ -87,6 +87,7 @@ class Frontend:
         self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
+        self.inflight = 0  # completion requests being served, streams included
         self.app = FastPath(self.fastapi, {
             "/v1/chat/completions": lambda request: self.complete(request, chat=True),
             "/v1/completions": lambda request: self.complete(request, chat=False),
@@ -125,7 +126,11 @@ class Frontend:
         header_id = request.headers.get("x-request-id", "")
         request_id = f"{header_id}-{uuid.uuid4().hex[:8]}" if _REQUEST_ID.match(header_id) else uuid.uuid4().hex
         metrics, model, status, streaming, gauge = self.metrics, "", 200, False, None
+        limit = self.config.max_inflight
+        self.inflight += 1
         try:
+            if limit and self.inflight > limit:
+                raise Overloaded(f"{limit} requests are in flight")
             body = await read_body(request, self.config.max_body_bytes)
             req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
             check_supported(req)
@@ -147,6 +152,7 @@ class Frontend:
                     if ended:
                         return
                     ended.append(code)
+                    self.inflight -= 1
                     timer.done()
                     gauge.dec()
                     metrics.observe_request(model, endpoint, code)
@@ -177,6 +183,7 @@ class Frontend:
             return err.response()
         finally:
             if not streaming:
+                self.inflight -= 1
                 if gauge is not None:
                     gauge.dec()
                 metrics.observe_request(model, endpoint, status)

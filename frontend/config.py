@@ -20,6 +20,7 @@ class FrontendConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     max_n: int = 16  # most choices (n, times the number of prompts) one request may ask for
     max_migrations: int = 3  # re-sends of one request to another worker after its worker failed
+    max_inflight: int = 0  # requests served at once before new ones get a 429 (0: no limit)
     retry_after_s: int = 1  # Retry-After on 429 and 503 answers
     tokenizer_timeout_s: float = 120.0  # how long a request waits for its model's tokenizer to load
 
@@ -34,6 +35,8 @@ class FrontendConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.retry_after_s < 0:
