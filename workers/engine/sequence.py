@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from runtime.kv_hash import ROOT_HASH, block_hash
 from runtime.messages import SamplingParams
-
-_arrival = itertools.count()
 
 
 class SeqStatus(enum.Enum):
@@ -43,7 +40,6 @@ class Sequence:
     num_generated: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    arrival: int = field(default_factory=lambda: next(_arrival))
 
     def __len__(self) -> int:
         return len(self.token_ids)
