@@ -159,7 +159,11 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
             _get(actors["frontend"].prepare_demo.remote(config.mock), stop, wait, "preparing the demo tokenizer")
         env = {"TANDEM_ETCD": options.etcd_url, "TANDEM_NATS": options.nats_url, "TANDEM_NAMESPACE": config.namespace}
         for comp in components:
-            _get(actors[comp.name].start.remote(comp.module, list(comp.args), env), stop, 60, f"starting {comp.name}")
+            args = list(comp.args)
+            if comp.kind == "draft":
+                # Targets on other nodes dial the gRPC address a draft registers: make it the node's IP.
+                args += ["--grpc-host", _get(actors[comp.name].node_ip.remote(), stop, 60, f"{comp.name} address")]
+            _get(actors[comp.name].start.remote(comp.module, args, env), stop, 60, f"starting {comp.name}")
             started.append(comp.name)
         frontend_ip = _get(actors["frontend"].node_ip.remote(), stop, 60, "frontend address")
         _wait_ready(actors, components, wait, stop)

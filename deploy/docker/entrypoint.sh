@@ -19,7 +19,17 @@ case "$component" in
     frontend) shift; exec "$PYTHON" -m frontend "$@" ;;
     router)   shift; exec "$PYTHON" -m router "$@" ;;
     target)   shift; exec "$PYTHON" -m workers.target "$@" ;;
-    draft)    shift; exec "$PYTHON" -m workers.draft "$@" ;;
+    draft)
+        shift
+        # Targets dial the gRPC address a draft registers, so it must be routable: with
+        # TANDEM_DRAFT_GRPC_HOST=auto (compose) the draft binds and registers the container's IP.
+        if [ "${TANDEM_DRAFT_GRPC_HOST:-}" = "auto" ]; then
+            ip="$(python -c 'import socket; print(socket.gethostbyname(socket.gethostname()))')"
+            set -- --grpc-host "$ip" "$@"
+        elif [ -n "${TANDEM_DRAFT_GRPC_HOST:-}" ]; then
+            set -- --grpc-host "$TANDEM_DRAFT_GRPC_HOST" "$@"
+        fi
+        exec "$PYTHON" -m workers.draft "$@" ;;
     mock)     shift; exec "$PYTHON" -m workers.mock "$@" ;;
     up)       shift; exec "$PYTHON" -m deploy.cli up "$@" ;;
     tandem)   shift; exec "$PYTHON" -m deploy.cli "$@" ;;

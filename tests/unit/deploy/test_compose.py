@@ -98,6 +98,12 @@ def test_the_frontend_mounts_what_the_workers_mount(compose):
         assert set(services[name]["volumes"]) <= frontend, name
 
 
+def test_drafts_register_a_routable_grpc_address(compose):
+    draft = compose["services"]["draft"]
+    assert draft["environment"]["TANDEM_DRAFT_GRPC_HOST"] == "auto"
+    assert draft["environment"]["TANDEM_ETCD"] == "http://etcd:2379"  # the shared environment is kept
+
+
 def test_prometheus_scrapes_every_component(compose):
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}

@@ -79,3 +79,13 @@ def test_entrypoint_runs_each_component(component, module):
 def test_entrypoint_runs_any_other_command():
     out = subprocess.run([str(ENTRYPOINT), "echo", "hello"], capture_output=True, text=True, timeout=10)
     assert out.stdout.strip() == "hello"
+
+
+def test_entrypoint_gives_a_draft_a_routable_grpc_host():
+    env = dict(os.environ, TANDEM_PYTHON="echo", TANDEM_DRAFT_GRPC_HOST="10.1.2.3")
+    out = subprocess.run([str(ENTRYPOINT), "draft", "--method", "ngram"], capture_output=True, text=True, env=env, timeout=10)
+    assert out.stdout.strip() == "-m workers.draft --grpc-host 10.1.2.3 --method ngram"
+    env.update(TANDEM_DRAFT_GRPC_HOST="auto", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = subprocess.run([str(ENTRYPOINT), "draft"], capture_output=True, text=True, env=env, timeout=30)
+    host = out.stdout.split()[3]
+    assert out.stdout.split()[:3] == ["-m", "workers.draft", "--grpc-host"] and re.fullmatch(r"[0-9.]+", host)

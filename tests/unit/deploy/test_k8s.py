@@ -254,3 +254,11 @@ def test_the_frontend_sees_the_tokenizer_at_the_path_the_targets_model_card_name
     assert (f_mount, f_source) == (t_mount, t_source), overlay
     if "emptyDir" in t_source and overlay != "base":
         assert t_filled and f_filled, f"{overlay}: an emptyDir holds the model but nothing prepares it"
+
+
+def test_drafts_register_a_grpc_address_other_pods_can_dial(built):
+    _, objs = built
+    [container] = by_kind(objs, "Deployment")["tandem-draft"]["spec"]["template"]["spec"]["containers"]
+    assert "--grpc-host=$(POD_IP)" in container["args"]
+    [pod_ip] = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
