@@ -113,6 +113,7 @@ def test_prometheus_scrapes_every_component(compose):
         assert sd["names"] == [name] and sd["port"] == port
         command = " ".join(compose["services"][name]["command"])
         assert str(port) in command, f"{name} does not serve on the port Prometheus scrapes"
+        assert "0.0.0.0" in command, f"{name} binds only its own loopback: Prometheus cannot reach it"
 
 
 def test_grafana_is_provisioned_with_the_tandem_dashboard():

@@ -131,6 +131,8 @@ def test_tandem_pods_probe_health_and_live_and_terminate_gracefully(built):
             assert f"--health-port={ports['health']}" in args and "--health-host=0.0.0.0" in args, name
         else:
             assert f"--http-port={ports['http']}" in args, name
+            # Bound where the kubelet and Prometheus reach it (the router's HTTP is its health server).
+            assert ("--host=0.0.0.0" if args[0] == "frontend" else "--health-host=0.0.0.0") in args, name
         for ref in container.get("envFrom", []):
             assert ref["configMapRef"]["name"] in by_kind(objs, "ConfigMap")
 
