@@ -1,0 +1,267 @@
+"""Speculative-decoding benchmark: plain decoding, our disaggregated speculation, and transformers'
+assisted generation on the same prompts, greedy, batch 1, in one run.
+
+Usage: .venv/bin/python bench/spec_bench.py [--prompts 6] [--max-tokens 48] [--gamma 4] [--draft-layers 6]
+       [--sweep 0,0.1,0.3,0.5,0.7] [--out docs/spec_sweep.svg]
+
+Target: SmolLM2-135M-Instruct (the bundled demo). Draft: the same model truncated to its first
+``--draft-layers`` layers (same tokenizer and LM head), built once into the cache; transformers'
+``generate(assistant_model=...)`` uses the very same pair. Our target and draft run as separate
+processes over real etcd, NATS and gRPC. A sweep with the oracle draft (the target's own greedy
+continuation with a set error rate, c ≈ 0) traces achieved speedup against acceptance α, next to the
+ideal (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime import Runtime, RuntimeConfig  # noqa: E402
+from runtime.messages import GenerateRequest, SamplingParams, TokenDelta  # noqa: E402
+from runtime.request_plane import collect  # noqa: E402
+from tests.support.procs import ManagedProcess  # noqa: E402
+from tests.support.servers import env_for, start_servers  # noqa: E402
+
+PROMPTS = [
+    "Explain what a key-value cache is in a transformer, in three sentences.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "List the planets of the solar system in order from the sun, one per line.",
+    "What is speculative decoding? Answer briefly.",
+    "Translate to French: The cat sits on the mat and looks at the garden.",
+    "Give three tips for writing clear technical documentation.",
+    "Summarise the rules of chess in a short paragraph.",
+    "Write a haiku about distributed systems.",
+]
+
+
+def ideal_speedup(alpha: float, gamma: int, c: float) -> float:
+    if alpha >= 1.0:
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def build_draft(target: Path, layers: int) -> Path:
+    """The target truncated to its first ``layers`` layers, as a model directory (cached)."""
+    from safetensors.torch import load_file, save_file
+
+    from workers.demo_model import cache_root
+
+    out = cache_root() / f"smollm2-135m-first{layers}"
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    state = {k: v for k, v in load_file(str(target / "model.safetensors")).items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in target.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def measure_cost_ratio(target: Path, draft: Path, steps: int = 40) -> float:
+    """c = draft decode time per token / target decode time per token (our engine, batch 1)."""
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.weights import load_model
+
+    def per_token(path: Path) -> float:
+        engine = Engine(load_model(path), EngineConfig(num_blocks=256))
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        engine.generate({"w": [1, 2, 3, 4]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        t = time.perf_counter()
+        engine.generate({"m": list(range(10, 40))}, params)
+        return (time.perf_counter() - t) / steps
+
+    return per_token(draft) / per_token(target)
+
+
+async def run_requests(rt: Runtime, prompts: list[list[int]], max_tokens: int, gamma: int | None) -> dict:
+    client = await rt.client("target", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=120)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs, drafts, draft_tokens, accepted, elapsed = [], 0, 0, 0, 0.0
+    for prompt in prompts:
+        t = time.perf_counter()
+        deltas = await collect(await client.call(inst.instance_id, GenerateRequest(prompt, params, num_speculative_tokens=gamma), TokenDelta))
+        elapsed += time.perf_counter() - t
+        outputs.append([tok for d in deltas for tok in d.token_ids])
+        spec = deltas[-1].usage.spec
+        if spec is not None:
+            drafts += spec.num_drafts
+            draft_tokens += spec.num_draft_tokens
+            accepted += spec.num_accepted_tokens
+    total = sum(len(o) for o in outputs)
+    return {"tokens_per_s": total / elapsed, "outputs": outputs, "alpha": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_len": 1 + accepted / drafts if drafts else 1.0, "drafts": drafts}
+
+
+async def with_draft(rt: Runtime, env: dict, draft_args: list[str], prompts, max_tokens, gamma) -> dict:
+    proc = ManagedProcess("workers.draft", draft_args, env, name="draft").start()
+    try:
+        drafts = await rt.client("draft", "speculate")
+        await drafts.wait_for_instances(1, timeout=120)
+        await run_requests(rt, prompts[:1], 8, gamma)  # warm-up: the target connects to this draft
+        return await run_requests(rt, prompts, max_tokens, gamma)
+    finally:
+        proc.stop()
+        drafts = await rt.client("draft", "speculate")
+        await drafts.snapshot.wait_for(lambda items: not items, 30)
+
+
+def transformers_baseline(target: Path, draft: Path, prompts, max_tokens: int, gamma: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    assistant.generation_config.num_assistant_tokens = gamma
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    result = {}
+    for name, extra in (("plain", {}), ("assisted", {"assistant_model": assistant})):
+        elapsed, total = 0.0, 0
+        with torch.inference_mode():
+            model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, **extra)  # warm-up
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                t = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                     min_new_tokens=max_tokens, do_sample=False, **extra)
+                elapsed += time.perf_counter() - t
+                total += out.shape[1] - ids.shape[1]
+        result[name] = total / elapsed
+    return result
+
+
+def write_svg(path: Path, points: list[tuple[float, float]], gamma: int, c: float) -> None:
+    """Achieved speedup vs α (dots) with the ideal curve for (γ, c) overlaid."""
+    w, h, pad = 520, 340, 50
+    ymax = max([ideal_speedup(1.0, gamma, c)] + [s for _, s in points]) * 1.1
+
+    def xy(a: float, s: float) -> tuple[float, float]:
+        return pad + a * (w - 2 * pad), h - pad - s / ymax * (h - 2 * pad)
+
+    curve = " ".join("%.1f,%.1f" % xy(a / 100, ideal_speedup(a / 100, gamma, c)) for a in range(0, 101))
+    dots = "".join('<circle cx="%.1f" cy="%.1f" r="4" fill="#d62728"/>' % xy(a, s) for a, s in points)
+    ticks = "".join('<text x="%.1f" y="%d" font-size="11" text-anchor="middle">%.1f</text>' % (xy(a / 10, 0)[0], h - pad + 16, a / 10)
+                    for a in range(0, 11, 2))
+    yticks = "".join('<text x="%d" y="%.1f" font-size="11" text-anchor="end">%.1f</text>' % (pad - 6, xy(0, s)[1] + 4, s)
+                     for s in [x * 0.5 for x in range(0, int(ymax / 0.5) + 1)])
+    one = xy(0, 1.0)[1]
+    path.write_text(f"""<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif">
+<rect width="100%" height="100%" fill="white"/>
+<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>
+<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>
+<line x1="{pad}" y1="{one:.1f}" x2="{w - pad}" y2="{one:.1f}" stroke="#999" stroke-dasharray="4"/>
+<polyline points="{curve}" fill="none" stroke="#1f77b4" stroke-width="2"/>{dots}{ticks}{yticks}
+<text x="{w / 2}" y="{h - 10}" font-size="12" text-anchor="middle">acceptance rate α</text>
+<text x="14" y="{h / 2}" font-size="12" text-anchor="middle" transform="rotate(-90 14 {h / 2})">speedup over plain decoding</text>
+<text x="{w / 2}" y="24" font-size="13" text-anchor="middle">ideal (line, γ={gamma}, c={c:.2f}) vs achieved (dots)</text>
+</svg>
+""")
+
+
+async def amain(args) -> None:
+    from transformers import AutoTokenizer
+
+    from workers.demo_model import demo_model_dir
+
+    target = demo_model_dir()
+    draft = build_draft(target, args.draft_layers)
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in PROMPTS[: args.prompts]]
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    gamma = args.gamma
+    c = measure_cost_ratio(target, draft)
+    print(f"draft/target cost ratio c = {c:.3f} ({args.draft_layers} of 30 layers)", flush=True)
+
+    etcd, nats_server = start_servers()
+    env = env_for(etcd, nats_server, "bench")
+    target_proc = ManagedProcess("workers.target", ["--model", str(target), "--num-speculative-tokens", str(gamma),
+                                                    "--max-num-seqs", "4"], env, name="target").start()
+    rows = []
+    try:
+        cfg = RuntimeConfig(etcd_url=etcd.url, nats_url=nats_server.url, namespace="bench", handle_signals=False)
+        async with Runtime.connect(cfg) as rt:
+            await run_requests(rt, prompts[:1], 8, 0)  # warm-up
+            plain = await run_requests(rt, prompts, args.max_tokens, 0)
+            rows.append(("plain decoding (same target worker, γ=0)", plain, None))
+            print(f"plain: {plain['tokens_per_s']:.1f} tok/s", flush=True)
+            base = ["--block-size", "16", "--num-blocks", "512"]
+            setups = (("n-gram prompt lookup (c ≈ 0)", ["--method", "ngram"], 0.0),
+                      ("draft model, no overlap", ["--method", "draft_model", "--draft-model", str(draft), *base,
+                                                   "--no-overlap"], c),
+                      ("draft model, overlap", ["--method", "draft_model", "--draft-model", str(draft), *base], c))
+            for label, draft_args, cost in setups:
+                r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
+                assert r["outputs"] == plain["outputs"], "speculative output differs from plain decoding"
+                rows.append((label, r, ideal_speedup(r["alpha"], gamma, cost)))
+                print(f"{label}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
+            refs = Path(tempfile.mkdtemp()) / "refs.json"
+            refs.write_text(json.dumps([p + o for p, o in zip(prompts, plain["outputs"])]))
+            sweep = []
+            for err in args.sweep:
+                r = await with_draft(rt, env, ["--method", "oracle", "--oracle-file", str(refs), "--oracle-error-rate",
+                                               str(err)], prompts, args.max_tokens, gamma)
+                assert r["outputs"] == plain["outputs"]
+                sweep.append((err, r))
+                print(f"oracle error {err}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
+    finally:
+        target_proc.stop()
+        etcd.cleanup()
+        nats_server.cleanup()
+    hf = transformers_baseline(target, draft, prompts, args.max_tokens, gamma)
+
+    p = plain["tokens_per_s"]
+    print(f"\n## Speculative decoding: SmolLM2-135M target, γ={gamma}, {len(prompts)} prompts × {args.max_tokens} "
+          f"tokens, greedy, batch 1; c = {c:.3f}\n")
+    print("| setup | tokens/s | speedup vs our plain | α | mean accepted length | ideal speedup | achieved / ideal |")
+    print("|---|---|---|---|---|---|---|")
+    for label, r, ideal in rows:
+        s = r["tokens_per_s"] / p
+        extra = f"{r['alpha']:.2f} | {r['mean_len']:.2f} | {ideal:.2f} | {s / ideal:.2f}" if ideal else "– | – | – | –"
+        print(f"| {label} | {r['tokens_per_s']:.1f} | {s:.2f}× | {extra} |")
+    print(f"| transformers `generate` (plain) | {hf['plain']:.1f} | {hf['plain'] / p:.2f}× | – | – | – | – |")
+    print(f"| transformers assisted generation (same draft, γ={gamma}) | {hf['assisted']:.1f} | "
+          f"{hf['assisted'] / p:.2f}× | – | – | – | – |")
+    best = max(r["tokens_per_s"] for label, r, _ in rows if label.startswith("draft model"))
+    print(f"\nours (best draft-model setup) / transformers assisted = {best / hf['assisted']:.2f}×")
+    print("\n| oracle error rate | α | mean accepted length | achieved speedup | ideal (c=0) | achieved / ideal |")
+    print("|---|---|---|---|---|---|")
+    points = []
+    for err, r in sweep:
+        s = r["tokens_per_s"] / p
+        ideal = ideal_speedup(r["alpha"], gamma, 0.0)
+        points.append((r["alpha"], s))
+        print(f"| {err} | {r['alpha']:.2f} | {r['mean_len']:.2f} | {s:.2f}× | {ideal:.2f}× | {s / ideal:.2f} |")
+    if args.out:
+        write_svg(Path(args.out), points, gamma, 0.0)
+        print(f"\nplot: {args.out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=6)
+    parser.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.0, 0.1, 0.3, 0.5, 0.7])
+    parser.add_argument("--out", default="docs/spec_sweep.svg")
+    args = parser.parse_args()
+    asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()
