@@ -202,24 +202,25 @@ class SpecEngine(Engine):
         scaled = logits / p.temperature
         if p.top_k > 0 or p.top_p < 1:
             rows = logits.shape[0]
-            scaled = apply_top_k_top_p(scaled, torch.full((rows,), p.top_k, dtype=torch.long),
-                                       torch.full((rows,), p.top_p))
+            scaled = apply_top_k_top_p(scaled, torch.full((rows,), p.top_k, dtype=torch.long, device=logits.device),
+                                       torch.full((rows,), p.top_p, device=logits.device))
         return scaled.softmax(-1)
 
     def _verify(self, seqs: list[Sequence], drafted: list[tuple], logits: torch.Tensor,
                 rows: list[list[int]]) -> list[tuple[str, TokenDelta]]:
         batch, gamma, vocab = len(seqs), max(len(d[1]) for d in drafted), logits.shape[-1]
-        target = torch.zeros(batch, gamma + 1, vocab)
-        draft_probs = torch.zeros(batch, gamma, vocab)
-        tokens = torch.full((batch, gamma), -1, dtype=torch.long)
-        num_draft = torch.zeros(batch, dtype=torch.long)
-        greedy = torch.zeros(batch, dtype=torch.bool)
-        uniforms = torch.empty(batch, gamma)
-        exps = torch.empty(batch, vocab)
+        dev = logits.device
+        target = torch.zeros(batch, gamma + 1, vocab, device=dev)
+        draft_probs = torch.zeros(batch, gamma, vocab, device=dev)
+        tokens = torch.full((batch, gamma), -1, dtype=torch.long, device=dev)
+        num_draft = torch.zeros(batch, dtype=torch.long, device=dev)
+        greedy = torch.zeros(batch, dtype=torch.bool, device=dev)
+        uniforms = torch.empty(batch, gamma, device=dev)
+        exps = torch.empty(batch, vocab, device=dev)
         for b, (seq, (_, drafts, dists), r) in enumerate(zip(seqs, drafted, rows)):
             k = len(drafts)
             target[b, : k + 1] = self._target_probs(seq, logits[r])
-            tokens[b, :k] = torch.tensor(drafts)
+            tokens[b, :k] = torch.tensor(drafts, device=dev)
             num_draft[b] = k
             greedy[b] = seq.params.temperature <= 0
             if dists and not greedy[b]:
@@ -228,12 +229,16 @@ class SpecEngine(Engine):
                 ids_t = torch.tensor([i + [-1] * (width - len(i)) for i in ids])
                 probs_t = torch.tensor([d.probs + [0.0] * (width - len(d.probs)) for d in dists])
                 ids_t = torch.where(ids_t < vocab, ids_t, -1)  # out-of-vocabulary ids carry no mass here
-                draft_probs[b, :k] = sparse_to_dense(ids_t, probs_t, vocab)
+                draft_probs[b, :k] = sparse_to_dense(ids_t.to(dev), probs_t.to(dev), vocab)
             else:  # greedy draft: one-hot on its token
-                draft_probs[b, torch.arange(k), tokens[b, :k]] = 1.0
+                draft_probs[b, torch.arange(k, device=dev), tokens[b, :k]] = 1.0
             uniforms[b].uniform_(generator=seq.generator)
             exps[b].exponential_(generator=seq.generator)
-        out_tokens, accepted = rejection_sample(target, tokens, draft_probs, num_draft, greedy, uniforms, exps)
+        sampler = rejection_sample
+        if dev.type == "cuda":  # the fused kernel; on CPU the torch function is the reference
+            from .triton_rejection import rejection_sample_triton as sampler
+        out_tokens, accepted = sampler(target, tokens, draft_probs, num_draft, greedy, uniforms, exps)
+        out_tokens, accepted = out_tokens.cpu(), accepted.cpu()
         return [self._commit(seq, d[1], out_tokens[b], int(accepted[b]), logits[rows[b]])
                 for b, (seq, d) in enumerate(zip(seqs, drafted))]
 
@@ -263,7 +268,8 @@ class SpecEngine(Engine):
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted)
         logprobs = top = None
         if seq.params.logprobs is not None:
-            chosen, top_ids, top_vals = logprobs_of(logits[: len(kept)], torch.tensor(kept), seq.params.logprobs)
+            chosen, top_ids, top_vals = logprobs_of(logits[: len(kept)], torch.tensor(kept, device=logits.device),
+                                                    seq.params.logprobs)
             logprobs = chosen.tolist()
             if seq.params.logprobs:
                 top = [[TopLogprob(t, v) for t, v in zip(i, v)] for i, v in zip(top_ids.tolist(), top_vals.tolist())]
