@@ -114,6 +114,9 @@ async def test_remote_router_without_a_service_raises_no_instances(rt):
     assert err.value.component == "router"
     with pytest.raises(ValueError):
         await create_router(rt, "kv", remote=True, overlap_weight=3.0)
+    # Work around a runtime bug: Snapshot.stop() can hang in the etcd watch's cancel() when the
+    # snapshot is stopped while its watch is still being created (right after start).
+    await asyncio.sleep(0.5)
 
 
 async def test_a_frontend_fails_over_to_another_router_instance(rt, spawn):
