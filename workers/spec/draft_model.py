@@ -24,7 +24,7 @@ import torch
 from ..engine.block_manager import BlockManager
 from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
-from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
+from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,6 @@ class DraftModelProposer:
             copies = self.blocks.truncate(seq.blocks, length)
             self.runner.copy_blocks(copies)
 
-    def _ensure_blocks(self, seq: _Seq, length: int) -> bool:
-        need = -(-length // self.block_size) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if not self.blocks.can_allocate(need):
-            return False
-        seq.blocks.extend(self.blocks.allocate(need))
-        return True
 
     def _extend(self, wanted: dict[str, int]) -> None:
         """Generate until every listed sequence has the wanted number of tail tokens (batched)."""
@@ -148,7 +140,7 @@ class DraftModelProposer:
                     continue
                 seq.computed = min(seq.computed, len(seq.tokens) - 1)  # something to run
                 # The last token's KV is computed in the same pass that samples the next token.
-                if self._ensure_blocks(seq, len(seq.tokens)):
+                if grow_blocks(self.blocks, seq.blocks, len(seq.tokens)):
                     ready.append(seq)
                 else:
                     log.warning("draft KV cache full: no proposal for %s this round", sid)
@@ -160,17 +152,6 @@ class DraftModelProposer:
             self.forward_calls += 1
             for seq, logits in zip(ready, out.logits):
                 seq.computed = len(seq.tokens)
-                token, dist = self._sample(logits, seq)
+                token, dist = sample_draft(logits, seq.sampling, seq.generator, self.max_support)
                 seq.tokens.append(token)
                 seq.dists.append(dist)
-
-    def _sample(self, logits: torch.Tensor, seq: _Seq) -> tuple[int, SparseDist | None]:
-        """One draft token from logits [V], and the sparse distribution it was drawn from."""
-        s = seq.sampling
-        if s.greedy:
-            return int(logits.argmax()), None
-        k = min(self.max_support, s.top_k) if s.top_k > 0 else self.max_support
-        top_vals, top_ids = (logits.float() / s.temperature).topk(min(k, logits.shape[-1]))
-        probs = top_vals.softmax(-1)  # [k]
-        choice = int(torch.multinomial(probs, 1, generator=seq.generator))
-        return int(top_ids[choice]), SparseDist(top_ids.tolist(), probs.tolist())

@@ -21,7 +21,7 @@ import torch
 from ..engine.attention import AttentionMetadata, allocate_kv_cache
 from ..engine.block_manager import BlockManager
 from .eagle import EagleHead
-from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
+from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +134,6 @@ class EagleProposer:
             seq.feats[start + i] = feats[i]
         self._rollback(seq, min(seq.computed, start))
 
-    def _ensure_blocks(self, seq: _Seq, pairs: int) -> bool:
-        need = -(-pairs // self.block_size) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if not self.blocks.can_allocate(need):
-            return False
-        seq.blocks.extend(self.blocks.allocate(need))
-        return True
 
     @torch.inference_mode()
     def _extend(self, wanted: dict[str, int]) -> None:
@@ -156,7 +148,7 @@ class EagleProposer:
                     seq.broken = True  # history without target features
                     log.warning("sequence %s lacks target features: no EAGLE proposals for it", sid)
                     continue
-                if self._ensure_blocks(seq, last + 1):
+                if grow_blocks(self.blocks, seq.blocks, last + 1):
                     ready.append(seq)
             if not ready:
                 return
@@ -177,17 +169,7 @@ class EagleProposer:
             logits = self.head.logits(out[ends])
             for seq, row, feat in zip(ready, logits, out[ends]):
                 seq.computed = len(seq.tokens) - 1
-                token, dist = self._sample(row, seq)
+                token, dist = sample_draft(row, seq.sampling, seq.generator, self.max_support)
                 seq.feats[len(seq.tokens) - 1] = feat
                 seq.tokens.append(token)
                 seq.dists.append(dist)
-
-    def _sample(self, logits: torch.Tensor, seq: _Seq) -> tuple[int, SparseDist | None]:
-        s = seq.sampling
-        if s.greedy:
-            return int(logits.argmax()), None
-        k = min(self.max_support, s.top_k) if s.top_k > 0 else self.max_support
-        top_vals, top_ids = (logits.float() / s.temperature).topk(min(k, logits.shape[-1]))
-        probs = top_vals.softmax(-1)
-        choice = int(torch.multinomial(probs, 1, generator=seq.generator))
-        return int(top_ids[choice]), SparseDist(top_ids.tolist(), probs.tolist())

@@ -83,3 +83,30 @@ class Proposer(Protocol):
     def release(self, seq_ids: list[str]) -> None:
         """Forget sequences that finished."""
         ...
+
+
+def sample_draft(logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None,
+                 max_support: int) -> tuple[int, SparseDist | None]:
+    """One draft token from logits [V], and the distribution it was drawn from (None: greedy).
+
+    Sampled drafts come from q = softmax(logits / T) over its top min(max_support, top_k) tokens,
+    renormalised: a sparse q that travels whole, so the target's rejection test stays exact.
+    """
+    if sampling.greedy:
+        return int(logits.argmax()), None
+    k = min(max_support, sampling.top_k) if sampling.top_k > 0 else max_support
+    top_vals, top_ids = (logits.float() / sampling.temperature).topk(min(k, logits.shape[-1]))
+    probs = top_vals.softmax(-1)  # [k]
+    choice = int(torch.multinomial(probs, 1, generator=generator))
+    return int(top_ids[choice]), SparseDist(top_ids.tolist(), probs.tolist())
+
+
+def grow_blocks(manager, blocks: list[int], num_tokens: int) -> bool:
+    """Extend a block table (in place) to hold ``num_tokens`` tokens; False when the cache is full."""
+    need = -(-num_tokens // manager.block_size) - len(blocks)
+    if need <= 0:
+        return True
+    if not manager.can_allocate(need):
+        return False
+    blocks.extend(manager.allocate(need))
+    return True
