@@ -32,6 +32,8 @@ class KvRouterConfig:
     seed: int | None = None
     request_dump: bool = True  # ask workers for their cache state when the router starts
     gap_timeout: float = 2.0  # seconds an out-of-order gap in a worker's events may stay open
+    resync_interval: float = 5.0  # least seconds between dump requests caused by lost events
+    resync_window: float = 3.0  # seconds a dump has to confirm a worker's blocks after lost events
     inflight_ttl: float = 600.0  # selections never released are forgotten after this long
     unregistered_grace: float = 30.0  # events of a never-registered worker are kept this long
     maintenance_interval: float = 0.5
@@ -43,7 +45,8 @@ class KvRouterConfig:
             raise ValueError("overlap_weight and queue_weight must be >= 0")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        for name in ("gap_timeout", "inflight_ttl", "unregistered_grace", "maintenance_interval"):
+        for name in ("gap_timeout", "resync_interval", "resync_window", "inflight_ttl", "unregistered_grace",
+                     "maintenance_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -11,6 +11,9 @@ Event order, per worker: ``event_id`` grows by one per event.
 - an id ahead of the next expected one waits in a buffer until the gap fills; a gap that stays open
   for ``gap_timeout`` seconds, or while ``max_pending`` events wait, is skipped (the buffered events
   are applied in order) and :attr:`KvIndex.resync_needed` is set so the owner can ask for a dump;
+- a dump repairs such a worker both ways: :meth:`KvIndex.begin_resync` marks its blocks unconfirmed,
+  the dump's ``stored`` events confirm what it still holds, and :meth:`KvIndex.sweep` drops the rest
+  (blocks whose ``removed`` event was lost) once the window has passed, if the worker answered;
 - the first event seen from a worker sets the sequence (a router that starts late has missed the
   earlier ones and recovers them from a dump: workers answer ``KvDumpRequest`` with ``stored`` events).
 
@@ -42,6 +45,10 @@ class _Worker:
     pending: dict[int, KvEvent] = field(default_factory=dict)
     gap_since: float | None = None
     block_size: int = 0
+    gap_skipped: bool = False  # events were lost: the next dump should also retract stale blocks
+    unconfirmed: set[int] | None = None  # during a resync: blocks no event has confirmed yet
+    resync_until: float = 0.0
+    answered: bool = False  # an event arrived since the resync began
 
 
 @dataclass
@@ -182,11 +189,46 @@ class KvIndex:
             self._skip_gap(wid, w)
         return len(stale)
 
+    def begin_resync(self, window: float, now: float | None = None) -> int:
+        """A dump was requested: mark the blocks of workers that lost events as unconfirmed.
+
+        Returns how many workers are resyncing; :meth:`sweep` finishes them after ``window`` seconds.
+        """
+        now = time.monotonic() if now is None else now
+        n = 0
+        for w in self._workers.values():
+            if w.gap_skipped:
+                w.gap_skipped = False
+                w.unconfirmed = set(w.blocks)
+                w.resync_until = now + window
+                w.answered = False
+                n += 1
+        return n
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop blocks a resyncing worker's dump did not confirm; returns how many were dropped."""
+        now = time.monotonic() if now is None else now
+        dropped = 0
+        for wid, w in self._workers.items():
+            if w.unconfirmed is None or now < w.resync_until:
+                continue
+            if w.answered and w.unconfirmed:
+                bit = 1 << w.bit
+                for h in w.unconfirmed:
+                    if h in w.blocks:
+                        w.blocks.discard(h)
+                        self._unset(h, bit)
+                        dropped += 1
+                log.info("kv index: worker %s's dump did not confirm %d blocks; dropped them", wid, len(w.unconfirmed))
+            w.unconfirmed = None
+        return dropped
+
     def _skip_gap(self, wid: str, w: _Worker) -> None:
         first = min(w.pending)
         self.counters.gaps_skipped += first - w.next_id
         log.warning("kv index: worker %s events %d..%d missing; skipping them", wid, w.next_id, first - 1)
         w.next_id = first
+        w.gap_skipped = True
         self.resync_needed = True
         self._drain(w)
 
@@ -204,6 +246,12 @@ class KvIndex:
         self.counters.applied += 1
         bit = 1 << w.bit
         blocks = self._blocks
+        if w.unconfirmed is not None:
+            w.answered = True
+            if event.kind == KvEventKind.CLEARED:
+                w.unconfirmed.clear()
+            else:
+                w.unconfirmed.difference_update(event.block_hashes)
         if event.kind == KvEventKind.STORED:
             for h in event.block_hashes:
                 if h not in w.blocks:

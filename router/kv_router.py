@@ -31,7 +31,6 @@ from .load import LoadTracker
 
 log = logging.getLogger(__name__)
 
-RESYNC_MIN_INTERVAL = 5.0  # seconds between dump requests caused by gaps in event sequences
 
 
 def lazy_block_hashes(tokens: Sequence[int], block_size: int) -> Iterator[int]:
@@ -60,7 +59,7 @@ class KvRouter(Router):
         self._snapshot = None
         self._subs: list = []
         self._task: asyncio.Task | None = None
-        self._last_dump = -RESYNC_MIN_INTERVAL
+        self._last_dump = -self.config.resync_interval
         self._stopped = False
 
     @classmethod
@@ -98,6 +97,7 @@ class KvRouter(Router):
         """Ask every worker to republish its cached blocks (they arrive as ``stored`` events)."""
         self._last_dump = time.monotonic()
         self.index.resync_needed = False
+        self.index.begin_resync(self.config.resync_window)
         await self._rt.publish(TOPIC_KV_DUMP, KvDumpRequest(requester=self._rt.instance_id))
         log.info("kv router: asked workers for a dump of their cache state")
 
@@ -107,7 +107,7 @@ class KvRouter(Router):
             await asyncio.sleep(cfg.maintenance_interval)
             try:
                 self.maintain()
-                if self.index.resync_needed and time.monotonic() - self._last_dump >= RESYNC_MIN_INTERVAL:
+                if self.index.resync_needed and time.monotonic() - self._last_dump >= cfg.resync_interval:
                     await self.request_dump()
             except asyncio.CancelledError:
                 raise
@@ -118,6 +118,7 @@ class KvRouter(Router):
         """Skip stale event gaps, forget unreleased selections and workers that never registered."""
         now = time.monotonic() if now is None else now
         self.index.flush_gaps(now)
+        self.index.sweep(now)
         for ticket, worker_id in self.load.expire(self.config.inflight_ttl, now):
             log.warning("kv router: selection %d on %s was never released; forgetting it", ticket, worker_id)
             self._count_down(worker_id)

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from router import create_router
+from runtime.events import TOPIC_KV, TOPIC_KV_DUMP
 from runtime.kv_hash import block_hashes
-from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
+from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 
 pytestmark = pytest.mark.integration
@@ -118,5 +119,31 @@ async def test_late_router_recovers_the_index_from_worker_dumps(rt, spawn):
         assert router.index.overlaps(other, ids)[ids[2]] == 10
         selection, usage = await routed(router, client, prompt(1))
         assert (selection.instance_id, selection.overlap_blocks, usage.cached_tokens) == (holder, 32, 512)
+    finally:
+        await router.stop()
+
+
+async def test_lost_events_trigger_a_dump_that_repairs_the_index_both_ways(rt):
+    """A worker (played by the test over real NATS) whose event 2 is lost: the router skips the gap,
+    asks for a dump, adds what the dump shows and drops what it no longer confirms."""
+    a = block_hashes(list(range(64)), 16)
+    b = block_hashes(list(range(100, 164)), 16)
+    holds = a[:2] + b  # the worker's real state: event 2 removed a[2:], event 3 stored b
+    next_id = [4]
+
+    async def answer_dump(_request) -> None:
+        for h in holds:
+            await rt.publish(TOPIC_KV, KvEvent("fake", next_id[0], "stored", [h]))
+            next_id[0] += 1
+
+    await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(answer_dump(req)))
+    router = await create_router(rt, "kv", gap_timeout=0.3, resync_interval=0.5, resync_window=1.0,
+                                 maintenance_interval=0.1, request_dump=False)
+    try:
+        await rt.publish(TOPIC_KV, KvEvent("fake", 1, "stored", a))
+        await rt.publish(TOPIC_KV, KvEvent("fake", 3, "stored", b))  # event 2 never arrives
+        await eventually(lambda: router.index.counters.gaps_skipped == 1, what="gap skipped")
+        await eventually(lambda: router.index.overlaps(a, ["fake"])["fake"] == 2, timeout=10, what="stale blocks dropped")
+        assert router.index.overlaps(b, ["fake"]) == {"fake": 4} and router.index.num_blocks("fake") == 6
     finally:
         await router.stop()

@@ -225,3 +225,29 @@ def test_the_walk_stops_consuming_hashes_at_the_first_block_nobody_holds():
     assert consumed == A[:3]
     consumed.clear()
     assert index.overlaps(lazy(), ["x"]) == {"x": 0} and consumed == []  # no indexed candidate: nothing hashed
+
+
+def test_a_dump_after_lost_events_also_retracts_blocks_the_worker_no_longer_holds():
+    index = KvIndex(gap_timeout=1.0)
+    index.apply(stored("w", 1, A), now=0.0)
+    index.apply(stored("ok", 1, A), now=0.0)
+    # event 2 (removed A[2:]) is lost; event 3 arrives and the gap is given up on
+    index.apply(stored("w", 3, B[2:], parent=B[1]), now=0.0)
+    index.flush_gaps(now=1.0)
+    assert index.resync_needed and index.overlaps(A, ["w"]) == {"w": 4}  # stale: w no longer holds A[2:]
+    assert index.begin_resync(window=3.0, now=1.0) == 1  # only the worker that lost events
+    for eid, h in enumerate([A[0], A[1], B[2], B[3]], start=4):  # the dump: what w really holds
+        index.apply(stored("w", eid, [h]), now=1.5)
+    assert index.sweep(now=2.0) == 0  # the window is still open
+    assert index.sweep(now=4.0) == 2
+    assert index.overlaps(A, ["w", "ok"]) == {"w": 2, "ok": 4}
+    assert index.overlaps(B, ["w"]) == {"w": 4}
+
+
+def test_a_worker_that_does_not_answer_the_dump_keeps_its_blocks():
+    index = KvIndex(gap_timeout=1.0)
+    index.apply(stored("w", 1, A), now=0.0)
+    index.apply(stored("w", 3, B), now=0.0)
+    index.flush_gaps(now=1.0)
+    index.begin_resync(window=3.0, now=1.0)
+    assert index.sweep(now=10.0) == 0 and index.overlaps(A, ["w"]) == {"w": 4}
