@@ -1,7 +1,7 @@
 """``tandem up``: the whole stack on 127.0.0.1 as child processes of one command.
 
 Start order: etcd, nats-server (unless external URLs are given), the standalone router (if asked),
-target workers, draft workers, the frontend. Each child runs in its own process group and its
+draft workers, target workers, the frontend. Each child runs in its own process group and its
 output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200,
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
@@ -245,7 +245,7 @@ class Launcher:
         for comp in self._components:
             if comp.name in self._children:
                 by_kind.setdefault(comp.kind, []).append(self._children[comp.name])
-        tiers = [by_kind.get(k, []) for k in ("frontend", "draft", "target", "router")]
+        tiers = [by_kind.get(k, []) for k in ("frontend", "target", "draft", "router")]
         tiers += [[c] for c in reversed(self._infra)]
         stop_tiers(tiers, timeout=self.config.drain_timeout + 5)
         if self._workdir is not None:

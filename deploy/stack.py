@@ -137,7 +137,10 @@ def filter_flags(component: Component, known: frozenset[str]) -> Component:
 
 
 def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], drafts_available: bool = True) -> list[Component]:
-    """The components in start order: router (if standalone), targets, drafts, frontend.
+    """The components in start order: router (if standalone), drafts, targets, frontend.
+
+    Drafts start before the targets that stream to them and (stopping in reverse) end after them,
+    so no draft waits out its drain for a target's open stream.
 
     ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port).
     """
@@ -147,6 +150,16 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
         out.append(Component("router", "router", "router",
                              ("--http-port", str(ports["router"]), "--mode", config.router_mode),
                              ports["router"]))
+    if drafts_available:
+        for i in range(config.num_drafts):
+            cname = f"draft-{i}"
+            args = ["--method", config.draft_method, "--model-name", name, "--health-port", str(ports[cname])]
+            if config.draft_model:
+                args += ["--draft-model", config.draft_model]
+            if config.num_speculative_tokens is not None:
+                args += ["--max-speculative-tokens", str(config.num_speculative_tokens)]
+            out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
+                                 optional_flags=("--max-speculative-tokens",)))
     for i in range(config.targets):
         cname = f"target-{i}"
         if config.mock:
@@ -163,16 +176,6 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
             out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True,
                                  optional_flags=("--num-speculative-tokens",)))
-    if drafts_available:
-        for i in range(config.num_drafts):
-            cname = f"draft-{i}"
-            args = ["--method", config.draft_method, "--model-name", name, "--health-port", str(ports[cname])]
-            if config.draft_model:
-                args += ["--draft-model", config.draft_model]
-            if config.num_speculative_tokens is not None:
-                args += ["--max-speculative-tokens", str(config.num_speculative_tokens)]
-            out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
-                                 optional_flags=("--max-speculative-tokens",)))
     out.append(Component("frontend", "frontend", "frontend",
                          ("--http-port", str(ports["frontend"]), "--host", config.host,
                           "--router-mode", config.router_mode),
@@ -184,7 +187,7 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
 def component_names(config: StackConfig, drafts_available: bool = True) -> list[str]:
     """Names of the components :func:`plan` will return (to choose their ports first)."""
     names = ["router"] if config.standalone_router else []
-    names += [f"target-{i}" for i in range(config.targets)]
     if drafts_available:
         names += [f"draft-{i}" for i in range(config.num_drafts)]
+    names += [f"target-{i}" for i in range(config.targets)]
     return names + ["frontend"]

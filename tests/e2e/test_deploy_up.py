@@ -214,8 +214,13 @@ def test_tandem_up_serves_the_bundled_demo_model_with_an_ngram_draft(launcher):
     logs = up.logs()
     assert "[target-0] " in logs and "[draft-0] " in logs and "method ngram" in logs
     children = descendants(up.proc.pid)
+    stopping = time.monotonic()
     up.proc.send_signal(signal.SIGINT)
     assert up.proc.wait(60) == 0, up.logs()[-4000:]
+    # Targets stop before the drafts they stream to, so nobody waits out a drain timeout.
+    assert time.monotonic() - stopping < 15, up.logs()[-4000:]
+    logs = up.logs()
+    assert logs.index("stopping target-0 ") < logs.index("stopping draft-0 ")
     assert wait_gone(children, 5) == set()
 
 

@@ -66,8 +66,8 @@ def test_real_plan_with_router_targets_and_drafts():
     cfg = StackConfig(model="/m/target", draft_method="draft_model", draft_model="/m/draft", drafts=2,
                       router_mode="round_robin", standalone_router=True, num_speculative_tokens=5)
     comps = plan(cfg, "/m/target", ports_for(cfg))
-    assert [c.name for c in comps] == ["router", "target-0", "draft-0", "draft-1", "frontend"]
-    router, target, draft = comps[0], comps[1], comps[2]
+    assert [c.name for c in comps] == ["router", "draft-0", "draft-1", "target-0", "frontend"]
+    router, draft, target = comps[0], comps[1], comps[3]
     assert router.args[2:4] == ("--mode", "round_robin")
     assert target.module == "workers.target" and target.gpu
     assert target.args[:4] == ("--model", "/m/target", "--served-model-name", "target")
