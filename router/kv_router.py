@@ -32,7 +32,6 @@ from .load import LoadTracker
 log = logging.getLogger(__name__)
 
 
-
 def lazy_block_hashes(tokens: Sequence[int], block_size: int) -> Iterator[int]:
     """``runtime.kv_hash.block_hashes`` one block at a time: the index walk stops at the first block
     no candidate holds, so the blocks after it are never hashed (hashing is most of a decision's cost)."""

@@ -147,3 +147,32 @@ async def test_lost_events_trigger_a_dump_that_repairs_the_index_both_ways(rt):
         assert router.index.overlaps(b, ["fake"]) == {"fake": 4} and router.index.num_blocks("fake") == 6
     finally:
         await router.stop()
+
+
+async def test_a_second_router_sees_the_overload_through_load_events(rt, spawn):
+    """Requests another frontend sent straight to the holder show up in its load events, so a router
+    with no in-flight requests of its own moves new requests away from it."""
+    client, procs = await start_workers(rt, spawn, 3, "--token-latency-ms", "50")
+    holder = sorted(procs)[0]
+    await generate(client, holder, prompt(0))
+    router = await create_router(rt, "kv", seed=11)
+    try:
+        await eventually(lambda: router.index.num_blocks(holder) >= 34, what="holder indexed from its dump")
+        before = await router.select("mock", prompt(1))
+        router.release(before)
+        assert (before.instance_id, before.overlap_blocks) == (holder, 32)
+
+        # 20 long requests sharing the prefix, sent to the holder by someone else. The mock reports its
+        # distinct pinned blocks: 32 shared + 2 full blocks each = 72, so the holder costs 2*3 + 72 = 78
+        # against 2*35 = 70 for an idle worker.
+        burst = [asyncio.create_task(generate(client, holder, prompt(300 + i), max_tokens=60)) for i in range(20)]
+        await eventually(lambda: router.load.decode_blocks(holder) >= 72, what="load event seen")
+        assert router.in_flight == {}  # this router sent none of them
+        after = await router.select("mock", prompt(2))
+        router.release(after)
+        assert after.instance_id != holder and after.overlap_blocks == 0
+        for task in burst:
+            task.cancel()
+        await asyncio.gather(*burst, return_exceptions=True)
+    finally:
+        await router.stop()
