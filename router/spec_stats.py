@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import SpecStatsEvent
 
-MAX_EPOCHS = 32  # epochs kept per pair; older ones are folded into a base
+MAX_EPOCHS = 32  # epochs remembered per pair (their counts stay in the lifetime totals)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class PairStats:
     draft_id: str
     method: str = ""
     epochs: dict[float, SpecCounters] = field(default_factory=dict)
-    base: SpecCounters = field(default_factory=SpecCounters)  # epochs folded away
+    forgotten_until: float = float("-inf")  # epochs up to this one are no longer remembered
     lifetime: SpecCounters = field(default_factory=SpecCounters)
     samples: deque = field(default_factory=deque)  # (time, lifetime) observations
 
@@ -83,12 +83,15 @@ class PairStats:
         """Apply one event; False if it carried nothing new (stale or duplicate)."""
         new = SpecCounters.of(event)
         old = self.epochs.get(event.epoch)
+        if old is None and event.epoch <= self.forgotten_until:
+            return False  # a late event of an epoch already counted and forgotten
         if old is not None and (not new.covers(old) or new == old):
             return False
         self.epochs[event.epoch] = new
         if len(self.epochs) > MAX_EPOCHS:
             first = min(self.epochs)
-            self.base = self.base.add(self.epochs.pop(first))
+            del self.epochs[first]
+            self.forgotten_until = max(self.forgotten_until, first)
         self.method = event.method or self.method
         self.lifetime = self.lifetime.add(new).add(old, -1) if old is not None else self.lifetime.add(new)
         return True

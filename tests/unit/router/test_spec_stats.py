@@ -122,3 +122,14 @@ def test_json_sink():
     assert (pair["target"], pair["draft"], pair["method"]) == ("t1", "d1", "mock")
     assert pair["window"]["num_drafts"] == 0 and pair["window"]["acceptance_rate"] is None
     assert report["targets"][0]["target"] == "t1"
+
+
+def test_many_restarts_keep_totals_and_ignore_late_events_of_forgotten_epochs():
+    from router.spec_stats import MAX_EPOCHS
+
+    s = fresh()
+    for i in range(MAX_EPOCHS + 5):
+        s.observe_event(ev("t", "d", T0 + i, 1, 4, 2, [1, 1]), now=float(i))
+    assert s.total_lifetime() == SpecCounters(MAX_EPOCHS + 5, 4 * (MAX_EPOCHS + 5), 2 * (MAX_EPOCHS + 5), [MAX_EPOCHS + 5] * 2)
+    s.observe_event(ev("t", "d", T0, 9, 36, 18, [9, 9]), now=99.0)  # epoch 0, long forgotten
+    assert s.total_lifetime().num_drafts == MAX_EPOCHS + 5 and len(s.pairs[("t", "d")].epochs) == MAX_EPOCHS
