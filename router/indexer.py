@@ -102,10 +102,6 @@ class KvIndex:
         """Distinct block sizes of the indexed workers (one, normally)."""
         return list(self._sizes)
 
-    def holds(self, worker_id: str, block_hash: int) -> bool:
-        w = self._workers.get(worker_id)
-        return w is not None and block_hash in w.blocks
-
     def overlaps(self, hashes: Iterable[int], worker_ids: Sequence[str]) -> dict[str, int]:
         """For each of ``worker_ids``: how many leading blocks of ``hashes`` it holds.
 

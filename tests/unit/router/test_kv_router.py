@@ -145,3 +145,25 @@ def test_lazy_hashes_equal_the_runtime_hashes():
     for n in (0, 15, 16, 17, 100, 513):
         tokens = list(range(7, 7 + n))
         assert list(lazy_block_hashes(tokens, 16)) == block_hashes(tokens, 16)
+
+
+async def test_the_inline_costs_are_worker_cost(caplog):
+    import random
+    import re
+
+    from router.cost import request_blocks, worker_cost
+
+    rng = random.Random(4)
+    router, _ = make_router(("w0", "w1", "w2", "w3"), queue_weight=5.0)
+    for i, w in enumerate(("w0", "w1", "w2", "w3")):
+        router.on_kv_event(KvEvent(w, 1, "stored", block_hashes(PREFIX[: 16 * rng.randrange(33)], 16)))
+        router.on_load_event(LoadEvent(w, running=1, queued=rng.randrange(4), active_blocks=rng.randrange(100)))
+    load = {w: (router.load.decode_blocks(w), router.load.queued(w)) for w in ("w0", "w1", "w2", "w3")}
+    with caplog.at_level(logging.DEBUG, logger="router.kv_router"):
+        await router.select("m", prompt(0), request_id="cmp")
+    line = next(r.getMessage() for r in caplog.records if "cmp" in r.getMessage())
+    n = request_blocks(len(prompt(0)), 16)
+    found = re.findall(r"(w\d): overlap=(\d+) cost=([\d.]+)", line)
+    assert len(found) == 4
+    for w, overlap, cost in found:
+        assert float(cost) == pytest.approx(worker_cost(n - int(overlap), *load[w], 2.0, 5.0))
