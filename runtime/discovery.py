@@ -142,8 +142,8 @@ class Snapshot(Generic[T]):
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._watch is not None:
-            try:
-                await self._watch.cancel()
+            try:  # the watch stream may already be gone with etcd: do not wait on it forever
+                await asyncio.wait_for(self._watch.cancel(), timeout=2)
             except Exception:
                 pass
 

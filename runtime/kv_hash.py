@@ -21,8 +21,11 @@ def block_hashes(tokens, block_size: int, parent: int = ROOT_HASH) -> list[int]:
     """Chained hashes of every full block of ``tokens``."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    data = array("I", tokens).tobytes()  # once, then sliced per block (same bytes as block_hash)
+    step = 4 * block_size
     out = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start : start + block_size])
+    for start in range(0, len(data) - step + 1, step):
+        parent = int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "little") + data[start : start + step],
+                                                digest_size=8).digest(), "little") >> 1
         out.append(parent)
     return out

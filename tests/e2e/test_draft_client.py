@@ -44,3 +44,22 @@ async def test_pool_proposes_falls_back_when_the_draft_dies_and_resumes(rt, spaw
         assert got["s2"].token_ids == [2]
     finally:
         await pool.close()
+
+
+async def test_targets_spread_over_drafts_and_a_new_draft_takes_some_at_once(rt, spawn):
+    drafts = await rt.client("draft", "speculate")
+    spawn("workers.draft", "--method", "ngram", name="d1")
+    await drafts.wait_for_instances(1, timeout=60)
+    pools = [DraftPool(f"target-{i}", "m", 100, drafts.instances) for i in range(12)]
+    try:
+        first = {(await p.get()).draft_id for p in pools}
+        assert len(first) == 1
+        spawn("workers.draft", "--method", "ngram", name="d2")
+        await drafts.wait_for_instances(2, timeout=60)
+        chosen = [(await p.get()).draft_id for p in pools]
+        # Rendezvous hashing: some targets move to the new draft, the others keep theirs.
+        assert len(set(chosen)) == 2 and 1 <= sum(c not in first for c in chosen) <= 11
+        assert [(await p.get()).draft_id for p in pools] == chosen  # stable
+    finally:
+        for p in pools:
+            await p.close()

@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-name", default="", help="target model this draft serves ('' = any)")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--advertise-host", default=None,
+                        help="host targets should dial (default: --grpc-host; set it when listening on 0.0.0.0)")
     parser.add_argument("--draft-model", default=None, help="draft LM directory or .gguf (method draft_model)")
     parser.add_argument("--eagle-model", default=None, help="EAGLE-1/EAGLE-3 head directory (method eagle)")
     parser.add_argument("--target-model", default=None,
@@ -94,7 +96,7 @@ async def amain(args: argparse.Namespace) -> None:
         spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
         port = server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
         await server.start()
-        address = f"{args.grpc_host}:{port}"
+        address = f"{args.advertise_host or args.grpc_host}:{port}"
         await rt.register_model(ModelCard(name=args.model_name or "draft", role="draft", spec_method=args.method,
                                           num_speculative_tokens=args.max_speculative_tokens))
         await rt.serve("draft", "speculate", _info, role="draft", model=args.model_name, grpc_address=address)

@@ -10,8 +10,8 @@ broke or a draft worker (re)appears.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import random
 from collections.abc import Callable
 
 import grpc
@@ -79,8 +79,8 @@ class DraftClient:
         except Exception as exc:
             self._break(f"{exc!r}")
 
-    def _break(self, reason: str) -> None:
-        if not self.broken:
+    def _break(self, reason: str, quiet: bool = False) -> None:
+        if not self.broken and not quiet:
             log.warning("draft worker %s lost (%s): falling back to plain decoding", self.draft_id, reason)
         self.broken = True
         for fut in self._pending.values():
@@ -122,7 +122,7 @@ class DraftClient:
         if self._reader:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        self._break("closed")
+        self._break("closed", quiet=True)
         if self._channel is not None:
             await self._channel.close()
 
@@ -140,29 +140,54 @@ class DraftPool:
         self.client: DraftClient | None = None
         self._failed: dict[str, float] = {}  # draft id -> when it last failed
 
-    async def get(self) -> DraftClient | None:
-        """A connected client, reconnecting when the current one broke; None without draft workers."""
-        if self.client is not None and not self.client.broken:
-            live = {r.instance_id for r in self._instances()}
-            if self.client.draft_id in live:
-                return self.client
+    def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
+        # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
+        # one. Targets spread evenly over drafts, and a new draft takes over ~1/M of the targets at
+        # once (the others keep their streams).
+        def weight(r: InstanceRecord) -> int:
+            digest = hashlib.blake2b(f"{self._target_id}/{r.instance_id}".encode(), digest_size=8).digest()
+            return int.from_bytes(digest, "little")
+
+        return max(candidates, key=weight)
+
+    def _candidates(self) -> list[InstanceRecord]:
+        now = asyncio.get_running_loop().time()
+        return [r for r in self._instances() if r.grpc_address and now - self._failed.get(r.instance_id, -1e9) > 2.0
+                and (not r.model or r.model == self._model)]
+
+    async def prune(self) -> None:
+        """Close the stream to a draft worker that deregistered (e.g. while this target is idle)."""
+        if self.client is not None and self.client.draft_id not in {r.instance_id for r in self._instances()}:
             self.client._break("deregistered")
-        if self.client is not None:
-            self._failed[self.client.draft_id] = asyncio.get_running_loop().time()
             await self.client.close()
             self.client = None
-        now = asyncio.get_running_loop().time()
-        candidates = [r for r in self._instances() if r.grpc_address and now - self._failed.get(r.instance_id, -1e9) > 2.0
-                      and (not r.model or r.model == self._model)]
+
+    async def get(self) -> DraftClient | None:
+        """A connected client to the preferred live draft worker; None without draft workers."""
+        candidates = self._candidates()
+        if self.client is not None:
+            current = self.client
+            live = current.draft_id in {r.instance_id for r in self._instances()}
+            preferred = not candidates or self._preferred(candidates).instance_id == current.draft_id
+            if not current.broken and live and preferred:
+                return current
+            if current.broken or not live:
+                self._failed[current.draft_id] = asyncio.get_running_loop().time()
+                current._break("deregistered" if not live else "stream broken")
+            else:
+                log.info("moving from draft worker %s to a newly preferred one", current.draft_id)
+            await current.close()
+            self.client = None
+            candidates = self._candidates()
         if not candidates:
             return None
-        choice = random.choice(candidates)
+        choice = self._preferred(candidates)
         client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers)
         try:
             await client.connect()
         except Exception as exc:
             log.warning("could not open a stream to draft worker %s: %r", choice.instance_id, exc)
-            self._failed[choice.instance_id] = now
+            self._failed[choice.instance_id] = asyncio.get_running_loop().time()
             await client.close()
             return None
         self.client = client

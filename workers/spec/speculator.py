@@ -101,6 +101,7 @@ class Speculator:
         while True:
             await asyncio.sleep(self._stats_interval)
             ticks += 1
+            await self.pool.prune()  # an idle target lets go of a draft worker that left
             for draft_id, counters in list(self.engine.counters.items()):
                 if not draft_id or (sent.get(draft_id) == counters.num_drafts and ticks % 10):
                     continue
