@@ -42,6 +42,7 @@ class AttentionMetadata:
     batch_blocks: torch.Tensor | None = None  # [Bg * nb] block ids, nb = blocks of the longest context
     batch_mask: torch.Tensor | None = None  # [Bg, 1, qmax, nb * bs] bool, True = attend; None: attend to all
     batch_kv_len: int = 0  # longest context in the group
+    batch_causal: bool = False  # no mask, one sequence whose queries are its whole context
     qmax: int = 0
     # long queries, one call each: (row, token start, query_len, context_len)
     singles: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -108,8 +109,10 @@ class AttentionMetadata:
         self.batch_token_index = torch.tensor(token_index, dtype=torch.long, device=device)
         self.batch_pad_index = torch.tensor(pad_index, dtype=torch.long, device=device)
         self.batch_blocks = tables[rows, :num_blocks].flatten().to(device)
-        if len(rows) == 1 and qmax == 1:
-            return  # one decode query sees its whole context: no mask
+        if len(rows) == 1 and (qmax == 1 or qmax == lmax):
+            # one sequence, decoding (sees its whole context) or prefilling from scratch (plain causal)
+            self.batch_causal = qmax > 1
+            return
         key_pos = torch.arange(num_blocks * self.block_size)[None, None, :]  # [1, 1, Lpad]
         query_pos = (c_lens - q_lens)[:, None, None] + torch.arange(qmax)[None, :, None]  # [Bg, qmax, 1]
         mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lpad]
@@ -156,7 +159,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         if meta.batch_mask is None:
             keys, values = keys[:, : meta.batch_kv_len], values[:, : meta.batch_kv_len]
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=meta.batch_mask, scale=scale, enable_gqa=gqa)  # [Bg, H, qmax, D]
+                                           attn_mask=meta.batch_mask, is_causal=meta.batch_causal, scale=scale,
+                                           enable_gqa=gqa)  # [Bg, H, qmax, D]
         o = o.transpose(1, 2).reshape(bg * qmax, num_heads, head_dim)
         if bg == q.shape[0] and qmax == 1:
             out = o

@@ -83,16 +83,23 @@ def test_gguf_checkpoint_loads_through_transformers(tmp_path):
     assert (out - ref).abs().max() < 1e-4
 
 
-def test_smollm2_matches_transformers():
-    from transformers import AutoModelForCausalLM
-
+@pytest.fixture(scope="module")
+def smollm2():
     from workers.demo_model import demo_model_dir
 
-    path = demo_model_dir()
+    return demo_model_dir(), load_model(demo_model_dir(), max_positions=2048)
+
+
+SMOL_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
+               8182, 2, 198, 1, 4093, 198, 23513, 1634, 260, 3547, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def test_smollm2_matches_transformers(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    path, model = smollm2
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = load_model(path, max_positions=2048)
-    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
-              8182, 2, 198, 1, 4093, 198, 23513, 1634, 260, 3547, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    prompt = SMOL_PROMPT
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0]
         out = model(torch.tensor(prompt), torch.arange(len(prompt)),
@@ -100,3 +107,17 @@ def test_smollm2_matches_transformers():
     assert (out - ref).abs().max() < 1e-3
     engine = Engine(model, EngineConfig(num_blocks=32, block_size=16, max_model_len=512))
     assert engine.generate({"a": prompt}, GREEDY)["a"] == hf_greedy(hf, prompt, 64)
+
+
+def test_smollm2_16_concurrent_greedy_requests_equal_each_alone(smollm2):
+    """Batch invariance on real weights: prefill chunks mixed with decodes, 16 sequences at once."""
+    _, model = smollm2
+    tails = [[28, 253], [9690, 198, 2683], [4093, 198], [23513, 1634, 260], [3547, 282], [520, 9531], [19712],
+             [8182, 2, 198], [1, 4093], [11173, 3365], [359, 253, 5356], [47], [4649, 47, 2], [7018, 411], [407],
+             [5646, 11173]]
+    prompts = {f"r{i}": SMOL_PROMPT[: 12 + i] + tail for i, tail in enumerate(tails)}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    alone = {rid: Engine(model, EngineConfig(num_blocks=16, max_model_len=256)).generate({rid: p}, params)[rid]
+             for rid, p in prompts.items()}
+    engine = Engine(model, EngineConfig(num_blocks=128, max_model_len=256, max_num_batched_tokens=64))
+    assert engine.generate(prompts, params) == alone
