@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from runtime.errors import InvalidRequest
@@ -49,7 +50,7 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
     await rt.subscribe(TOPIC_LOAD, LoadEvent, loads.append)
     proc = spawn("workers.target", "--model", str(model_dir), "--served-model-name", "tiny", "--num-blocks", str(BLOCKS),
           "--block-size", str(BLOCK), "--max-model-len", "384", "--threads", "1", "--load-interval", "0.2",
-          "--lease-ttl", "3")
+          "--lease-ttl", "3", "--health-port", "0")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     assert inst.model == "tiny" and inst.role == "target"
@@ -105,6 +106,12 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
             break
     assert loads and loads[-1].running == 0 and loads[-1].free_blocks == loads[-1].total_blocks == BLOCKS
     await asyncio.to_thread(proc.wait_for_log, "cancelled by the client", 5)
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://{inst.http_address}/metrics")).text
+    assert f'tandem_target_kv_blocks_free{{model="tiny"}} {float(BLOCKS)}' in metrics
+    assert 'tandem_target_generated_tokens_total{model="tiny"}' in metrics
+    assert 'tandem_target_requests_finished_total{model="tiny",reason="cancelled"} 1.0' in metrics
+    assert 'tandem_target_requests_finished_total{model="tiny",reason="length"} 5.0' in metrics
 
 
 async def test_default_model_is_the_demo_smollm2(rt, spawn):

@@ -14,11 +14,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+
 from runtime import Runtime
 from runtime.config import add_runtime_args, config_from_args
 from runtime.events import TOPIC_KV_DUMP
 from runtime.messages import GenerateRequest, KvDumpRequest, ModelCard
 from runtime.service import run_service
+from workers.target.metrics import TargetCollector
 
 log = logging.getLogger("workers.target")
 
@@ -151,6 +154,7 @@ async def amain(args: argparse.Namespace) -> None:
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
                               lambda eng, on_kv: SpecEngineLoop(eng, speculator, on_kv))
         await worker.start()
+        REGISTRY.register(TargetCollector(worker, cfg.served_model_name))
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
         await rt.register_model(ModelCard(

@@ -15,6 +15,7 @@ from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent,
 from workers.engine.engine import Engine
 
 from .engine_loop import EngineLoop
+from .metrics import RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class TargetWorker:
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client
+        self.stats = RequestStats()
 
     async def start(self) -> None:
         self.loop.start()
@@ -87,9 +89,11 @@ class TargetWorker:
                         raise item
                 delta = merge_deltas(items)
                 finished = delta.finish_reason is not None
+                self.stats.observe_delta(delta)
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled += 1
+            self.stats.observe_cancel()
             log.info("request %s: cancelled by the client, freeing its blocks", ctx.request_id)
             raise
         finally:

@@ -13,6 +13,7 @@ from runtime.messages import GenerateRequest, KvEventKind, SamplingParams, Token
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
+from workers.target.metrics import TargetCollector
 from workers.target.worker import TargetWorker, merge_deltas
 
 pytestmark = pytest.mark.unit
@@ -53,7 +54,7 @@ async def test_generate_streams_engine_tokens_and_cancel_frees_blocks(model):
 
         long = worker.generate(GenerateRequest(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
                                Ctx("r3"))
-        await long.__anext__()
+        long_tokens = (await long.__anext__()).token_ids
         await long.aclose()
         for _ in range(100):
             if engine.blocks.num_free_blocks == 64 and not engine.seqs:
@@ -64,6 +65,11 @@ async def test_generate_streams_engine_tokens_and_cancel_frees_blocks(model):
         kinds = [e.kind for topic, e in published if topic == TOPIC_KV]
         assert kinds[0] == KvEventKind.CLEARED and KvEventKind.STORED in kinds
         assert any(topic != TOPIC_KV for topic, _ in published)  # load events
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for m in TargetCollector(worker, "tiny").collect() for s in m.samples}
+        assert samples[("tandem_target_generated_tokens_total", (("model", "tiny"),))] == 12 + len(long_tokens)
+        assert samples[("tandem_target_requests_finished_total", (("model", "tiny"), ("reason", "cancelled")))] == 1
+        assert samples[("tandem_target_kv_blocks_free", (("model", "tiny"),))] == 64
     finally:
         await worker.stop()
 
