@@ -56,6 +56,8 @@ class TargetConfig:
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.attention not in ("torch", "triton"):
             raise ValueError(f"--attention must be torch or triton, got {self.attention}")
+        if self.attention == "triton" and not self.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention triton needs --device cuda (or TRITON_INTERPRET=1 to run it slowly on CPU)")
         if self.kv_cache_gb <= 0 or self.load_interval <= 0:
             raise ValueError("--kv-cache-gb and --load-interval must be positive")
         if self.threads is not None and self.threads <= 0:

@@ -77,3 +77,19 @@ async def test_generate_streams_engine_tokens_and_cancel_frees_blocks(model):
 def test_merge_deltas_keeps_order_and_the_last_finish():
     merged = merge_deltas([TokenDelta([1], [-0.1]), TokenDelta([2, 3], [-0.2, -0.3], finish_reason="stop")])
     assert merged.token_ids == [1, 2, 3] and merged.logprobs == [-0.1, -0.2, -0.3] and merged.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": "/nonexistent"}, "does not exist"),
+    ({"served_model_name": ""}, "name"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"attention": "flash"}, "attention"),
+    ({"attention": "triton", "device": "cpu"}, "cuda"),
+    ({"threads": 0}, "threads"),
+])
+def test_target_config_rejects_bad_flags(tmp_path, monkeypatch, kwargs, message):
+    from workers.target.__main__ import TargetConfig
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=message):
+        TargetConfig(**{"model": str(tmp_path), "served_model_name": "m", **kwargs})
