@@ -6,11 +6,16 @@ Usage: python -m workers.target --model PATH [--served-model-name NAME] [--block
 
 from __future__ import annotations
 
+import os
+
+# Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed machine, spinning
+# intra-op threads made small steps up to 70× slower. Read once when torch loads (later, lazily).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import asyncio
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
