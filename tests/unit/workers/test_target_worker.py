@@ -24,6 +24,16 @@ class Ctx:
     request_id: str
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/unit/workers/engine/conftest.py
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")

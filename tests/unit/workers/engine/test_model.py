@@ -116,7 +116,7 @@ def test_smollm2_16_concurrent_greedy_requests_equal_each_alone(smollm2):
              [8182, 2, 198], [1, 4093], [11173, 3365], [359, 253, 5356], [47], [4649, 47, 2], [7018, 411], [407],
              [5646, 11173]]
     prompts = {f"r{i}": SMOL_PROMPT[: 12 + i] + tail for i, tail in enumerate(tails)}
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = {rid: Engine(model, EngineConfig(num_blocks=16, max_model_len=256)).generate({rid: p}, params)[rid]
              for rid, p in prompts.items()}
     engine = Engine(model, EngineConfig(num_blocks=128, max_model_len=256, max_num_batched_tokens=64))
