@@ -4,6 +4,7 @@ model card, KV events, prefix hits, typed errors, and cancellation that frees th
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import httpx
 import pytest
@@ -117,7 +118,7 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
 async def test_default_model_is_the_demo_smollm2(rt, spawn):
     from workers.demo_model import demo_model_dir
 
-    spawn("workers.target", "--num-blocks", "64", "--max-model-len", "512", "--threads", "1", "--lease-ttl", "3")
+    proc = spawn("workers.target", "--num-blocks", "64", "--max-model-len", "512", "--threads", "1", "--lease-ttl", "3")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     cards = await rt.models()
@@ -131,3 +132,12 @@ async def test_default_model_is_the_demo_smollm2(rt, spawn):
         temperature=0, max_tokens=4, logprobs=2)), TokenDelta))
     assert len(_tokens(deltas)) == 4 or deltas[-1].finish_reason == "stop"
     assert all(d.logprobs is not None and len(d.top_logprobs) == len(d.token_ids) for d in deltas)
+    # SIGTERM while a request streams: deregistered at once, the stream still completes, exit 0
+    stream = await client.call(inst.instance_id, GenerateRequest(prompt, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True)), TokenDelta)
+    first = await stream.__anext__()
+    proc.signal(signal.SIGTERM)
+    rest = [d async for d in stream]
+    assert len(_tokens([first] + rest)) == 40 and rest[-1].finish_reason == "length"
+    assert await asyncio.to_thread(proc.wait, 20) == 0
+    assert "draining" in proc.logs()
