@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+
+# Idle OpenMP threads must sleep, not spin: a draft and a target share the CPU cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import grpc
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from runtime.events import TOPIC_SPEC_STATS
 
-from ..target.engine_loop import EngineFailed, EngineLoop
+from ..target.engine_loop import EngineLoop
 from .draft_client import DraftPool
 from .proposer import DraftInput, DraftOutput
 from .spec_engine import SpecEngine
@@ -143,28 +143,14 @@ class SpecEngineLoop(EngineLoop):
         except Exception as exc:
             self._loop.call_soon_threadsafe(self._fail_one, rid, exc)
 
-    def _run(self) -> None:
+    def _step(self):
         engine: SpecEngine = self.engine
-        spec = self.speculator
-        while not self._stopping:
-            try:
-                self._drain_commands(block=not engine.has_work())
-                outputs, error = [], None
-                if engine.has_work():
-                    proposals = {}
-                    try:
-                        if spec.ensure_draft():
-                            proposals = spec.propose(engine.draft_inputs())
-                    except Exception as exc:  # speculation is optional: decode plainly this step
-                        log.warning("draft proposals failed: %r", exc)
-                    outputs = engine.step(proposals)
-                    spec.send(engine)
-                    self.steps += 1
-            except Exception as exc:
-                log.exception("engine step failed")
-                outputs, error = [], EngineFailed(f"engine step failed: {exc!r}")
-                for rid in list(engine.seqs):
-                    engine.abort(rid)
-            events = engine.drain_kv_events()
-            if outputs or events or error:
-                self._loop.call_soon_threadsafe(self._deliver, outputs, events, error)
+        proposals = {}
+        try:
+            if self.speculator.ensure_draft():
+                proposals = self.speculator.propose(engine.draft_inputs())
+        except Exception as exc:  # speculation is optional: decode plainly this step
+            log.warning("draft proposals failed: %r", exc)
+        outputs = engine.step(proposals)
+        self.speculator.send(engine)
+        return outputs

@@ -104,7 +104,7 @@ class EngineLoop:
                 self._drain_commands(block=not engine.has_work())
                 outputs, error = [], None
                 if engine.has_work():
-                    outputs = engine.step()
+                    outputs = self._step()
                     self.steps += 1
             except Exception as exc:  # a bug or OOM in a step: fail what is running, keep serving
                 log.exception("engine step failed")
@@ -114,6 +114,10 @@ class EngineLoop:
             events = engine.drain_kv_events()
             if outputs or events or error:
                 self._loop.call_soon_threadsafe(self._deliver, outputs, events, error)
+
+    def _step(self) -> list[tuple[str, TokenDelta]]:
+        """One engine step (subclasses add work around it, e.g. draft proposals)."""
+        return self.engine.step()
 
     def _drain_commands(self, block: bool) -> None:
         try:
