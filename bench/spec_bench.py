@@ -191,8 +191,13 @@ async def amain(args) -> None:
 
     etcd, nats_server = start_servers()
     env = env_for(etcd, nats_server, "bench")
-    target_proc = ManagedProcess("workers.target", ["--model", str(target), "--num-speculative-tokens", str(gamma),
-                                                    "--max-num-seqs", "4"], env, name="target").start()
+    def start_target(adaptive: bool) -> ManagedProcess:
+        flags = [] if adaptive else ["--no-adaptive-speculation"]
+        return ManagedProcess("workers.target", ["--model", str(target), "--num-speculative-tokens", str(gamma),
+                                                 "--max-num-seqs", "4", *flags], env, name="target").start()
+
+    # Fixed γ first, so that the ideal formula applies; the adaptive default comes last.
+    target_proc = start_target(adaptive=False)
     rows = []
     try:
         cfg = RuntimeConfig(etcd_url=etcd.url, nats_url=nats_server.url, namespace="bench", handle_signals=False)
@@ -220,6 +225,16 @@ async def amain(args) -> None:
                 assert r["outputs"] == plain["outputs"]
                 sweep.append((err, r))
                 print(f"oracle error {err}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
+            target_proc.stop()
+            targets = await rt.client("target", "generate")
+            await targets.snapshot.wait_for(lambda items: not items, 30)
+            target_proc = start_target(adaptive=True)
+            await run_requests(rt, prompts[:1], 8, 0)
+            for label, draft_args, cost in setups[:2]:
+                r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
+                assert r["outputs"] == plain["outputs"]
+                rows.append((label.split(",")[0].split(" (")[0] + ", adaptive γ (the default)", r, None))
+                print(f"{label} adaptive: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
     finally:
         target_proc.stop()
         etcd.cleanup()

@@ -40,6 +40,8 @@ class _SpecState:
     usage: SpecUsage = SpecUsage()
     hidden: list[list[torch.Tensor]] = field(default_factory=list)  # per layer: rows for positions hidden_base..
     hidden_base: int = 0
+    cap: int = 0  # adaptive γ for the next round (≤ gamma); 0: paused
+    pause: int = 0  # plain steps left before drafting is tried again
 
 
 class SpecEngine(Engine):
@@ -47,11 +49,16 @@ class SpecEngine(Engine):
 
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, *, num_speculative_tokens: int = 4,
-                 hidden_layers: tuple[int, ...] = ()):
+                 hidden_layers: tuple[int, ...] = (), adaptive: bool = True, pause_steps: int = 8):
         super().__init__(model, config, worker_id, eos_token_ids)
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
+        # Adaptive γ per sequence: +2 after a fully accepted round, −1 otherwise; at 0 the sequence
+        # decodes plainly for ``pause_steps`` steps and then tries one draft token again. A draft
+        # that keeps missing then costs little; one that hits climbs back to γ within a few rounds.
+        self.adaptive = adaptive
+        self.pause_steps = pause_steps
         self.hidden_layers = tuple(hidden_layers)
         self._spec: dict[str, _SpecState] = {}
         self._verdicts: list[VerifyResult] = []
@@ -65,8 +72,8 @@ class SpecEngine(Engine):
                     output_ids: list[int] = (), num_speculative_tokens: int | None = None) -> None:
         super().add_request(request_id, token_ids, params, output_ids)
         if request_id in self.seqs:
-            gamma = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-            self._spec[request_id] = _SpecState(max(0, gamma))
+            gamma = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
+            self._spec[request_id] = _SpecState(gamma, cap=gamma)
 
     def abort(self, request_id: str) -> bool:
         self._forget(request_id)
@@ -97,7 +104,12 @@ class SpecEngine(Engine):
             st = self._spec.get(seq.request_id)
             if st is None or st.gamma <= 0 or seq.num_uncomputed != 1:
                 continue
-            k = min(st.gamma, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq) - 1)
+            if st.cap == 0:
+                if st.pause > 0:
+                    st.pause -= 1
+                    continue
+                st.cap = 1
+            k = min(st.cap, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq) - 1)
             if k <= 0:
                 continue
             p = seq.params
@@ -167,7 +179,7 @@ class SpecEngine(Engine):
             st = self._spec.get(seq.request_id)
             if prop is None or st is None or not prop.token_ids or seq.num_uncomputed != 1:
                 continue
-            k = min(len(prop.token_ids), st.gamma, seq.params.max_tokens - seq.num_generated - 1,
+            k = min(len(prop.token_ids), max(st.cap, 1), seq.params.max_tokens - seq.num_generated - 1,
                     self.max_model_len - len(seq) - 1)
             tokens = [t for t in prop.token_ids[:k] if 0 <= t < self.vocab_size]
             if len(tokens) < k:  # a draft with out-of-vocabulary ids is ignored, not trusted
@@ -266,6 +278,10 @@ class SpecEngine(Engine):
         st.usage = SpecUsage(st.usage.num_drafts + 1, st.usage.num_draft_tokens + k,
                              st.usage.num_accepted_tokens + accepted)
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted)
+        if self.adaptive:
+            st.cap = min(st.gamma, st.cap + 2) if accepted == k else max(0, st.cap - 1)
+            if st.cap == 0:
+                st.pause = self.pause_steps
         logprobs = top = None
         if seq.params.logprobs is not None:
             chosen, top_ids, top_vals = logprobs_of(logits[: len(kept)], torch.tensor(kept, device=logits.device),

@@ -51,6 +51,7 @@ class TargetConfig:
     load_interval: float = 0.5
     num_speculative_tokens: int = 4
     propose_timeout: float = 2.0
+    adaptive_speculation: bool = True
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -90,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="γ: draft tokens verified per step when a draft worker is available (0 disables)")
+    parser.add_argument("--no-adaptive-speculation", action="store_true",
+                        help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
                         help="seconds to wait for a draft worker's proposals before decoding plainly")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
@@ -102,7 +105,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
     return TargetConfig(str(model), name, args.block_size, args.num_blocks, args.max_num_seqs,
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
-                        args.num_speculative_tokens, args.propose_timeout)
+                        args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -136,7 +139,8 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching)
-    return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens)
+    return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
+                      adaptive=cfg.adaptive_speculation)
 
 
 async def amain(args: argparse.Namespace) -> None:

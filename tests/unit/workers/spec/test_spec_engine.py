@@ -115,3 +115,25 @@ def test_stop_tokens_max_tokens_and_usage_with_speculation(models):
         assert got == want[rid][:cut] and last.finish_reason == "stop"
         assert last.usage.completion_tokens == cut and last.usage.spec.num_drafts >= 1
         assert last.usage.spec.num_accepted_tokens <= last.usage.spec.num_draft_tokens
+
+
+def test_adaptive_gamma_backs_off_a_missing_draft_and_keeps_a_good_one(models):
+    from workers.spec.oracle import OracleProposer
+
+    target_dir, _ = models
+    batch = prompts(4, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    refs = [batch[rid] + want[rid] for rid in batch]
+    for error_rate, adaptive in ((1.0, True), (1.0, False), (0.0, True)):
+        engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4, adaptive=adaptive)
+        got = run_spec(engine, OracleProposer(refs, error_rate, VOCAB, seed=3), batch, params)
+        assert got == want
+        c = engine.counters[""]
+        if error_rate == 0.0:
+            assert c.acceptance_rate == 1.0 and c.num_draft_tokens / c.num_drafts > 3.5  # γ stays near 4
+        elif adaptive:
+            # Wrong drafts: γ falls to 0 and is only probed now and then (fixed γ: ~4 per token).
+            assert c.num_draft_tokens < 0.1 * 4 * 40 * len(batch)
+        else:
+            assert c.num_draft_tokens / c.num_drafts == pytest.approx(4, abs=0.5)
