@@ -2,14 +2,16 @@
 assisted generation on the same prompts, greedy, batch 1, in one run.
 
 Usage: .venv/bin/python bench/spec_bench.py [--prompts 6] [--max-tokens 48] [--gamma 4] [--draft-layers 6]
-       [--sweep 0,0.1,0.3,0.5,0.7] [--out docs/spec_sweep.svg]
+       [--sweep 0,0.1,0.3,0.5,0.7] [--costed-sweep 0,0.1,0.3] [--cost 0.25] [--out docs/spec_sweep.svg]
 
 Target: SmolLM2-135M-Instruct (the bundled demo). Draft: the same model truncated to its first
 ``--draft-layers`` layers (same tokenizer and LM head), built once into the cache; transformers'
 ``generate(assistant_model=...)`` uses the very same pair. Our target and draft run as separate
 processes over real etcd, NATS and gRPC. A sweep with the oracle draft (the target's own greedy
 continuation with a set error rate, c ≈ 0) traces achieved speedup against acceptance α, next to the
-ideal (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+ideal (1 − α^(γ+1)) / ((1 − α)(γc + 1)). The same oracle with an emulated draft cost (``--cost`` of a
+plain decode step per drafted token, spent as a sleep as if the draft ran on its own device) shows
+what drafting ahead (overlap) buys against the no-overlap ideal.
 """
 
 from __future__ import annotations
@@ -128,10 +130,18 @@ def transformers_baseline(target: Path, draft: Path, prompts, max_tokens: int, g
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-    assistant.generation_config.num_assistant_tokens = gamma
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
     result = {}
-    for name, extra in (("plain", {}), ("assisted", {"assistant_model": assistant})):
+    # "assisted": γ fixed and no early stop, as our fixed-γ rows; "default": transformers' defaults (up to
+    # 20 tokens, drafting stops early when the draft's confidence < 0.4), to set against our adaptive default.
+    settings = {"assisted": (gamma, 0.0), "default": (20, 0.4)}
+    for name in ("plain", "assisted", "default"):
+        extra = {}
+        if name in settings:
+            tokens, threshold = settings[name]
+            assistant.generation_config.num_assistant_tokens = tokens
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = threshold
+            extra = {"assistant_model": assistant}
         elapsed, total = 0.0, 0
         with torch.inference_mode():
             model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, **extra)  # warm-up
@@ -225,6 +235,20 @@ async def amain(args) -> None:
                 assert r["outputs"] == plain["outputs"]
                 sweep.append((err, r))
                 print(f"oracle error {err}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
+            # The oracle again, now with an emulated draft cost c per token: drafting ahead vs not.
+            ms_per_token = 1000 / plain["tokens_per_s"]
+            costed = []
+            for err in args.costed_sweep:
+                for overlap in (False, True):
+                    flags = [] if overlap else ["--no-overlap"]
+                    r = await with_draft(rt, env, ["--method", "oracle", "--oracle-file", str(refs),
+                                                   "--oracle-error-rate", str(err), "--oracle-token-cost-ms",
+                                                   f"{args.cost * ms_per_token:.2f}", *flags],
+                                         prompts, args.max_tokens, gamma)
+                    assert r["outputs"] == plain["outputs"]
+                    costed.append((err, overlap, r))
+                    print(f"oracle error {err}, c={args.cost}, overlap={overlap}: {r['tokens_per_s']:.1f} tok/s, "
+                          f"α={r['alpha']:.2f}", flush=True)
             target_proc.stop()
             targets = await rt.client("target", "generate")
             await targets.snapshot.wait_for(lambda items: not items, 30)
@@ -251,10 +275,14 @@ async def amain(args) -> None:
         extra = f"{r['alpha']:.2f} | {r['mean_len']:.2f} | {ideal:.2f} | {s / ideal:.2f}" if ideal else "– | – | – | –"
         print(f"| {label} | {r['tokens_per_s']:.1f} | {s:.2f}× | {extra} |")
     print(f"| transformers `generate` (plain) | {hf['plain']:.1f} | {hf['plain'] / p:.2f}× | – | – | – | – |")
-    print(f"| transformers assisted generation (same draft, γ={gamma}) | {hf['assisted']:.1f} | "
+    print(f"| transformers assisted generation (same draft, γ={gamma} fixed) | {hf['assisted']:.1f} | "
           f"{hf['assisted'] / p:.2f}× | – | – | – | – |")
-    best = max(r["tokens_per_s"] for label, r, _ in rows if label.startswith("draft model"))
-    print(f"\nours (best draft-model setup) / transformers assisted = {best / hf['assisted']:.2f}×")
+    print(f"| transformers assisted generation (same draft, its defaults: ≤ 20 tokens, confidence ≥ 0.4) | "
+          f"{hf['default']:.1f} | {hf['default'] / p:.2f}× | – | – | – | – |")
+    fixed = max(r["tokens_per_s"] for label, r, ideal in rows if label.startswith("draft model") and ideal)
+    adaptive = next(r["tokens_per_s"] for label, r, _ in rows if label.startswith("draft model, adaptive"))
+    print(f"\nsame draft, fixed γ={gamma}: ours / transformers assisted = {fixed / hf['assisted']:.2f}×; "
+          f"defaults (our adaptive γ / its defaults) = {adaptive / hf['default']:.2f}×")
     print("\n| oracle error rate | α | mean accepted length | achieved speedup | ideal (c=0) | achieved / ideal |")
     print("|---|---|---|---|---|---|")
     points = []
@@ -263,6 +291,15 @@ async def amain(args) -> None:
         ideal = ideal_speedup(r["alpha"], gamma, 0.0)
         points.append((r["alpha"], s))
         print(f"| {err} | {r['alpha']:.2f} | {r['mean_len']:.2f} | {s:.2f}× | {ideal:.2f}× | {s / ideal:.2f} |")
+    print(f"\n| oracle error rate, draft cost c = {args.cost} per token | α | mean accepted length | "
+          "achieved, no overlap | achieved, overlap | ideal without overlap | overlap / ideal |")
+    print("|---|---|---|---|---|---|---|")
+    for err in args.costed_sweep:
+        [(_, _, off)] = [x for x in costed if x[0] == err and not x[1]]
+        [(_, _, on)] = [x for x in costed if x[0] == err and x[1]]
+        ideal = ideal_speedup(off["alpha"], gamma, args.cost)
+        print(f"| {err} | {off['alpha']:.2f} | {off['mean_len']:.2f} | {off['tokens_per_s'] / p:.2f}× | "
+              f"{on['tokens_per_s'] / p:.2f}× | {ideal:.2f}× | {on['tokens_per_s'] / p / ideal:.2f} |")
     if args.out:
         write_svg(Path(args.out), points, gamma, 0.0)
         print(f"\nplot: {args.out}")
@@ -275,6 +312,10 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=6)
     parser.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.0, 0.1, 0.3, 0.5, 0.7])
+    parser.add_argument("--costed-sweep", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.0, 0.1, 0.3],
+                        help="oracle error rates to run with an emulated draft cost, with and without overlap")
+    parser.add_argument("--cost", type=float, default=0.25,
+                        help="emulated draft cost per token for --costed-sweep, as a fraction of a plain decode step")
     parser.add_argument("--out", default="docs/spec_sweep.svg")
     args = parser.parse_args()
     asyncio.run(amain(args))

@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="benchmarks only (method oracle): JSON list of reference token sequences")
     parser.add_argument("--oracle-error-rate", type=float, default=0.0, help="method oracle: wrong-token probability")
     parser.add_argument("--oracle-vocab-size", type=int, default=49152, help="method oracle: vocabulary for wrong tokens")
+    parser.add_argument("--oracle-token-cost-ms", type=float, default=0.0,
+                        help="method oracle: emulated cost of drafting one token (a sleep, as on a separate device)")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
@@ -72,7 +74,8 @@ def make_proposer(args: argparse.Namespace):
 
         if not args.oracle_file:
             raise SystemExit("--method oracle needs --oracle-file")
-        return OracleProposer.from_file(args.oracle_file, args.oracle_error_rate, args.oracle_vocab_size)
+        return OracleProposer.from_file(args.oracle_file, args.oracle_error_rate, args.oracle_vocab_size,
+                                        token_cost_s=args.oracle_token_cost_ms / 1000)
     if args.method == "eagle":
         if not args.eagle_model or not args.target_model:
             raise SystemExit("--method eagle needs --eagle-model PATH and --target-model PATH")

@@ -16,7 +16,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention_torch, write_kv
 from .config import ModelConfig
-from .layers import MLP, RMSNorm, RotaryEmbedding
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -37,8 +37,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -92,7 +92,7 @@ class DecoderModel(nn.Module):
         self.max_positions = max_positions
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.model = _Backbone(cfg, self.rotary, attention_fn)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..engine.attention import AttentionMetadata
 from ..engine.config import ModelConfig
-from ..engine.layers import MLP, RMSNorm, RotaryEmbedding
+from ..engine.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 from ..engine.model import Attention, DecoderLayer
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -61,7 +61,7 @@ class Eagle1Head(EagleHead):
     def __init__(self, cfg: ModelConfig, embed: nn.Embedding, lm_head: nn.Linear, max_positions: int, fc_bias: bool):
         super().__init__(cfg, embed, max_positions)
         self.lm_head = [lm_head]
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.layers[0].input_layernorm = nn.Identity()
         self.num_kv_layers = cfg.num_layers
@@ -84,7 +84,7 @@ class _WideAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__(cfg, rotary)
-        self.qkv_proj = nn.Linear(2 * cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(2 * cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
 
 
 class _MidLayer(nn.Module):
@@ -111,10 +111,10 @@ class Eagle3Head(EagleHead):
     def __init__(self, cfg: ModelConfig, embed: nn.Embedding, max_positions: int, target_hidden_size: int,
                  draft_vocab_size: int, target_vocab_size: int, norm_before_residual: bool):
         super().__init__(cfg, embed, max_positions)
-        self.fc = nn.Linear(3 * target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(3 * target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = _MidLayer(cfg, self.rotary, norm_before_residual)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.target_vocab_size = target_vocab_size
 
@@ -230,7 +230,7 @@ def load_target_parts(path: str | Path) -> tuple[nn.Embedding, nn.Linear, ModelC
         raise ValueError(f"{path} has no model.embed_tokens.weight")
     embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     embed.weight.data.copy_(tensors["model.embed_tokens.weight"])
-    lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     lm_head.weight = embed.weight if cfg.tie_word_embeddings or "lm_head.weight" not in tensors else \
         nn.Parameter(tensors["lm_head.weight"])
     return embed, lm_head, cfg

@@ -2,8 +2,15 @@
 
 Given reference sequences (prompt + the target's greedy output), it proposes the next tokens of the
 reference that the sequence's committed tokens are a prefix of, replacing each proposed token by a
-random one with probability ``error_rate``. Drafting costs nothing, so sweeping ``error_rate``
-traces achieved speedup against acceptance with the draft cost ratio c ≈ 0. Not for serving.
+random one with probability ``error_rate``. Sweeping ``error_rate`` traces achieved speedup against
+acceptance α.
+
+Drafting costs nothing unless ``token_cost_s`` is set: then every drafted token costs that long
+(a sleep, as if the draft ran on its own accelerator — a real draft model on this machine would
+take the target's CPU cores instead), and a batch of sequences costs as much as its longest
+proposal, as a batched draft forward does. Like the draft model, it can draft ahead
+(:meth:`predraft`) while the target verifies; a tail drafted ahead is kept while the target's
+emitted tokens agree with it and paid for only once. Not for serving.
 """
 
 from __future__ import annotations
@@ -20,19 +27,26 @@ class OracleProposer:
     method = "oracle"
     hidden_layers: list[int] = []
 
-    def __init__(self, references: list[list[int]], error_rate: float, vocab_size: int, seed: int = 0):
+    def __init__(self, references: list[list[int]], error_rate: float, vocab_size: int, seed: int = 0,
+                 token_cost_s: float = 0.0):
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+        if token_cost_s < 0:
+            raise ValueError(f"token_cost_s must be >= 0, got {token_cost_s}")
         self.references = [list(r) for r in references]
         self.error_rate = error_rate
         self.vocab_size = vocab_size
+        self.token_cost_s = token_cost_s
         self._rng = random.Random(seed)
-        self._seqs: dict[str, list[int]] = {}
+        self._seqs: dict[str, list[int]] = {}  # committed tokens
+        self._tails: dict[str, list[int]] = {}  # drafted past the committed tokens, already paid for
+        self.drafted_tokens = 0  # tokens paid for (incl. drafted ahead)
 
     @classmethod
-    def from_file(cls, path: str | Path, error_rate: float, vocab_size: int, seed: int = 0) -> OracleProposer:
+    def from_file(cls, path: str | Path, error_rate: float, vocab_size: int, seed: int = 0,
+                  token_cost_s: float = 0.0) -> OracleProposer:
         """``path``: a JSON list of token lists."""
-        return cls(json.loads(Path(path).read_text()), error_rate, vocab_size, seed)
+        return cls(json.loads(Path(path).read_text()), error_rate, vocab_size, seed, token_cost_s)
 
     def _continuation(self, tokens: list[int], n: int) -> list[int]:
         for ref in self.references:
@@ -40,25 +54,49 @@ class OracleProposer:
                 return ref[len(tokens) : len(tokens) + n]
         return []
 
+    def _commit(self, seq_id: str, emitted: list[int]) -> None:
+        tail = self._tails.get(seq_id, [])
+        self._tails[seq_id] = tail[len(emitted) :] if tail[: len(emitted)] == emitted else []
+        self._seqs[seq_id].extend(emitted)
+
+    def _extend(self, wanted: dict[str, int]) -> None:
+        """Grow each sequence's tail to the wanted length; pay for the longest growth once."""
+        longest = 0
+        for seq_id, n in wanted.items():
+            tail = self._tails.setdefault(seq_id, [])
+            if len(tail) >= n:
+                continue
+            truth = self._continuation(self._seqs[seq_id], n)[len(tail) :]
+            tail.extend(t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
+                        for t in truth)
+            longest = max(longest, len(truth))
+            self.drafted_tokens += len(truth)
+        if self.token_cost_s and longest:
+            time.sleep(self.token_cost_s * longest)
+
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        out = []
+        start = time.perf_counter()
         for item in batch:
-            start = time.perf_counter()
-            tokens = self._seqs.setdefault(item.seq_id, [])
-            tokens.extend(item.new_tokens)
-            proposal = [t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
-                        for t in self._continuation(tokens, item.num_tokens)]
-            out.append(DraftOutput(item.seq_id, item.round, proposal, [], time.perf_counter() - start))
-        return out
+            self._seqs.setdefault(item.seq_id, [])
+            self._commit(item.seq_id, list(item.new_tokens))
+        self._extend({item.seq_id: item.num_tokens for item in batch})
+        elapsed = time.perf_counter() - start
+        return [DraftOutput(item.seq_id, item.round, self._tails[item.seq_id][: item.num_tokens], [], elapsed)
+                for item in batch]
+
+    def predraft(self, seq_ids: list[str], num_tokens: int) -> None:
+        """Draft ahead: extend the tails of ``seq_ids`` to ``num_tokens`` tokens."""
+        self._extend({s: num_tokens for s in seq_ids if s in self._seqs})
 
     def verified(self, results: list[VerifyResult]) -> None:
         for result in results:
             if result.seq_id in self._seqs:
-                self._seqs[result.seq_id].extend(result.emitted_tokens)
+                self._commit(result.seq_id, list(result.emitted_tokens))
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
+            self._tails.pop(seq_id, None)
 
     def __len__(self) -> int:
         return len(self._seqs)
