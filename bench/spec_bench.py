@@ -53,6 +53,23 @@ def ideal_speedup(alpha: float, gamma: int, c: float) -> float:
     return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
 
 
+def fit_alpha(mean_len: float, gamma: int) -> float:
+    """The per-token acceptance α of the i.i.d. model behind the ideal formula, from the measured mean
+    number of tokens a round yields: solves (1 − α^(γ+1)) / (1 − α) = mean_len by bisection.
+
+    (Accepted / drafted tokens is not that α: drafts after the first rejection count as drafted but
+    never had a chance, so it understates α and, put into the formula, understates the ideal.)
+    """
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(gamma + 1)) < mean_len:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def build_draft(target: Path, layers: int) -> Path:
     """The target truncated to its first ``layers`` layers, as a model directory (cached)."""
     from safetensors.torch import load_file, save_file
@@ -107,8 +124,9 @@ async def run_requests(rt: Runtime, prompts: list[list[int]], max_tokens: int, g
             draft_tokens += spec.num_draft_tokens
             accepted += spec.num_accepted_tokens
     total = sum(len(o) for o in outputs)
-    return {"tokens_per_s": total / elapsed, "outputs": outputs, "alpha": accepted / draft_tokens if draft_tokens else 0.0,
-            "mean_len": 1 + accepted / drafts if drafts else 1.0, "drafts": drafts}
+    mean_len = 1 + accepted / drafts if drafts else 1.0
+    return {"tokens_per_s": total / elapsed, "outputs": outputs, "rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_len": mean_len, "alpha": fit_alpha(mean_len, gamma) if gamma else 0.0, "drafts": drafts}
 
 
 async def with_draft(rt: Runtime, env: dict, draft_args: list[str], prompts, max_tokens, gamma) -> dict:
@@ -225,7 +243,8 @@ async def amain(args) -> None:
                 r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
                 assert r["outputs"] == plain["outputs"], "speculative output differs from plain decoding"
                 rows.append((label, r, ideal_speedup(r["alpha"], gamma, cost)))
-                print(f"{label}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
+                print(f"{label}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}, accepted/drafted={r['rate']:.2f}",
+                      flush=True)
             refs = Path(tempfile.mkdtemp()) / "refs.json"
             refs.write_text(json.dumps([p + o for p, o in zip(prompts, plain["outputs"])]))
             sweep = []
@@ -268,30 +287,39 @@ async def amain(args) -> None:
     p = plain["tokens_per_s"]
     print(f"\n## Speculative decoding: SmolLM2-135M target, γ={gamma}, {len(prompts)} prompts × {args.max_tokens} "
           f"tokens, greedy, batch 1; c = {c:.3f}\n")
-    print("| setup | tokens/s | speedup vs our plain | α | mean accepted length | ideal speedup | achieved / ideal |")
-    print("|---|---|---|---|---|---|---|")
+    print("| setup | tokens/s | speedup vs our plain | accepted / drafted | α (fit) | tokens per round | ideal speedup "
+          "| achieved / ideal |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, r, ideal in rows:
         s = r["tokens_per_s"] / p
-        extra = f"{r['alpha']:.2f} | {r['mean_len']:.2f} | {ideal:.2f} | {s / ideal:.2f}" if ideal else "– | – | – | –"
+        if ideal:
+            extra = f"{r['rate']:.2f} | {r['alpha']:.2f} | {r['mean_len']:.2f} | {ideal:.2f} | {s / ideal:.2f}"
+        elif r.get("drafts"):
+            extra = f"{r['rate']:.2f} | – | {r['mean_len']:.2f} | – | –"
+        else:
+            extra = "– | – | – | – | –"
         print(f"| {label} | {r['tokens_per_s']:.1f} | {s:.2f}× | {extra} |")
-    print(f"| transformers `generate` (plain) | {hf['plain']:.1f} | {hf['plain'] / p:.2f}× | – | – | – | – |")
+    dash = "| – " * 5 + "|"
+    print(f"| transformers `generate` (plain) | {hf['plain']:.1f} | {hf['plain'] / p:.2f}× {dash}")
     print(f"| transformers assisted generation (same draft, γ={gamma} fixed) | {hf['assisted']:.1f} | "
-          f"{hf['assisted'] / p:.2f}× | – | – | – | – |")
+          f"{hf['assisted'] / p:.2f}× {dash}")
     print(f"| transformers assisted generation (same draft, its defaults: ≤ 20 tokens, confidence ≥ 0.4) | "
-          f"{hf['default']:.1f} | {hf['default'] / p:.2f}× | – | – | – | – |")
+          f"{hf['default']:.1f} | {hf['default'] / p:.2f}× {dash}")
     fixed = max(r["tokens_per_s"] for label, r, ideal in rows if label.startswith("draft model") and ideal)
     adaptive = next(r["tokens_per_s"] for label, r, _ in rows if label.startswith("draft model, adaptive"))
     print(f"\nsame draft, fixed γ={gamma}: ours / transformers assisted = {fixed / hf['assisted']:.2f}×; "
           f"defaults (our adaptive γ / its defaults) = {adaptive / hf['default']:.2f}×")
-    print("\n| oracle error rate | α | mean accepted length | achieved speedup | ideal (c=0) | achieved / ideal |")
-    print("|---|---|---|---|---|---|")
+    print("\n| oracle error rate | accepted / drafted | α (fit) | tokens per round | achieved speedup | ideal (c=0) "
+          "| achieved / ideal |")
+    print("|---|---|---|---|---|---|---|")
     points = []
     for err, r in sweep:
         s = r["tokens_per_s"] / p
         ideal = ideal_speedup(r["alpha"], gamma, 0.0)
         points.append((r["alpha"], s))
-        print(f"| {err} | {r['alpha']:.2f} | {r['mean_len']:.2f} | {s:.2f}× | {ideal:.2f}× | {s / ideal:.2f} |")
-    print(f"\n| oracle error rate, draft cost c = {args.cost} per token | α | mean accepted length | "
+        print(f"| {err} | {r['rate']:.2f} | {r['alpha']:.2f} | {r['mean_len']:.2f} | {s:.2f}× | {ideal:.2f}× | "
+              f"{s / ideal:.2f} |")
+    print(f"\n| oracle error rate, draft cost c = {args.cost} per token | α (fit) | tokens per round | "
           "achieved, no overlap | achieved, overlap | ideal without overlap | overlap / ideal |")
     print("|---|---|---|---|---|---|---|")
     for err in args.costed_sweep:
