@@ -5,6 +5,7 @@ Tensors are flat over tokens: ``[T, ...]``.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -14,11 +15,15 @@ from torch import nn
 
 from .config import RopeConfig
 
+log = logging.getLogger(__name__)
+
 
 def _onednn_usable() -> bool:
     if os.environ.get("TANDEM_CPU_LINEAR", "onednn") != "onednn":
         return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+            and hasattr(ops, "_reorder_linear_weight"))
 
 
 _ONEDNN = _onednn_usable()
@@ -41,10 +46,15 @@ class Linear(nn.Linear):
     _packed: tuple[torch.Tensor, int, int] | None = None  # (packed weight, data_ptr, version) of the source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global _ONEDNN
         w = self.weight
         if (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
                 and w.numel() >= _ONEDNN_MIN_WEIGHT and not torch.is_grad_enabled()):
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(w), self.bias, "none", [], "")
+            try:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(w), self.bias, "none", [], "")
+            except RuntimeError as exc:  # a CPU or build oneDNN cannot serve: the default path from now on
+                _ONEDNN = False
+                log.warning("oneDNN linear unavailable (%s); using torch's default CPU matmul", exc)
         return F.linear(x, w, self.bias)
 
     def _packed_weight(self, w: torch.Tensor) -> torch.Tensor:

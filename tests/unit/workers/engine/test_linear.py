@@ -1,0 +1,67 @@
+"""The engine's Linear: oneDNN over packed weights on CPU float32 inference, F.linear otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine import layers
+from workers.engine.layers import Linear
+
+pytestmark = pytest.mark.unit
+
+needs_onednn = pytest.mark.skipif(not layers._ONEDNN, reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 16, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear_for_any_row_count(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(576, 1024, bias=bias)  # 589,824 weights: above the oneDNN threshold
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        got = layer(x)
+    assert layer._packed is not None or rows == 0
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_repacks_when_the_weight_changes_and_serves_autograd_unpacked():
+    layer = Linear(512, 1024)
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        first = layer(x)
+        packed = layer._packed[0]
+        layer.weight.copy_(torch.randn(1024, 512))  # e.g. weights loaded after a first forward
+        second = layer(x)
+        assert layer._packed[0] is not packed
+        torch.testing.assert_close(second, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+        assert not torch.allclose(first, second)
+        layer.weight = torch.nn.Parameter(torch.randn(1024, 512))  # a new tensor (e.g. tied embeddings)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    out = layer(x)  # grad mode: the plain path, so gradients flow
+    out.sum().backward()
+    assert layer.weight.grad is not None
+
+
+def test_small_weights_and_other_dtypes_use_the_default_path():
+    small = Linear(64, 64)
+    with torch.inference_mode():
+        small(torch.randn(2, 64))
+    assert small._packed is None
+    wide = Linear(576, 1024).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = wide(torch.randn(2, 576, dtype=torch.bfloat16))
+    assert wide._packed is None and out.dtype == torch.bfloat16
+
+
+def test_tandem_cpu_linear_torch_turns_it_off():
+    code = "from workers.engine import layers; print(layers._ONEDNN)"
+    env_off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"TANDEM_CPU_LINEAR": "torch", "PATH": ""}).stdout.strip()
+    assert env_off == "False"
