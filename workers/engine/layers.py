@@ -74,6 +74,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -106,10 +108,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)  # [P, D/2]
 
+    # (positions, dtype, cos, sin) of the latest call: every layer of one forward passes the same
+    # positions tensor, so the tables are gathered once per forward, not once per layer
+    _last: tuple | None = None
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by position (queries and keys may come as one tensor)."""
+        cos, sin = self.tables(positions, x.dtype)
+        return _rotate(x, cos, sin)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, H, D]; k [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self.tables(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -50,13 +50,14 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        h, hkv = cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q, k, v = qkv.split([h, hkv, hkv], dim=1)
+            q, k = self.rotary[0](positions, self.q_norm(q), self.k_norm(k))
+        else:  # queries and keys sit side by side in the fused output: rotate them in one go
+            q, k = self.rotary[0].rotate(positions, qkv[:, : h + hkv]).split([h, hkv], dim=1)
+            v = qkv[:, h + hkv :]
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = self.attention_fn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, cfg.q_size))
@@ -102,6 +103,7 @@ class DecoderModel(nn.Module):
         device = self.lm_head.weight.device
         self.rotary.cos = fresh.cos.to(device)
         self.rotary.sin = fresh.sin.to(device)
+        self.rotary._last = None
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
