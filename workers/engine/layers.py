@@ -58,7 +58,8 @@ class Linear(nn.Linear):
         return F.linear(x, w, self.bias)
 
     def _packed_weight(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), w._version)
+        # An inference tensor (made under inference_mode) has no version counter: its storage is the key.
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
         if self._packed is None or self._packed[1:] != key:
             # the layout is tuned for 16 rows and serves any row count
             self._packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16), *key)

@@ -65,3 +65,12 @@ def test_tandem_cpu_linear_torch_turns_it_off():
     env_off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={"TANDEM_CPU_LINEAR": "torch", "PATH": ""}).stdout.strip()
     assert env_off == "False"
+
+
+@needs_onednn
+def test_a_layer_built_under_inference_mode_packs_too():
+    with torch.inference_mode():  # its parameters are inference tensors, without a version counter
+        layer = Linear(576, 1024)
+        x = torch.randn(4, 576)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    assert layer._packed is not None and layers._ONEDNN
