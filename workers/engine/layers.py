@@ -36,8 +36,8 @@ class Linear(nn.Linear):
     Decoding multiplies a handful of rows (1 per sequence, γ+1 when verifying) by large weights.
     For those shapes torch's default CPU path (MKL sgemm) is slow and, worse, doubles in cost
     from one row to two — exactly the decode → verify step. oneDNN's inner product over weights
-    packed once into its blocked layout makes a 5-row verify cost about what a 1-row decode does
-    and a 16-row batch ~1.3–1.8× less than the default path (docs/benchmarks.md). The packed copy
+    packed once into its blocked layout makes a 5-row verify cost about what a 1-row decode does,
+    and every decode step cheaper (``bench/linear_bench.py``, docs/benchmarks.md). The packed copy
     is made on first use and remade if the weight changes; it costs one more copy of the weights
     in memory. Results equal ``F.linear`` up to float rounding. ``TANDEM_CPU_LINEAR=torch`` turns
     it off (for comparisons); small weights, other devices and dtypes, and autograd use ``F.linear``.
