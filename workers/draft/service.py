@@ -30,6 +30,13 @@ class _Stream:
     out: asyncio.Queue  # DraftMessage or None (end)
 
 
+# Drafting ahead pays only when a whole proposal is accepted. Each sequence keeps a moving average
+# of how often that happened (weight AHEAD_WEIGHT for the newest round, starting at 1); below
+# AHEAD_MIN the service stops drafting ahead for it until full acceptances bring the average back.
+AHEAD_WEIGHT = 0.3
+AHEAD_MIN = 0.15
+
+
 class DraftService(spec_pb2_grpc.DraftServiceServicer):
     """Serves :class:`Proposer` proposals to any number of target workers."""
 
@@ -38,6 +45,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
         self.overlap = overlap and hasattr(proposer, "predraft")
         self._ahead: dict[str, int] = {}  # seq id -> γ of its last proposal, to draft ahead for
+        self._proposed: dict[str, int] = {}  # seq id -> tokens in its last proposal
+        self._full_rate: dict[str, float] = {}  # seq id -> moving average of whole proposals accepted
         self.draft_id = draft_id
         self.max_speculative_tokens = max_speculative_tokens
         self._work: asyncio.Queue = asyncio.Queue()  # (kind, stream, payload)
@@ -83,10 +92,13 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 batch = []
             if kind == "verify":
                 self.proposer.verified(payload)
+                self._note_verdicts(payload)
             else:
                 self.proposer.release(payload)
                 for seq_id in payload:
                     self._ahead.pop(seq_id, None)
+                    self._proposed.pop(seq_id, None)
+                    self._full_rate.pop(seq_id, None)
         if batch:
             await self._propose(batch)
 
@@ -100,11 +112,21 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             await asyncio.to_thread(self.proposer.predraft, seq_ids, length)
         self.drafted_ahead += 1
 
+    def _note_verdicts(self, results) -> None:
+        for result in results:
+            proposed = self._proposed.get(result.seq_id, 0)
+            if proposed:
+                full = float(result.num_accepted >= proposed)
+                rate = self._full_rate.get(result.seq_id, 1.0)
+                self._full_rate[result.seq_id] = (1 - AHEAD_WEIGHT) * rate + AHEAD_WEIGHT * full
+
     async def _propose(self, batch: list[tuple[_Stream, DraftInput]]) -> None:
         inputs = [d for _, d in batch]
         if self.overlap:
-            self._ahead.update((d.seq_id, d.num_tokens) for d in inputs if d.num_tokens > 0)
+            self._ahead.update((d.seq_id, d.num_tokens) for d in inputs
+                               if d.num_tokens > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         outputs = await asyncio.to_thread(self.proposer.propose, inputs)
+        self._proposed.update((out.seq_id, len(out.token_ids)) for out in outputs)
         self.batches += 1
         self.proposals += len(outputs)
         per_stream: dict[int, list] = {}
