@@ -38,32 +38,57 @@ class Linear(nn.Linear):
     from one row to two — exactly the decode → verify step. oneDNN's inner product over weights
     packed once into its blocked layout makes a 5-row verify cost about what a 1-row decode does,
     and every decode step cheaper (``bench/linear_bench.py``, docs/benchmarks.md). The packed copy
-    is made on first use and remade if the weight changes; it costs one more copy of the weights
-    in memory. Results equal ``F.linear`` up to float rounding. ``TANDEM_CPU_LINEAR=torch`` turns
-    it off (for comparisons); small weights, other devices and dtypes, and autograd use ``F.linear``.
+    is made on first use and remade if the weight changes. A server calls :meth:`release_dense`
+    to keep the packed copy only (the dense weight is rebuilt from it if ever needed), so the
+    weights are not held twice. Results equal ``F.linear`` up to float rounding.
+    ``TANDEM_CPU_LINEAR=torch`` turns it off (for comparisons); small weights, other devices and
+    dtypes, and autograd use ``F.linear``.
     """
 
     _packed: tuple[torch.Tensor, int, int] | None = None  # (packed weight, data_ptr, version) of the source
+    _released = False  # the dense weight was freed: ``_packed`` is the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _ONEDNN
-        w = self.weight
-        if (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-                and w.numel() >= _ONEDNN_MIN_WEIGHT and not torch.is_grad_enabled()):
+        if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and self._packable():
             try:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(w), self.bias, "none", [], "")
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
             except RuntimeError as exc:  # a CPU or build oneDNN cannot serve: the default path from now on
                 _ONEDNN = False
                 log.warning("oneDNN linear unavailable (%s); using torch's default CPU matmul", exc)
-        return F.linear(x, w, self.bias)
+        return F.linear(x, self._packed[0].to_dense() if self._released else self.weight, self.bias)
 
-    def _packed_weight(self, w: torch.Tensor) -> torch.Tensor:
+    def _packable(self) -> bool:
+        w = self.weight
+        return self._released or (w.device.type == "cpu" and w.dtype == torch.float32
+                                  and w.numel() >= _ONEDNN_MIN_WEIGHT and not torch.is_grad_enabled())
+
+    def _packed_weight(self) -> torch.Tensor:
+        if self._released:
+            return self._packed[0]
+        w = self.weight
         # An inference tensor (made under inference_mode) has no version counter: its storage is the key.
         key = (w.data_ptr(), -1 if w.is_inference() else w._version)
         if self._packed is None or self._packed[1:] != key:
             # the layout is tuned for 16 rows and serves any row count
             self._packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16), *key)
         return self._packed[0]
+
+    @torch.no_grad()
+    def release_dense(self) -> bool:
+        """Keep only the packed weight and free the dense one; False where the packed path does not apply.
+
+        Do not call it on a weight shared with another module (tied embeddings). The parameter stays,
+        empty, so the module keeps its device and dtype; the layer is then for inference only.
+        """
+        if self._released:
+            return True
+        if not (_ONEDNN and self._packable()):
+            return False
+        self._packed_weight()
+        self.weight.data = self.weight.data.new_empty(0)
+        self._released = True
+        return True
 
 
 class RMSNorm(nn.Module):

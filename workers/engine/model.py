@@ -97,6 +97,13 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def release_dense_weights(self) -> int:
+        """For serving on CPU: keep only the packed copies of the linear weights (``Linear.release_dense``),
+        except an LM head tied to the embedding. Load weights before; returns how many were released."""
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        return sum(m.release_dense() for m in self.modules()
+                   if isinstance(m, Linear) and not (tied and m is self.lm_head))
+
     def reset_buffers(self) -> None:
         """Recompute the rotary tables (needed after ``to_empty``)."""
         fresh = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, self.max_positions)

@@ -14,7 +14,11 @@ from .model import DecoderModel, ModelOutput
 
 
 class ModelRunner:
-    """Owns the model and its paged KV cache tensors."""
+    """Owns the model and its paged KV cache tensors.
+
+    On CPU it keeps only the packed (oneDNN) copies of the model's large linear weights, so that
+    they are not held twice; the model is then for inference only.
+    """
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int):
         self.model = model
@@ -22,6 +26,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cpu":
+            model.release_dense_weights()
         cfg = model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                            self.dtype, self.device)

@@ -74,3 +74,31 @@ def test_a_layer_built_under_inference_mode_packs_too():
         x = torch.randn(4, 576)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     assert layer._packed is not None and layers._ONEDNN
+
+
+@needs_onednn
+def test_released_layer_keeps_serving_from_the_packed_copy_alone():
+    layer = Linear(576, 1024)
+    x = torch.randn(3, 576)
+    want = F.linear(x, layer.weight, layer.bias).detach()
+    assert layer.release_dense() and layer.weight.numel() == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(x).detach(), want, rtol=1e-5, atol=1e-4)  # grad mode too
+    assert not Linear(64, 64).release_dense()  # too small to pack: keeps its dense weight
+
+
+@needs_onednn
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_cpu_model_runner_holds_the_linear_weights_once(tmp_path, tied):
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.weights import load_model
+
+    from .helpers import tiny_hf_model
+
+    tiny_hf_model("llama", tmp_path, tied=tied, vocab=4096)  # hidden 64: only the LM head is big enough
+    model = load_model(tmp_path)
+    ModelRunner(model, num_blocks=8, block_size=16)
+    assert model.lm_head._released != tied  # a tied head shares the embedding's weight: kept dense
+    assert model.model.embed_tokens.weight.numel() == 4096 * 64
+    assert not any(m._released for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
