@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Mapping
+
+from .messages import KvEvent, KvEventKind
 
 ROOT_HASH = 0  # parent of the first block
 
@@ -28,4 +31,25 @@ def block_hashes(tokens, block_size: int, parent: int = ROOT_HASH) -> list[int]:
         parent = int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "little") + data[start : start + step],
                                                 digest_size=8).digest(), "little") >> 1
         out.append(parent)
+    return out
+
+
+def stored_events(worker_id: str, block_size: int, parents: Mapping[int, int], first_event_id: int) -> list[KvEvent]:
+    """A cache's contents (block hash -> parent hash) as ``stored`` events, one block each, parents
+    before children, numbered from ``first_event_id`` (what a worker sends a late router as a dump)."""
+    out: list[KvEvent] = []
+    seen: set[int] = set()
+
+    def emit(h: int) -> None:
+        if h in seen or h not in parents:
+            return
+        parent = parents[h]
+        if parent != ROOT_HASH:
+            emit(parent)
+        seen.add(h)
+        out.append(KvEvent(worker_id, first_event_id + len(out), KvEventKind.STORED, [h],
+                           None if parent == ROOT_HASH else parent, block_size))
+
+    for h in list(parents):
+        emit(h)
     return out

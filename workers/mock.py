@@ -27,7 +27,7 @@ from pathlib import Path
 from runtime import InvalidRequest, Runtime
 from runtime.config import add_runtime_args, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
-from runtime.kv_hash import ROOT_HASH, block_hashes
+from runtime.kv_hash import ROOT_HASH, block_hashes, stored_events
 from runtime.messages import (
     GenerateRequest,
     KvDumpRequest,
@@ -123,21 +123,8 @@ class ToyPrefixCache:
 
     def dump(self) -> list[KvEvent]:
         """The whole cache as ``stored`` events, one block each (parents before children)."""
-        out, seen = [], set()
-
-        def emit(h: int) -> None:
-            if h in seen or h not in self._blocks:
-                return
-            parent = self._blocks[h]
-            if parent != ROOT_HASH:
-                emit(parent)
-            seen.add(h)
-            self._event_id += 1
-            out.append(KvEvent(self.worker_id, self._event_id, KvEventKind.STORED, [h],
-                               None if parent == ROOT_HASH else parent, self.block_size))
-
-        for h in list(self._blocks):
-            emit(h)
+        out = stored_events(self.worker_id, self.block_size, self._blocks, self._event_id + 1)
+        self._event_id += len(out)
         return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from runtime.kv_hash import ROOT_HASH
+from runtime.kv_hash import ROOT_HASH, stored_events
 from runtime.messages import KvEvent, KvEventKind
 
 
@@ -163,22 +163,9 @@ class BlockManager:
 
     def dump(self) -> list[KvEvent]:
         """The cached set as ``stored`` events, one block each, parents before children."""
-        out: list[KvEvent] = []
-        seen: set[int] = set()
-
-        def emit(h: int) -> None:
-            if h in seen or h not in self.hash_to_block:
-                return
-            parent = self.block_parent[self.hash_to_block[h]]
-            if parent != ROOT_HASH:
-                emit(parent)
-            seen.add(h)
-            self._event_id += 1
-            out.append(KvEvent(self.worker_id, self._event_id, KvEventKind.STORED, [h],
-                               None if parent == ROOT_HASH else parent, self.block_size))
-
-        for h in list(self.hash_to_block):
-            emit(h)
+        parents = {h: self.block_parent[b] for h, b in self.hash_to_block.items()}
+        out = stored_events(self.worker_id, self.block_size, parents, self._event_id + 1)
+        self._event_id += len(out)
         return out
 
     def drain_events(self) -> list[KvEvent]:
