@@ -7,6 +7,7 @@ without failing anything; a restarted draft worker is picked up again; spec stat
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -54,6 +55,18 @@ def start_draft(spawn, target_dir, name="draft"):
                  "--num-blocks", "512", "--lease-ttl", "3", name=name)
 
 
+async def until_speculating(client, inst, timeout: float = 60.0) -> None:
+    """Send short requests until one is served with speculation."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[2], SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True)), TokenDelta))
+        if out[-1].usage.spec is not None and out[-1].usage.spec.num_drafts > 0:
+            return
+        assert time.monotonic() < deadline, "no request was served with speculation"
+        await asyncio.sleep(0.5)
+
+
 async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(rt, spawn, target_dir):
     stats: list[SpecStatsEvent] = []
     await rt.subscribe(TOPIC_SPEC_STATS, SpecStatsEvent, stats.append)
@@ -94,6 +107,7 @@ async def test_killing_the_draft_mid_request_falls_back_and_restarting_resumes(r
     draft = start_draft(spawn, target_dir)
     drafts = await rt.client("draft", "speculate")
     await drafts.wait_for_instances(1, timeout=90)
+    await until_speculating(client, inst)  # the stream is up before the draft is killed
 
     stream = await client.call(inst.instance_id, GenerateRequest(PROMPTS[1], long), TokenDelta)
     first = await stream.__anext__()
@@ -106,12 +120,18 @@ async def test_killing_the_draft_mid_request_falls_back_and_restarting_resumes(r
 
     # A new draft worker appears: speculation resumes for new requests.
     start_draft(spawn, target_dir, name="draft-2")
-    deadline = time.monotonic() + 60
-    while True:
-        out = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[2], SamplingParams(
-            temperature=0, max_tokens=24, ignore_eos=True)), TokenDelta))
-        if out[-1].usage.spec is not None and out[-1].usage.spec.num_drafts > 0:
-            break
-        assert time.monotonic() < deadline, "speculation did not resume"
-        await asyncio.sleep(0.5)
+    await until_speculating(client, inst)
     assert spec_rounds_before < 600 / 5  # the killed draft did not serve the whole request
+
+
+def test_a_draft_worker_will_not_share_a_grpc_port(spawn):
+    # gRPC's default SO_REUSEPORT would let a second server bind a port another one listens on, and
+    # targets would then reach either process at random; the draft worker refuses with a clear error.
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        draft = spawn("workers.draft", "--method", "ngram", "--grpc-port", str(port), "--lease-ttl", "3", name="draft")
+        assert draft.wait(timeout=60) != 0
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in draft.logs()

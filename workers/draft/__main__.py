@@ -98,10 +98,17 @@ async def amain(args: argparse.Namespace) -> None:
     async with Runtime.connect(config) as rt:
         service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
         await service.start()
+        # gRPC sets SO_REUSEPORT by default: a second server could then bind a port already in use
+        # (asked-for or picked by port 0, grpc/grpc#10755) and targets would reach the wrong process.
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                          ("grpc.max_send_message_length", 64 << 20)])
+                                          ("grpc.max_send_message_length", 64 << 20),
+                                          ("grpc.so_reuseport", 0)])
         spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
-        port = server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
+        listen = f"{args.grpc_host}:{args.grpc_port}"
+        try:
+            port = server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise SystemExit(f"draft worker: cannot listen for gRPC on {listen} (address in use?)") from exc
         await server.start()
         address = f"{args.advertise_host or args.grpc_host}:{port}"
         await rt.register_model(ModelCard(name=args.model_name or "draft", role="draft", spec_method=args.method,
