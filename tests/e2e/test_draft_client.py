@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
 
+from runtime.messages import InstanceRecord
 from workers.spec.draft_client import DraftPool
 from workers.spec.proposer import DraftInput, VerifyResult
 
@@ -63,3 +65,55 @@ async def test_targets_spread_over_drafts_and_a_new_draft_takes_some_at_once(rt,
     finally:
         for p in pools:
             await p.close()
+
+
+def _record(instance_id: str, address: str) -> InstanceRecord:
+    return InstanceRecord(instance_id=instance_id, namespace="t", component="draft", endpoint="speculate",
+                          subject=f"t.draft.speculate.{instance_id}", role="draft", grpc_address=address)
+
+
+async def test_a_failing_draft_worker_is_retried_with_backoff(caplog):
+    with socket.socket() as s:  # a port nobody listens on: every connect is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = DraftPool("target-1", "m", 100, lambda: [_record("gone", f"127.0.0.1:{port}")])
+    start = time.monotonic()
+    while time.monotonic() - start < 5.0:
+        assert await pool.get() is None
+        await asyncio.sleep(0.1)
+    attempts = [r for r in caplog.records if "could not open a stream to draft worker gone" in r.getMessage()]
+    # tries at 0 s and ~2 s, the next not before ~6 s (2 s, doubling)
+    assert len(attempts) == 2, [r.getMessage() for r in attempts]
+    assert "trying again in 2 s" in attempts[0].getMessage() and "trying again in 4 s" in attempts[1].getMessage()
+    await pool.close()
+
+
+async def test_poll_never_waits_for_a_stream_to_open(rt, spawn):
+    # A draft worker that accepts connections and never answers: opening a stream to it takes the
+    # whole connect timeout. The target's step loop (poll) must not wait for that.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen()
+        records = [_record("hole", "127.0.0.1:%d" % hole.getsockname()[1])]
+        pool = DraftPool("target-1", "m", 100, lambda: records)
+        try:
+            for _ in range(20):
+                start = time.monotonic()
+                assert await pool.poll() is None
+                assert time.monotonic() - start < 0.5
+                await asyncio.sleep(0.05)
+
+            # A working draft worker appears: poll picks it up once the silent one has failed.
+            spawn("workers.draft", "--method", "ngram")
+            drafts = await rt.client("draft", "speculate")
+            [real] = await drafts.wait_for_instances(1, timeout=60)
+            records.append(real)
+            deadline = time.monotonic() + 30
+            while (client := await pool.poll()) is None:
+                assert time.monotonic() < deadline, "poll never returned the working draft worker"
+                await asyncio.sleep(0.1)
+            assert client.draft_id == real.instance_id
+            got = await client.propose([DraftInput("s", 0, [1, 2, 1], 1)], timeout=5)
+            assert got["s"].token_ids == [2]
+        finally:
+            await pool.close()

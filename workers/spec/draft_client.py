@@ -4,7 +4,8 @@
 by (sequence id, round). Any stream failure marks the client broken; every pending and later
 ``propose`` then returns no proposals at once, so the target keeps decoding plainly. A
 :class:`DraftPool` picks a live draft worker from discovery and opens a new client when the old one
-broke or a draft worker (re)appears.
+broke or a draft worker (re)appears; a draft worker that failed is retried after a backoff (2 s,
+doubling, at most 30 s), and the target's step loop never waits for a stream to open (``poll``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from .convert import draft_input_to_pb, draft_output_from_pb, verify_to_pb
 from .proposer import DraftInput, DraftOutput, VerifyResult
 
 log = logging.getLogger(__name__)
+
+RETRY_BASE_S = 2.0  # a draft worker that failed is skipped this long, doubling per failure in a row
+RETRY_MAX_S = 30.0
 
 
 class DraftClient:
@@ -138,7 +142,8 @@ class DraftPool:
         self._instances = instances
         self._hidden_layers = list(hidden_layers)
         self.client: DraftClient | None = None
-        self._failed: dict[str, float] = {}  # draft id -> when it last failed
+        self._failed: dict[str, tuple[float, int]] = {}  # draft id -> (when it last failed, failures in a row)
+        self._connecting: asyncio.Task | None = None  # a background get() started by poll()
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
         # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
@@ -152,8 +157,22 @@ class DraftPool:
 
     def _candidates(self) -> list[InstanceRecord]:
         now = asyncio.get_running_loop().time()
-        return [r for r in self._instances() if r.grpc_address and now - self._failed.get(r.instance_id, -1e9) > 2.0
+        live = self._instances()
+        registered = {r.instance_id for r in live}
+        for draft_id in [d for d in self._failed if d not in registered]:
+            del self._failed[draft_id]
+        return [r for r in live if r.grpc_address and now >= self._retry_at(r.instance_id)
                 and (not r.model or r.model == self._model)]
+
+    def _retry_at(self, draft_id: str) -> float:
+        when, failures = self._failed.get(draft_id, (0.0, 0))
+        return when + min(RETRY_BASE_S * 2 ** (failures - 1), RETRY_MAX_S) if failures else 0.0
+
+    def _mark_failed(self, draft_id: str) -> float:
+        """Record a failure; returns the seconds until the draft worker is tried again."""
+        now = asyncio.get_running_loop().time()
+        self._failed[draft_id] = (now, self._failed.get(draft_id, (0.0, 0))[1] + 1)
+        return self._retry_at(draft_id) - now
 
     async def prune(self) -> None:
         """Close the stream to a draft worker that deregistered (e.g. while this target is idle)."""
@@ -162,23 +181,27 @@ class DraftPool:
             await self.client.close()
             self.client = None
 
+    def _keeps(self, current: DraftClient, candidates: list[InstanceRecord]) -> bool:
+        """Whether ``current`` is healthy, registered and still the preferred draft worker."""
+        return (not current.broken and current.draft_id in {r.instance_id for r in self._instances()}
+                and (not candidates or self._preferred(candidates).instance_id == current.draft_id))
+
     async def get(self) -> DraftClient | None:
-        """A connected client to the preferred live draft worker; None without draft workers."""
+        """A connected client to the preferred live draft worker; None without draft workers.
+
+        Waits while a stream is opened; a healthy current stream is kept until the new one is up."""
         candidates = self._candidates()
-        if self.client is not None:
-            current = self.client
-            live = current.draft_id in {r.instance_id for r in self._instances()}
-            preferred = not candidates or self._preferred(candidates).instance_id == current.draft_id
-            if not current.broken and live and preferred:
+        current = self.client
+        if current is not None:
+            if self._keeps(current, candidates):
                 return current
+            live = current.draft_id in {r.instance_id for r in self._instances()}
             if current.broken or not live:
-                self._failed[current.draft_id] = asyncio.get_running_loop().time()
+                self._mark_failed(current.draft_id)
                 current._break("deregistered" if not live else "stream broken")
-            else:
-                log.info("moving from draft worker %s to a newly preferred one", current.draft_id)
-            await current.close()
-            self.client = None
-            candidates = self._candidates()
+                await current.close()
+                self.client = current = None
+                candidates = self._candidates()
         if not candidates:
             return None
         choice = self._preferred(candidates)
@@ -186,14 +209,39 @@ class DraftPool:
         try:
             await client.connect()
         except Exception as exc:
-            log.warning("could not open a stream to draft worker %s: %r", choice.instance_id, exc)
-            self._failed[choice.instance_id] = asyncio.get_running_loop().time()
+            wait = self._mark_failed(choice.instance_id)
+            log.warning("could not open a stream to draft worker %s (trying again in %.0f s): %r",
+                        choice.instance_id, wait, exc)
             await client.close()
-            return None
+            return current
+        self._failed.pop(choice.instance_id, None)
+        if current is not None:
+            log.info("moving from draft worker %s to the newly preferred %s", current.draft_id, choice.instance_id)
+            await current.close()
         self.client = client
         return client
 
+    async def poll(self) -> DraftClient | None:
+        """The client to use now, without waiting: for the target's step loop, which must not stall
+        while a stream is opened (an unreachable draft worker takes up to the connect timeout).
+
+        Returns the current healthy client (or None) and, when the choice needs revisiting, runs
+        :meth:`get` in the background; a later call picks up what it opened."""
+        current = self.client
+        if self._connecting is None or self._connecting.done():
+            candidates = self._candidates()
+            if current is not None and self._keeps(current, candidates):
+                return current
+            if current is None and not candidates:
+                return None
+            self._connecting = asyncio.create_task(self.get(), name="draft-connect")
+        return current if current is not None and not current.broken else None
+
     async def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+            self._connecting = None
         if self.client is not None:
             await self.client.close()
             self.client = None

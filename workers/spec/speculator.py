@@ -41,6 +41,7 @@ class Speculator:
         self._task: asyncio.Task | None = None
         self._draft_id = ""
         self._method = ""
+        self._client = None  # the stream this step's draft state belongs to (ensure_draft picks it)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -60,7 +61,8 @@ class Speculator:
 
     def ensure_draft(self) -> str | None:
         """The id of the draft worker to use this step, or None. Resets the engine's draft state when it changed."""
-        client = self._call(self.pool.get(), timeout=10)
+        client = self._call(self.pool.poll(), timeout=10)
+        self._client = client
         draft_id = client.draft_id if client is not None else ""
         if draft_id and draft_id != self._draft_id:
             self.engine.reset_drafts()
@@ -76,14 +78,14 @@ class Speculator:
     def propose(self, inputs: list[DraftInput]) -> dict[str, DraftOutput]:
         if not inputs:
             return {}
-        client = self.pool.client
+        client = self._client
         if client is None:
             return {}
         return self._call(client.propose(inputs, self.propose_timeout), timeout=self.propose_timeout + 5)
 
     def send(self, engine: SpecEngine) -> None:
         verdicts, released = engine.take_verdicts(), engine.take_released()
-        client = self.pool.client
+        client = self._client
         if client is None or (not verdicts and not released):
             return
         self._loop.call_soon_threadsafe(self._send, client, verdicts, released)
