@@ -161,7 +161,8 @@ async def with_draft(rt: Runtime, env: dict, draft_args: list[str], prompts, max
     try:
         drafts = await rt.client("draft", "speculate")
         await drafts.wait_for_instances(1, timeout=120)
-        await run_requests(rt, prompts[:1], 8, gamma)  # warm-up: the target connects to this draft
+        for _ in range(2):  # warm-up: the target opens its stream to this draft during the first
+            await run_requests(rt, prompts[:1], 8, gamma)
         # Plain decoding (γ = 0, same target) interleaved with the speculative requests: this row's baseline.
         plain, spec = await run_interleaved(rt, prompts, max_tokens, [0, gamma])
         spec["plain"] = plain
