@@ -228,7 +228,11 @@ class DraftPool:
         Returns the current healthy client (or None) and, when the choice needs revisiting, runs
         :meth:`get` in the background; a later call picks up what it opened."""
         current = self.client
-        if self._connecting is None or self._connecting.done():
+        task = self._connecting
+        if task is None or task.done():
+            self._connecting = None
+            if task is not None and not task.cancelled() and task.exception() is not None:
+                log.warning("choosing a draft worker failed: %r", task.exception())
             candidates = self._candidates()
             if current is not None and self._keeps(current, candidates):
                 return current
