@@ -10,6 +10,10 @@ Cache layout per layer: ``k``/``v`` of shape [num_blocks, block_size, num_kv_hea
 token at position p of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
 Short queries (decode / verify) are padded into one batched SDPA call with a mask; long prefill
 chunks get one SDPA call each.
+
+*Static* metadata (:meth:`AttentionMetadata.static`, for CUDA graphs) holds tensors only: every
+token's sequence row, position and slot. The Triton kernel reads nothing else; the torch path then
+gathers each token's keys through its block table (a reference, for tests on CPU).
 """
 
 from __future__ import annotations
@@ -31,8 +35,6 @@ class AttentionMetadata:
     context_lens: list[int]
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     block_tables: torch.Tensor  # [B, max_blocks] int32 (padding 0)
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    context_lens_t: torch.Tensor  # [B] int32
     token_seq: torch.Tensor  # [T] int32: which sequence (row of block_tables) each token belongs to
     token_pos: torch.Tensor  # [T] int32: each token's position (it attends to keys 0..pos)
     # batched group: sequences with short queries, padded to [Bg, qmax]
@@ -47,6 +49,7 @@ class AttentionMetadata:
     # long queries, one call each: (row, token start, query_len, context_len)
     singles: list[tuple[int, int, int, int]] = field(default_factory=list)
     single_blocks: list[torch.Tensor | None] = field(default_factory=list)  # [nb] block ids, None: no prefix
+    static: bool = False  # tensors only (no host-side lengths): see :meth:`static`
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +81,6 @@ class AttentionMetadata:
             context_lens=list(context_lens),
             slot_mapping=torch.cat(slot_parts).to(device),
             block_tables=tables.to(device=device, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
             token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
             token_pos=torch.tensor(token_pos, dtype=torch.int32, device=device),
         )
@@ -92,6 +93,14 @@ class AttentionMetadata:
         if rows:
             meta._build_batched(rows, starts, tables, device)
         return meta
+
+    @classmethod
+    def static(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor,
+               token_pos: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """Metadata from tensors only (slot_mapping [T] long, block_tables [B, max_blocks] int32,
+        token_seq / token_pos [T] int32), valid for any lengths they describe: CUDA-graph safe."""
+        return cls(block_size=block_size, query_lens=[], context_lens=[], slot_mapping=slot_mapping,
+                   block_tables=block_tables, token_seq=token_seq, token_pos=token_pos, static=True)
 
     def _build_batched(self, rows: list[int], starts: list[int], tables: torch.Tensor, device) -> None:
         q_lens = torch.tensor([self.query_lens[b] for b in rows])
@@ -142,6 +151,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     q [T, H, D]; k, v [T, Hkv, D] (this step's keys, used directly for prefill without prefix);
     returns [T, H, D].
     """
+    if meta.static:
+        return _static_attention(q, k_cache, v_cache, meta, scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     gqa = num_heads != hkv
@@ -179,3 +190,23 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start : start + qlen] = o[0].transpose(0, 1)
     return out
+
+
+def _static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """Reference for static metadata: each token attends to keys 0..token_pos of its row's blocks.
+
+    q [T, H, D] → [T, H, D]. Gathers [T, max_blocks · bs] keys per token: for tests, not speed.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    hkv = k_cache.shape[2]
+    tables = meta.block_tables.long()[meta.token_seq.long()]  # [T, max_blocks]
+    keys = k_cache[tables].view(num_tokens, -1, hkv, head_dim).transpose(1, 2)  # [T, Hkv, L, D]
+    values = v_cache[tables].view(num_tokens, -1, hkv, head_dim).transpose(1, 2)
+    mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= meta.token_pos.long()[:, None]  # [T, L]
+    o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale,
+                                       enable_gqa=num_heads != hkv)  # [T, H, 1, D]
+    return o[:, :, 0]
+
+
+paged_attention_torch.static_capable = True  # handles static metadata too (the gather reference)

@@ -19,6 +19,7 @@ from runtime.errors import InvalidRequest
 from runtime.messages import KvEvent, SamplingParams, TokenDelta, TopLogprob, Usage
 
 from .block_manager import BlockManager
+from .cuda_graphs import GraphConfig
 from .model import DecoderModel
 from .model_runner import ModelRunner
 from .sampling import logprobs_of, mask_tokens, sample
@@ -41,6 +42,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # on CUDA with Triton kernels: decode/verify steps replay captured graphs
+    cuda_graph_max_batch: int | None = None  # largest graphed batch (None: max_num_seqs)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch <= 0:
+            raise ValueError(f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
 
 
 class Engine:
@@ -76,10 +81,24 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len)
         self.seqs: dict[str, Sequence] = {}
         self._immediate: list[tuple[str, TokenDelta]] = []
         log.info("engine: %d blocks of %d tokens, max_model_len %d", num_blocks, config.block_size, max_len)
+
+    def _graph_config(self, model: DecoderModel) -> GraphConfig | None:
+        """CUDA graphs for decode steps where they apply (CUDA, tensor-only attention)."""
+        cfg = self.config
+        if not (cfg.cuda_graphs and next(model.parameters()).is_cuda and model.static_capable):
+            return None
+        return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, self._graph_query_lens(),
+                           self._graph_hidden_layers())
+
+    def _graph_query_lens(self) -> tuple[int, ...]:
+        return (1,)
+
+    def _graph_hidden_layers(self) -> tuple[int, ...]:
+        return ()
 
     # ------------------------------------------------------------------ requests
 

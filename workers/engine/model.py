@@ -4,6 +4,11 @@
 once (see :mod:`workers.engine.attention` for the batch layout). Logits are computed only for the
 rows in ``logits_indices``; ``hidden_layers`` picks hidden states in Hugging Face's numbering:
 0 = embeddings, k in 1..L-1 = output of decoder layer k-1, L = the final normed output.
+
+``fused=True`` (GPU) runs the elementwise work through the Triton kernels of
+:mod:`workers.engine.triton_ops` (add + RMSNorm, rotary + KV-cache write, SwiGLU) and attention
+through :mod:`workers.engine.triton_attention`; every op then reads only tensors, so a forward can
+be captured in a CUDA graph (:mod:`workers.engine.cuda_graphs`). Same maths, same parameters.
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ class ModelOutput:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden]
 
 
+def _triton_ops():
+    """The Triton kernels, imported on first use (CPU-only users never import Triton)."""
+    from . import triton_ops
+
+    return triton_ops
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
         super().__init__()
@@ -45,12 +57,19 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
         self.scale = cfg.head_dim ** -0.5
         self.attention_fn = attention_fn or paged_attention_torch
+        self.fused = False  # rotary + KV write in one Triton kernel (set by DecoderModel)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         h, hkv = cfg.num_heads, cfg.num_kv_heads
+        if self.fused and not cfg.qk_norm:
+            rotary = self.rotary[0]
+            q = _triton_ops().rotary_write_kv(self.qkv_proj(x), positions, rotary.cos, rotary.sin, kv[0], kv[1],
+                                           meta.slot_mapping, h, hkv, cfg.head_dim)
+            o = self.attention_fn(q, None, None, kv[0], kv[1], meta, self.scale)  # [T, H, D]
+            return self.o_proj(o.view(t, cfg.q_size))
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, cfg.head_dim)
         if cfg.qk_norm:
             q, k, v = qkv.split([h, hkv, hkv], dim=1)
@@ -75,6 +94,22 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, positions, h, residual, kv, meta):
+        """Residual-stream form: layer input x = h + residual (residual None: x = h).
+
+        Returns (this layer's output minus its input stream, the input stream), as vLLM's layers do,
+        so each add is fused into the next norm."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual = h
+            h, _ = _triton_ops().rms_norm(h, norm.weight, norm.eps)
+        else:
+            h, residual = _triton_ops().rms_norm(h, norm.weight, norm.eps, residual)
+        h = self.self_attn(positions, h, kv, meta)
+        norm = self.post_attention_layernorm
+        h, residual = _triton_ops().rms_norm(h, norm.weight, norm.eps, residual)
+        return self.mlp(h), residual
+
 
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
@@ -87,15 +122,27 @@ class _Backbone(nn.Module):
 class DecoderModel(nn.Module):
     """The decoder with Hugging Face parameter names, except fused qkv and gate/up projections."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, max_positions: int, attention_fn=None, fused: bool = False):
         super().__init__()
+        if fused and attention_fn is None:
+            from .triton_attention import paged_attention_triton as attention_fn
+        if fused and not getattr(attention_fn, "reads_cache_only", False):
+            raise ValueError("fused kernels need an attention function that reads the cache only (Triton)")
         self.cfg = cfg
+        self.fused = fused
         self.max_positions = max_positions
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.model = _Backbone(cfg, self.rotary, attention_fn)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            layer.self_attn.fused = layer.mlp.fused = fused
+
+    @property
+    def static_capable(self) -> bool:
+        """Whether a forward reads only tensors (no host-side lengths): CUDA-graph capturable."""
+        return getattr(self.model.layers[0].self_attn.attention_fn, "static_capable", False)
 
     def release_dense_weights(self) -> int:
         """For serving on CPU: keep only the packed copies of the linear weights (``Linear.release_dense``),
@@ -124,15 +171,27 @@ class DecoderModel(nn.Module):
             raise ValueError(f"hidden layers must be in [0, {num_layers}], got {sorted(wanted)}")
         hidden: dict[int, torch.Tensor] = {}
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                hidden[i] = x
-            x = layer(positions, x, kv_caches[i], meta)
-        x = self.model.norm(x)
+        if self.fused:
+            x = self._layers_fused(positions, x, meta, kv_caches, wanted, hidden)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in wanted:
+                    hidden[i] = x
+                x = layer(positions, x, kv_caches[i], meta)
+            x = self.model.norm(x)
         if num_layers in wanted:
             hidden[num_layers] = x
         rows = x if logits_indices is None else x[logits_indices]
         return ModelOutput(self.lm_head(rows).float(), hidden)
+
+    def _layers_fused(self, positions, x, meta, kv_caches, wanted, hidden) -> torch.Tensor:
+        h, residual = x, None
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                hidden[i] = x if residual is None else h + residual
+            h, residual = layer.forward_fused(positions, h, residual, kv_caches[i], meta)
+        norm = self.model.norm
+        return _triton_ops().rms_norm(h, norm.weight, norm.eps, residual)[0]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

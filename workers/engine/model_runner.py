@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, allocate_kv_cache
+from .cuda_graphs import GraphConfig, GraphRunner
 from .model import DecoderModel, ModelOutput
 
 
@@ -17,10 +18,13 @@ class ModelRunner:
     """Owns the model and its paged KV cache tensors.
 
     On CPU it keeps only the packed (oneDNN) copies of the model's large linear weights, so that
-    they are not held twice; the model is then for inference only.
+    they are not held twice; the model is then for inference only. With ``graphs`` (GPU), decode
+    and verify steps replay CUDA graphs (:mod:`workers.engine.cuda_graphs`); the cache then has one
+    extra scratch block, ``num_blocks``, that padding writes to.
     """
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int):
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, graphs: GraphConfig | None = None,
+                 max_model_len: int | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -29,8 +33,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             model.release_dense_weights()
         cfg = model.cfg
-        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                           self.dtype, self.device)
+        extra = 1 if graphs is not None else 0
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks + extra, block_size, cfg.num_kv_heads,
+                                           cfg.head_dim, self.dtype, self.device)
+        self.graphs: GraphRunner | None = None
+        if graphs is not None:
+            self.graphs = GraphRunner(model, self.kv_caches, block_size, max_model_len or model.max_positions,
+                                      num_blocks, graphs)
+            self.graphs.capture_all()
 
     @staticmethod
     def bytes_per_block(model: DecoderModel, block_size: int) -> int:
@@ -42,6 +52,10 @@ class ModelRunner:
     def forward(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
                 hidden_layers: tuple[int, ...] = ()) -> ModelOutput:
         """Run all chunks in one forward pass; logits rows come in chunk order."""
+        if self.graphs is not None:
+            shape = self.graphs.shape_for(chunks, logits_last, hidden_layers)
+            if shape is not None:
+                return self.graphs.run(chunks, shape)
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []

@@ -43,10 +43,11 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               max_positions: int | None = None, attention_fn=None) -> DecoderModel:
+               max_positions: int | None = None, attention_fn=None, fused: bool = False) -> DecoderModel:
     """Build a :class:`DecoderModel` from a model directory or a ``.gguf`` file, in eval mode.
 
-    ``max_positions`` bounds the rotary tables (default: the config's max_position_embeddings).
+    ``max_positions`` bounds the rotary tables (default: the config's max_position_embeddings);
+    ``fused`` runs the GPU path's Triton kernels (see :mod:`workers.engine.model`).
     """
     path = Path(path)
     if not path.exists():
@@ -60,7 +61,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         cfg = ModelConfig.from_dir(path)
         weights = iter_safetensors(path)
     with torch.device("meta"):
-        model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn)
+        model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn, fused)
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_buffers()

@@ -50,21 +50,27 @@ class SpecEngine(Engine):
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, *, num_speculative_tokens: int = 4,
                  hidden_layers: tuple[int, ...] = (), adaptive: bool = True, pause_steps: int = 8):
-        super().__init__(model, config, worker_id, eos_token_ids)
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
+        self.hidden_layers = tuple(hidden_layers)
+        super().__init__(model, config, worker_id, eos_token_ids)
         # Adaptive γ per sequence: +2 after a fully accepted round, −1 otherwise; at 0 the sequence
         # decodes plainly for ``pause_steps`` steps and then tries one draft token again. A draft
         # that keeps missing then costs little; one that hits climbs back to γ within a few rounds.
         self.adaptive = adaptive
         self.pause_steps = pause_steps
-        self.hidden_layers = tuple(hidden_layers)
         self._spec: dict[str, _SpecState] = {}
         self._verdicts: list[VerifyResult] = []
         self._released: list[str] = []
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
         self.counters: dict[str, SpecCounters] = {}  # per draft worker
+
+    def _graph_query_lens(self) -> tuple[int, ...]:
+        return (1, self.num_speculative_tokens + 1)  # decode; verify of up to γ drafts (fewer are padded)
+
+    def _graph_hidden_layers(self) -> tuple[int, ...]:
+        return self.hidden_layers
 
     # ------------------------------------------------------------------ requests
 

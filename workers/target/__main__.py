@@ -46,12 +46,13 @@ class TargetConfig:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None
-    attention: str = "torch"
+    attention: str = "auto"
     enable_prefix_caching: bool = True
     load_interval: float = 0.5
     num_speculative_tokens: int = 4
     propose_timeout: float = 2.0
     adaptive_speculation: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -60,8 +61,8 @@ class TargetConfig:
             raise ValueError("the served model name must not be empty")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
-        if self.attention not in ("torch", "triton"):
-            raise ValueError(f"--attention must be torch or triton, got {self.attention}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention must be auto, torch or triton, got {self.attention}")
         if self.attention == "triton" and not self.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--attention triton needs --device cuda (or TRITON_INTERPRET=1 to run it slowly on CPU)")
         if self.kv_cache_gb <= 0 or self.load_interval <= 0:
@@ -86,7 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-    parser.add_argument("--attention", default="torch", help="attention backend: torch or triton (GPU)")
+    parser.add_argument("--attention", default="auto",
+                        help="kernels: torch, or triton (GPU: Triton paged attention and fused norm/rotary/SwiGLU); "
+                             "auto = triton on CUDA, torch on CPU")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="on CUDA, run decode and verify steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
@@ -105,7 +110,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
     return TargetConfig(str(model), name, args.block_size, args.num_blocks, args.max_num_seqs,
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
-                        args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation)
+                        args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
+                        not args.no_cuda_graphs)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -130,15 +136,17 @@ def build_engine(cfg: TargetConfig, worker_id: str):
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     attention_fn = None
-    if cfg.attention == "triton":
+    cuda = cfg.device.startswith("cuda")
+    triton = cfg.attention == "triton" or (cfg.attention == "auto" and cuda)
+    if triton:
         from workers.engine.triton_attention import paged_attention_triton as attention_fn
     max_len = cfg.max_model_len
     model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, max_positions=max_len,
-                       attention_fn=attention_fn)
+                       attention_fn=attention_fn, fused=triton and cuda)
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-                              enable_prefix_caching=cfg.enable_prefix_caching)
+                              enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
     return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
                       adaptive=cfg.adaptive_speculation)
 

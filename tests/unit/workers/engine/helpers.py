@@ -47,13 +47,14 @@ def tiny_hf_model(family: str, path: Path, *, seed: int = 0, tied: bool = False,
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    """Greedy continuation with transformers' own KV cache, ignoring eos."""
-    out = model(torch.tensor([prompt]), use_cache=True)
+    """Greedy continuation with transformers' own KV cache, ignoring eos (on the model's device)."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt], device=device), use_cache=True)
     past, tokens = out.past_key_values, []
     for _ in range(steps):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return tokens
 

@@ -20,32 +20,39 @@ from workers.engine.attention import AttentionMetadata, paged_attention_torch, w
 pytestmark = pytest.mark.unit
 
 
-def compare(device: str, head_dim: int, seed: int = 0) -> float:
+def compare(device: str, head_dim: int, seed: int = 0, splits: int | None = None,
+            dtype: torch.dtype = torch.float32) -> float:
     """Max abs difference between the two paths on a decode + verify + prefill-chunk batch."""
     from workers.engine.triton_attention import paged_attention_triton
 
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, block_size, num_blocks = 4, 2, 4, 12
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(device)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(device)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
     # decode (1 new of 7), verify (γ+1 = 4 new of 10), prefill chunk with prefix (3 new of 5)
     query_lens, context_lens = [1, 4, 3], [7, 10, 5]
     tables = [[3, 7], [0, 9, 5], [11, 2]]
     meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, device)
     t = sum(query_lens)
-    q = torch.randn(t, heads, head_dim, generator=g).to(device)
-    k = torch.randn(t, kv_heads, head_dim, generator=g).to(device)
-    v = torch.randn(t, kv_heads, head_dim, generator=g).to(device)
+    q = torch.randn(t, heads, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=g).to(device, dtype)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     scale = head_dim ** -0.5
-    ref = paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
-    out = paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
-    return float((out - ref).abs().max())
+    ref = paged_attention_torch(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale)
+    out = paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale, splits=splits)
+    return float((out.float() - ref).abs().max())
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])
 def test_kernel_matches_torch_on_cpu_interpreter(head_dim):
     assert compare("cpu", head_dim) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_kv_matches_torch_on_cpu_interpreter(splits):
+    """Flash-decoding splits (some of them empty for the short contexts) merge to the same result."""
+    assert compare("cpu", 16, splits=splits) < 1e-5
 
 
 def test_model_forward_with_triton_attention_matches_torch(tmp_path):
@@ -79,5 +86,8 @@ def test_kernel_matches_torch_on_cuda():
 
 if __name__ == "__main__":  # the compiled-kernel check, run by the gpu test in a clean process
     for dim in (64, 128):
-        diff = compare("cuda", dim)
-        assert diff < 1e-4, (dim, diff)
+        for splits in (None, 1, 4):
+            diff = compare("cuda", dim, splits=splits)
+            assert diff < 1e-4, (dim, splits, diff)
+            diff = compare("cuda", dim, splits=splits, dtype=torch.bfloat16)  # bf16 inputs, float32 softmax
+            assert diff < 3e-2, ("bf16", dim, splits, diff)

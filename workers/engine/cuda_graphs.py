@@ -1,0 +1,213 @@
+"""CUDA graphs for decode and verify steps, captured at batch-size buckets (as vLLM and SGLang do).
+
+A decode step of B sequences, or a verify step of B sequences with up to Q = γ+1 new tokens
+each, is the same computation every time up to the values in a few tensors. :class:`GraphRunner`
+captures the model's forward once per (bucket, Q, hidden layers) over static input buffers and
+replays it, so a step costs one graph launch instead of hundreds of kernel launches.
+
+Padding. A batch of B sequences runs in the smallest bucket ≥ B; the static layout is
+[bucket, Q] tokens, row b holding sequence b's q_b ≤ Q new tokens left-aligned. Padding tokens
+(the rest of a row, and the rows past B) write their keys and values to a *scratch block* that
+no sequence owns (the cache has one block more than the block manager hands out), and padded
+rows' block tables point only at it, so padding never touches a real sequence's cache; its
+outputs are computed and dropped. Real tokens attend only to keys up to their own position in
+their own blocks, so what padding computes cannot reach them.
+
+Only uniform steps are graphed: every sequence wants logits for all of its new tokens (decode:
+1 of 1; verify: q_b of q_b). Prefill chunks and mixed batches run eagerly. Graphs share one
+memory pool, captured largest first; outputs are copied out before the next replay.
+
+Without CUDA (tests), ``capture=False`` runs the same static, padded forward eagerly: the
+bucketing and padding logic is then checked on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata
+from .model import DecoderModel, ModelOutput
+
+log = logging.getLogger(__name__)
+
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 8 up to 64 and of 32 beyond, ending at ``max_batch``."""
+    if max_batch <= 0:
+        raise ValueError(f"max_batch must be positive, got {max_batch}")
+    sizes = [s for s in (1, 2, 4) if s < max_batch]
+    sizes += [s for s in range(8, min(max_batch, 64) + 1, 8)]
+    sizes += [s for s in range(96, max_batch + 1, 32)]
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return tuple(sorted(set(sizes)))
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """What to capture: batch buckets up to ``max_batch``; query lengths (1 = decode, γ+1 = verify)."""
+
+    max_batch: int
+    query_lens: tuple[int, ...] = (1,)
+    hidden_layers: tuple[int, ...] = ()
+    capture: bool = True  # False: run the static forward eagerly (CPU tests)
+
+    def __post_init__(self):
+        if self.max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {self.max_batch}")
+        if not self.query_lens or min(self.query_lens) <= 0:
+            raise ValueError(f"query_lens must be positive, got {self.query_lens}")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    output: ModelOutput | None  # the graph's static outputs (capture) or None (eager)
+
+
+class GraphRunner:
+    """Runs uniform decode/verify batches of ``model`` through captured graphs.
+
+    ``kv_caches`` must have ``scratch_block`` as a block no sequence owns (padding writes there).
+    """
+
+    def __init__(self, model: DecoderModel, kv_caches: KvCaches, block_size: int, max_model_len: int,
+                 scratch_block: int, config: GraphConfig):
+        if not model.static_capable:
+            raise ValueError("CUDA graphs need an attention function that reads only tensors (Triton)")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.config = config
+        self.buckets = batch_buckets(config.max_batch)
+        self.query_lens = tuple(sorted(set(config.query_lens)))
+        self.max_blocks = -(-max_model_len // block_size)
+        self.scratch_block = scratch_block
+        device = kv_caches[0][0].device
+        self.device = device
+        n = self.buckets[-1] * self.query_lens[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.token_seq = torch.zeros(n, dtype=torch.int32, device=device)
+        self.token_pos = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((self.buckets[-1], self.max_blocks), scratch_block, dtype=torch.int32,
+                                       device=device)
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        self._pool = None
+        self.replays = 0
+
+    # ------------------------------------------------------------------ capture
+
+    def capture_all(self) -> None:
+        """Capture every bucket × query length for the configured hidden layers, largest first."""
+        started = time.perf_counter()
+        hidden = tuple(sorted(set(self.config.hidden_layers)))
+        for q in reversed(self.query_lens):
+            for bucket in reversed(self.buckets):
+                self._graph(bucket, q, hidden)
+        if self.config.capture:
+            log.info("captured %d CUDA graphs (batch ≤ %d, query lengths %s) in %.1fs", len(self.graphs),
+                     self.buckets[-1], self.query_lens, time.perf_counter() - started)
+
+    def _meta(self, bucket: int, q: int) -> AttentionMetadata:
+        n = bucket * q
+        return AttentionMetadata.static(self.slot_mapping[:n], self.block_tables[:bucket], self.token_seq[:n],
+                                        self.token_pos[:n], self.block_size)
+
+    def _forward(self, bucket: int, q: int, hidden: tuple[int, ...]) -> ModelOutput:
+        n = bucket * q
+        return self.model(self.input_ids[:n], self.positions[:n], self._meta(bucket, q), self.kv_caches, None, hidden)
+
+    def _graph(self, bucket: int, q: int, hidden: tuple[int, ...]) -> _Graph:
+        key = (bucket, q, hidden)
+        found = self.graphs.get(key)
+        if found is not None:
+            return found
+        if not self.config.capture:
+            entry = _Graph(None, None)
+        else:
+            self._reset_padding(bucket, q)
+            with torch.inference_mode():
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):  # compile the Triton kernels and warm up cuBLAS outside capture
+                    for _ in range(2):
+                        self._forward(bucket, q, hidden)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    output = self._forward(bucket, q, hidden)
+            self._pool = graph.pool()
+            entry = _Graph(graph, output)
+        self.graphs[key] = entry
+        return entry
+
+    def _reset_padding(self, bucket: int, q: int) -> None:
+        """Every token of the bucket a padding token (capture-time inputs)."""
+        n = bucket * q
+        self.input_ids[:n].zero_()
+        self.positions[:n].zero_()
+        self.slot_mapping[:n].fill_(self.scratch_block * self.block_size)
+        self.token_seq[:n].zero_()
+        self.token_pos[:n].zero_()
+        self.block_tables[:bucket].fill_(self.scratch_block)
+
+    # ------------------------------------------------------------------ running
+
+    def shape_for(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
+                  hidden_layers: Iterable[int]) -> tuple[int, int, tuple[int, ...]] | None:
+        """The (bucket, Q, hidden) graph that serves this batch, or None if it must run eagerly."""
+        if not chunks or len(chunks) > self.buckets[-1]:
+            return None
+        longest = 0
+        for (tokens, _, _), want in zip(chunks, logits_last):
+            if want != len(tokens):  # a prefill chunk, or one that wants only some rows
+                return None
+            longest = max(longest, want)
+        q = next((x for x in self.query_lens if x >= longest), None)
+        if q is None:
+            return None
+        bucket = next(b for b in self.buckets if b >= len(chunks))
+        return bucket, q, tuple(sorted(set(hidden_layers)))
+
+    @torch.inference_mode()
+    def run(self, chunks: list[tuple[list[int], int, list[int]]], shape: tuple[int, int, tuple[int, ...]]) -> ModelOutput:
+        """Run a batch :meth:`shape_for` accepted; output rows are the chunks' tokens in order."""
+        bucket, q, hidden = shape
+        entry = self._graph(bucket, q, hidden)  # captures on first use of a new shape
+        n, bs = bucket * q, self.block_size
+        scratch_slot = self.scratch_block * bs
+        ids, pos, slots = [0] * n, [0] * n, [scratch_slot] * n
+        seq_of, rows = [b for b in range(bucket) for _ in range(q)], []
+        tables = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.int32)
+        for b, (tokens, start, table) in enumerate(chunks):
+            base = b * q
+            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            for j, token in enumerate(tokens):
+                p = start + j
+                ids[base + j], pos[base + j] = token, p
+                slots[base + j] = table[p // bs] * bs + p % bs
+                rows.append(base + j)
+        self.input_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(pos), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.tensor(slots), non_blocking=True)
+        self.token_seq[:n].copy_(torch.tensor(seq_of, dtype=torch.int32), non_blocking=True)
+        self.token_pos[:n].copy_(torch.tensor(pos, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:bucket].copy_(tables, non_blocking=True)
+        if entry.graph is not None:
+            entry.graph.replay()
+            out = entry.output
+        else:
+            out = self._forward(bucket, q, hidden)
+        self.replays += 1
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return ModelOutput(out.logits.index_select(0, index),
+                           {layer: h.index_select(0, index) for layer, h in out.hidden.items()})
