@@ -43,8 +43,8 @@ class TargetConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     kv_cache_gb: float = 1.0
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"
+    device: str = "auto"
     threads: int | None = None
     attention: str = "auto"
     enable_prefix_caching: bool = True
@@ -59,11 +59,13 @@ class TargetConfig:
             raise ValueError(f"--model {self.model} does not exist")
         if not self.served_model_name:
             raise ValueError("the served model name must not be empty")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device}")
         if self.attention not in ("auto", "torch", "triton"):
             raise ValueError(f"--attention must be auto, torch or triton, got {self.attention}")
-        if self.attention == "triton" and not self.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.attention == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--attention triton needs --device cuda (or TRITON_INTERPRET=1 to run it slowly on CPU)")
         if self.kv_cache_gb <= 0 or self.load_interval <= 0:
             raise ValueError("--kv-cache-gb and --load-interval must be positive")
@@ -84,8 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto = cuda if a GPU is visible")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     parser.add_argument("--attention", default="auto",
                         help="kernels: torch, or triton (GPU: Triton paged attention and fused norm/rotary/SwiGLU); "
@@ -135,13 +138,16 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     from workers.spec.spec_engine import SpecEngine
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
     attention_fn = None
-    cuda = cfg.device.startswith("cuda")
     triton = cfg.attention == "triton" or (cfg.attention == "auto" and cuda)
     if triton:
         from workers.engine.triton_attention import paged_attention_triton as attention_fn
     max_len = cfg.max_model_len
-    model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, max_positions=max_len,
+    log.info("target model on %s in %s (%s kernels)", device, dtype, "triton" if triton else "torch")
+    model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
                        attention_fn=attention_fn, fused=triton and cuda)
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
