@@ -167,7 +167,7 @@ def eagle3_step(target_cfg: ModelConfig, batch: int, context: int, iters: int = 
     from workers.engine.attention import AttentionMetadata, allocate_kv_cache
     from workers.engine.layers import RotaryEmbedding
     from workers.engine.triton_attention import paged_attention_triton
-    from workers.spec.eagle import Eagle3Head
+    from workers.draft.eagle import Eagle3Head
 
     cfg = replace(target_cfg, num_layers=1)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -337,7 +337,7 @@ def main() -> None:
     import transformers
 
     from workers.engine.engine import EngineConfig
-    from workers.spec.spec_engine import SpecEngine
+    from workers.target.spec_engine import SpecEngine
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

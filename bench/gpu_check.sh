@@ -18,7 +18,7 @@ fi
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 # On CUDA the engine, kernel and sampler unit tests run compiled (no interpreter), plus the gpu-marked tests.
 python3 -m pytest -p no:cacheprovider -q -rs tests/gpu tests/unit/workers/engine \
-    tests/unit/workers/spec/test_triton_rejection.py 2>&1 | tee "$OUT/gpu_tests.log"
+    tests/unit/workers/speculation/test_triton_rejection.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}

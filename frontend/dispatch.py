@@ -16,6 +16,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, ResponseStream, ShuttingDown
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
@@ -86,9 +88,8 @@ class Generation:
         sp = self.sampling
         done = len(self.output_ids)
         if done:
-            sp = SamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.max_tokens - done,
-                                max(0, sp.min_tokens - done), sp.stop_token_ids, sp.ignore_eos, sp.logprobs)
-        request = GenerateRequest(self.token_ids, sp, self.model, None, list(self.output_ids))
+            sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - done, min_tokens=max(0, sp.min_tokens - done))
+        request = GenerateRequest(self.token_ids, sp, self.model, output_ids=list(self.output_ids))
         rid = self.request_id if self.attempt == 0 else f"{self.request_id}-m{self.attempt}"
         try:
             self._stream = await self._d.client.call(sel.instance_id, request, TokenDelta, request_id=rid)

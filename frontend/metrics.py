@@ -1,6 +1,6 @@
 """Prometheus metrics of the frontend, in a registry of its own (several apps can share a process).
 
-Acceptance in PromQL, over the last five minutes::
+Acceptance in PromQL, over the last five minutes (definitions in :mod:`runtime.spec_stats`)::
 
     rate(tandem_frontend_spec_decode_num_accepted_tokens_total[5m])
       / rate(tandem_frontend_spec_decode_num_draft_tokens_total[5m])             # acceptance rate
@@ -15,6 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from runtime.messages import SpecUsage
+from runtime.spec_stats import acceptance_rate
 
 P = "tandem_frontend_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
@@ -89,8 +90,9 @@ class ModelSeries:
         self.spec_drafts.inc(spec.num_drafts)
         self.spec_draft_tokens.inc(spec.num_draft_tokens)
         self.spec_accepted.inc(spec.num_accepted_tokens)
-        if spec.num_draft_tokens:
-            self.spec_acceptance.observe(spec.num_accepted_tokens / spec.num_draft_tokens)
+        rate = acceptance_rate(spec.num_accepted_tokens, spec.num_draft_tokens)
+        if rate is not None:  # a request with no drafts has no acceptance rate (not 0)
+            self.spec_acceptance.observe(rate)
 
 
 class RequestTimer:

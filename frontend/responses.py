@@ -2,9 +2,10 @@
 
 Shapes follow OpenAI's API reference: ``chat.completion`` / ``chat.completion.chunk`` and
 ``text_completion``. ``usage`` adds ``prompt_tokens_details.cached_tokens`` (prompt tokens the
-worker found in its prefix cache) and, for a speculated request, ``spec_decode`` with
-``mean_accepted_length = 1 + accepted_tokens / num_drafts`` (vLLM's definition: tokens emitted
-per target forward pass).
+worker found in its prefix cache) and, for a speculated request, ``spec_decode`` with the counters,
+``acceptance_rate`` and ``mean_accepted_length`` as defined in :mod:`runtime.spec_stats` (vLLM's:
+``1 + accepted_tokens / num_drafts``, the tokens emitted per target forward pass); a rate that is
+undefined (no drafts yet) is left out.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import msgspec
+
+from runtime.spec_stats import acceptance_rate, mean_accepted_length
 
 from .output import ChoiceOutput, LogprobEntry, Piece
 
@@ -39,13 +42,11 @@ def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> dict:
         drafts = sum(s.num_drafts for s in specs)
         draft_tokens = sum(s.num_draft_tokens for s in specs)
         accepted = sum(s.num_accepted_tokens for s in specs)
-        out["spec_decode"] = {
-            "num_drafts": drafts,
-            "draft_tokens": draft_tokens,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
-        }
+        spec = {"num_drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted}
+        rates = {"acceptance_rate": acceptance_rate(accepted, draft_tokens),
+                 "mean_accepted_length": mean_accepted_length(accepted, drafts)}
+        spec.update((k, v) for k, v in rates.items() if v is not None)
+        out["spec_decode"] = spec
     return out
 
 

@@ -95,18 +95,16 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "round", "token_ids", "distributions", "draft_seconds")
+    __slots__ = ("seq_id", "round", "token_ids", "distributions")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    draft_seconds: float
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
     __slots__ = ("proposals",)

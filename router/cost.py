@@ -60,11 +60,6 @@ class KvRouterConfig:
         return cls(**options)
 
 
-def worker_cost(prefill_blocks: int, decode_blocks: int, queued: int, overlap_weight: float, queue_weight: float) -> float:
-    """Cost of sending a request to one worker (see the module docstring)."""
-    return overlap_weight * prefill_blocks + decode_blocks + queue_weight * queued
-
-
 def choose(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
     """Index of the chosen candidate: the cheapest (ties at random), or a softmax draw if ``temperature > 0``."""
     if not costs:

@@ -6,9 +6,9 @@ Once started it
   publishes a ``KvDumpRequest`` first so that workers republish what they already hold;
 - keeps a :class:`router.load.LoadTracker` from load events (``TOPIC_LOAD``) and its own selections;
 - drops a worker from both as soon as it leaves the live instance snapshot (etcd);
-- scores every candidate with the cost of :func:`router.cost.worker_cost` (written inline in
-  :meth:`KvRouter.select`, where a call per candidate would cost more than the arithmetic) and logs
-  each decision at debug level.
+- scores every candidate with the cost of :mod:`router.cost` (overlap_weight · blocks to prefill +
+  active decode blocks + queue_weight · queued requests, computed in :meth:`KvRouter.select`) and
+  logs each decision at debug level.
 
 A router built without a runtime (``KvRouter(instances, config)``) is fed through ``on_kv_event`` /
 ``on_load_event`` / ``on_instances``; tests and the benchmark use it that way.

@@ -21,8 +21,10 @@ PromQL, per target over the last minute::
 
 The router's own sliding-window view is exported as gauges
 ``tandem_spec_decode_window_acceptance_rate{target}`` and
-``tandem_spec_decode_window_mean_accepted_length{target}``. Counters are read from the aggregate at
-scrape time (custom collectors), so there is one source of truth and no double bookkeeping.
+``tandem_spec_decode_window_mean_accepted_length{target}``; a target with no drafts in the window has
+no sample (the rates are undefined, see :mod:`runtime.spec_stats`), and the JSON report leaves those
+keys out. Counters are read from the aggregate at scrape time (custom collectors), so there is one
+source of truth and no double bookkeeping.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .spec_stats import SpecCounters, SpecDecodeStats
+from runtime.spec_stats import SpecCounters
+
+from .spec_stats import SpecDecodeStats
 
 
 class SpecDecodeCollector(Collector):
@@ -94,13 +98,15 @@ class KvRouterCollector(Collector):
 # --------------------------------------------------------------------------- JSON report
 
 
-class CountersReport(msgspec.Struct):
+class CountersReport(msgspec.Struct, omit_defaults=True):
+    """Counters and their rates; a rate that is undefined (no drafts) is left out."""
+
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: list[int]
-    acceptance_rate: float | None
-    mean_accepted_length: float | None
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
 
 
 class SpanReport(msgspec.Struct):

@@ -5,18 +5,14 @@ Per pair and epoch the aggregate keeps the largest counters seen (an older event
 lowers them); a new epoch starts a new entry and the earlier ones stay, so lifetime totals are the
 sum over epochs and never go backwards when a target restarts. A target that leaves keeps its totals.
 
-Definitions (as in vLLM's ``v1/spec_decode/metrics.py``):
-- ``num_drafts``: verification steps that had a draft; ``num_draft_tokens``: tokens proposed;
-  ``num_accepted_tokens``: proposed tokens the target accepted; ``accepted_per_pos[i]``: drafts whose
-  token at position ``i`` was accepted.
-- acceptance rate = accepted tokens / draft tokens;
-- mean accepted length = 1 + accepted tokens / drafts (the ``1`` is the token the target adds itself).
+The counters and the definitions of acceptance rate and mean accepted length are
+:class:`runtime.spec_stats.SpecCounters`'s (vLLM's; undefined rates are ``None``).
 
 The sliding window (``window`` seconds) is the lifetime value now minus the lifetime value at the last
 observation at least ``window`` seconds ago (or when the pair was first seen). A pair whose target
 started after this aggregate did counts from zero at its first event.
 
-This is the state and the arithmetic; :mod:`router.spec_metrics` holds the Prometheus and JSON sinks.
+This is the state and the arithmetic; :mod:`router.metrics` holds the Prometheus and JSON sinks.
 """
 
 from __future__ import annotations
@@ -28,43 +24,9 @@ from dataclasses import dataclass, field
 
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import SpecStatsEvent
+from runtime.spec_stats import SpecCounters
 
 MAX_EPOCHS = 32  # epochs remembered per pair (their counts stay in the lifetime totals)
-
-
-@dataclass
-class SpecCounters:
-    """One set of speculative-decoding counters."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, event: SpecStatsEvent) -> SpecCounters:
-        return cls(event.num_drafts, event.num_draft_tokens, event.num_accepted_tokens, list(event.accepted_per_pos))
-
-    def add(self, other: SpecCounters, sign: int = 1) -> SpecCounters:
-        """A new set: ``self + sign * other`` (position lists are padded with zeros)."""
-        a, b = self.accepted_per_pos, other.accepted_per_pos
-        n = max(len(a), len(b))
-        per_pos = [(a[i] if i < len(a) else 0) + sign * (b[i] if i < len(b) else 0) for i in range(n)]
-        return SpecCounters(self.num_drafts + sign * other.num_drafts, self.num_draft_tokens + sign * other.num_draft_tokens,
-                            self.num_accepted_tokens + sign * other.num_accepted_tokens, per_pos)
-
-    def covers(self, other: SpecCounters) -> bool:
-        """True if no counter of ``self`` is below ``other``'s (``self`` is the same or later)."""
-        return (self.num_drafts >= other.num_drafts and self.num_draft_tokens >= other.num_draft_tokens
-                and self.num_accepted_tokens >= other.num_accepted_tokens)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 @dataclass

@@ -96,8 +96,14 @@ class Cancel(_Wire):
 # --------------------------------------------------------------------------- generate endpoint
 
 
+def is_greedy(temperature):
+    """The one greedy rule: temperature 0 means argmax, no randomness (validation rejects negative
+    temperatures). Works on floats and elementwise on tensors."""
+    return temperature <= 0
+
+
 class SamplingParams(_Wire):
-    """Per-request sampling. temperature 0 is greedy; top_k 0 disables top-k."""
+    """Per-request sampling. temperature 0 is greedy (:func:`is_greedy`); top_k 0 disables top-k."""
 
     temperature: float = 1.0
     top_p: float = 1.0

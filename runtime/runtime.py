@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import aetcd
+import msgspec
 import nats
 
 from .config import RuntimeConfig
@@ -241,6 +242,15 @@ class Runtime:
         check_token(component, "component")
         check_token(endpoint, "endpoint")
         subject = await self._server.serve(component, endpoint, handler, request_type)
+        return await self.register(component, endpoint, subject=subject, role=role, model=model,
+                                   grpc_address=grpc_address, http_address=http_address)
+
+    async def register(self, component: str, endpoint: str, *, subject: str = "", role: str = "", model: str = "",
+                       grpc_address: str = "", http_address: str = "") -> InstanceRecord:
+        """Register an instance under this process's lease without a NATS handler (``subject`` empty)
+        — for a process reached another way, e.g. a draft worker over gRPC (``grpc_address``)."""
+        check_token(component, "component")
+        check_token(endpoint, "endpoint")
         record = InstanceRecord(
             instance_id=self.instance_id,
             namespace=self.namespace,
@@ -263,7 +273,7 @@ class Runtime:
     async def register_model(self, card: ModelCard) -> None:
         """Publish a model card on this process's lease."""
         if not card.instance_id:
-            card = ModelCard(**{f: getattr(card, f) for f in card.__struct_fields__} | {"instance_id": self.instance_id})
+            card = msgspec.structs.replace(card, instance_id=self.instance_id)
         await self._registrar.put(model_key(self.namespace, card.name, self.instance_id), encode(card))
 
     @property

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
+
 from runtime import InvalidRequest, Runtime
 from runtime.config import add_runtime_args, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
@@ -35,13 +37,14 @@ from runtime.messages import (
     KvEventKind,
     LoadEvent,
     ModelCard,
-    SpecStatsEvent,
     SpecUsage,
     TokenDelta,
     TopLogprob,
     Usage,
+    is_greedy,
 )
 from runtime.service import run_service
+from runtime.spec_stats import SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +185,8 @@ class MockWorker:
         self.special_ids = set(special_ids)
         self.eos_ids = list(eos_ids)
         self.cache = ToyPrefixCache(worker_id, num_blocks, block_size)
-        self.stats = SpecStatsEvent(worker_id, draft_id, epoch or time.time(), accepted_per_pos=[0] * num_speculative_tokens)
+        self.epoch = epoch or time.time()
+        self.counters = SpecCounters(accepted_per_pos=[0] * num_speculative_tokens)
         self._stats_dirty = False
         self._stats_interval = stats_interval
         self.running = 0
@@ -221,24 +225,11 @@ class MockWorker:
             try:
                 if self._stats_dirty or ticks % 10 == 0:
                     self._stats_dirty = False
-                    await self._publish(TOPIC_SPEC_STATS, self._stats_snapshot())
+                    event = self.counters.event(self.worker_id, self.draft_id, self.epoch, "mock")
+                    await self._publish(TOPIC_SPEC_STATS, event)
                 await self._publish(TOPIC_LOAD, self.load())
             except Exception as exc:  # NATS reconnecting: try again next tick
                 log.debug("mock publish failed: %r", exc)
-
-    def _stats_snapshot(self) -> SpecStatsEvent:
-        s = self.stats
-        return SpecStatsEvent(s.target_id, s.draft_id, s.epoch, s.num_drafts, s.num_draft_tokens,
-                              s.num_accepted_tokens, list(s.accepted_per_pos), "mock", time.time())
-
-    def _observe_draft(self, gamma: int, accepted: int) -> None:
-        s = self.stats
-        per_pos = list(s.accepted_per_pos) + [0] * max(0, gamma - len(s.accepted_per_pos))
-        for i in range(accepted):
-            per_pos[i] += 1
-        self.stats = SpecStatsEvent(s.target_id, s.draft_id, s.epoch, s.num_drafts + 1, s.num_draft_tokens + gamma,
-                                    s.num_accepted_tokens + accepted, per_pos, s.method, s.timestamp)
-        self._stats_dirty = True
 
     def _validate(self, req: GenerateRequest) -> None:
         sp = req.sampling
@@ -280,15 +271,18 @@ class MockWorker:
                     accepted = 0
                     while accepted < gamma and rng.random() < self.acceptance_rate:
                         accepted += 1
-                    self._observe_draft(gamma, accepted)
-                    spec = SpecUsage(spec.num_drafts + 1, spec.num_draft_tokens + gamma, spec.num_accepted_tokens + accepted)
+                    self.counters.observe_draft(gamma, accepted)
+                    self._stats_dirty = True
+                    spec = msgspec.structs.replace(spec, num_drafts=spec.num_drafts + 1,
+                                                   num_draft_tokens=spec.num_draft_tokens + gamma,
+                                                   num_accepted_tokens=spec.num_accepted_tokens + accepted)
                     step = accepted + 1
                 if self.token_latency:
                     await asyncio.sleep(self.token_latency)
                 tokens = []
                 for _ in range(min(step, sp.max_tokens - produced)):
                     index = len(req.output_ids) + produced
-                    token = pool[index % len(pool)] if sp.temperature == 0 else rng.choice(pool)
+                    token = pool[index % len(pool)] if is_greedy(sp.temperature) else rng.choice(pool)
                     tokens.append(token)
                     produced += 1
                     if token in stop_ids and produced >= sp.min_tokens:
@@ -301,7 +295,7 @@ class MockWorker:
                                         for t in tokens] if sp.logprobs else None)
                 if finish == "stop" or produced >= sp.max_tokens:
                     usage = Usage(len(req.token_ids), len(req.output_ids) + produced, cached, spec)
-                    yield TokenDelta(delta.token_ids, delta.logprobs, delta.top_logprobs, finish, usage)
+                    yield msgspec.structs.replace(delta, finish_reason=finish, usage=usage)
                     return
                 yield delta
             yield TokenDelta(finish_reason=finish, usage=Usage(len(req.token_ids), len(req.output_ids), cached, spec))

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from runtime.messages import InstanceRecord
-from workers.spec.draft_client import DraftPool
-from workers.spec.proposer import DraftInput, VerifyResult
+from workers.target.draft_client import DraftPool
+from workers.draft.proposer import DraftInput, VerifyResult
 
 pytestmark = pytest.mark.e2e
 

@@ -8,9 +8,10 @@ import time
 import pytest
 
 from router.metrics import spec_stats_json
-from router.spec_stats import SpecCounters, SpecDecodeStats, follow_spec_stats
+from router.spec_stats import SpecDecodeStats, follow_spec_stats
 from runtime.messages import GenerateRequest, SamplingParams, SpecUsage, TokenDelta
 from runtime.request_plane import collect
+from runtime.spec_stats import SpecCounters
 
 pytestmark = pytest.mark.integration
 

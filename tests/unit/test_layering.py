@@ -38,3 +38,79 @@ def test_package_imports_point_down(package):
         if wrong:
             bad.append(f"{path.relative_to(ROOT)} imports {sorted(wrong)}")
     assert not bad, "\n".join(bad)
+
+
+# Inside workers/: engine <- speculation <- {draft, target}; draft and target never import each other.
+WORKERS_FORBIDDEN = {
+    "engine": {"speculation", "draft", "target", "mock", "demo_model"},
+    "speculation": {"draft", "target", "mock", "demo_model"},
+    "draft": {"target", "mock"},
+    "target": {"draft", "mock"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def workers_imports() -> dict[str, set[str]]:
+    """Module -> the workers modules it imports (relative imports resolved, lazy ones included)."""
+    modules = {_module_name(p): p for p in (ROOT / "workers").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
+                           for alias in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def test_workers_subpackages_import_down():
+    bad = []
+    for module, imports in sorted(workers_imports().items()):
+        parts = module.split(".")
+        if len(parts) < 2 or parts[1] not in WORKERS_FORBIDDEN:
+            continue
+        for target in sorted(imports):
+            if target.split(".")[1] in WORKERS_FORBIDDEN[parts[1]]:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_in_workers():
+    graph = workers_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                # a package and its own __init__ re-exports are not a cycle of modules
+                cycle = path[path.index(nxt):] + [nxt]
+                if not all(a.startswith(b + ".") or b.startswith(a + ".") for a, b in zip(cycle, cycle[1:])):
+                    cycles.append(" -> ".join(cycle))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)

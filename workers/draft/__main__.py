@@ -21,7 +21,7 @@ from runtime.config import add_runtime_args, config_from_args
 from runtime.messages import ModelCard
 from runtime.service import run_service
 
-from ..spec.ngram import NgramProposer
+from .ngram import NgramProposer
 from .service import DraftService
 
 log = logging.getLogger("workers.draft")
@@ -66,11 +66,11 @@ def make_proposer(args: argparse.Namespace):
         if not args.draft_model:
             raise SystemExit("--method draft_model needs --draft-model PATH")
         from ..engine.weights import load_model
-        from ..spec.draft_model import DraftModelProposer
+        from .draft_model import DraftModelProposer
 
         return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size)
     if args.method == "oracle":
-        from ..spec.oracle import OracleProposer
+        from .oracle import OracleProposer
 
         if not args.oracle_file:
             raise SystemExit("--method oracle needs --oracle-file")
@@ -79,17 +79,13 @@ def make_proposer(args: argparse.Namespace):
     if args.method == "eagle":
         if not args.eagle_model or not args.target_model:
             raise SystemExit("--method eagle needs --eagle-model PATH and --target-model PATH")
-        from ..spec.eagle import load_eagle, load_target_parts
-        from ..spec.eagle_proposer import EagleProposer
+        from .eagle import load_eagle, load_target_parts
+        from .eagle_proposer import EagleProposer
 
         embed, lm_head, target_cfg = load_target_parts(args.target_model)
         head, layers = load_eagle(args.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
         return EagleProposer(head, layers, args.num_blocks, args.block_size)
     raise ValueError(f"unknown draft method {args.method!r}")
-
-
-async def _info(request, ctx):
-    yield b""
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -113,7 +109,8 @@ async def amain(args: argparse.Namespace) -> None:
         address = f"{args.advertise_host or args.grpc_host}:{port}"
         await rt.register_model(ModelCard(name=args.model_name or "draft", role="draft", spec_method=args.method,
                                           num_speculative_tokens=args.max_speculative_tokens))
-        await rt.serve("draft", "speculate", _info, role="draft", model=args.model_name, grpc_address=address)
+        # Discovery carries the gRPC address; targets never reach a draft worker over NATS.
+        await rt.register("draft", "speculate", role="draft", model=args.model_name, grpc_address=address)
         log.info("draft worker %s ready: method %s, gRPC on %s", rt.instance_id, args.method, address)
         await rt.wait_for_shutdown()
         await server.stop(grace=args.drain_timeout)

@@ -18,8 +18,8 @@ import grpc
 
 from proto import spec_pb2, spec_pb2_grpc
 
-from ..spec.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
-from ..spec.proposer import DraftInput, Proposer
+from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
+from .proposer import DraftInput, Proposer
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InvalidRequest
-from runtime.messages import KvEvent, SamplingParams, TokenDelta, TopLogprob, Usage
+from runtime.messages import KvEvent, SamplingParams, SpecUsage, TokenDelta, TopLogprob, Usage
 
 from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
 from .model import DecoderModel
 from .model_runner import ModelRunner
-from .sampling import logprobs_of, mask_tokens, sample
+from .sampling import is_greedy, logprobs_of, mask_tokens, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -140,7 +140,7 @@ class Engine:
             return
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         generator = None
-        if params.seed is not None and params.temperature > 0:
+        if params.seed is not None and not is_greedy(params.temperature):
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(request_id, list(token_ids) + list(output_ids), len(token_ids), len(output_ids), params,
                        frozenset(t for t in stop if 0 <= t < self.vocab_size), generator)
@@ -154,29 +154,6 @@ class Engine:
             return False
         self.scheduler.finish(seq)
         return True
-
-    def rollback(self, request_id: str, num_tokens: int, append: list[int] = ()) -> None:
-        """Cut a running sequence back to its first ``num_tokens`` tokens, then append ``append``.
-
-        Used after a verify step rejects draft tokens: KV past the cut is dropped (blocks freed; a
-        cached block that would be overwritten is unregistered or copied, see
-        ``BlockManager.truncate``); ``append`` is typically the target's corrected or bonus token.
-        At least the last token is always left uncomputed, so the next step samples after it.
-        """
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            raise KeyError(request_id)
-        if not seq.num_prompt_tokens <= num_tokens <= len(seq):
-            raise ValueError(f"cannot roll back to {num_tokens} tokens (prompt {seq.num_prompt_tokens}, have {len(seq)})")
-        bs = self.config.block_size
-        seq.num_generated += len(append) - (len(seq) - num_tokens)
-        del seq.token_ids[num_tokens:]
-        seq.token_ids.extend(append)
-        seq.num_computed = min(seq.num_computed, num_tokens, len(seq) - 1)
-        if seq.block_table:
-            self.runner.copy_blocks(self.blocks.truncate(seq.block_table, seq.num_computed))
-        del seq.block_hashes[seq.num_computed // bs :]
-        seq.num_registered = min(seq.num_registered, seq.num_computed // bs)
 
     def has_work(self) -> bool:
         return bool(self._immediate) or self.scheduler.has_work()
@@ -232,24 +209,31 @@ class Engine:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.token_ids.append(token)
             seq.num_generated += 1
-            finish = None
-            if token in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
-                finish = "stop"
-            elif seq.num_generated >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-                finish = "length"
+            finish = self._finish_reason(seq, token)
             logprobs = top = None
             if lp is not None and want_lp[i]:
                 k = seq.params.logprobs
                 logprobs = [lp[0][i]]
                 top = [[TopLogprob(t, v) for t, v in zip(lp[1][i][:k], lp[2][i][:k])]] if k else None
-            usage = None
-            if finish:
-                usage = Usage(seq.num_prompt_tokens, seq.num_prefilled_outputs + seq.num_generated,
-                              max(seq.num_cached_tokens, 0))
-                self.seqs.pop(seq.request_id, None)
-                self.scheduler.finish(seq)
+            usage = self._close(seq) if finish else None
             outputs.append((seq.request_id, TokenDelta([token], logprobs, top, finish, usage)))
         return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """The one finish rule, checked after each token ``token`` is appended to ``seq``: a stop
+        token once ``min_tokens`` are out, else max_tokens or the context length."""
+        if token in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
+            return "stop"
+        if seq.num_generated >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _close(self, seq: Sequence, spec: SpecUsage | None = None) -> Usage:
+        """Remove a finished sequence (its blocks are freed); returns its usage."""
+        self.seqs.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        return Usage(seq.num_prompt_tokens, seq.num_prefilled_outputs + seq.num_generated,
+                     max(seq.num_cached_tokens, 0), spec)
 
     # ------------------------------------------------------------------ introspection
 

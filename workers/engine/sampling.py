@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from runtime.messages import is_greedy
+
+__all__ = ["apply_top_k_top_p", "is_greedy", "logprobs_of", "mask_tokens", "sample"]
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / nucleus.
@@ -37,7 +41,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logits [B, V] float32; temperature [B] (0 = greedy); top_k [B] long; top_p [B];
     generators: one per row (None = the global RNG). Returns tokens [B] long.
     """
-    greedy = temperature <= 0  # [B]
+    greedy = is_greedy(temperature)  # [B]
     tokens = logits.argmax(dim=-1)  # [B]
     if bool(greedy.all()):
         return tokens

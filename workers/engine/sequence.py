@@ -39,7 +39,6 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_generated: int = 0
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -135,7 +135,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
 
     from workers.engine.engine import EngineConfig
     from workers.engine.weights import load_model
-    from workers.spec.spec_engine import SpecEngine
+    from workers.target.spec_engine import SpecEngine
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -169,15 +169,13 @@ async def amain(args: argparse.Namespace) -> None:
     cfg = target_config(args, model_path)
     runtime_config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(runtime_config) as rt:
-        from workers.spec.draft_client import DraftPool
-        from workers.spec.speculator import SpecEngineLoop, Speculator
+        from workers.target.draft_client import DraftPool
 
         engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
         drafts = await rt.client("draft", "speculate")
         pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances)
-        speculator = Speculator(pool, engine, rt.instance_id, rt.started_at, rt.publish, cfg.propose_timeout)
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
-                              lambda eng, on_kv: SpecEngineLoop(eng, speculator, on_kv))
+                              pool=pool, propose_timeout=cfg.propose_timeout, epoch=rt.started_at)
         await worker.start()
         REGISTRY.register(TargetCollector(worker, cfg.served_model_name))
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))

@@ -1,4 +1,8 @@
-"""The target worker's ``generate`` handler and its event publishers (KV events, load, KV dumps)."""
+"""The target worker's ``generate`` handler and its event publishers (KV events, load, KV dumps).
+
+The engine itself is driven by :class:`workers.target.step_loop.StepLoop`; a handler submits its
+request there and streams the deltas that come back on its queue.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +16,10 @@ from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
 from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, TokenDelta
 
-from workers.engine.engine import Engine
-
-from .engine_loop import EngineLoop
+from ..engine.engine import Engine
+from .draft_client import DraftPool
 from .metrics import RequestStats
+from .step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +38,20 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
 
 
 class TargetWorker:
-    """Serves ``generate`` from an :class:`Engine` run on its own thread; plain values in."""
+    """Serves ``generate`` from an :class:`Engine` driven by a :class:`StepLoop`; speculates through
+    ``pool`` (a :class:`DraftPool`) when the engine is a ``SpecEngine``."""
 
     def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
-                 load_interval: float = 0.5,
-                 make_loop: Callable[[Engine, Callable[[list[KvEvent]], None]], EngineLoop] = EngineLoop):
+                 load_interval: float = 0.5, *, pool: DraftPool | None = None, propose_timeout: float = 2.0,
+                 epoch: float = 0.0):
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
         self._publish = publish
         self._load_interval = load_interval
         self._kv_out: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
-        self.loop = make_loop(engine, self._kv_out.put_nowait)
+        self.loop = StepLoop(engine, pool, worker_id, propose_timeout=propose_timeout,
+                             on_kv_events=self._kv_out.put_nowait, publish=publish, epoch=epoch)
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client

@@ -66,6 +66,17 @@ def test_usage_spec_decode_follows_vllm_definitions():
                                 "acceptance_rate": 10 / 16, "mean_accepted_length": 1 + 10 / 4}
 
 
+def test_usage_spec_decode_without_drafts_leaves_the_rates_out():
+    u = usage(10, [_choice(SpecUsage(), 1)])
+    assert u["spec_decode"] == {"num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+
+
+def test_usage_spec_decode_sums_choices_before_dividing():
+    u = usage(10, [_choice(SpecUsage(4, 16, 10), 14), _choice(SpecUsage(), 1), _choice(SpecUsage(2, 8, 2), 5)])
+    assert u["spec_decode"] == {"num_drafts": 6, "draft_tokens": 24, "accepted_tokens": 12,
+                                "acceptance_rate": 12 / 24, "mean_accepted_length": 1 + 12 / 6}
+
+
 def test_usage_without_speculation_has_no_spec_block_and_sums_choices():
     u = usage(5, [_choice(None, 3), _choice(None, 4)])
     assert "spec_decode" not in u and u["completion_tokens"] == 7 and u["total_tokens"] == 12

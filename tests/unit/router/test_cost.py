@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from router.cost import KvRouterConfig, choose, request_blocks, worker_cost
+from router.cost import KvRouterConfig, choose, request_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -17,19 +17,6 @@ CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266}
 def chi2(counts, expected=None) -> float:
     expected = expected or [sum(counts) / len(counts)] * len(counts)
     return sum((c - e) ** 2 / e for c, e in zip(counts, expected))
-
-
-def test_cost_formula():
-    assert worker_cost(prefill_blocks=10, decode_blocks=5, queued=2, overlap_weight=2.0, queue_weight=3.0) == 20 + 5 + 6
-    assert worker_cost(0, 0, 0, 2.0, 3.0) == 0
-
-
-def test_overlap_weight_trades_cache_hits_against_load():
-    # A holds 30 of 32 blocks but runs 50 active blocks; B holds nothing and is idle.
-    a = lambda w: worker_cost(2, 50, 0, w, 0)  # noqa: E731
-    b = lambda w: worker_cost(32, 0, 0, w, 0)  # noqa: E731
-    assert a(2.0) < b(2.0)  # 54 < 64: the cache hit is worth the load
-    assert a(1.0) > b(1.0)  # 52 > 32: it is not
 
 
 def test_request_blocks_counts_a_partial_block():

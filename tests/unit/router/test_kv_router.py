@@ -147,11 +147,11 @@ def test_lazy_hashes_equal_the_runtime_hashes():
         assert list(lazy_block_hashes(tokens, 16)) == block_hashes(tokens, 16)
 
 
-async def test_the_inline_costs_are_worker_cost(caplog):
+async def test_costs_follow_the_formula(caplog):
     import random
     import re
 
-    from router.cost import request_blocks, worker_cost
+    from router.cost import request_blocks
 
     rng = random.Random(4)
     router, _ = make_router(("w0", "w1", "w2", "w3"), queue_weight=5.0)
@@ -166,4 +166,5 @@ async def test_the_inline_costs_are_worker_cost(caplog):
     found = re.findall(r"(w\d): overlap=(\d+) cost=([\d.]+)", line)
     assert len(found) == 4
     for w, overlap, cost in found:
-        assert float(cost) == pytest.approx(worker_cost(n - int(overlap), *load[w], 2.0, 5.0))
+        decode, queued = load[w]
+        assert float(cost) == pytest.approx(2.0 * (n - int(overlap)) + decode + 5.0 * queued)

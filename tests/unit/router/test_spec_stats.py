@@ -6,8 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import SpecDecodeCollector, spec_stats_json
-from router.spec_stats import SpecCounters, SpecDecodeStats
+from router.spec_stats import SpecDecodeStats
 from runtime.messages import SpecStatsEvent
+from runtime.spec_stats import SpecCounters
 
 pytestmark = pytest.mark.unit
 
@@ -28,12 +29,6 @@ class Clock:
 
 def fresh(window=60.0, clock=None) -> SpecDecodeStats:
     return SpecDecodeStats(window, clock or Clock(), wall_now=2_000.0)
-
-
-def test_rates_follow_vllm_definitions():
-    c = SpecCounters(10, 40, 25, [9, 7, 5, 4])
-    assert c.acceptance_rate == 25 / 40 and c.mean_accepted_length == 1 + 25 / 10
-    assert SpecCounters().acceptance_rate is None and SpecCounters().mean_accepted_length is None
 
 
 def test_per_pair_per_target_and_total():
@@ -77,7 +72,9 @@ def test_sliding_window():
     # at t=16 the newest sample at or before t-10=6 is t=5
     w = s.total_window(now=16.0)
     assert w == SpecCounters(20, 80, 0, [0, 0, 0, 0]) and w.acceptance_rate == 0 and w.mean_accepted_length == 1
-    assert s.total_window(now=30.0) == SpecCounters(0, 0, 0, [0, 0, 0, 0])
+    empty = s.total_window(now=30.0)
+    assert empty == SpecCounters(0, 0, 0, [0, 0, 0, 0])
+    assert empty.acceptance_rate is None and empty.mean_accepted_length is None
     assert s.total_lifetime().num_drafts == 130
 
 
@@ -108,6 +105,21 @@ def test_prometheus_sink_uses_vllm_names_and_labels():
     assert "# TYPE tandem_spec_decode_num_drafts_total counter" in text
     # the window gauge covers the change since the first (baseline) observation: 6 of 8 accepted
     assert 'tandem_spec_decode_window_acceptance_rate{target="t1"} 0.75' in text
+    assert 'tandem_spec_decode_window_mean_accepted_length{target="t1"} 4.0' in text
+
+
+def test_prometheus_window_gauges_have_no_sample_without_drafts():
+    clock = Clock()
+    s = fresh(window=10.0, clock=clock)
+    s.observe_event(ev("t1", "d1", T0, 10, 40, 20, [8, 6, 4, 2]), now=0.0)  # seen late: the baseline
+    clock.now = 30.0
+    registry = CollectorRegistry()
+    registry.register(SpecDecodeCollector(s))
+    text = generate_latest(registry).decode()
+    assert 'tandem_spec_decode_num_drafts_total{draft="d1",target="t1"} 10.0' in text
+    assert "tandem_spec_decode_window_acceptance_rate{" not in text
+    assert "tandem_spec_decode_window_mean_accepted_length{" not in text
+    assert "NaN" not in text
 
 
 def test_json_sink():
@@ -120,7 +132,9 @@ def test_json_sink():
                                            "mean_accepted_length": 3.0}
     [pair] = report["pairs"]
     assert (pair["target"], pair["draft"], pair["method"]) == ("t1", "d1", "mock")
-    assert pair["window"]["num_drafts"] == 0 and pair["window"]["acceptance_rate"] is None
+    # no drafts in the window: the rates are undefined, so the keys are absent (not 0, not null)
+    assert pair["window"] == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                              "accepted_per_pos": [0, 0, 0, 0]}
     assert report["targets"][0]["target"] == "t1"
 
 

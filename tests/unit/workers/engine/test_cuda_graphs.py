@@ -22,8 +22,8 @@ from workers.engine.cuda_graphs import GraphConfig, GraphRunner, batch_buckets  
 from workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.model_runner import ModelRunner  # noqa: E402
 from workers.engine.weights import load_model  # noqa: E402
-from workers.spec.proposer import DraftOutput  # noqa: E402
-from workers.spec.spec_engine import SpecEngine  # noqa: E402
+from workers.speculation.payloads import DraftOutput  # noqa: E402
+from workers.target.spec_engine import SpecEngine  # noqa: E402
 
 pytestmark = pytest.mark.unit
 CUDA = torch.cuda.is_available()

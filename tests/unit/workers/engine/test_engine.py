@@ -169,34 +169,3 @@ def test_eviction_publishes_removed_and_500_mixed_requests_leave_no_blocks(model
     assert [e.event_id for e in events] == list(range(1, len(events) + 1))
     assert engine.blocks.num_free_blocks == 48 and all(c == 0 for c in engine.blocks.ref_count)
     assert not engine.seqs
-
-
-def test_rollback_drops_kv_and_generation_continues_identically(model):
-    prompt = _prompts(1, seed=9)["r0"]
-    reference = _engine(model).generate({"a": prompt}, GREEDY)["a"]
-    engine = _engine(model)
-    engine.add_request("a", prompt, GREEDY)
-    got = []
-    while len(got) < 10:
-        got.extend(t for _, d in engine.step() for t in d.token_ids)
-    seq = engine.seqs["a"]
-    # pretend the last 6 tokens were rejected drafts: cut them (and their KV) off, then go on
-    engine.rollback("a", len(prompt) + 4)
-    assert seq.num_computed == len(prompt) + 3 and len(seq.block_table) == -(-seq.num_computed // 4)
-    got = got[:4]
-    while engine.has_work():
-        got.extend(t for _, d in engine.step() for t in d.token_ids)
-    assert got == reference
-    assert engine.blocks.num_free_blocks == 256
-    # a verify-style cut: keep 2 generated tokens and append the "corrected" one
-    engine = _engine(model)
-    engine.add_request("b", prompt, GREEDY)
-    got = []
-    while len(got) < 6:
-        got.extend(t for _, d in engine.step() for t in d.token_ids)
-    engine.rollback("b", len(prompt) + 2, append=[reference[2]])
-    assert engine.seqs["b"].num_computed == len(prompt) + 2
-    got = got[:3]
-    while engine.has_work():
-        got.extend(t for _, d in engine.step() for t in d.token_ids)
-    assert got == reference

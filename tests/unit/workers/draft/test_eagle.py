@@ -10,11 +10,11 @@ from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.spec.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
+from tests.unit.workers.target.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.engine.weights import load_model
-from workers.spec.eagle import Eagle1Head, Eagle3Head, load_eagle, load_target_parts
-from workers.spec.eagle_proposer import EagleProposer
-from workers.spec.spec_engine import SpecEngine
+from workers.draft.eagle import Eagle1Head, Eagle3Head, load_eagle, load_target_parts
+from workers.draft.eagle_proposer import EagleProposer
+from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE head fed by the target's hidden states (see :mod:`workers.spec.eagle`).
+"""Drafting with an EAGLE head fed by the target's hidden states (see :mod:`workers.draft.eagle`).
 
 Per sequence: tokens (committed + drafted tail) and features f_t per position — from the target's
 hidden states for committed positions (they arrive with proposal requests and verdicts, one row
@@ -13,7 +13,6 @@ gets empty proposals rather than guesses.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +65,6 @@ class EagleProposer:
     # ------------------------------------------------------------------ protocol
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        start = time.perf_counter()
         for item in batch:
             seq = self._seqs.get(item.seq_id)
             if seq is None:
@@ -81,13 +79,12 @@ class EagleProposer:
                 seq.committed = len(seq.tokens)
                 self._set_features(seq, max(first - 1, 0), item.hidden_states, len(item.new_tokens) - (first == 0))
         self._extend({item.seq_id: item.num_tokens for item in batch})
-        elapsed = time.perf_counter() - start
         out = []
         for item in batch:
             seq = self._seqs[item.seq_id]
             n = min(item.num_tokens, len(seq.tail))
             dists = [] if seq.sampling.greedy else seq.dists[:n]
-            out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists, elapsed))
+            out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists))
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from workers.spec.rejection import rejection_sample  # noqa: E402
-from workers.spec.triton_rejection import rejection_sample_triton  # noqa: E402
+from workers.speculation.rejection import rejection_sample  # noqa: E402
+from workers.speculation.triton_rejection import rejection_sample_triton  # noqa: E402
 
 pytestmark = pytest.mark.unit
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

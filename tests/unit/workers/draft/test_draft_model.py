@@ -10,8 +10,8 @@ import torch
 
 from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model
 from workers.engine.weights import load_model
-from workers.spec.draft_model import DraftModelProposer
-from workers.spec.proposer import DraftInput, SamplingSpec, VerifyResult
+from workers.draft.draft_model import DraftModelProposer
+from workers.draft.proposer import DraftInput, SamplingSpec, VerifyResult
 
 pytestmark = pytest.mark.unit
 

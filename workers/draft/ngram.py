@@ -8,7 +8,6 @@ regardless of the sequence length. Proposals are greedy (no distributions).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from .proposer import DraftInput, DraftOutput, VerifyResult
@@ -66,11 +65,10 @@ class NgramProposer:
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         out = []
         for item in batch:
-            start = time.perf_counter()
             hist = self._seqs.setdefault(item.seq_id, _History())
             self._extend(hist, item.new_tokens)
             tokens = self.lookup(hist.tokens, item.num_tokens, hist) if item.num_tokens > 0 else []
-            out.append(DraftOutput(item.seq_id, item.round, tokens, [], time.perf_counter() - start))
+            out.append(DraftOutput(item.seq_id, item.round, tokens))
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -1,69 +1,19 @@
-"""The ``Proposer`` protocol every draft method implements, and the typed phase payloads.
+"""The ``Proposer`` protocol every draft method implements, and helpers the model-based ones share.
 
-The draft worker converts protobuf messages into these types at the gRPC edge and hands them to a
-proposer. A proposer keeps per-sequence state: the tokens the target has committed, and whatever it
-drafted on top of them. Phases:
-
-- :class:`DraftInput` — draft up to ``num_tokens`` tokens for a sequence after appending
-  ``new_tokens`` (tokens committed since the draft last heard of the sequence);
-- :class:`DraftOutput` — the proposal: token ids and, when the draft sampled, the sparse
-  distribution each token was drawn from;
-- :class:`VerifyResult` — the target's verdict: how many drafts it accepted, every token it emitted
-  this round, and hidden states for methods that need them.
+A proposer keeps per-sequence state: the tokens the target has committed, and whatever it drafted
+on top of them. The payloads it takes and returns are :mod:`workers.speculation.payloads`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class DraftInput:
-    seq_id: str
-    round: int
-    new_tokens: list[int]
-    num_tokens: int
-    sampling: SamplingSpec = SamplingSpec()
-    hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [rows, hidden], see spec.proto
-
-
-@dataclass(frozen=True)
-class SparseDist:
-    ids: list[int]
-    probs: list[float]
-
-
-@dataclass(frozen=True)
-class DraftOutput:
-    seq_id: str
-    round: int
-    token_ids: list[int]
-    distributions: list[SparseDist] = field(default_factory=list)  # empty: greedy (one-hot)
-    draft_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    seq_id: str
-    round: int
-    num_accepted: int
-    emitted_tokens: list[int]
-    hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [len(emitted), hidden]
+__all__ = ["DraftInput", "DraftOutput", "Proposer", "SamplingSpec", "SparseDist", "VerifyResult", "grow_blocks",
+           "sample_draft"]
 
 
 class Proposer(Protocol):

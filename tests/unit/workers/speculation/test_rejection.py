@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.spec.rejection import PAD, random_inputs, rejection_sample, sparse_to_dense
+from workers.speculation.rejection import PAD, random_inputs, rejection_sample, sparse_to_dense
 
 pytestmark = pytest.mark.unit
 

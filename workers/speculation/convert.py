@@ -10,7 +10,7 @@ import torch
 
 from proto import spec_pb2
 
-from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
+from .payloads import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -56,13 +56,13 @@ def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
 
 def draft_output_to_pb(d: DraftOutput) -> spec_pb2.Proposal:
     return spec_pb2.Proposal(
-        seq_id=d.seq_id, round=d.round, token_ids=d.token_ids, draft_seconds=d.draft_seconds,
+        seq_id=d.seq_id, round=d.round, token_ids=d.token_ids,
         distributions=[spec_pb2.SparseDistribution(ids=s.ids, probs=s.probs) for s in d.distributions])
 
 
 def draft_output_from_pb(msg: spec_pb2.Proposal) -> DraftOutput:
     return DraftOutput(msg.seq_id, msg.round, list(msg.token_ids),
-                       [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions], msg.draft_seconds)
+                       [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions])
 
 
 def verify_to_pb(v: VerifyResult) -> spec_pb2.VerifyOutcome:

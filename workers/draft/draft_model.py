@@ -16,7 +16,6 @@ rejection test stays exact. Greedy requests draft greedily and send no distribut
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +62,6 @@ class DraftModelProposer:
     # ------------------------------------------------------------------ protocol
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        start = time.perf_counter()
         for item in batch:
             seq = self._seqs.get(item.seq_id)
             if seq is None:
@@ -77,13 +75,12 @@ class DraftModelProposer:
                 seq.committed = len(seq.tokens)
         wanted = {item.seq_id: item.num_tokens for item in batch}
         self._extend(wanted)
-        elapsed = time.perf_counter() - start
         out = []
         for item in batch:
             seq = self._seqs[item.seq_id]
             n = min(item.num_tokens, len(seq.tail))
             dists = [] if seq.sampling.greedy else [d for d in seq.dists[:n]]
-            out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists, elapsed))
+            out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists))
         return out
 
     def predraft(self, seq_ids: list[str], num_tokens: int) -> None:

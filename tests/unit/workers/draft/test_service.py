@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from workers.draft.service import AHEAD_MIN, DraftService, _Stream
-from workers.spec.proposer import DraftInput, DraftOutput, VerifyResult
+from workers.draft.proposer import DraftInput, DraftOutput, VerifyResult
 
 pytestmark = pytest.mark.unit
 

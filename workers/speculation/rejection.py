@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-PAD = -1  # marks positions after the last emitted token
+from .payloads import PAD  # marks positions after the last emitted token
 
 
 def sparse_to_dense(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:

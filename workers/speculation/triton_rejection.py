@@ -1,4 +1,4 @@
-"""Triton kernel for :func:`workers.spec.rejection.rejection_sample` (same inputs, same outputs).
+"""Triton kernel for :func:`workers.speculation.rejection.rejection_sample` (same inputs, same outputs).
 
 One program per sequence. It walks the γ drafts in order (accept x_i if u_i·q_i(x_i) < p_i(x_i), or
 if x_i is the argmax of p_i for greedy rows) and then picks the final token in one pass over the
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rejection import PAD
+from .payloads import PAD
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def rejection_sample_triton(
     exponentials: torch.Tensor,  # [B, V]
     block_v: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`workers.spec.rejection.rejection_sample`."""
+    """Same contract as :func:`workers.speculation.rejection.rejection_sample`."""
     batch, gamma = draft_tokens.shape
     vocab = target_probs.shape[-1]
     out = torch.full((batch, gamma + 1), PAD, dtype=torch.long, device=target_probs.device)

@@ -4,7 +4,7 @@ Between steps the worker asks :meth:`SpecEngine.draft_inputs` what to draft, get
 draft worker, and passes them to :meth:`SpecEngine.step`. For every decoding sequence with a
 proposal x_1..x_k the step computes the last committed token and the k drafts in the same forward
 pass as everything else in the batch, turns the k+1 logits rows into the request's sampling
-distributions, and applies :func:`workers.spec.rejection.rejection_sample`. Accepted drafts plus one
+distributions, and applies :func:`workers.speculation.rejection.rejection_sample`. Accepted drafts plus one
 recovered or bonus token are committed (stop tokens and max_tokens still apply token by token);
 the KV of rejected positions is rolled back by truncating the block table to the committed length.
 Verdicts (and target hidden states for methods that need them) wait in :meth:`take_verdicts`.
@@ -17,17 +17,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
-from runtime.messages import SamplingParams, SpecUsage, TokenDelta, TopLogprob, Usage
+from runtime.messages import SamplingParams, SpecUsage, TokenDelta, TopLogprob
+from runtime.spec_stats import SpecCounters
 
 from ..engine.engine import Engine, EngineConfig
 from ..engine.model import DecoderModel
-from ..engine.sampling import apply_top_k_top_p, logprobs_of
+from ..engine.sampling import apply_top_k_top_p, is_greedy, logprobs_of
 from ..engine.sequence import Sequence
-from .proposer import DraftInput, DraftOutput, SamplingSpec, VerifyResult
-from .rejection import rejection_sample, sparse_to_dense
-from .spec_stats import SpecCounters
+from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, VerifyResult
+from ..speculation.rejection import rejection_sample, sparse_to_dense
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +202,7 @@ class SpecEngine(Engine):
             if delta.finish_reason:
                 st = self._spec.get(rid)
                 if st is not None and st.usage.num_drafts > 0 and delta.usage is not None:
-                    u = delta.usage
-                    delta = TokenDelta(delta.token_ids, delta.logprobs, delta.top_logprobs, delta.finish_reason,
-                                       Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, st.usage))
+                    delta = msgspec.structs.replace(delta, usage=msgspec.structs.replace(delta.usage, spec=st.usage))
                 self._forget(rid)
             result.append((rid, delta))
         return result
@@ -215,7 +214,7 @@ class SpecEngine(Engine):
         for i in range(logits.shape[0]):  # stop tokens are banned until min_tokens
             if seq.num_generated + i < p.min_tokens and seq.stop_ids:
                 logits[i, sorted(seq.stop_ids)] = float("-inf")
-        if p.temperature <= 0:
+        if is_greedy(p.temperature):
             return logits.softmax(-1)
         scaled = logits / p.temperature
         if p.top_k > 0 or p.top_p < 1:
@@ -230,7 +229,7 @@ class SpecEngine(Engine):
         dev = logits.device
         target = torch.zeros(batch, gamma + 1, vocab, device=dev)
         draft_probs = torch.zeros(batch, gamma, vocab, device=dev)
-        tokens = torch.full((batch, gamma), -1, dtype=torch.long, device=dev)
+        tokens = torch.full((batch, gamma), PAD, dtype=torch.long, device=dev)
         num_draft = torch.zeros(batch, dtype=torch.long, device=dev)
         greedy = torch.zeros(batch, dtype=torch.bool, device=dev)
         uniforms = torch.empty(batch, gamma, device=dev)
@@ -240,13 +239,13 @@ class SpecEngine(Engine):
             target[b, : k + 1] = self._target_probs(seq, logits[r])
             tokens[b, :k] = torch.tensor(drafts, device=dev)
             num_draft[b] = k
-            greedy[b] = seq.params.temperature <= 0
+            greedy[b] = is_greedy(seq.params.temperature)
             if dists and not greedy[b]:
                 ids = [d.ids for d in dists]
                 width = max(len(i) for i in ids)
-                ids_t = torch.tensor([i + [-1] * (width - len(i)) for i in ids])
+                ids_t = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
                 probs_t = torch.tensor([d.probs + [0.0] * (width - len(d.probs)) for d in dists])
-                ids_t = torch.where(ids_t < vocab, ids_t, -1)  # out-of-vocabulary ids carry no mass here
+                ids_t = torch.where(ids_t < vocab, ids_t, PAD)  # out-of-vocabulary ids carry no mass here
                 draft_probs[b, :k] = sparse_to_dense(ids_t.to(dev), probs_t.to(dev), vocab)
             else:  # greedy draft: one-hot on its token
                 draft_probs[b, torch.arange(k, device=dev), tokens[b, :k]] = 1.0
@@ -254,7 +253,7 @@ class SpecEngine(Engine):
             exps[b].exponential_(generator=seq.generator)
         sampler = rejection_sample
         if dev.type == "cuda":  # the fused kernel; on CPU the torch function is the reference
-            from .triton_rejection import rejection_sample_triton as sampler
+            from ..speculation.triton_rejection import rejection_sample_triton as sampler
         out_tokens, accepted = sampler(target, tokens, draft_probs, num_draft, greedy, uniforms, exps)
         out_tokens, accepted = out_tokens.cpu(), accepted.cpu()
         return [self._commit(seq, d[1], out_tokens[b], int(accepted[b]), logits[rows[b]])
@@ -271,18 +270,16 @@ class SpecEngine(Engine):
             kept.append(token)
             seq.token_ids.append(token)
             seq.num_generated += 1
-            if token in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
-                finish = "stop"
-            elif seq.num_generated >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-                finish = "length"
+            finish = self._finish_reason(seq, token)
             if finish:
                 break
         seq.num_computed = min(base + accepted, len(seq))
         self.runner.copy_blocks(self.blocks.truncate(seq.block_table, seq.num_computed))
         self._register_blocks(seq, self.config.block_size)
         st = self._spec[seq.request_id]
-        st.usage = SpecUsage(st.usage.num_drafts + 1, st.usage.num_draft_tokens + k,
-                             st.usage.num_accepted_tokens + accepted)
+        u = st.usage
+        st.usage = msgspec.structs.replace(u, num_drafts=u.num_drafts + 1, num_draft_tokens=u.num_draft_tokens + k,
+                                           num_accepted_tokens=u.num_accepted_tokens + accepted)
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted)
         if self.adaptive:
             st.cap = min(st.gamma, st.cap + 2) if accepted == k else max(0, st.cap - 1)
@@ -297,10 +294,7 @@ class SpecEngine(Engine):
                 top = [[TopLogprob(t, v) for t, v in zip(i, v)] for i, v in zip(top_ids.tolist(), top_vals.tolist())]
         usage = None
         if finish:
-            usage = Usage(seq.num_prompt_tokens, seq.num_prefilled_outputs + seq.num_generated,
-                          max(seq.num_cached_tokens, 0), st.usage)
-            self.seqs.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
+            usage = self._close(seq, st.usage)
             self._forget(seq.request_id)
         else:
             hidden = self._hidden_rows(st, base - 1, base - 1 + len(kept)) if self.hidden_layers else []

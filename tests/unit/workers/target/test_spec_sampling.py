@@ -13,11 +13,11 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.spec.test_rejection import chi2_pvalue
+from tests.unit.workers.speculation.test_rejection import chi2_pvalue
 from workers.engine.engine import EngineConfig
 from workers.engine.weights import load_model
-from workers.spec.draft_model import DraftModelProposer
-from workers.spec.spec_engine import SpecEngine
+from workers.draft.draft_model import DraftModelProposer
+from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from workers.spec.ngram import NgramProposer
-from workers.spec.proposer import DraftInput, VerifyResult
+from workers.draft.ngram import NgramProposer
+from workers.draft.proposer import DraftInput, VerifyResult
 
 pytestmark = pytest.mark.unit
 

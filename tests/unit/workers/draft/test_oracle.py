@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.spec.oracle import OracleProposer
-from workers.spec.proposer import DraftInput, VerifyResult
+from workers.draft.oracle import OracleProposer
+from workers.draft.proposer import DraftInput, VerifyResult
 
 pytestmark = pytest.mark.unit
 

@@ -12,9 +12,9 @@ from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
-from workers.spec.draft_model import DraftModelProposer
-from workers.spec.ngram import NgramProposer
-from workers.spec.spec_engine import SpecEngine
+from workers.draft.draft_model import DraftModelProposer
+from workers.draft.ngram import NgramProposer
+from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_stop_tokens_max_tokens_and_usage_with_speculation(models):
 
 
 def test_adaptive_gamma_backs_off_a_missing_draft_and_keeps_a_good_one(models):
-    from workers.spec.oracle import OracleProposer
+    from workers.draft.oracle import OracleProposer
 
     target_dir, _ = models
     batch = prompts(4, seed=9)

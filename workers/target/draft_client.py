@@ -20,8 +20,8 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 from runtime.messages import InstanceRecord
 
-from .convert import draft_input_to_pb, draft_output_from_pb, verify_to_pb
-from .proposer import DraftInput, DraftOutput, VerifyResult
+from ..speculation.convert import draft_input_to_pb, draft_output_from_pb, verify_to_pb
+from ..speculation.payloads import DraftInput, DraftOutput, VerifyResult
 
 log = logging.getLogger(__name__)
 

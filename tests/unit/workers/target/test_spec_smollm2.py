@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.spec.test_spec_engine import run_spec
+from tests.unit.workers.target.test_spec_engine import run_spec
 from workers.demo_model import demo_model_dir
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
-from workers.spec.ngram import NgramProposer
-from workers.spec.spec_engine import SpecEngine
+from workers.draft.ngram import NgramProposer
+from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 

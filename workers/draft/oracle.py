@@ -75,13 +75,11 @@ class OracleProposer:
             time.sleep(self.token_cost_s * longest)
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        start = time.perf_counter()
         for item in batch:
             self._seqs.setdefault(item.seq_id, [])
             self._commit(item.seq_id, list(item.new_tokens))
         self._extend({item.seq_id: item.num_tokens for item in batch})
-        elapsed = time.perf_counter() - start
-        return [DraftOutput(item.seq_id, item.round, self._tails[item.seq_id][: item.num_tokens], [], elapsed)
+        return [DraftOutput(item.seq_id, item.round, self._tails[item.seq_id][: item.num_tokens])
                 for item in batch]
 
     def predraft(self, seq_ids: list[str], num_tokens: int) -> None:

@@ -1,0 +1,66 @@
+"""Migration: the re-sent request keeps every sampling field and gets only the budget that is left."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.dispatch import Dispatcher
+from router.base import RoundRobinRouter
+from runtime import InstanceGone
+from runtime.messages import GenerateRequest, InstanceRecord, SamplingParams, TokenDelta
+
+pytestmark = pytest.mark.unit
+
+
+class FakeStream:
+    """Yields ``deltas``, then fails with ``InstanceGone`` unless the last one finished."""
+
+    def __init__(self, instance_id: str, deltas: list[TokenDelta]):
+        self.instance_id = instance_id
+        self.finished = False
+        self._deltas = list(deltas)
+
+    async def __anext__(self) -> TokenDelta:
+        if self._deltas:
+            return self._deltas.pop(0)
+        if self.finished:
+            raise StopAsyncIteration
+        self.finished = True
+        raise InstanceGone(self.instance_id, "killed")
+
+    async def aclose(self) -> None:
+        self.finished = True
+
+
+class FakeClient:
+    """The first worker called sends two tokens and dies; the next one finishes."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, GenerateRequest]] = []
+
+    async def call(self, instance_id, request, response_type, request_id=""):
+        self.requests.append((instance_id, request))
+        if len(self.requests) == 1:
+            return FakeStream(instance_id, [TokenDelta([7, 8])])
+        stream = FakeStream(instance_id, [TokenDelta([9], finish_reason="length")])
+        stream.finished = True
+        return stream
+
+
+def record(instance_id: str) -> InstanceRecord:
+    return InstanceRecord(instance_id, "ns", "target", "generate", f"ns.target.generate.{instance_id}", model="m")
+
+
+async def test_migration_keeps_every_sampling_field_and_shrinks_the_budget():
+    router = RoundRobinRouter(lambda model: [record("a"), record("b")])
+    client = FakeClient()
+    sampling = SamplingParams(temperature=0.5, top_p=0.9, top_k=5, seed=7, max_tokens=10, min_tokens=3,
+                              stop_token_ids=[2], ignore_eos=True, logprobs=2)
+    gen = await Dispatcher(router, client).open("m", [1, 2, 3], sampling, "req")
+    tokens = [t async for delta in gen for t in delta.token_ids]
+    assert tokens == [7, 8, 9]
+    (first_id, first), (second_id, second) = client.requests
+    assert first.sampling == sampling and first.output_ids == []
+    assert second_id != first_id and second.output_ids == [7, 8] and second.token_ids == [1, 2, 3]
+    assert second.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, seed=7, max_tokens=8, min_tokens=1,
+                                             stop_token_ids=[2], ignore_eos=True, logprobs=2)

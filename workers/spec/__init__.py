@@ -1,1 +1,0 @@
-"""Speculative decoding: rejection sampling, proposers (n-gram, draft model, EAGLE), draft worker."""

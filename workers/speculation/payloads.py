@@ -1,0 +1,66 @@
+"""The typed phase payloads of speculation, and its sentinels: what target and draft exchange.
+
+Both sides convert protobuf messages into these types at the gRPC edge (:mod:`.convert`). Phases:
+
+- :class:`DraftInput` — draft up to ``num_tokens`` tokens for a sequence after appending
+  ``new_tokens`` (tokens committed since the draft last heard of the sequence);
+- :class:`DraftOutput` — the proposal: token ids and, when the draft sampled, the sparse
+  distribution each token was drawn from;
+- :class:`VerifyResult` — the target's verdict: how many drafts it accepted, every token it emitted
+  this round, and hidden states for methods that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.sampling import is_greedy
+
+PAD = -1  # token-id sentinel: no token (padding after a sequence's last draft or emitted token)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature)
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    seq_id: str
+    round: int
+    new_tokens: list[int]
+    num_tokens: int
+    sampling: SamplingSpec = SamplingSpec()
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [rows, hidden], see spec.proto
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    ids: list[int]
+    probs: list[float]
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    seq_id: str
+    round: int
+    token_ids: list[int]
+    distributions: list[SparseDist] = field(default_factory=list)  # empty: greedy (one-hot)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    seq_id: str
+    round: int
+    num_accepted: int
+    emitted_tokens: list[int]
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [len(emitted), hidden]
