@@ -275,7 +275,7 @@ async def amain(args) -> None:
                       ("draft model, no overlap", ["--method", "draft_model", "--draft-model", str(draft), *base,
                                                    "--no-overlap"], c),
                       ("draft model, overlap", ["--method", "draft_model", "--draft-model", str(draft), *base], c))
-            for label, draft_args, cost in setups:
+            for label, draft_args, cost in ([] if args.oracle_only else setups):
                 r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
                 rows.append((label, r, ideal_speedup(r["alpha"], gamma, cost)))
                 print(f"{label}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}, accepted/drafted={r['rate']:.2f}",
@@ -306,7 +306,7 @@ async def amain(args) -> None:
             await targets.snapshot.wait_for(lambda items: not items, 30)
             target_proc = start_target(adaptive=True)
             await run_requests(rt, prompts[:1], 8, 0)
-            for label, draft_args, cost in setups[:2]:
+            for label, draft_args, cost in ([] if args.oracle_only else setups[:2]):
                 r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
                 rows.append((label.split(",")[0].split(" (")[0] + ", adaptive γ (the default)", r, None))
                 print(f"{label} adaptive: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
@@ -314,7 +314,7 @@ async def amain(args) -> None:
         target_proc.stop()
         etcd.cleanup()
         nats_server.cleanup()
-    hf = transformers_baseline(target, draft, prompts, args.max_tokens, gamma)
+    hf = None if args.oracle_only else transformers_baseline(target, draft, prompts, args.max_tokens, gamma)
 
     p = plain["tokens_per_s"]
 
@@ -338,6 +338,9 @@ async def amain(args) -> None:
             extra = "– | – | – | – | – | –"
         print(f"| {label} | {r['tokens_per_s']:.1f} | {s:.2f}× | {sd:.2f}× | {extra} |")
     dash = "| – " * 7 + "|"
+    if hf is None:
+        print_sweeps(args, sweep, costed, gamma, speedups)
+        return
     print(f"| transformers `generate` (plain) | {hf['plain']:.1f} | {hf['plain'] / p:.2f}× {dash}")
     print(f"| transformers assisted generation (same draft, γ={gamma} fixed) | {hf['assisted']:.1f} | "
           f"{hf['assisted'] / p:.2f}× {dash}")
@@ -347,6 +350,10 @@ async def amain(args) -> None:
     adaptive = next(r["tokens_per_s"] for label, r, _ in rows if label.startswith("draft model, adaptive"))
     print(f"\nsame draft, fixed γ={gamma}: ours / transformers assisted = {fixed / hf['assisted']:.2f}×; "
           f"defaults (our adaptive γ / its defaults) = {adaptive / hf['default']:.2f}×")
+    print_sweeps(args, sweep, costed, gamma, speedups)
+
+
+def print_sweeps(args, sweep, costed, gamma: int, speedups) -> None:
     print("\n| oracle error rate | accepted / drafted | α (fit) | tokens per decode step | achieved speedup (end to end) "
           "| achieved speedup (decode phase) | ideal (c=0) | achieved / ideal (end to end) | achieved / ideal (decode phase) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -385,6 +392,8 @@ def main() -> None:
     parser.add_argument("--cost", type=float, default=0.25,
                         help="emulated draft cost per token for --costed-sweep, as a fraction of a plain decode step")
     parser.add_argument("--out", default="docs/spec_sweep.svg")
+    parser.add_argument("--oracle-only", action="store_true",
+                        help="plain decoding and the oracle sweeps only (no draft model, no transformers): a quick check")
     args = parser.parse_args()
     asyncio.run(amain(args))
 

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-port", type=int, default=0, help="port for the nats-server it starts (default: free)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
 
+    train = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a target model (self-distillation)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_train_args(train)
+
     ray = sub.add_parser("ray", help="run Tandem on a Ray cluster")
     ray_sub = ray.add_subparsers(dest="ray_command", required=True)
     ray_up = ray_sub.add_parser("up", help="place the components as Ray actors")
@@ -80,10 +84,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", nargs="?", default=None,
+                   help="target model directory (config.json + safetensors + tokenizer); default: the demo model")
+    p.add_argument("--out", required=True, help="output directory: the head (speculators layout), data, checkpoints")
+    p.add_argument("--head", default="eagle3", choices=["eagle3"], help="draft head architecture")
+    p.add_argument("--prompts", type=int, default=2000, help="generated training conversations")
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out conversations (another seed)")
+    p.add_argument("--prompt-file", action="append", default=[],
+                   help="extra prompts: .jsonl (prompt/text/messages) or text (paragraphs); repeatable")
+    p.add_argument("--max-tokens", type=int, default=256, help="reply length per turn")
+    p.add_argument("--max-len", type=int, default=1024, help="longest conversation in tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the replies (0: greedy)")
+    p.add_argument("--gen-batch", type=int, default=32, help="concurrent sequences while generating")
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per data shard")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary (most frequent reply tokens)")
+    p.add_argument("--steps", type=int, default=3, help="training-time-test steps (and the head's default γ)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=50, help="warm-up optimizer steps")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
+    p.add_argument("--save-every", type=int, default=100, help="optimizer steps between checkpoints")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", default="float16", help="dtype of the written head")
+    p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "info"))
+
+
+def train_draft(args: argparse.Namespace) -> None:
+    from workers.draft.train.trainer import TrainConfig, train
+
+    target = args.target
+    if target is None:
+        from workers.demo_model import demo_model_dir
+
+        target = str(demo_model_dir())
+    try:
+        config = TrainConfig(target=target, out=args.out, prompts=args.prompts, eval_prompts=args.eval_prompts,
+                             prompt_files=tuple(args.prompt_file), max_tokens=args.max_tokens, max_len=args.max_len,
+                             temperature=args.temperature, gen_batch=args.gen_batch, shard_size=args.shard_size,
+                             draft_vocab=args.draft_vocab, steps=args.steps, epochs=args.epochs, lr=args.lr,
+                             warmup=args.warmup, batch_tokens=args.batch_tokens, save_every=args.save_every,
+                             seed=args.seed, device=args.device, threads=args.threads, dtype=args.dtype)
+        metrics = train(config)
+    except ValueError as exc:
+        sys.exit(f"tandem train-draft: error: {exc}")
+    print(f"held-out acceptance length {metrics['acceptance_length']:.2f} at γ={metrics['gamma']}; "
+          f"head written to {args.out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s [tandem] %(levelname)s %(message)s")
+    if args.command == "train-draft":
+        train_draft(args)
+        return
     try:
         config = stack_config(args)
     except ValueError as exc:

@@ -126,6 +126,10 @@ class Launcher:
         if not cfg.mock:
             if not module_available("workers.target"):
                 raise LaunchError("python -m workers.target is not available in this checkout; try `tandem up --mock`")
+            if cfg.model and not Path(cfg.model).exists():
+                raise LaunchError(f"--model {cfg.model} does not exist")
+            if cfg.draft_model and cfg.num_drafts and not Path(cfg.draft_model).exists():
+                raise LaunchError(f"--draft-model {cfg.draft_model} does not exist")
             model_path = cfg.model or resolve_demo_model()
         self._model_path = model_path
         drafts_ok = module_available("workers.draft")

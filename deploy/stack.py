@@ -16,10 +16,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DRAFT_METHODS = ("ngram", "draft_model", "eagle", "none")
+DRAFT_METHODS = ("ngram", "draft_model", "eagle3", "eagle", "none")
+HEAD_METHODS = ("eagle3", "eagle")  # draft heads on the target's hidden states: --draft-model is the head
 ROUTER_MODES = ("kv", "round_robin", "random")
 MOCK_MODEL_NAME = "mock"
 
@@ -61,8 +63,12 @@ class StackConfig:
             raise ValueError(f"mock_token_latency_ms must be >= 0, got {self.mock_token_latency_ms}")
         if self.mock_token_latency_ms is not None and not self.mock:
             raise ValueError("--mock-token-latency-ms only applies with --mock")
-        if self.draft_method in ("draft_model", "eagle") and not self.draft_model and self.num_drafts:
-            raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH")
+        if self.draft_method in ("draft_model", *HEAD_METHODS) and not self.draft_model and self.num_drafts:
+            what = "a draft head directory" if self.draft_method in HEAD_METHODS else "a draft model"
+            raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH ({what})")
+        if self.draft_model and self.draft_method in ("ngram", "none"):
+            raise ValueError(f"--draft-model applies to draft_model, eagle3 and eagle, not --draft-method "
+                             f"{self.draft_method}")
         if self.draft_method == "none" and self.drafts:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
         if self.mock and self.drafts:
@@ -154,7 +160,9 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
         for i in range(config.num_drafts):
             cname = f"draft-{i}"
             args = ["--method", config.draft_method, "--model-name", name, "--health-port", str(ports[cname])]
-            if config.draft_model:
+            if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
+                args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
+            elif config.draft_model:
                 args += ["--draft-model", config.draft_model]
             if config.num_speculative_tokens is not None:
                 args += ["--max-speculative-tokens", str(config.num_speculative_tokens)]

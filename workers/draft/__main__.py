@@ -26,7 +26,7 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram", "draft_model", "eagle", "oracle")
+METHODS = ("ngram", "draft_model", "eagle3", "eagle", "oracle")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--advertise-host", default=None,
                         help="host targets should dial (default: --grpc-host; set it when listening on 0.0.0.0)")
     parser.add_argument("--draft-model", default=None, help="draft LM directory or .gguf (method draft_model)")
-    parser.add_argument("--eagle-model", default=None, help="EAGLE-1/EAGLE-3 head directory (method eagle)")
+    parser.add_argument("--eagle-model", default=None, help="EAGLE-3 / EAGLE-1 head directory (methods eagle3, eagle)")
     parser.add_argument("--target-model", default=None,
                         help="the target's model directory: EAGLE uses its embedding and LM head (method eagle)")
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
@@ -76,9 +76,9 @@ def make_proposer(args: argparse.Namespace):
             raise SystemExit("--method oracle needs --oracle-file")
         return OracleProposer.from_file(args.oracle_file, args.oracle_error_rate, args.oracle_vocab_size,
                                         token_cost_s=args.oracle_token_cost_ms / 1000)
-    if args.method == "eagle":
+    if args.method in ("eagle", "eagle3"):  # the head's config says which EAGLE it is
         if not args.eagle_model or not args.target_model:
-            raise SystemExit("--method eagle needs --eagle-model PATH and --target-model PATH")
+            raise SystemExit(f"--method {args.method} needs --eagle-model PATH and --target-model PATH")
         from .eagle import load_eagle, load_target_parts
         from .eagle_proposer import EagleProposer
 

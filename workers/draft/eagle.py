@@ -182,12 +182,37 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], skip: tuple[st
         raise ValueError(f"the EAGLE checkpoint lacks {sorted(missing)[:4]}")
 
 
+def read_eagle_config(path: Path) -> dict:
+    """The head's config as one flat dict: the legacy EAGLE layout as it is; the ``speculators``
+    layout (``speculators_model_type: eagle3``, the layer's shape under ``transformer_layer_config``)
+    flattened, with vLLM's default ``norm_before_residual=True`` when it is absent."""
+    raw = json.loads((path / "config.json").read_text())
+    if "transformer_layer_config" not in raw:
+        return raw
+    if raw.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{path}: speculators model type {raw.get('speculators_model_type')!r} is not supported "
+                         "(supported: eagle3)")
+    unsupported = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
+    if unsupported:
+        raise ValueError(f"{path}: EAGLE-3 options {unsupported} are not supported")
+    flat = dict(raw["transformer_layer_config"])
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if raw.get(key) is not None:
+            flat[key] = raw[key]
+    flat["norm_before_residual"] = raw.get("norm_before_residual", True)
+    flat["speculators_model_type"] = "eagle3"
+    return flat
+
+
 def load_eagle(path: str | Path, target_embed: nn.Embedding, target_lm_head: nn.Linear, target_cfg: ModelConfig,
                max_positions: int) -> tuple[EagleHead, list[int]]:
     """Load an EAGLE-1 or EAGLE-3 head from ``path``; returns it and the target layers it needs."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_eagle_config(path)
     state = _read_state(path)
+    if raw.get("speculators_model_type") == "eagle3":  # speculators names its one layer layers.0
+        state = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+                 for k, v in state.items()}
     cfg = ModelConfig.from_dict({**raw, "model_type": raw.get("model_type") if raw.get("model_type") in
                                  ("llama", "qwen2", "qwen3", "mistral") else "llama"})
     cfg = replace(cfg, vocab_size=target_cfg.vocab_size)
@@ -204,7 +229,8 @@ def load_eagle(path: str | Path, target_embed: nn.Embedding, target_lm_head: nn.
             state["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
         _load_into(head, state, skip=("embed_tokens.", "t2d"))
         L = target_cfg.num_layers
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
+        ids = (raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3])
         layers = [min(max(int(i), 0), L) for i in ids]
     else:
         head = Eagle1Head(cfg, embed, target_lm_head, max_positions, fc_bias="fc.bias" in state)

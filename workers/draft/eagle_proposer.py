@@ -48,6 +48,7 @@ class EagleProposer:
     def __init__(self, head: EagleHead, hidden_layers: list[int], num_blocks: int, block_size: int = 16,
                  max_support: int = 64):
         self.head = head
+        self.method = "eagle3" if head.version == 3 else "eagle"
         self.hidden_layers = list(hidden_layers)
         cfg = head.cfg
         param = next(head.parameters())

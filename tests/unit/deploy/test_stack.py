@@ -25,6 +25,8 @@ def ports_for(config: StackConfig, drafts_available: bool = True) -> dict[str, i
     ({"mock": True, "mock_token_latency_ms": -1.0}, "mock_token_latency_ms"),
     ({"draft_method": "draft_model"}, "--draft-model"),
     ({"draft_method": "eagle", "drafts": 2}, "--draft-model"),
+    ({"draft_method": "eagle3"}, "--draft-model PATH \\(a draft head directory\\)"),
+    ({"draft_method": "ngram", "draft_model": "/h"}, "--draft-model applies to"),
     ({"draft_method": "none", "drafts": 1}, "--draft-method none"),
     ({"mock": True, "drafts": 1}, "no draft workers"),
 ])
@@ -83,6 +85,17 @@ def test_no_model_path_leaves_the_target_on_its_default_model():
     cfg = StackConfig(drafts=0)
     [target, _] = plan(cfg, None, ports_for(cfg))
     assert "--model" not in target.args and target.args[:2] == ("--served-model-name", "SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_head_methods_get_the_head_and_the_target(method):
+    """EAGLE heads read the target's embedding and LM head: the draft gets both paths."""
+    cfg = StackConfig(model="/m/target", draft_method=method, draft_model="/h")
+    draft = next(c for c in plan(cfg, "/m/target", ports_for(cfg)) if c.kind == "draft")
+    args = list(draft.args)
+    assert args[args.index("--method") + 1] == method
+    assert args[args.index("--eagle-model") + 1] == "/h" and args[args.index("--target-model") + 1] == "/m/target"
+    assert "--draft-model" not in args
 
 
 def test_no_drafts_when_the_module_is_missing():

@@ -1,0 +1,136 @@
+"""Self-distillation data for an EAGLE-3 head: the target answers prompts, and its own forward pass
+gives the hidden states the head learns from.
+
+For each conversation the target generates a reply with our engine (continuous batching, greedy
+or at ``temperature``); conversations with a follow-up get a second turn after the target's own
+first answer. Then one teacher-forced forward of the whole token sequence through the same model
+returns the hidden states of the three layers EAGLE-3 reads (low, middle, high). A sample is
+``tokens [T]`` (long), ``mask [T]`` (bool: tokens the target generated, where the loss applies)
+and ``hidden [T, 3·H]`` (float16). Samples are written in shards of ``shard_size`` conversations
+(``shard_00000.pt``, ...); a shard already on disk is not made again, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from runtime.messages import SamplingParams
+
+from ...engine.engine import Engine, EngineConfig
+from ...engine.model import DecoderModel
+from ...engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """The target layers EAGLE-3 reads by default (vLLM's and speculators' (2, L//2, L-3)), in our
+    numbering: k = the input of decoder layer k."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 needs a target with at least 4 layers, this one has {num_layers}")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class SampleMaker:
+    """Generates replies and hidden states with one target model (CPU or CUDA)."""
+
+    def __init__(self, model: DecoderModel, tokenizer, layers: list[int], *, max_tokens: int = 256,
+                 temperature: float = 0.0, batch: int = 32, max_len: int = 1024, seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.layers = list(layers)
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.max_len = max_len
+        self.seed = seed
+        self.engine = Engine(model, EngineConfig(block_size=16, max_num_seqs=batch, max_num_batched_tokens=2048,
+                                                 max_model_len=max_len, kv_cache_bytes=512 << 20,
+                                                 enable_prefix_caching=True))
+        # the teacher-forced pass gets a cache of its own: the engine's blocks hold its prefix cache
+        self._runner = ModelRunner(model, -(-max_len // 16), 16)
+        self.eos = sorted(self.engine.eos_token_ids)
+
+    def _template(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _generate(self, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+        params = {}
+        for i, rid in enumerate(prompts):
+            budget = min(self.max_tokens, self.max_len - len(prompts[rid]) - 1)
+            params[rid] = SamplingParams(temperature=self.temperature, max_tokens=max(budget, 0),
+                                         seed=None if self.temperature == 0 else self.seed + i)
+        return self.engine.generate({r: p for r, p in prompts.items() if params[r].max_tokens > 0}, params)
+
+    def make(self, conversations: list[dict]) -> list[dict]:
+        """Samples for ``conversations`` (see :mod:`workers.draft.train.prompts`)."""
+        first = {}
+        for i, conv in enumerate(conversations):
+            ids = self._template(conv["messages"])
+            if len(ids) < self.max_len - 8:
+                first[str(i)] = ids
+        replies = self._generate(first)
+        seqs: dict[str, tuple[list[int], list[bool]]] = {}
+        second = {}
+        for rid, reply in replies.items():
+            conv = conversations[int(rid)]
+            tokens, mask = first[rid] + reply, [False] * len(first[rid]) + [True] * len(reply)
+            seqs[rid] = (tokens, mask)
+            if conv.get("follow_up"):
+                text = self.tokenizer.decode(reply, skip_special_tokens=True)
+                messages = conv["messages"] + [{"role": "assistant", "content": text},
+                                               {"role": "user", "content": conv["follow_up"]}]
+                ids = self._template(messages)
+                if len(ids) < self.max_len - 8:
+                    second[rid] = ids
+        for rid, reply in self._generate(second).items():
+            ids = second[rid]
+            seqs[rid] = (ids + reply, _turn_mask(ids, seqs[rid]) + [True] * len(reply))
+        return [self.hidden(tokens, mask) for tokens, mask in seqs.values() if sum(mask) >= 2]
+
+    @torch.inference_mode()
+    def hidden(self, tokens: list[int], mask: list[bool]) -> dict:
+        """One teacher-forced forward over ``tokens``: the sample with its hidden states."""
+        runner: ModelRunner = self._runner
+        blocks = list(range(-(-len(tokens) // runner.block_size)))
+        out = runner.forward([(tokens, 0, blocks)], [0], tuple(self.layers))
+        hidden = torch.cat([out.hidden[k] for k in self.layers], dim=-1)  # [T, 3H]
+        return {"tokens": torch.tensor(tokens, dtype=torch.long), "mask": torch.tensor(mask, dtype=torch.bool),
+                "hidden": hidden.to(torch.float16).cpu()}
+
+
+def _turn_mask(ids: list[int], first: tuple[list[int], list[bool]]) -> list[bool]:
+    """Loss mask over a two-turn prompt: the first reply's tokens where they appear unchanged."""
+    tokens, mask = first
+    n = 0
+    while n < min(len(ids), len(tokens)) and ids[n] == tokens[n]:
+        n += 1
+    return mask[:n] + [False] * (len(ids) - n)
+
+
+def write_shards(maker: SampleMaker, conversations: list[dict], out_dir: Path, shard_size: int,
+                 progress=None) -> list[Path]:
+    """Make every shard of ``conversations`` not already in ``out_dir``; returns all shard paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for start in range(0, len(conversations), shard_size):
+        path = out_dir / f"shard_{start // shard_size:05d}.pt"
+        paths.append(path)
+        chunk = conversations[start : start + shard_size]
+        if not path.exists():
+            samples = maker.make(chunk)
+            tmp = path.with_suffix(".tmp")
+            torch.save(samples, tmp)
+            tmp.replace(path)  # a shard is either whole on disk or absent
+        if progress is not None:
+            progress.update(len(chunk))
+    return paths
+
+
+def load_samples(paths: list[Path]) -> Iterator[dict]:
+    for path in paths:
+        yield from torch.load(path, weights_only=True)

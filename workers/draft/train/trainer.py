@@ -1,0 +1,245 @@
+"""``tandem train-draft``: an EAGLE-3 head for a target model, trained on the target's own replies.
+
+Stages, each resumable (an interrupted run picks up where it stopped):
+1. data — prompts (:mod:`.prompts`), replies and hidden states (:mod:`.data`) in shards under
+   ``OUT/data/{train,eval}``; the eval prompts come from another seed than the training ones;
+2. vocabulary — the ``draft_vocab`` most frequent reply tokens (EAGLE-3's reduced LM head);
+3. training — training-time test over ``steps`` unrolled steps (:mod:`.ttt`), AdamW with warm-up and
+   cosine decay, gradient clipping; a checkpoint (``OUT/train_state.pt``) every ``save_every``
+   optimizer steps and at the end of each epoch;
+4. evaluation on the held-out split (top-1 per step, greedy acceptance length at γ = ``steps``) and
+   the head written in the ``speculators`` layout (:mod:`.checkpoint`) to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ...engine.config import ModelConfig
+from ..eagle import Eagle3Head
+from .checkpoint import save_eagle3
+from .data import SampleMaker, eagle3_layers, load_samples, write_shards
+from .prompts import conversation, local_prompts
+from .ttt import draft_vocabulary, ttt_forward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str
+    out: str
+    prompts: int = 2000
+    eval_prompts: int = 64
+    prompt_files: tuple[str, ...] = ()
+    max_tokens: int = 256
+    max_len: int = 1024
+    temperature: float = 0.0
+    gen_batch: int = 32
+    shard_size: int = 64
+    draft_vocab: int = 8192
+    steps: int = 3
+    epochs: int = 2
+    lr: float = 5e-4
+    warmup: int = 50
+    batch_tokens: int = 4096
+    grad_clip: float = 0.5
+    save_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None
+    dtype: str = "float16"
+    metrics: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not Path(self.target).is_dir() or not (Path(self.target) / "config.json").exists():
+            raise ValueError(f"target {self.target!r} is not a model directory with a config.json")
+        for name in ("prompts", "max_tokens", "gen_batch", "shard_size", "draft_vocab", "steps", "epochs",
+                     "batch_tokens", "save_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.eval_prompts < 0 or self.lr <= 0 or self.temperature < 0:
+            raise ValueError("--eval-prompts must be >= 0, --lr > 0 and --temperature >= 0")
+        if self.dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"--dtype must be float16, bfloat16 or float32, got {self.dtype}")
+
+
+def check_target(path: str | Path) -> ModelConfig:
+    """The target's config; ValueError (one line) for a target an EAGLE-3 head cannot be trained for."""
+    cfg = ModelConfig.from_dir(path)  # raises for unsupported architectures
+    eagle3_layers(cfg.num_layers)
+    if cfg.qk_norm or cfg.qkv_bias:
+        raise ValueError(f"EAGLE-3 training supports Llama-style targets (no q/k norms or qkv biases); "
+                         f"{path} is {cfg.model_type}")
+    return cfg
+
+
+def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
+    from transformers import AutoTokenizer
+
+    from ...engine.weights import load_model
+
+    out = Path(cfg.out) / "data"
+    train_convs = [conversation(cfg.seed, i) for i in range(cfg.prompts)] + local_prompts(list(cfg.prompt_files))
+    eval_convs = [conversation(cfg.seed + 1_000_003, i) for i in range(cfg.eval_prompts)]
+    shard = cfg.shard_size
+    todo = [p for p in _shard_names(out / "train", len(train_convs), shard) + _shard_names(out / "eval", len(eval_convs), shard)
+            if not p.exists()]
+    if not todo:  # everything on disk already: no model needed
+        return _shard_names(out / "train", len(train_convs), shard), _shard_names(out / "eval", len(eval_convs), shard)
+    target_cfg = check_target(cfg.target)
+    model = load_model(cfg.target, device=cfg.device, max_positions=cfg.max_len)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    maker = SampleMaker(model, tokenizer, eagle3_layers(target_cfg.num_layers), max_tokens=cfg.max_tokens,
+                        temperature=cfg.temperature, batch=cfg.gen_batch, max_len=cfg.max_len, seed=cfg.seed)
+    bar = progress(total=len(train_convs) + len(eval_convs), desc="generating", unit="conv")
+    held = write_shards(maker, eval_convs, out / "eval", shard, bar)  # first: a cut-short run can still evaluate
+    train = write_shards(maker, train_convs, out / "train", shard, bar)
+    bar.close()
+    return train, held
+
+
+def _shard_names(directory: Path, n: int, shard: int) -> list[Path]:
+    return [directory / f"shard_{i:05d}.pt" for i in range(-(-n // shard))]
+
+
+def build_head(target_cfg: ModelConfig, embed: torch.nn.Embedding, lm_head_weight: torch.Tensor,
+               draft_ids: torch.Tensor, d2t: torch.Tensor, max_positions: int, seed: int) -> Eagle3Head:
+    """A fresh head: one Llama layer shaped like the target's, LM head rows copied from the target's."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(replace(target_cfg, num_layers=1), embed, max_positions, target_cfg.hidden_size,
+                      len(draft_ids), target_cfg.vocab_size, norm_before_residual=True)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+        head.lm_head.weight.copy_(lm_head_weight[draft_ids])
+        head.d2t.copy_(d2t)
+    return head
+
+
+def _samples(paths: list[Path]) -> list[dict]:
+    return [s for s in load_samples(paths) if s["mask"].sum() >= 2]
+
+
+def evaluate(head: Eagle3Head, embed, samples: list[dict], t2d_index: torch.Tensor, steps: int) -> dict:
+    correct, counted, chains, accepted = [0] * steps, [0] * steps, 0, 0
+    with torch.no_grad():
+        for s in samples:
+            st = ttt_forward(head, embed, s["tokens"], s["hidden"].float(), s["mask"], t2d_index, steps)
+            for k in range(len(st.correct)):
+                correct[k] += st.correct[k]
+                counted[k] += st.counted[k]
+            chains += st.chains
+            accepted += st.accepted
+    return {"chains": chains, "top1_per_step": [c / n if n else None for c, n in zip(correct, counted)],
+            "acceptance_length": 1 + accepted / chains if chains else None, "gamma": steps}
+
+
+def train(cfg: TrainConfig, progress=None) -> dict:
+    """Run every stage; returns the held-out metrics (also written to OUT/metrics.json)."""
+    if progress is None:
+        from tqdm import tqdm as progress
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target_cfg = check_target(cfg.target)
+    started = time.perf_counter()
+    train_paths, eval_paths = make_data(cfg, progress)
+    gen_s = time.perf_counter() - started
+    from ...engine.weights import iter_safetensors
+
+    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
+    parts = {n: t.float() for n, t in iter_safetensors(Path(cfg.target)) if n in wanted}
+    embed = torch.nn.Embedding.from_pretrained(parts["model.embed_tokens.weight"], freeze=True)
+    lm_head = parts.get("lm_head.weight", parts["model.embed_tokens.weight"])
+    samples = _samples(train_paths)
+    held = _samples(eval_paths)
+    if not samples:
+        raise ValueError("no training samples: every reply was empty")
+    counts = torch.zeros(target_cfg.vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s["tokens"][s["mask"]], minlength=target_cfg.vocab_size)
+    draft_ids, d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab)
+    t2d_index = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
+    t2d_index[draft_ids] = torch.arange(len(draft_ids))
+    head = build_head(target_cfg, embed, lm_head, draft_ids, d2t, cfg.max_len, cfg.seed)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    tokens_per_epoch = sum(int(s["tokens"].shape[0]) for s in samples)
+    total_steps = max(1, cfg.epochs * math.ceil(tokens_per_epoch / cfg.batch_tokens))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / max(1, total_steps - cfg.warmup))))
+
+    state_path = Path(cfg.out) / "train_state.pt"
+    step, epoch, position = 0, 0, 0
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, epoch, position = state["step"], state["epoch"], state["position"]
+        log.info("resuming training at epoch %d, sample %d (step %d)", epoch, position, step)
+
+    def save_state() -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
+                    "position": position}, tmp)
+        tmp.replace(state_path)
+
+    train_started = time.perf_counter()
+    bar = progress(total=cfg.epochs * len(samples), initial=epoch * len(samples) + position, desc="training",
+                   unit="seq")
+    head.train()
+    while epoch < cfg.epochs:
+        order = list(range(len(samples)))
+        random.Random(cfg.seed + epoch).shuffle(order)
+        acc_tokens, running = 0, []
+        optimizer.zero_grad(set_to_none=True)
+        while position < len(order):
+            s = samples[order[position]]
+            st = ttt_forward(head, embed, s["tokens"], s["hidden"].float(), s["mask"], t2d_index, cfg.steps)
+            n = int(s["tokens"].shape[0])
+            (st.loss * n / cfg.batch_tokens).backward()
+            acc_tokens += n
+            running.append(float(st.loss.detach()))
+            position += 1
+            bar.update(1)
+            if acc_tokens >= cfg.batch_tokens or position == len(order):
+                torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                acc_tokens = 0
+                bar.set_postfix(loss=f"{sum(running[-50:]) / len(running[-50:]):.3f}", lr=f"{lr_at(step):.1e}")
+                if step % cfg.save_every == 0:
+                    save_state()
+        epoch, position = epoch + 1, 0
+        save_state()
+    bar.close()
+    head.eval()
+    train_s = time.perf_counter() - train_started
+    metrics = evaluate(head, embed, held, t2d_index, cfg.steps)
+    metrics.update(train_tokens=tokens_per_epoch, train_reply_tokens=int(sum(int(s["mask"].sum()) for s in samples)),
+                   train_sequences=len(samples), eval_sequences=len(held), epochs=cfg.epochs,
+                   generation_minutes=gen_s / 60, training_minutes=train_s / 60, draft_vocab=len(draft_ids),
+                   config={k: v for k, v in asdict(cfg).items() if k != "metrics"})
+    layers = eagle3_layers(target_cfg.num_layers)
+    save_eagle3(head, t2d, cfg.out, layers=layers, verifier=str(cfg.target), num_speculative_tokens=cfg.steps,
+                dtype=getattr(torch, cfg.dtype), extra={"metrics": {k: metrics[k] for k in (
+                    "acceptance_length", "top1_per_step", "train_tokens", "generation_minutes", "training_minutes")}})
+    (Path(cfg.out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log.info("held-out acceptance length %.2f at γ=%d; head written to %s",
+             metrics["acceptance_length"] or 0.0, cfg.steps, cfg.out)
+    return metrics
