@@ -51,6 +51,20 @@ PROMPTS = [
 ]
 
 
+# Prompts no training conversation of `tandem train-draft` uses (its generator's templates and topics
+# differ): the set for rows with a trained head.
+HELD_OUT_PROMPTS = [
+    "Describe how a refrigerator keeps food cold.",
+    "What should I pack for a weekend hiking trip in the mountains?",
+    "Write a limerick about a forgetful robot.",
+    "Explain the difference between weather and climate.",
+    "Suggest a name and a slogan for a small neighbourhood bakery.",
+    "How do I politely decline a meeting invitation? Give an example reply.",
+    "What are the main causes of traffic congestion in big cities?",
+    "Tell me how to make a cup of green tea properly.",
+]
+
+
 def ideal_speedup(alpha: float, gamma: int, c: float) -> float:
     if alpha >= 1.0:
         return (gamma + 1) / (gamma * c + 1)
@@ -247,7 +261,7 @@ async def amain(args) -> None:
     draft = build_draft(target, args.draft_layers)
     tok = AutoTokenizer.from_pretrained(target)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in PROMPTS[: args.prompts]]
+             for p in (HELD_OUT_PROMPTS if args.held_out else PROMPTS)[: args.prompts]]
     prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     gamma = args.gamma
     c = measure_cost_ratio(target, draft)
@@ -275,9 +289,15 @@ async def amain(args) -> None:
                       ("draft model, no overlap", ["--method", "draft_model", "--draft-model", str(draft), *base,
                                                    "--no-overlap"], c),
                       ("draft model, overlap", ["--method", "draft_model", "--draft-model", str(draft), *base], c))
+            if args.eagle3:
+                setups = setups + (("EAGLE-3 head trained by `tandem train-draft`",
+                                     ["--method", "eagle3", "--eagle-model", args.eagle3, "--target-model",
+                                      str(target), *base], None),)
+            keys = ("ngram", "draft_model", "draft_model", "eagle3")
+            setups = tuple(x for key, x in zip(keys, setups) if args.rows is None or key in args.rows)
             for label, draft_args, cost in ([] if args.oracle_only else setups):
                 r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
-                rows.append((label, r, ideal_speedup(r["alpha"], gamma, cost)))
+                rows.append((label, r, None if cost is None else ideal_speedup(r["alpha"], gamma, cost)))
                 print(f"{label}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}, accepted/drafted={r['rate']:.2f}",
                       flush=True)
             refs = Path(tempfile.mkdtemp()) / "refs.json"
@@ -306,7 +326,8 @@ async def amain(args) -> None:
             await targets.snapshot.wait_for(lambda items: not items, 30)
             target_proc = start_target(adaptive=True)
             await run_requests(rt, prompts[:1], 8, 0)
-            for label, draft_args, cost in ([] if args.oracle_only else setups[:2]):
+            adaptive_rows = [x for x in setups if "overlap" not in x[0] or "no overlap" in x[0]]
+            for label, draft_args, cost in ([] if args.oracle_only else adaptive_rows):
                 r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
                 rows.append((label.split(",")[0].split(" (")[0] + ", adaptive γ (the default)", r, None))
                 print(f"{label} adaptive: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
@@ -314,7 +335,8 @@ async def amain(args) -> None:
         target_proc.stop()
         etcd.cleanup()
         nats_server.cleanup()
-    hf = None if args.oracle_only else transformers_baseline(target, draft, prompts, args.max_tokens, gamma)
+    hf = None if args.oracle_only or args.no_transformers else transformers_baseline(target, draft, prompts,
+                                                                                     args.max_tokens, gamma)
 
     p = plain["tokens_per_s"]
 
@@ -392,6 +414,12 @@ def main() -> None:
     parser.add_argument("--cost", type=float, default=0.25,
                         help="emulated draft cost per token for --costed-sweep, as a fraction of a plain decode step")
     parser.add_argument("--out", default="docs/spec_sweep.svg")
+    parser.add_argument("--eagle3", default=None, help="also a row with this EAGLE-3 head directory")
+    parser.add_argument("--rows", type=lambda s: set(s.split(",")), default=None,
+                        help="only these draft rows: ngram, draft_model, eagle3 (default: all)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
+    parser.add_argument("--held-out", action="store_true",
+                        help="prompts no train-draft conversation uses (for rows with a trained head)")
     parser.add_argument("--oracle-only", action="store_true",
                         help="plain decoding and the oracle sweeps only (no draft model, no transformers): a quick check")
     args = parser.parse_args()

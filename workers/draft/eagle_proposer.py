@@ -19,6 +19,7 @@ import torch
 
 from ..engine.attention import AttentionMetadata, allocate_kv_cache
 from ..engine.block_manager import BlockManager
+from ..speculation.convert import dtype_name
 from .eagle import EagleHead
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
@@ -49,6 +50,7 @@ class EagleProposer:
                  max_support: int = 64):
         self.head = head
         self.method = "eagle3" if head.version == 3 else "eagle"
+        self.hidden_dtype = dtype_name(next(head.parameters()).dtype)  # targets send hidden states in it
         self.hidden_layers = list(hidden_layers)
         cfg = head.cfg
         param = next(head.parameters())

@@ -163,7 +163,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
                         draft_id=self.draft_id, method=self.proposer.method,
                         hidden_layers=self.proposer.hidden_layers,
-                        max_speculative_tokens=self.max_speculative_tokens)))
+                        max_speculative_tokens=self.max_speculative_tokens,
+                        hidden_dtype=getattr(self.proposer, "hidden_dtype", ""))))
                 elif body == "propose":
                     inputs = []
                     for r in msg.propose.requests:

@@ -16,7 +16,19 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def tensor_to_pb(t: torch.Tensor) -> spec_pb2.Tensor:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a hidden-state dtype ('float32', 'float16', 'bfloat16')."""
+    if dtype not in _NAMES:
+        raise ValueError(f"unsupported hidden-state dtype {dtype}")
+    return _NAMES[dtype]
+
+
+def tensor_to_pb(t: torch.Tensor, dtype: str = "") -> spec_pb2.Tensor:
+    """``t`` as raw bytes + dtype + shape, cast to ``dtype`` (a wire name) first when given."""
+    if dtype:
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported hidden-state dtype {dtype!r}")
+        t = t.to(_DTYPES[dtype])
     t = t.detach().contiguous().cpu()
     if t.dtype not in _NAMES:
         raise ValueError(f"unsupported hidden-state dtype {t.dtype}")
@@ -43,10 +55,10 @@ def sampling_from_pb(msg: spec_pb2.SamplingSpec) -> SamplingSpec:
     return SamplingSpec(msg.temperature, msg.top_p or 1.0, msg.top_k, msg.seed if msg.has_seed else None)
 
 
-def draft_input_to_pb(d: DraftInput) -> spec_pb2.ProposeRequest:
+def draft_input_to_pb(d: DraftInput, hidden_dtype: str = "") -> spec_pb2.ProposeRequest:
     return spec_pb2.ProposeRequest(seq_id=d.seq_id, round=d.round, new_tokens=d.new_tokens,
                                    num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling),
-                                   hidden_states=[tensor_to_pb(h) for h in d.hidden_states])
+                                   hidden_states=[tensor_to_pb(h, hidden_dtype) for h in d.hidden_states])
 
 
 def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
@@ -65,10 +77,10 @@ def draft_output_from_pb(msg: spec_pb2.Proposal) -> DraftOutput:
                        [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions])
 
 
-def verify_to_pb(v: VerifyResult) -> spec_pb2.VerifyOutcome:
+def verify_to_pb(v: VerifyResult, hidden_dtype: str = "") -> spec_pb2.VerifyOutcome:
     return spec_pb2.VerifyOutcome(seq_id=v.seq_id, round=v.round, num_accepted=v.num_accepted,
                                   emitted_tokens=v.emitted_tokens,
-                                  hidden_states=[tensor_to_pb(h) for h in v.hidden_states])
+                                  hidden_states=[tensor_to_pb(h, hidden_dtype) for h in v.hidden_states])
 
 
 def verify_from_pb(msg: spec_pb2.VerifyOutcome) -> VerifyResult:

@@ -40,6 +40,8 @@ class DraftClient:
         self.draft_id = instance.instance_id
         self.method = ""
         self.hidden_layers: list[int] = []
+        self.hidden_dtype = ""  # what the draft computes in; hidden states are sent in it
+        self.hidden_bytes = 0  # hidden-state payload sent so far
         self._offered_layers = list(hidden_layers)
         self._channel: grpc.aio.Channel | None = None
         self._outgoing: asyncio.Queue = asyncio.Queue()
@@ -59,6 +61,7 @@ class DraftClient:
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
         self.method = first.hello_ack.method
         self.hidden_layers = list(first.hello_ack.hidden_layers)
+        self.hidden_dtype = first.hello_ack.hidden_dtype
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
         log.info("speculating with draft worker %s (%s) at %s", self.draft_id, self.method, self.instance.grpc_address)
 
@@ -101,7 +104,7 @@ class DraftClient:
         for d in inputs:
             futures[d.seq_id] = self._pending[(d.seq_id, d.round)] = loop.create_future()
         self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
-            requests=[draft_input_to_pb(d) for d in inputs])))
+            requests=[self._counted(draft_input_to_pb(d, self.hidden_dtype)) for d in inputs])))
         done, _ = await asyncio.wait(futures.values(), timeout=timeout)
         out = {}
         for d in inputs:
@@ -115,11 +118,16 @@ class DraftClient:
     def verified(self, results: list[VerifyResult]) -> None:
         if results and not self.broken:
             self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(
-                outcomes=[verify_to_pb(r) for r in results])))
+                outcomes=[self._counted(verify_to_pb(r, self.hidden_dtype)) for r in results])))
 
     def release(self, seq_ids: list[str]) -> None:
         if seq_ids and not self.broken:
             self._outgoing.put_nowait(spec_pb2.TargetMessage(release=spec_pb2.ReleaseBatch(seq_ids=seq_ids)))
+
+    def _counted(self, msg):
+        """``msg``, its hidden-state bytes added to ``hidden_bytes``."""
+        self.hidden_bytes += sum(len(h.data) for h in msg.hidden_states)
+        return msg
 
     async def close(self) -> None:
         self._outgoing.put_nowait(None)

@@ -1,0 +1,130 @@
+"""Greedy equality and acceptance of a trained EAGLE-3 head on prompts it was not trained on.
+
+Usage: .venv/bin/python bench/eagle3_check.py HEAD_DIR [--prompts 50] [--max-tokens 48] [--gamma 3]
+
+In one process (CPU, float32): the demo target decodes every prompt plainly, then speculates with the
+head at batch 1 and with 8 requests in flight (the target's ``SpecEngine`` and the draft worker's
+``EagleProposer``, exchanging the same typed payloads as over gRPC). Every speculative output must
+equal the plain one token for token. Prompts come from the train-draft generator under a seed no
+training run uses, so none is a training conversation. Prints equality, the mean acceptance length
+(vLLM's 1 + accepted / drafts) and the engine-level tokens/s of each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+UNUSED_SEED = 7_777_777  # trainer seeds are s (train) and s + 1_000_003 (eval)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("head")
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from runtime.messages import SamplingParams
+    from runtime.spec_stats import mean_accepted_length
+    from workers.demo_model import demo_model_dir
+    from workers.draft.eagle import load_eagle, load_target_parts
+    from workers.draft.eagle_proposer import EagleProposer
+    from workers.draft.train.prompts import conversation
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.weights import load_model
+    from workers.target.spec_engine import SpecEngine
+
+    torch.set_num_threads(args.threads)
+    target = demo_model_dir()
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = {}
+    for i in range(args.prompts):
+        text = tok.apply_chat_template(conversation(UNUSED_SEED, i)["messages"], add_generation_prompt=True,
+                                       tokenize=False)
+        prompts[f"p{i}"] = list(tok(text, add_special_tokens=False)["input_ids"])
+    model = load_model(target)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    cfg = EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=8)
+    started = time.perf_counter()
+    plain = Engine(model, cfg).generate(prompts, params)
+    plain_s = time.perf_counter() - started
+    embed, lm_head, target_cfg = load_target_parts(target)
+    head, layers = load_eagle(args.head, embed, lm_head, target_cfg, 2048)
+    total = sum(len(v) for v in plain.values())
+    print(f"plain (batch of 8 in flight): {total / plain_s:.1f} tok/s")
+    for batch in (1, 8):
+        engine = SpecEngine(model, cfg, num_speculative_tokens=args.gamma, hidden_layers=tuple(layers), adaptive=False)
+        proposer = EagleProposer(head, layers, num_blocks=2048, block_size=16)
+        got, drafts, accepted = {}, 0, 0
+        WIRE.update(bytes=0, seconds=0.0, steps=0, step_seconds=0.0)
+        items = list(prompts.items())
+        started = time.perf_counter()
+        for i in range(0, len(items), batch):
+            out, d, a = run(engine, proposer, dict(items[i : i + batch]), params)
+            got.update(out)
+            drafts, accepted = drafts + d, accepted + a
+        seconds = time.perf_counter() - started
+        same = sum(got[k] == plain[k] for k in prompts)
+        print(f"batch {batch}: {same}/{len(prompts)} outputs equal to plain decoding; mean acceptance length "
+              f"{mean_accepted_length(accepted, drafts) or 1.0:.2f} at γ={args.gamma} ({drafts} drafts); "
+              f"{total / seconds:.1f} tok/s")
+        print(f"  hidden states on the wire ({proposer.hidden_dtype}): {WIRE['bytes'] / WIRE['steps']:.0f} bytes per "
+              f"target step; converting and serialising them {1e3 * WIRE['seconds'] / WIRE['steps']:.3f} ms per step "
+              f"= {WIRE['seconds'] / WIRE['step_seconds']:.2%} of a target step")
+        if same != len(prompts):
+            sys.exit("speculative output differs from plain decoding")
+
+
+WIRE = {"bytes": 0, "seconds": 0.0, "steps": 0, "step_seconds": 0.0}
+
+
+def _wire(inputs, verdicts, dtype: str) -> None:
+    """What the target's draft client would put on the wire for these: hidden-state bytes and the
+    time to convert and serialise the messages."""
+    from workers.speculation.convert import draft_input_to_pb, verify_to_pb
+
+    started = time.perf_counter()
+    msgs = [draft_input_to_pb(d, dtype) for d in inputs] + [verify_to_pb(v, dtype) for v in verdicts]
+    for m in msgs:
+        m.SerializeToString()
+    WIRE["seconds"] += time.perf_counter() - started
+    WIRE["bytes"] += sum(len(h.data) for m in msgs for h in m.hidden_states)
+
+
+def run(engine, proposer, prompts: dict, params) -> tuple[dict, int, int]:
+    got = {rid: [] for rid in prompts}
+    drafts = accepted = 0
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    while engine.has_work():
+        inputs = engine.draft_inputs()
+        proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
+        started = time.perf_counter()
+        outputs = engine.step(proposals)
+        WIRE["step_seconds"] += time.perf_counter() - started
+        WIRE["steps"] += 1
+        verdicts = engine.take_verdicts()
+        _wire(inputs, verdicts, proposer.hidden_dtype)
+        for rid, delta in outputs:
+            got[rid].extend(delta.token_ids)
+            if delta.finish_reason and delta.usage is not None and delta.usage.spec is not None:
+                drafts += delta.usage.spec.num_drafts
+                accepted += delta.usage.spec.num_accepted_tokens
+        proposer.verified(verdicts)
+        proposer.release(engine.take_released())
+    return got, drafts, accepted
+
+
+if __name__ == "__main__":
+    main()

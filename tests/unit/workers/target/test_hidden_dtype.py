@@ -1,0 +1,72 @@
+"""Hidden states travel in the draft's dtype: the draft says it in its HelloAck, the target's draft
+client casts before sending (real gRPC on loopback, a draft service in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from proto import spec_pb2_grpc
+from runtime.messages import InstanceRecord
+from workers.draft.proposer import DraftInput, DraftOutput, VerifyResult
+from workers.draft.service import DraftService
+from workers.target.draft_client import DraftClient
+
+pytestmark = pytest.mark.unit
+
+
+class RecordingProposer:
+    method = "recording"
+    hidden_layers = [1, 2]
+    hidden_dtype = "bfloat16"
+
+    def __init__(self):
+        self.seen: list[torch.Tensor] = []
+
+    def propose(self, batch):
+        for d in batch:
+            self.seen.extend(d.hidden_states)
+        return [DraftOutput(d.seq_id, d.round, [7]) for d in batch]
+
+    def verified(self, results):
+        for r in results:
+            self.seen.extend(r.hidden_states)
+
+    def release(self, seq_ids):
+        pass
+
+
+def test_hidden_states_are_sent_in_the_drafts_dtype():
+    async def main():
+        proposer = RecordingProposer()
+        service = DraftService(proposer, "d1")
+        await service.start()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        record = InstanceRecord("d1", "ns", "draft", "speculate", "", grpc_address=f"127.0.0.1:{port}")
+        client = DraftClient("t1", "m", 100, record, hidden_layers=[1, 2])
+        try:
+            await client.connect()
+            assert client.hidden_dtype == "bfloat16" and client.hidden_layers == [1, 2]
+            hidden = [torch.randn(3, 8), torch.randn(3, 8)]  # float32 on the target
+            got = await client.propose([DraftInput("s", 0, [1, 2, 3], 1, hidden_states=hidden)], timeout=5)
+            assert got["s"].token_ids == [7]
+            client.verified([VerifyResult("s", 0, 1, [7, 8], [torch.randn(2, 8), torch.randn(2, 8)])])
+            for _ in range(100):
+                if len(proposer.seen) == 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert [t.dtype for t in proposer.seen] == [torch.bfloat16] * 4
+            assert torch.equal(proposer.seen[0], hidden[0].to(torch.bfloat16))
+            assert client.hidden_bytes == (3 + 3 + 2 + 2) * 8 * 2  # rows × width × 2 bytes
+        finally:
+            await client.close()
+            await server.stop(None)
+            await service.stop()
+
+    asyncio.run(main())
