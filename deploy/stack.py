@@ -184,10 +184,10 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
             out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True,
                                  optional_flags=("--num-speculative-tokens",)))
-    out.append(Component("frontend", "frontend", "frontend",
-                         ("--http-port", str(ports["frontend"]), "--host", config.host,
-                          "--router-mode", config.router_mode),
-                         ports["frontend"]))
+    frontend = ["--http-port", str(ports["frontend"]), "--host", config.host, "--router-mode", config.router_mode]
+    if config.standalone_router:  # route through the shared router service, not an embedded router
+        frontend.append("--remote-router")
+    out.append(Component("frontend", "frontend", "frontend", tuple(frontend), ports["frontend"]))
     drain = ("--drain-timeout", f"{config.drain_timeout:g}")
     return [replace(c, args=c.args + drain) for c in out]
 

@@ -26,7 +26,7 @@ from .config import FrontendConfig
 from .dispatch import Dispatcher
 from .errors import BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
-from .models import ModelRegistry
+from .models import ModelRegistry, UnknownModel
 from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, openapi_components, parse
 from .responses import encode_json
 from .serving import CompletionService, close_all
@@ -239,6 +239,17 @@ def build_app(frontend: Frontend) -> FastAPI:
                  "max_model_len": m.card.context_length, "instances": m.num_instances}
                 for m in frontend.registry.list()]
         return Response(encode_json({"object": "list", "data": data}), media_type=JSON)
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def model(model_id: str) -> Response:
+        """One served model (404 in OpenAI's format when no live worker serves it)."""
+        for m in frontend.registry.list():
+            if m.name == model_id:
+                return Response(encode_json({"id": m.name, "object": "model", "created": m.created, "owned_by": "tandem",
+                                             "max_model_len": m.card.context_length,
+                                             "instances": m.num_instances}), media_type=JSON)
+        err = to_http(UnknownModel(model_id))
+        return Response(encode_json(err.body()), status_code=err.status, media_type=JSON)
 
     @app.get("/health", tags=["ops"])
     async def health() -> Response:

@@ -30,6 +30,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension (GuideLLM sends it): with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class ChatMessage(_Strict):

@@ -90,6 +90,8 @@ class ResponseBuilder:
         self._with_logprobs = with_logprobs
         self._object = "chat.completion.chunk" if chat else "text_completion"
         self._offsets: dict[int, int] = {}
+        # stream_options.continuous_usage_stats: the usage so far, for every chunk that carries one
+        self.running_usage: Callable[[], dict] | None = None
 
     def _logprobs(self, index: int, entries: Sequence[LogprobEntry]) -> dict | None:
         if not self._with_logprobs:
@@ -120,7 +122,7 @@ class ResponseBuilder:
     def _chunk(self, choices: list[dict], usage_: dict | None = None, with_usage: bool = False) -> bytes:
         chunk = {"id": self.id, "object": self._object, "created": self.created, "model": self.model, "choices": choices}
         if with_usage:
-            chunk["usage"] = usage_
+            chunk["usage"] = usage_ if usage_ is not None or self.running_usage is None else self.running_usage()
         return b"data: " + encode_json(chunk) + b"\n\n"
 
     def role_chunk(self, index: int, with_usage: bool) -> bytes:

@@ -23,7 +23,7 @@ from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
 from .protocol import MAX_INT64, ChatCompletionRequest, CompletionRequest, message_dicts, prompts_of, stop_strings
-from .responses import DONE, ResponseBuilder, error_event
+from .responses import DONE, ResponseBuilder, error_event, usage
 from .streaming import merge
 from .tokenizer import Tokenizer
 
@@ -50,6 +50,7 @@ class Job:
     stream: bool
     include_usage: bool
     builder: ResponseBuilder
+    continuous_usage: bool = False  # with include_usage: usage so far in every chunk (vLLM's extension)
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,9 +126,10 @@ class CompletionService:
         hidden = set(stop_ids) | (set() if req.ignore_eos else set(model.card.eos_token_ids or tok.eos_token_ids))
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None)
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
-                   stop_strings(req), frozenset(hidden), top, stream, include_usage, builder)
+                   stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous)
 
     @staticmethod
     async def _maybe_thread(size: int, fn, arg):
@@ -192,6 +194,8 @@ class CompletionService:
         """The SSE bytes of a streaming job, ending in ``[DONE]``; ``on_finish(status)`` runs at the end
         (200, the status an error would have had, or 499 when the client left)."""
         b, usage_on = job.builder, job.include_usage
+        if job.continuous_usage:
+            b.running_usage = lambda: usage(job.prompt_tokens, outs)
         status = 499  # stays so only if the client leaves (the task is cancelled) before the end
         try:
             if b.chat:

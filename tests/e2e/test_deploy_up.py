@@ -154,6 +154,17 @@ def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
         time.sleep(0.3)
     assert wanted - served == set()
 
+    # The frontend routes through the standalone router: every request is one of its decisions.
+    def decisions() -> float:
+        text = httpx.get(f"http://127.0.0.1:{router_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tandem_router_decisions_total"))
+
+    before = decisions()
+    for _ in range(10):
+        ask(up.url, max_tokens=2)
+    assert decisions() - before == 10
+
     logs = up.logs()
     for prefix in ("[etcd] ", "[nats] ", "[router] ", "[target-0] ", "[target-1] ", "[frontend] "):
         assert prefix in logs, prefix

@@ -156,6 +156,25 @@ def test_chat_streaming_matches_non_streaming_and_ends_with_usage(client):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (GuideLLM sends it): usage in every chunk, growing."""
+    chunks = list(chat(client, max_tokens=12, temperature=0, stream=True,
+                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    completions = [c.usage.completion_tokens for c in chunks]
+    assert completions == sorted(completions) and completions[-1] == 12 and chunks[-1].choices == []
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
+def test_a_model_by_id(stack, client):
+    model = client.models.retrieve("mock")
+    assert model.id == "mock" and model.object == "model" and model.owned_by == "tandem"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found"
+
+
 def test_streaming_without_include_usage_sends_no_usage_chunk(client):
     chunks = list(chat(client, max_tokens=5, stream=True))
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
