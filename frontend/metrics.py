@@ -22,6 +22,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.6
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
 
 
+SEQ_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
 class FrontendMetrics:
     """All frontend metrics; ``observe_*`` methods take plain values."""
 
@@ -43,6 +46,10 @@ class FrontendMetrics:
         self.spec_accepted = Counter(P + "spec_decode_num_accepted_tokens", "draft tokens accepted", ("model",), registry=r)
         self.spec_acceptance = Histogram(P + "spec_decode_request_acceptance_rate", "acceptance rate of each speculated request",
                                          ("model",), buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+        self.isl = Histogram(P + "input_sequence_tokens", "prompt length of each request (tokens)", ("model",),
+                             buckets=SEQ_BUCKETS, registry=r)
+        self.osl = Histogram(P + "output_sequence_tokens", "completion length of each request (tokens, all choices)",
+                             ("model",), buckets=SEQ_BUCKETS, registry=r)
         self.migrations = Counter(P + "migrations", "requests moved to another worker after theirs failed", registry=r)
         self._series: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, str, int], object] = {}
@@ -80,11 +87,15 @@ class ModelSeries:
         self.spec_draft_tokens = m.spec_draft_tokens.labels(model)
         self.spec_accepted = m.spec_accepted.labels(model)
         self.spec_acceptance = m.spec_acceptance.labels(model)
+        self.isl = m.isl.labels(model)
+        self.osl = m.osl.labels(model)
 
     def observe_tokens(self, prompt: int, completion: int, cached: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.completion_tokens.inc(completion)
         self.cached_tokens.inc(cached)
+        self.isl.observe(prompt)
+        self.osl.observe(completion)
 
     def observe_spec(self, spec: SpecUsage) -> None:
         self.spec_drafts.inc(spec.num_drafts)

@@ -306,7 +306,8 @@ def test_metrics_count_requests_tokens_latency_and_acceptance(stack, client):
     assert 'tandem_frontend_requests_total{endpoint="chat",model="",status="404"}' in text
     for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "request_duration_seconds_count",
                  "prompt_tokens_total", "completion_tokens_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total", "inflight_requests"):
+                 "spec_decode_num_accepted_tokens_total", "inflight_requests", "input_sequence_tokens_count",
+                 "output_sequence_tokens_bucket"):
         assert f"tandem_frontend_{name}" in text, name
     accepted = [line for line in text.splitlines() if line.startswith("tandem_frontend_spec_decode_num_draft_tokens_total")]
     assert float(accepted[0].split()[-1]) > 0

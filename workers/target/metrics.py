@@ -3,6 +3,18 @@
 Registered on the process's registry, so the runtime's ``/metrics`` (``--health-port``) serves
 them. Gauges: running / queued requests, KV blocks (total, free, cached). Counters: requests
 finished by reason, prompt / cached prompt / generated tokens, preemptions, engine steps.
+
+The same numbers under vLLM's names and labels (``model_name``, ``engine``), so vLLM's Grafana
+dashboards and Dynamo's planner queries work unchanged: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0–1), ``vllm:prompt_tokens_total``,
+``vllm:generation_tokens_total``, the histograms ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, and the spec-decode
+counters ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_per_pos_total``
+(label ``position``). vLLM's PromQL then reads, for acceptance rate and mean acceptance length::
+
+    rate(vllm:spec_decode_num_accepted_tokens_total[5m]) / rate(vllm:spec_decode_num_draft_tokens_total[5m])
+    1 + rate(vllm:spec_decode_num_accepted_tokens_total[5m]) / rate(vllm:spec_decode_num_drafts_total[5m])
 """
 
 from __future__ import annotations
@@ -10,10 +22,44 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import bisect
+import time
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.messages import TokenDelta
+from runtime.spec_stats import SpecCounters
+
+# vLLM's bucket bounds (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-at-exposition bucket counts for a HistogramMetricFamily."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.total += value * times
+
+    def buckets(self) -> list[tuple[str, float]]:
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        out, acc = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), counts):
+            acc += n
+            out.append((bound, acc))
+        return out
 
 
 @dataclass
@@ -24,6 +70,26 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+
+    def observe_timing(self, started: float, last: float | None, delta: TokenDelta, now: float | None = None) -> float:
+        """Latency histograms for one delta of a request started at ``started`` whose previous delta
+        came at ``last`` (None: this is its first); returns now. A delta of n tokens (a verify step)
+        counts n inter-token gaps of (gap / n) each, as vLLM counts the tokens of one iteration."""
+        now = time.monotonic() if now is None else now
+        n = len(delta.token_ids)
+        if n:
+            if last is None:
+                self.ttft.observe(now - started)
+                if n > 1:
+                    self.itl.observe(0.0, n - 1)
+            else:
+                self.itl.observe((now - last) / n, n)
+        if delta.finish_reason:
+            self.e2e.observe(now - started)
+        return now
 
     def observe_delta(self, delta: TokenDelta) -> None:
         self.generated_tokens += len(delta.token_ids)
@@ -74,3 +140,41 @@ class TargetCollector(Collector):
         for reason, count in sorted(w.stats.finished.items()):
             finished.add_metric([self.model, reason], count)
         yield finished
+        yield from self._vllm(w, engine)
+
+    def _vllm(self, w, engine):
+        """vLLM's names and labels (model_name, engine)."""
+        labels, values = ["model_name", "engine"], [self.model, "0"]
+
+        def family(kind, name: str, doc: str, value: float | None = None):
+            m = kind(f"vllm:{name}", doc, labels=labels)
+            if value is not None:
+                m.add_metric(values, value)
+            return m
+
+        total = engine.blocks.num_blocks
+        yield family(GaugeMetricFamily, "num_requests_running", "Requests running on the engine.", engine.num_running)
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.", engine.num_waiting)
+        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage (1 = full).",
+                     (total - engine.blocks.num_free_blocks) / total if total else 0.0)
+        yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens processed.", w.stats.prompt_tokens)
+        yield family(CounterMetricFamily, "generation_tokens", "Generation tokens produced.", w.stats.generated_tokens)
+        for name, doc, hist in (("time_to_first_token_seconds", "Time to first token.", w.stats.ttft),
+                                ("inter_token_latency_seconds", "Time between output tokens.", w.stats.itl),
+                                ("e2e_request_latency_seconds", "Request latency end to end.", w.stats.e2e)):
+            h = family(HistogramMetricFamily, name, doc)
+            h.add_metric(values, hist.buckets(), hist.total)
+            yield h
+        spec = SpecCounters()
+        for counters in list(getattr(engine, "counters", {}).values()):
+            spec = spec.add(counters)
+        yield family(CounterMetricFamily, "spec_decode_num_drafts", "Verify steps that had a draft.", spec.num_drafts)
+        yield family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+        yield family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                     spec.num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this position was accepted.",
+                                      labels=[*labels, "position"])
+        for pos, count in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([*values, str(pos)], count)
+        yield per_pos

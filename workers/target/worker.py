@@ -85,6 +85,7 @@ class TargetWorker:
                                  field="num_speculative_tokens")
         out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids), req.num_speculative_tokens)
         finished = False
+        started, last = time.monotonic(), None
         try:
             while not finished:
                 items = [await out.get()]
@@ -96,6 +97,8 @@ class TargetWorker:
                 delta = merge_deltas(items)
                 finished = delta.finish_reason is not None
                 self.stats.observe_delta(delta)
+                if delta.token_ids or finished:
+                    last = self.stats.observe_timing(started, last, delta)
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled += 1

@@ -84,6 +84,61 @@ async def test_generate_streams_engine_tokens_and_cancel_frees_blocks(model):
         await worker.stop()
 
 
+async def test_vllm_metric_names_and_its_spec_decode_promql(model):
+    """vLLM's metric names and labels, and the PromQL from vLLM's docs evaluated on two scrapes."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from runtime.spec_stats import SpecCounters
+    from workers.target.spec_engine import SpecEngine
+
+    async def publish(topic, event):
+        pass
+
+    engine = SpecEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    worker = TargetWorker(engine, "w1", publish, "tiny", load_interval=0.05)
+    registry = CollectorRegistry()
+    registry.register(TargetCollector(worker, "tiny"))
+
+    def scrape() -> dict:
+        out = {}
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    await worker.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        [d async for d in worker.generate(GenerateRequest(list(range(10, 20)), params), Ctx("r1"))]
+        engine.counters["d1"] = SpecCounters()
+        engine.counters["d1"].observe_draft(4, 2)
+        first = scrape()
+        engine.counters["d1"].observe_draft(4, 4)
+        engine.counters["d1"].observe_draft(4, 0)
+        engine.counters["d2"] = SpecCounters()
+        engine.counters["d2"].observe_draft(2, 1)
+        second = scrape()
+    finally:
+        await worker.stop()
+    lab = (("engine", "0"), ("model_name", "tiny"))
+    assert first[("vllm:generation_tokens_total", lab)] == 6 and first[("vllm:prompt_tokens_total", lab)] == 10
+    assert first[("vllm:num_requests_running", lab)] == 0 and 0 <= first[("vllm:kv_cache_usage_perc", lab)] <= 1
+    assert first[("vllm:time_to_first_token_seconds_count", lab)] == 1
+    assert first[("vllm:inter_token_latency_seconds_count", lab)] == 5
+    assert first[("vllm:e2e_request_latency_seconds_count", lab)] == 1
+
+    def increase(name: str) -> float:
+        return second[(name, lab)] - first[(name, lab)]
+
+    # rate(accepted) / rate(draft tokens), and 1 + rate(accepted) / rate(drafts), over the window
+    assert increase("vllm:spec_decode_num_accepted_tokens_total") / increase(
+        "vllm:spec_decode_num_draft_tokens_total") == pytest.approx(5 / 10)
+    assert 1 + increase("vllm:spec_decode_num_accepted_tokens_total") / increase(
+        "vllm:spec_decode_num_drafts_total") == pytest.approx(1 + 5 / 3)
+    assert second[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*lab, ("position", "0")))] == 3
+
+
 def test_merge_deltas_keeps_order_and_the_last_finish():
     merged = merge_deltas([TokenDelta([1], [-0.1]), TokenDelta([2, 3], [-0.2, -0.3], finish_reason="stop")])
     assert merged.token_ids == [1, 2, 3] and merged.logprobs == [-0.1, -0.2, -0.3] and merged.finish_reason == "stop"
