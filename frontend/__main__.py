@@ -22,7 +22,7 @@ from .server import HttpServer
 log = logging.getLogger("frontend")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend", description="Tandem OpenAI-compatible frontend")
     add_runtime_args(parser)
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
@@ -36,7 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> FrontendConfig:

@@ -54,7 +54,7 @@ class RouterServiceConfig:
         return {"seed": self.kv.seed}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m router", description="Tandem shared router service")
     add_runtime_args(parser)
     parser.add_argument("--mode", default="kv", choices=ROUTER_MODES)
@@ -72,7 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--selection-ttl", type=float, default=600.0, help="forget unreleased selections after this")
     parser.add_argument("--drain-timeout", type=float, default=5.0)
     parser.add_argument("--log-level", default=None)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def service_config(args: argparse.Namespace) -> RouterServiceConfig:

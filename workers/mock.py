@@ -308,7 +308,7 @@ class MockWorker:
             self.running -= 1
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.mock", description="Tandem mock engine worker")
     add_runtime_args(parser)
     parser.add_argument("--model-name", default="mock", help="model name to serve")
@@ -324,7 +324,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stats-interval", type=float, default=0.5, help="seconds between load/stats events")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default=None)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 async def amain(args: argparse.Namespace) -> None:

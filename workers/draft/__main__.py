@@ -29,7 +29,7 @@ log = logging.getLogger("workers.draft")
 METHODS = ("ngram", "draft_model", "eagle3", "eagle", "oracle")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.draft", description="Tandem draft worker")
     add_runtime_args(parser)
     parser.add_argument("--method", choices=METHODS, default="ngram", help="draft method")
@@ -56,7 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
     parser.add_argument("--log-level", default=None)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def make_proposer(args: argparse.Namespace):

@@ -75,7 +75,7 @@ class TargetConfig:
             raise ValueError("--num-speculative-tokens must be >= 0 and --propose-timeout positive")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.target", description="Tandem target worker")
     add_runtime_args(parser)
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the demo SmolLM2)")
@@ -105,7 +105,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds to wait for a draft worker's proposals before decoding plainly")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default=None)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
