@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.resources
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -128,8 +129,14 @@ def test_grafana_is_provisioned_with_the_tandem_dashboard():
                    "tandem_frontend_inter_token_latency_seconds_bucket", "tandem_spec_decode_num_drafts_total",
                    "tandem_spec_decode_num_draft_tokens_total", "tandem_spec_decode_num_accepted_tokens_total",
                    "tandem_spec_decode_num_accepted_tokens_per_pos_total", "tandem_frontend_cached_prompt_tokens_total",
-                   'up{job="draft"}'):
+                   'job="draft"'):
         assert metric in exprs, metric
+    # one dashboard for compose and k8s: a data source variable, and every series scoped by namespace
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "namespace"]
+    assert all(t["datasource"]["uid"] == "${datasource}" for p in dash["panels"] for t in p["targets"])
+    selectors = re.findall(r"\b(?:tandem_[a-z_]+|up)\{[^}]*\}", exprs)
+    assert selectors and all('namespace=~"$namespace"' in s for s in selectors)
+    assert not re.search(r"\b(?:tandem_[a-z_]+|up)(?![a-z_{])", exprs)  # no unscoped series
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
     assert "sum by (target)" in exprs and "sum by (draft)" in exprs  # the router's labels (router/metrics.py)
     for word in ("request rate", "first token", "inter-token", "acceptance rate", "mean accepted length",

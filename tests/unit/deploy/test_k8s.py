@@ -50,6 +50,7 @@ SERVICE_MONITOR_SCHEMA = {
                     },
                 },
                 "namespaceSelector": {"type": "object"},
+                "jobLabel": {"type": "string"},
                 "endpoints": {"type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["port"], "additionalProperties": False,
                     "properties": {
