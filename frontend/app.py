@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from router.base import Router, create_router
@@ -51,11 +52,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise BodyTooLarge(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left mid-upload: its doing, not a server error
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 

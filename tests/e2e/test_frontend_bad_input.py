@@ -161,3 +161,30 @@ def test_fuzzed_requests_never_get_a_5xx(http, base, patch, messages, path):
         assert resp.text.rstrip().endswith("data: [DONE]")
     else:
         assert resp.json()["object"] in ("chat.completion", "text_completion")
+
+
+def _status_count(http: httpx.Client, status: int) -> float:
+    text = http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tandem_frontend_requests_total{") and f'status="{status}"' in line)
+
+
+def test_a_client_that_leaves_mid_upload_is_counted_499_and_logged_in_one_line(stack, http):
+    """Content-Length 1000, 10 bytes, close: the client's doing — not a 500, not a traceback."""
+    import socket
+    import time
+
+    before_499, before_500 = _status_count(http, 499), _status_count(http, 500)
+    frontend = stack.procs[-1]
+    log_start = len(frontend.logs())
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"model": ')
+    deadline = time.monotonic() + 10
+    while _status_count(http, 499) == before_499:
+        assert time.monotonic() < deadline, frontend.logs()[log_start:]
+        time.sleep(0.05)
+    assert _status_count(http, 499) == before_499 + 1 and _status_count(http, 500) == before_500
+    new_logs = frontend.logs()[log_start:]
+    assert "Traceback" not in new_logs and "ERROR" not in new_logs
+    assert "client disconnected" in new_logs
