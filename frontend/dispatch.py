@@ -82,8 +82,9 @@ class Generation:
 
     async def _send(self) -> None:
         """Pick a worker (not one that failed us) and send it what is left of the request."""
-        sel = await self._d.router.select(self.model, self.token_ids, exclude=frozenset(self.failed),
-                                          request_id=self.request_id)
+        # instances NATS found unreachable are excluded too (a standalone router cannot know of them)
+        exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
+        sel = await self._d.router.select(self.model, self.token_ids, exclude=exclude, request_id=self.request_id)
         self._selection = sel
         sp = self.sampling
         done = len(self.output_ids)
@@ -135,6 +136,8 @@ class Generation:
         stream, self._stream = self._stream, None
         failed = stream.instance_id
         self.failed.add(failed)
+        if isinstance(failure, InstanceGone) and failure.unreachable:
+            self._d.client.mark_unreachable(failed)
         if not stream.finished:  # a stalled stream: tell the worker, should it still be alive
             await close_stream(stream)
         self._release()

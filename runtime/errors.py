@@ -30,8 +30,9 @@ class InstanceGone(TandemError):
 
     kind = "instance_gone"
 
-    def __init__(self, instance_id: str, reason: str):
+    def __init__(self, instance_id: str, reason: str, unreachable: bool = False):
         self.instance_id, self.reason = instance_id, reason
+        self.unreachable = unreachable  # NATS reported no responders: nothing listens on its subject
         super().__init__(f"instance {instance_id} is gone: {reason}")
 
 

@@ -350,7 +350,7 @@ class RequestClient:
         if stream is None:
             return
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
-            stream._push(InstanceGone(stream.instance_id, "no responders on its subject"))
+            stream._push(InstanceGone(stream.instance_id, "no responders on its subject", unreachable=True))
             stream._done_pending()
             return
         try:

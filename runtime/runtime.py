@@ -39,6 +39,8 @@ from .request_plane import Handler, RequestClient, RequestServer, ResponseStream
 
 log = logging.getLogger(__name__)
 
+UNREACHABLE_HOLD_S = 30.0  # how long an instance NATS found unreachable stays out of routing
+
 T = TypeVar("T")
 
 
@@ -52,9 +54,22 @@ class EndpointClient:
         self.snapshot = snapshot
 
     def instances(self, model: str | None = None) -> list[InstanceRecord]:
-        """Live instances (optionally only those serving ``model``), in a stable order."""
-        found = [r for r in self.snapshot.values() if model is None or r.model == model]
+        """Live instances (optionally only those serving ``model``), in a stable order; instances
+        marked unreachable (:meth:`mark_unreachable`) are left out until they re-register or the mark
+        expires."""
+        unreachable = self._rt.unreachable
+        found = [r for r in self.snapshot.values()
+                 if (model is None or r.model == model) and not (unreachable and self._rt.is_unreachable(r))]
         return sorted(found, key=lambda r: r.instance_id)
+
+    def unreachable_ids(self) -> list[str]:
+        """Instances of this endpoint currently marked unreachable."""
+        return [r.instance_id for r in self.snapshot.values() if self._rt.unreachable and self._rt.is_unreachable(r)]
+
+    def mark_unreachable(self, instance_id: str) -> None:
+        """NATS said nobody listens on this instance's subject (a SIGKILLed process whose lease has not
+        expired yet): route around it from now on, not only for the request that found out."""
+        self._rt.mark_unreachable(instance_id, self.snapshot.values())
 
     def instance_ids(self) -> list[str]:
         return [r.instance_id for r in self.instances()]
@@ -93,6 +108,8 @@ class Runtime:
         self._server: RequestServer | None = None
         self._requests: RequestClient | None = None
         self._snapshots: dict[tuple[str, type], Snapshot] = {}
+        # instance id -> (its record when it was found unreachable, when the mark expires)
+        self.unreachable: dict[str, tuple[InstanceRecord | None, float]] = {}
         self.health: HealthServer | None = None
         self._served = 0
         self._shutdown = asyncio.Event()
@@ -179,6 +196,27 @@ class Runtime:
     def ready(self) -> bool:
         """True while this process serves at least one endpoint, is connected and is not draining."""
         return self._served > 0 and not self._shutdown.is_set() and self.nc is not None and self.nc.is_connected
+
+    def mark_unreachable(self, instance_id: str, records) -> None:
+        """Leave ``instance_id`` out of every endpoint client's instances until its record changes (it
+        registered again) or for :data:`UNREACHABLE_HOLD_S` — longer than a dead process's lease
+        usually outlives it, short enough that a live one that missed its messages comes back."""
+        now = time.monotonic()
+        for gone in [k for k, (_, until) in self.unreachable.items() if until < now]:
+            del self.unreachable[gone]
+        record = next((r for r in records if r.instance_id == instance_id), None)
+        self.unreachable[instance_id] = (record, now + UNREACHABLE_HOLD_S)
+        log.warning("instance %s does not answer (no responders): routing around it", instance_id)
+
+    def is_unreachable(self, record: InstanceRecord) -> bool:
+        mark = self.unreachable.get(record.instance_id)
+        if mark is None:
+            return False
+        marked, until = mark
+        if time.monotonic() > until or (marked is not None and marked != record):
+            del self.unreachable[record.instance_id]
+            return False
+        return True
 
     @property
     def shutting_down(self) -> bool:

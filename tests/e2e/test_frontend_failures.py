@@ -171,6 +171,25 @@ async def test_a_dead_worker_still_registered_is_skipped_without_failing_request
     assert migrations(stack) >= before + 1
 
 
+async def test_a_sigkilled_worker_leaves_routing_at_its_first_no_responders(stack, workers):
+    """Its lease outlives it by seconds; the first request that finds nobody on its subject takes it
+    out of routing for every later request (one migration, not one per request until the lease ends)."""
+    ghost = stack.worker("--token-latency-ms", "0", "--lease-ttl", "10", name="sigkilled")
+    async with Runtime.connect(runtime_config(stack)) as rt:
+        client = await rt.client("target", "generate")
+        await client.snapshot.wait_for(lambda items: any(r.pid == ghost.pid for r in items.values()), 30)
+        live = len(client.instances())
+    wait_until(lambda: {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock") == live,
+               10, "the frontend never saw the new worker")
+    before = migrations(stack)
+    ghost.kill()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        answers = [await http.post("/v1/completions", json={"model": "mock", "prompt": f"request {i}", "max_tokens": 1})
+                   for i in range(6 * live)]  # every worker chosen several times over, were the ghost still routable
+    assert [a.status_code for a in answers] == [200] * len(answers)
+    assert migrations(stack) - before == 1
+
+
 async def test_a_card_whose_tokenizer_cannot_load_is_a_500_and_the_server_stays_up(stack):
     async with Runtime.connect(runtime_config(stack)) as rt:
         await rt.register_model(ModelCard("broken", tokenizer_path="/nonexistent/tokenizer"))
