@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from runtime import NoInstances
 from runtime.messages import ModelCard
 
 from .tokenizer import Tokenizer
@@ -20,6 +21,10 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 Loader = Callable[[str, str, tuple[int, ...]], Tokenizer]
+
+# A model that just lost its last card answers 503 + Retry-After for this long, not 404: the cards come
+# back when workers re-register (etcd restarted with its data wiped, a brief lease loss, a rolling restart).
+GONE_GRACE_S = 30.0
 
 
 class UnknownModel(Exception):
@@ -48,6 +53,7 @@ class ModelRegistry:
         self._preload = preload
         self._models: dict[str, ServedModel] = {}
         self._first_seen: dict[str, int] = {}
+        self._gone: dict[str, float] = {}  # name -> when its last card went (monotonic)
         self._tokenizers: dict[tuple, asyncio.Future[Tokenizer]] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -70,6 +76,9 @@ class ModelRegistry:
         for name in self._models.keys() - models.keys():
             log.info("model %s is gone: no worker serves it", name)
             self._first_seen.pop(name, None)
+            self._gone[name] = time.monotonic()
+        for name in models:
+            self._gone.pop(name, None)
         self._models = models
 
     def list(self) -> list[ServedModel]:
@@ -78,6 +87,9 @@ class ModelRegistry:
     def get(self, name: str) -> ServedModel:
         model = self._models.get(name)
         if model is None:
+            gone = self._gone.get(name)
+            if gone is not None and time.monotonic() - gone < GONE_GRACE_S:
+                raise NoInstances("target", "generate", name)  # 503 + Retry-After: it was just here
             raise UnknownModel(name)
         return model
 

@@ -327,5 +327,8 @@ def test_models_appear_and_disappear_with_their_workers(stack, client):
     while "other" in {m.id for m in client.models.list().data}:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    # just gone: 503 with Retry-After (its workers may be re-registering), not 404
+    with pytest.raises(openai.APIStatusError) as err:
+        client.with_options(max_retries=0).chat.completions.create(
+            model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
