@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from router.base import ROUTER_MODES
@@ -16,6 +17,7 @@ from runtime.config import add_runtime_args, config_from_args
 from runtime.service import run_service
 
 from .app import Frontend, RouterUnavailable
+from .auth import read_keys
 from .config import DEFAULT_MAX_BODY_BYTES, FrontendConfig
 from .server import HttpServer
 
@@ -34,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-n", type=int, default=16, help="most choices per request")
     parser.add_argument("--max-migrations", type=int, default=3, help="re-sends of a request whose worker died")
     parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="require 'Authorization: Bearer KEY'; repeatable, comma-separated, or @FILE (one per "
+                             "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
+    parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None)
     return parser
@@ -47,7 +53,10 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
     return FrontendConfig(host=args.host, http_port=args.http_port, router_mode=args.router_mode,
                           remote_router=args.remote_router,
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations,
-                          max_inflight=args.max_inflight)
+                          max_inflight=args.max_inflight,
+                          api_keys=read_keys(args.api_key if args.api_key is not None
+                                             else [os.environ.get("TANDEM_API_KEY", "")]),
+                          metrics_require_key=args.metrics_require_key)
 
 
 async def amain(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from router.base import Router, create_router
 from runtime import EndpointClient, InvalidRequest, Overloaded, Runtime
 
+from .auth import ApiKeyAuth
 from .config import FrontendConfig
 from .dispatch import Dispatcher
 from .errors import BodyTooLarge, install, to_http
@@ -92,10 +93,10 @@ class Frontend:
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
-        self.app = FastPath(self.fastapi, {
+        self.app = ApiKeyAuth(FastPath(self.fastapi, {
             "/v1/chat/completions": lambda request: self.complete(request, chat=True),
             "/v1/completions": lambda request: self.complete(request, chat=False),
-        })
+        }), config.api_keys, config.metrics_require_key)
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -23,6 +23,8 @@ class FrontendConfig:
     max_inflight: int = 0  # requests served at once before new ones get a 429 (0: no limit)
     retry_after_s: int = 1  # Retry-After on 429 and 503 answers
     tokenizer_timeout_s: float = 120.0  # how long a request waits for its model's tokenizer to load
+    api_keys: tuple[str, ...] = ()  # any of these as "Authorization: Bearer <key>" (none: no authentication)
+    metrics_require_key: bool = False  # /metrics needs a key too (/health and /live never do)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -41,5 +43,9 @@ class FrontendConfig:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if any(not k or any(c.isspace() for c in k) for k in self.api_keys):
+            raise ValueError("API keys must be non-empty and contain no whitespace")
+        if self.metrics_require_key and not self.api_keys:
+            raise ValueError("--metrics-require-key needs an --api-key")
         if self.tokenizer_timeout_s <= 0:
             raise ValueError(f"tokenizer_timeout_s must be > 0, got {self.tokenizer_timeout_s}")

@@ -36,3 +36,4 @@ def test_a_model_that_just_went_is_503_for_a_grace_period_then_404(monkeypatch):
     clock[0] += models_module.GONE_GRACE_S + 1
     with pytest.raises(UnknownModel):
         registry.get("m")
+
