@@ -38,6 +38,9 @@ class FakeClient:
     def __init__(self):
         self.requests: list[tuple[str, GenerateRequest]] = []
 
+    def unreachable_ids(self) -> list[str]:
+        return []
+
     async def call(self, instance_id, request, response_type, request_id=""):
         self.requests.append((instance_id, request))
         if len(self.requests) == 1:
