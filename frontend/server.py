@@ -11,8 +11,11 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import socket
 
 import uvicorn
+
+from runtime.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,14 @@ class HttpServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self, timeout: float = 10.0) -> HttpServer:
+        if self.port:  # a taken port is one line, not uvicorn's log and a traceback
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((self.host, self.port))
+                except OSError as exc:
+                    raise StartupError(f"cannot listen for HTTP on {self.host}:{self.port}: "
+                                       f"{exc.strerror or exc}") from None
         self._task = asyncio.create_task(self._server.serve(), name="uvicorn")
         deadline = asyncio.get_running_loop().time() + timeout
         while not self._server.started:

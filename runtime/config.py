@@ -25,6 +25,7 @@ class RuntimeConfig:
     handle_signals: bool = True
     health_host: str = "127.0.0.1"
     health_port: int | None = None  # serve /live, /health, /metrics here (0: any free port; None: off)
+    connect_timeout: float = 30.0  # at start-up, give up on NATS or etcd after this long (one line, exit 1)
 
     def __post_init__(self) -> None:
         for name in ("etcd_url", "nats_url"):
@@ -35,6 +36,8 @@ class RuntimeConfig:
             raise ValueError(f"namespace must be alphanumeric (with - or _), got {self.namespace!r}")
         if self.lease_ttl < 2:
             raise ValueError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
+        if self.connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout}")
         if self.drain_timeout < 0 or self.ack_timeout <= 0 or self.heartbeat_interval <= 0:
             raise ValueError("drain_timeout must be >= 0, ack_timeout and heartbeat_interval > 0")
 
@@ -64,11 +67,16 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /live, /health and /metrics on this port (0: any free port; default: off)")
     parser.add_argument("--health-host", default=None, help="address for the health port (default 127.0.0.1)")
+    parser.add_argument("--connect-timeout", type=float, default=None,
+                        help="seconds to keep trying NATS and etcd at start-up before exiting with an error "
+                             "(env TANDEM_CONNECT_TIMEOUT, default 30)")
 
 
 def config_from_args(args, **overrides) -> RuntimeConfig:
     """Build the runtime config from parsed :func:`add_runtime_args` flags."""
     return RuntimeConfig.from_env(
         etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, lease_ttl=args.lease_ttl,
-        health_port=args.health_port, health_host=args.health_host, **overrides
+        health_port=args.health_port, health_host=args.health_host,
+        connect_timeout=args.connect_timeout or (float(os.environ["TANDEM_CONNECT_TIMEOUT"])
+                                                 if os.environ.get("TANDEM_CONNECT_TIMEOUT") else None), **overrides
     )

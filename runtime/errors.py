@@ -14,6 +14,13 @@ class TandemError(Exception):
     kind = "internal"
 
 
+class StartupError(TandemError):
+    """A service could not start (NATS or etcd unreachable, a port taken, ...): one line says what
+    and where; the service exits non-zero."""
+
+    kind = "startup"
+
+
 class NoInstances(TandemError):
     """No live instance serves ``component.endpoint`` (optionally for ``model``)."""
 

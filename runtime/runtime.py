@@ -30,7 +30,7 @@ import nats
 
 from .config import RuntimeConfig
 from .discovery import Registrar, Snapshot
-from .errors import NoInstances
+from .errors import NoInstances, StartupError
 from .events import EventPlane, Subscription
 from .health import HealthServer
 from .messages import InstanceRecord, ModelCard, encode
@@ -131,9 +131,11 @@ class Runtime:
 
     async def _open(self) -> None:
         cfg = self.config
+        connected = False
 
         async def on_error(exc: Exception) -> None:
-            log.warning("nats: %r", exc)
+            if connected:  # before the first connection, the start-up deadline speaks for the failures
+                log.warning("nats: %r", exc)
 
         async def on_disconnect() -> None:
             if not self._closed:
@@ -142,21 +144,37 @@ class Runtime:
         async def on_reconnect() -> None:
             log.info("nats: reconnected to %s", cfg.nats_url)
 
-        self.nc = await nats.connect(
-            cfg.nats_url,
-            name=f"tandem-{self.instance_id}",
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
-            allow_reconnect=True,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-        )
+        try:
+            self.nc = await asyncio.wait_for(nats.connect(
+                cfg.nats_url,
+                name=f"tandem-{self.instance_id}",
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                allow_reconnect=True,
+                connect_timeout=min(2.0, cfg.connect_timeout),
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            ), cfg.connect_timeout)
+        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+            raise StartupError(f"cannot reach NATS at {cfg.nats_url} (gave up after {cfg.connect_timeout:g}s: "
+                               f"{type(exc).__name__})") from None
+        connected = True
         host, port = cfg.etcd_host_port
-        self.etcd = aetcd.Client(host=host, port=port, timeout=5)
-        await self.etcd.connect()
-        self._registrar = Registrar(self.etcd, cfg.lease_ttl)
-        await self._registrar.start()
+        deadline = time.monotonic() + cfg.connect_timeout
+        while True:  # etcd: retry until the deadline, then one line
+            try:
+                self.etcd = aetcd.Client(host=host, port=port, timeout=min(5.0, cfg.connect_timeout))
+                await self.etcd.connect()
+                self._registrar = Registrar(self.etcd, cfg.lease_ttl)
+                await self._registrar.start()
+                break
+            except Exception as exc:
+                await self.etcd.close()
+                if time.monotonic() >= deadline:
+                    raise StartupError(f"cannot reach etcd at {cfg.etcd_url} (gave up after {cfg.connect_timeout:g}s: "
+                                       f"{type(exc).__name__})") from None
+                await asyncio.sleep(0.5)
         self.events = EventPlane(self.nc, self.namespace)
         self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)
         await self._server.start()

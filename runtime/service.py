@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -15,11 +16,18 @@ def setup_logging(level: str | None = None) -> None:
 
 
 def run_service(main: Callable[[], Awaitable[None]], log_level: str | None = None) -> None:
-    """Run ``main()`` on uvloop where available; exits 0 after a clean shutdown."""
+    """Run ``main()`` on uvloop where available; exits 0 after a clean shutdown, and 1 with one
+    line on stderr when the service cannot start (:class:`runtime.errors.StartupError`)."""
+    from .errors import StartupError
+
     setup_logging(log_level)
     try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(main())
+        else:
+            uvloop.run(main())
+    except StartupError as exc:
+        logging.getLogger("tandem").error("%s", exc)
+        sys.exit(1)

@@ -255,3 +255,10 @@ def test_bad_flags_are_rejected_before_anything_starts():
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--draft-method", "eagle"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode != 0 and "--draft-model" in out.stderr
+    for flags, message in ((["--model", "/nonexistent"], "--model /nonexistent does not exist"),
+                           (["--draft-method", "eagle3", "--draft-model", "/nonexistent"],
+                            "--draft-model /nonexistent does not exist")):
+        out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--http-port", "0", *flags],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode != 0 and message in out.stderr
+        assert "Traceback" not in out.stderr and "started etcd" not in out.stderr

@@ -128,3 +128,43 @@ def _config(etcd_url: str, nats_url: str, namespace: str):
 
     return RuntimeConfig(etcd_url=etcd_url, nats_url=nats_url, namespace=namespace, lease_ttl=3,
                          ack_timeout=5, heartbeat_interval=0.5, handle_signals=False)
+
+
+def _start_failure(args: list[str], env: dict, module: str = "workers.mock") -> tuple[int, str, float]:
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - started
+
+
+@pytest.mark.parametrize("missing", ["nats", "etcd"])
+def test_an_unreachable_nats_or_etcd_is_one_line_and_exit_1_after_the_connect_timeout(etcd_server, nats_server,
+                                                                                        missing):
+    from deploy.binaries import free_port
+
+    dead = free_port()
+    env = env_for(etcd_server, nats_server, "startfail")
+    if missing == "nats":
+        env["TANDEM_NATS"] = f"nats://127.0.0.1:{dead}"
+    else:
+        env["TANDEM_ETCD"] = f"http://127.0.0.1:{dead}"
+    code, output, seconds = _start_failure(["--connect-timeout", "2"], env)
+    assert code == 1
+    assert f"cannot reach {'NATS' if missing == 'nats' else 'etcd'} at " in output and f"127.0.0.1:{dead}" in output
+    assert "Traceback" not in output and output.count("ConnectionRefused") == 0
+    assert 1.5 < seconds < 20
+
+
+def test_a_frontend_on_a_taken_port_is_one_line_and_exit_1(etcd_server, nats_server):
+    import socket
+
+    env = env_for(etcd_server, nats_server, "portfail")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, output, _ = _start_failure(["--http-port", str(port)], env, module="frontend")
+    assert code == 1 and f"cannot listen for HTTP on 127.0.0.1:{port}" in output
+    assert "Traceback" not in output and "Errno" not in output
