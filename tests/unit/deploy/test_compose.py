@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.resources
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -57,7 +58,8 @@ def test_compose_schema_rejects_a_broken_file(compose, compose_validator):
 def test_docker_compose_config_accepts_every_profile():
     for profile in ("tandem", "mock"):
         out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "GRAFANA_ADMIN_PASSWORD": "test-only"})
         assert out.returncode == 0, out.stderr
 
 
@@ -144,6 +146,18 @@ def test_grafana_is_provisioned_with_the_tandem_dashboard():
         assert word in titles, word
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_only_the_frontend_and_grafana_are_published_and_grafana_has_no_default_password():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            if name in ("frontend", "grafana"):  # bind address and port from the environment, loopback by default
+                assert port.startswith("${") and ":-127.0.0.1}" in port, (name, port)
+            else:
+                assert port.startswith("127.0.0.1:"), (name, port)
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?"), password  # compose refuses to start without one
 
 
 def test_dashboard_queries_are_valid_promql():
