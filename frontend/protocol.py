@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime import InvalidRequest
@@ -19,6 +20,9 @@ from runtime import InvalidRequest
 MAX_INT64 = 2**63 - 1
 MAX_TOKENS_LIMIT = 1 << 24  # far above any context length; keeps integers sane on the wire
 MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 4096  # chat messages per request
+MAX_PROMPTS = 1024  # prompts (strings or token-id lists) per completion request
+MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
 
 R = TypeVar("R", bound=BaseModel)
@@ -123,8 +127,27 @@ def _param(loc: tuple) -> str:
     return out
 
 
+def _check_counts(body: bytes) -> None:
+    """Bounded counts, checked on the raw JSON before the full validation walks every item."""
+    try:
+        data = msgspec.json.decode(body)
+    except Exception:  # bad JSON, bad UTF-8, nesting too deep: the validation below names the error
+        return
+    if not isinstance(data, dict):
+        return
+    limits = (("messages", MAX_MESSAGES), ("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS))
+    for name, limit in limits:
+        value = data.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            raise InvalidRequest(f"'{name}' has {len(value)} items; at most {limit} are allowed", name)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+
+
 def parse(model: type[R], body: bytes) -> R:
     """Validate a JSON body as ``model``; raises :class:`InvalidRequest` naming the field."""
+    _check_counts(body)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

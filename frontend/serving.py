@@ -76,10 +76,16 @@ class CompletionService:
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Job:
         chat = isinstance(req, ChatCompletionRequest)
         model = self.registry.get(req.model)
+        # cheap checks before any tokenization (a body of 700k one-letter prompts must not cost seconds)
+        count = 1 if chat else len(prompts_of(req))
+        if req.n * count > self.max_n:
+            raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
         if chat:
             messages = message_dicts(req)
-            prompts = [await self._maybe_thread(sum(len(m["content"]) for m in messages), tok.encode_chat, messages)]
+            # templating costs per message too: many short messages go to the thread as well
+            size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
+            prompts = [await self._maybe_thread(size, tok.encode_chat, messages)]
             field, max_tokens = "messages", req.max_completion_tokens or req.max_tokens
         else:
             prompts = []
@@ -90,8 +96,6 @@ class CompletionService:
                     tok.check_ids(p, "prompt")
                     prompts.append(list(p))
             field, max_tokens = "prompt", req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        if req.n * len(prompts) > self.max_n:
-            raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
         context = model.card.context_length
         longest = max(len(p) for p in prompts)
         if not all(prompts):

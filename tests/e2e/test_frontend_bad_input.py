@@ -188,3 +188,19 @@ def test_a_client_that_leaves_mid_upload_is_counted_499_and_logged_in_one_line(s
     new_logs = frontend.logs()[log_start:]
     assert "Traceback" not in new_logs and "ERROR" not in new_logs
     assert "client disconnected" in new_logs
+
+
+def test_oversized_counts_are_rejected_before_any_tokenization(http):
+    """Bounded counts are checked on the raw body: a 200 KB body of one-letter prompts is a quick 400."""
+    import time
+
+    cases = [("/v1/completions", {**TEXT, "prompt": ["a"] * 50_000}, "prompt"),
+             ("/v1/completions", {**TEXT, "prompt": ["a"] * 20}, "n"),  # n × prompts over --max-n, before tokenizing
+             ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}] * 5000}, "messages"),
+             ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 40}, "stop"),
+             ("/v1/completions", {**TEXT, "stop_token_ids": list(range(2000))}, "stop_token_ids")]
+    for path, body, param in cases:
+        started = time.monotonic()
+        resp = http.post(path, json=body)
+        assert time.monotonic() - started < 1.0, (param, time.monotonic() - started)
+        assert_error(resp, 400, param)
