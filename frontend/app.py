@@ -8,6 +8,7 @@ limit (413) applies before parsing and parsing errors keep OpenAI's error format
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -26,7 +27,7 @@ from runtime import EndpointClient, InvalidRequest, Overloaded, Runtime
 from .auth import ApiKeyAuth
 from .config import FrontendConfig
 from .dispatch import Dispatcher
-from .errors import BodyTooLarge, install, to_http
+from .errors import BodyTimeout, BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
 from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, openapi_components, parse
@@ -132,11 +133,18 @@ class Frontend:
         request_id = f"{header_id}-{uuid.uuid4().hex[:8]}" if _REQUEST_ID.match(header_id) else uuid.uuid4().hex
         metrics, model, status, streaming, gauge = self.metrics, "", 200, False, None
         limit = self.config.max_inflight
-        self.inflight += 1
+        counted = False
         try:
+            # The body first: a slow or stalled upload holds no in-flight slot, and gets a 408 in the end.
+            try:
+                body = await asyncio.wait_for(read_body(request, self.config.max_body_bytes),
+                                              self.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise BodyTimeout(self.config.body_timeout_s) from None
+            self.inflight += 1
+            counted = True
             if limit and self.inflight > limit:
                 raise Overloaded(f"{limit} requests are in flight")
-            body = await read_body(request, self.config.max_body_bytes)
             req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
             check_supported(req)
             job = await self.service.prepare(req, request_id)
@@ -188,7 +196,8 @@ class Frontend:
             return err.response()
         finally:
             if not streaming:
-                self.inflight -= 1
+                if counted:
+                    self.inflight -= 1
                 if gauge is not None:
                     gauge.dec()
                 metrics.observe_request(model, endpoint, status)

@@ -8,6 +8,7 @@ error                                      status  type / code
 InvalidRequest (bad parameter, ``param``)  400     invalid_request_error
 UnknownModel                               404     invalid_request_error / model_not_found
 BodyTooLarge, PayloadTooLarge              413     invalid_request_error / request_too_large
+BodyTimeout                                408     invalid_request_error / request_timeout
 Overloaded                                 429     rate_limit_error / overloaded (Retry-After)
 NoInstances, worker lost after migrations  503     service_unavailable (Retry-After)
 anything else                              500     internal_error (logged with its traceback)
@@ -51,6 +52,14 @@ class BodyTooLarge(Exception):
         super().__init__(f"the request body exceeds the limit of {limit} bytes")
 
 
+class BodyTimeout(Exception):
+    """The client did not send its whole request body within the configured time."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        super().__init__(f"the request body did not arrive within {seconds:g} s")
+
+
 @dataclass(frozen=True)
 class HttpError:
     status: int
@@ -74,6 +83,8 @@ def to_http(exc: BaseException, retry_after: int = 1) -> HttpError:
         return HttpError(400, str(exc), "invalid_request_error", exc.field or None)
     if isinstance(exc, UnknownModel):
         return HttpError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, BodyTimeout):
+        return HttpError(408, str(exc), "invalid_request_error", None, "request_timeout")
     if isinstance(exc, (BodyTooLarge, PayloadTooLarge)):
         return HttpError(413, str(exc), "invalid_request_error", None, "request_too_large")
     if isinstance(exc, Overloaded):

@@ -1,0 +1,46 @@
+"""Slow and stalled uploads: they hold no in-flight slot, and get a 408 after --body-timeout."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.test_frontend_openai import FrontendStack
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    s = FrontendStack(servers)
+    s.worker("--token-latency-ms", "0", "--num-speculative-tokens", "0")
+    s.frontend("--max-inflight", "2", "--body-timeout", "2")
+    s.wait_healthy()
+    yield s
+    s.stop()
+
+
+def test_trickling_uploads_hold_no_slot_and_get_408(stack):
+    sockets = []
+    try:
+        for _ in range(4):  # more stalled uploads than --max-inflight
+            sock = socket.create_connection(("127.0.0.1", stack.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"model": ')
+            sockets.append(sock)
+        time.sleep(0.3)
+        ok = httpx.post(stack.url + "/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert ok.status_code == 200, ok.text  # not 429: the stalled uploads are not in flight
+        started = time.monotonic()
+        for sock in sockets:
+            sock.settimeout(10)
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"request_timeout" in answer
+        assert time.monotonic() - started < 5
+    finally:
+        for sock in sockets:
+            sock.close()
