@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a client has to send its whole request body (then 408)")
+    parser.add_argument("--write-timeout", type=float, default=30.0,
+                        help="seconds a streaming client may read nothing before its stream is dropped")
     parser.add_argument("--api-key", action="append", default=None,
                         help="require 'Authorization: Bearer KEY'; repeatable, comma-separated, or @FILE (one per "
                              "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
@@ -56,6 +58,7 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           remote_router=args.remote_router,
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations,
                           max_inflight=args.max_inflight, body_timeout_s=args.body_timeout,
+                          write_timeout_s=args.write_timeout,
                           api_keys=read_keys(args.api_key if args.api_key is not None
                                              else [os.environ.get("TANDEM_API_KEY", "")]),
                           metrics_require_key=args.metrics_require_key)

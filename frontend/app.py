@@ -65,17 +65,37 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class EventStream(StreamingResponse):
-    """An SSE response that runs ``cleanup`` after it ends, even if it never started streaming."""
+class ClientStalled(Exception):
+    """The client stopped reading its stream: a write did not complete within the write timeout."""
 
-    def __init__(self, events: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], headers: dict[str, str]):
+
+class EventStream(StreamingResponse):
+    """An SSE response that runs ``cleanup`` after it ends, even if it never started streaming.
+
+    A client that stops reading (its socket buffers full) makes a write wait; after ``write_timeout``
+    the stream is dropped: the generations are closed, which cancels the workers' work, and nothing
+    more is buffered for it."""
+
+    def __init__(self, events: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], headers: dict[str, str],
+                 write_timeout: float = 30.0, request_id: str = ""):
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
         self._cleanup = cleanup
+        self._write_timeout = write_timeout
+        self._request_id = request_id
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._write_timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except* ClientStalled:
+            log.info("request %s: the client stopped reading for %.0fs: stream dropped", self._request_id,
+                     self._write_timeout)
         finally:
             await self._events.aclose()
             await self._cleanup()
@@ -177,7 +197,8 @@ class Frontend:
 
                 events = self.service.events(job, gens, outs, firsts, timer, self.config.retry_after_s, finished)
                 headers = {"Cache-Control": "no-cache", "X-Request-Id": request_id}
-                return EventStream(events, cleanup, headers=headers)
+                return EventStream(events, cleanup, headers=headers, write_timeout=self.config.write_timeout_s,
+                                   request_id=request_id)
             await until_disconnect(request.receive, self.service.collect(job, gens, outs, timer))
             timer.done()
             self.service.account(job, outs)

@@ -23,6 +23,7 @@ class FrontendConfig:
     max_inflight: int = 0  # requests served at once before new ones get a 429 (0: no limit)
     retry_after_s: int = 1  # Retry-After on 429 and 503 answers
     tokenizer_timeout_s: float = 120.0  # how long a request waits for its model's tokenizer to load
+    write_timeout_s: float = 30.0  # a stream whose client reads nothing for this long is dropped
     body_timeout_s: float = 30.0  # a request body not complete by then is a 408 (slow or stalled uploads)
     api_keys: tuple[str, ...] = ()  # any of these as "Authorization: Bearer <key>" (none: no authentication)
     metrics_require_key: bool = False  # /metrics needs a key too (/health and /live never do)
@@ -48,6 +49,8 @@ class FrontendConfig:
             raise ValueError("API keys must be non-empty and contain no whitespace")
         if self.metrics_require_key and not self.api_keys:
             raise ValueError("--metrics-require-key needs an --api-key")
+        if self.write_timeout_s <= 0:
+            raise ValueError(f"write_timeout_s must be > 0, got {self.write_timeout_s}")
         if self.body_timeout_s <= 0:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.tokenizer_timeout_s <= 0:

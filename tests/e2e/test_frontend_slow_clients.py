@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 def stack(servers):
     s = FrontendStack(servers)
     s.worker("--token-latency-ms", "0", "--num-speculative-tokens", "0")
-    s.frontend("--max-inflight", "2", "--body-timeout", "2")
+    s.frontend("--max-inflight", "2", "--body-timeout", "2", "--write-timeout", "2")
     s.wait_healthy()
     yield s
     s.stop()
@@ -44,3 +44,30 @@ def test_trickling_uploads_hold_no_slot_and_get_408(stack):
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _count(stack, prefix: str, needle: str = "") -> float:
+    text = httpx.get(stack.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix) and needle in line)
+
+
+def test_a_client_that_never_reads_its_stream_is_dropped_after_the_write_timeout(stack):
+    import json
+
+    before = _count(stack, "tandem_frontend_requests_total{", 'status="499"')
+    body = json.dumps({"model": "mock", "prompt": "hi " * 10, "n": 8, "max_tokens": 2000, "stream": True,
+                       "logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's buffers fill quickly
+    sock.connect(("127.0.0.1", stack.port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.recv(256)  # the status line, then read nothing more
+        deadline = time.monotonic() + 20
+        while _count(stack, "tandem_frontend_requests_total{", 'status="499"') == before:
+            assert time.monotonic() < deadline, "the stalled stream was never dropped"
+            time.sleep(0.2)
+        assert _count(stack, "tandem_frontend_inflight_requests{") == 0
+    finally:
+        sock.close()
