@@ -22,6 +22,7 @@ from runtime.messages import ModelCard
 from runtime.service import run_service
 
 from .ngram import NgramProposer
+from ..speculation.tls import ServerTls
 from .service import DraftService
 
 log = logging.getLogger("workers.draft")
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
+    parser.add_argument("--grpc-tls-cert", default=None, help="serve gRPC over TLS with this PEM certificate")
+    parser.add_argument("--grpc-tls-key", default=None, help="the certificate's PEM key")
+    parser.add_argument("--grpc-tls-client-ca", default=None,
+                        help="mutual TLS: targets must present a certificate signed by this CA")
     parser.add_argument("--drain-timeout", type=float, default=5.0)
     parser.add_argument("--log-level", default=None)
     return parser
@@ -92,7 +97,19 @@ def make_proposer(args: argparse.Namespace):
     raise ValueError(f"unknown draft method {args.method!r}")
 
 
+def server_tls(args: argparse.Namespace) -> ServerTls | None:
+    """TLS for the gRPC server from the flags (None: plaintext); ValueError for a half-given pair."""
+    if not (args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca):
+        return None
+    if not (args.grpc_tls_cert and args.grpc_tls_key):
+        raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
+    tls = ServerTls(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
+    tls.credentials()  # the files exist and read
+    return tls
+
+
 async def amain(args: argparse.Namespace) -> None:
+    tls = server_tls(args)
     proposer = make_proposer(args)
     config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(config) as rt:
@@ -106,7 +123,7 @@ async def amain(args: argparse.Namespace) -> None:
         spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
         listen = f"{args.grpc_host}:{args.grpc_port}"
         try:
-            port = server.add_insecure_port(listen)
+            port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
         except RuntimeError as exc:
             raise SystemExit(f"draft worker: cannot listen for gRPC on {listen} (address in use?)") from exc
         await server.start()
@@ -123,6 +140,10 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    try:
+        server_tls(args)
+    except ValueError as exc:
+        raise SystemExit(f"python -m workers.draft: {exc}") from None
     run_service(lambda: amain(args), args.log_level)
 
 

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
                         help="seconds to wait for a draft worker's proposals before decoding plainly")
+    parser.add_argument("--draft-tls-ca", default=None,
+                        help="reach draft workers over TLS, trusting this CA (PEM; 'system' for the system roots)")
+    parser.add_argument("--draft-tls-cert", default=None, help="mutual TLS: this target's certificate (PEM)")
+    parser.add_argument("--draft-tls-key", default=None, help="mutual TLS: its key (PEM)")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default=None)
     return parser
@@ -161,6 +165,18 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                       adaptive=cfg.adaptive_speculation)
 
 
+def client_tls(args: argparse.Namespace):
+    """TLS towards draft workers from the flags (None: plaintext)."""
+    from workers.speculation.tls import ClientTls
+
+    if not (args.draft_tls_ca or args.draft_tls_cert or args.draft_tls_key):
+        return None
+    tls = ClientTls(None if args.draft_tls_ca == "system" else args.draft_tls_ca, args.draft_tls_cert,
+                    args.draft_tls_key)
+    tls.credentials()  # the files exist and read
+    return tls
+
+
 async def amain(args: argparse.Namespace) -> None:
     from workers.target.worker import TargetWorker
 
@@ -177,7 +193,8 @@ async def amain(args: argparse.Namespace) -> None:
 
         engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
         drafts = await rt.client("draft", "speculate")
-        pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances)
+        pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
+                         tls=client_tls(args))
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
                               pool=pool, propose_timeout=cfg.propose_timeout, epoch=rt.started_at)
         await worker.start()
@@ -205,6 +222,10 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    try:
+        client_tls(args)
+    except ValueError as exc:
+        raise SystemExit(f"python -m workers.target: {exc}") from None
     run_service(lambda: amain(args), args.log_level)
 
 

@@ -22,6 +22,7 @@ from runtime.messages import InstanceRecord
 
 from ..speculation.convert import draft_input_to_pb, draft_output_from_pb, verify_to_pb
 from ..speculation.payloads import DraftInput, DraftOutput, VerifyResult
+from ..speculation.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,10 @@ RETRY_MAX_S = 30.0
 class DraftClient:
     """A bidirectional stream to one draft worker."""
 
-    def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=()):
+    def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
+                 tls: ClientTls | None = None):
         self.target_id = target_id
+        self.tls = tls
         self.model = model
         self.vocab_size = vocab_size
         self.instance = instance
@@ -50,8 +53,11 @@ class DraftClient:
         self.broken = False
 
     async def connect(self, timeout: float = 5.0) -> None:
-        self._channel = grpc.aio.insecure_channel(self.instance.grpc_address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        if self.tls is not None:
+            self._channel = grpc.aio.secure_channel(self.instance.grpc_address, self.tls.credentials(), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.instance.grpc_address, options=options)
         stub = spec_pb2_grpc.DraftServiceStub(self._channel)
         self._call = stub.Speculate(self._requests())
         self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
@@ -143,8 +149,9 @@ class DraftPool:
     """Keeps one healthy :class:`DraftClient` to some live draft worker, when there is one."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int,
-                 instances: Callable[[], list[InstanceRecord]], hidden_layers=()):
+                 instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None):
         self._target_id = target_id
+        self._tls = tls
         self._model = model
         self._vocab = vocab_size
         self._instances = instances
@@ -213,7 +220,7 @@ class DraftPool:
         if not candidates:
             return None
         choice = self._preferred(candidates)
-        client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers)
+        client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls)
         try:
             await client.connect()
         except Exception as exc:

@@ -1,0 +1,103 @@
+"""The target ↔ draft gRPC stream over TLS and mutual TLS, with certificates made here by openssl."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto import spec_pb2_grpc
+from runtime.messages import InstanceRecord
+from workers.draft.proposer import DraftInput, DraftOutput
+from workers.draft.service import DraftService
+from workers.speculation.tls import ClientTls, ServerTls
+from workers.target.draft_client import DraftClient
+
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")]
+
+
+def make_pki(d: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by the CA."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=tandem-test-ca")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, cn in (("server", "127.0.0.1"), ("client", "tandem-target")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", "-extfile", "san.ext")
+    return {k: str(d / v) for k, v in {"ca": "ca.pem", "server_cert": "server.pem", "server_key": "server.key",
+                                       "client_cert": "client.pem", "client_key": "client.key"}.items()}
+
+
+class EchoProposer:
+    method = "echo"
+    hidden_layers: list[int] = []
+
+    def propose(self, batch):
+        return [DraftOutput(d.seq_id, d.round, [42]) for d in batch]
+
+    def verified(self, results):
+        pass
+
+    def release(self, seq_ids):
+        pass
+
+
+async def _serve(tls: ServerTls):
+    service = DraftService(EchoProposer(), "d1")
+    await service.start()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
+    port = server.add_secure_port("127.0.0.1:0", tls.credentials())
+    await server.start()
+    return service, server, InstanceRecord("d1", "ns", "draft", "speculate", "", grpc_address=f"127.0.0.1:{port}")
+
+
+async def _propose(record: InstanceRecord, tls: ClientTls | None) -> list[int]:
+    client = DraftClient("t1", "m", 100, record, tls=tls)
+    try:
+        await client.connect(timeout=3)
+        got = await client.propose([DraftInput("s", 0, [1, 2], 1)], timeout=3)
+        return got["s"].token_ids
+    finally:
+        await client.close()
+
+
+def test_tls_and_mutual_tls(tmp_path):
+    pki = make_pki(tmp_path)
+
+    async def main():
+        # server TLS: a target that trusts the CA talks; a plaintext one cannot
+        service, server, record = await _serve(ServerTls(pki["server_cert"], pki["server_key"]))
+        try:
+            assert await _propose(record, ClientTls(pki["ca"])) == [42]
+            with pytest.raises(Exception):
+                await _propose(record, None)
+        finally:
+            await server.stop(None)
+            await service.stop()
+        # mutual TLS: the target must present a certificate signed by the CA
+        service, server, record = await _serve(ServerTls(pki["server_cert"], pki["server_key"], pki["ca"]))
+        try:
+            assert await _propose(record, ClientTls(pki["ca"], pki["client_cert"], pki["client_key"])) == [42]
+            with pytest.raises(Exception):
+                await _propose(record, ClientTls(pki["ca"]))
+        finally:
+            await server.stop(None)
+            await service.stop()
+
+    asyncio.run(main())
+
+
+def test_half_given_tls_settings_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="certificate needs its key"):
+        ClientTls("ca.pem", cert="c.pem")
+    with pytest.raises(ValueError, match="does not exist"):
+        ClientTls(str(tmp_path / "missing.pem")).credentials()
