@@ -26,6 +26,14 @@ class RuntimeConfig:
     health_host: str = "127.0.0.1"
     health_port: int | None = None  # serve /live, /health, /metrics here (0: any free port; None: off)
     connect_timeout: float = 30.0  # at start-up, give up on NATS or etcd after this long (one line, exit 1)
+    # NATS security: a token or user:password go in the URL (nats://TOKEN@host:port); TLS (the CA that
+    # signed the server's certificate; a client certificate and key for mutual TLS); a .creds file
+    # (JWT + NKEY) or an NKEY seed file.
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+    nats_creds: str | None = None
+    nats_nkey: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("etcd_url", "nats_url"):
@@ -36,6 +44,12 @@ class RuntimeConfig:
             raise ValueError(f"namespace must be alphanumeric (with - or _), got {self.namespace!r}")
         if self.lease_ttl < 2:
             raise ValueError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ValueError("--nats-tls-cert and --nats-tls-key go together")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_creds", "nats_nkey"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name.replace('_', '-')} {path} does not exist")
         if self.connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout}")
         if self.drain_timeout < 0 or self.ack_timeout <= 0 or self.heartbeat_interval <= 0:
@@ -49,8 +63,27 @@ class RuntimeConfig:
             etcd_url=os.environ.get("TANDEM_ETCD", DEFAULT_ETCD),
             nats_url=os.environ.get("TANDEM_NATS", DEFAULT_NATS),
             namespace=os.environ.get("TANDEM_NAMESPACE", DEFAULT_NAMESPACE),
+            **{name: os.environ.get(f"TANDEM_{name.upper()}") or None
+               for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_creds", "nats_nkey")},
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+    def nats_options(self) -> dict:
+        """Keyword arguments for ``nats.connect`` from the security settings."""
+        options: dict = {}
+        if self.nats_tls_ca or self.nats_tls_cert:
+            import ssl
+
+            context = ssl.create_default_context(cafile=self.nats_tls_ca)
+            if self.nats_tls_cert:
+                context.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
+            options["tls"] = context
+            options["tls_hostname"] = urlparse(self.nats_url).hostname
+        if self.nats_creds:
+            options["user_credentials"] = self.nats_creds
+        if self.nats_nkey:
+            options["nkeys_seed"] = self.nats_nkey
+        return options
 
     @property
     def etcd_host_port(self) -> tuple[str, int]:
@@ -67,6 +100,13 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /live, /health and /metrics on this port (0: any free port; default: off)")
     parser.add_argument("--health-host", default=None, help="address for the health port (default 127.0.0.1)")
+    for flag, what in (("--nats-tls-ca", "CA (PEM) that signed the NATS server's certificate: connect over TLS"),
+                       ("--nats-tls-cert", "client certificate (PEM) for NATS mutual TLS"),
+                       ("--nats-tls-key", "its key (PEM)"),
+                       ("--nats-creds", "NATS user credentials file (JWT + NKEY)"),
+                       ("--nats-nkey", "NATS NKEY seed file")):
+        env = "TANDEM_" + flag[2:].upper().replace("-", "_")
+        parser.add_argument(flag, default=None, help=f"{what} (env {env}); a token or user:password go in the NATS URL")
     parser.add_argument("--connect-timeout", type=float, default=None,
                         help="seconds to keep trying NATS and etcd at start-up before exiting with an error "
                              "(env TANDEM_CONNECT_TIMEOUT, default 30)")
@@ -77,6 +117,9 @@ def config_from_args(args, **overrides) -> RuntimeConfig:
     return RuntimeConfig.from_env(
         etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, lease_ttl=args.lease_ttl,
         health_port=args.health_port, health_host=args.health_host,
+        nats_tls_ca=getattr(args, "nats_tls_ca", None), nats_tls_cert=getattr(args, "nats_tls_cert", None),
+        nats_tls_key=getattr(args, "nats_tls_key", None), nats_creds=getattr(args, "nats_creds", None),
+        nats_nkey=getattr(args, "nats_nkey", None),
         connect_timeout=args.connect_timeout or (float(os.environ["TANDEM_CONNECT_TIMEOUT"])
                                                  if os.environ.get("TANDEM_CONNECT_TIMEOUT") else None), **overrides
     )

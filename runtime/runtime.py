@@ -39,6 +39,16 @@ from .request_plane import Handler, RequestClient, RequestServer, ResponseStream
 
 log = logging.getLogger(__name__)
 
+
+def _without_secrets(url: str) -> str:
+    """``url`` with a token or password replaced by '***' (for logs)."""
+    from urllib.parse import urlparse
+
+    parts = urlparse(url)
+    if not parts.username and not parts.password:
+        return url
+    return url.replace(parts.netloc, f"***@{parts.hostname}:{parts.port}")
+
 UNREACHABLE_HOLD_S = 30.0  # how long an instance NATS found unreachable stays out of routing
 
 T = TypeVar("T")
@@ -139,10 +149,10 @@ class Runtime:
 
         async def on_disconnect() -> None:
             if not self._closed:
-                log.warning("nats: disconnected from %s", cfg.nats_url)
+                log.warning("nats: disconnected from %s", _without_secrets(cfg.nats_url))
 
         async def on_reconnect() -> None:
-            log.info("nats: reconnected to %s", cfg.nats_url)
+            log.info("nats: reconnected to %s", _without_secrets(cfg.nats_url))
 
         try:
             self.nc = await asyncio.wait_for(nats.connect(
@@ -155,10 +165,11 @@ class Runtime:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
+                **cfg.nats_options(),
             ), cfg.connect_timeout)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-            raise StartupError(f"cannot reach NATS at {cfg.nats_url} (gave up after {cfg.connect_timeout:g}s: "
-                               f"{type(exc).__name__})") from None
+            raise StartupError(f"cannot reach NATS at {_without_secrets(cfg.nats_url)} (gave up after "
+                               f"{cfg.connect_timeout:g}s: {type(exc).__name__})") from None
         connected = True
         host, port = cfg.etcd_host_port
         deadline = time.monotonic() + cfg.connect_timeout

@@ -88,6 +88,10 @@ class EtcdServer(_Server):
 class NatsServer(_Server):
     name = "nats"
 
+    def __init__(self, *extra: str):
+        super().__init__()
+        self.extra = list(extra)  # e.g. ("--auth", TOKEN) or TLS flags
+
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
@@ -99,6 +103,7 @@ class NatsServer(_Server):
             "-p", str(self.port),
             "-js",
             "-sd", str(self.workdir / "js"),
+            *self.extra,
         ]
 
 
