@@ -1,0 +1,209 @@
+"""A bounded abuse run against the frontend: do well-behaved streams keep flowing while others misbehave?
+
+Usage: .venv/bin/python bench/abuse_bench.py [--streams 8] [--fuzz 1000]
+
+Real etcd and nats-server on loopback, one mock worker (5 ms per token), one ``python -m frontend``
+(--body-timeout 3, --write-timeout 3). While ``--streams`` clients stream completions and record the
+gap between consecutive chunks, other clients send, all at once:
+  1. a 3.5 MB body of 700,000 one-letter prompts, and a chat of 100,000 empty messages;
+  2. 10 uploads that declare 1,000 bytes, send 10 and disconnect;
+  3. 8 uploads that trickle a byte a second (held open past the body timeout);
+  4. 3 streaming requests (n = 8, 2,000 tokens, logprobs 20) whose client never reads;
+  5. ``--fuzz`` random and mutated request bodies.
+Reports the longest gap a well-behaved stream saw beyond its token interval (target < 250 ms), the
+frontend's RSS before and after, and the status codes (target: no 5xx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from tests.support.procs import ManagedProcess  # noqa: E402
+from tests.support.servers import env_for, free_port, start_servers  # noqa: E402
+
+TOKEN_MS = 5
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def good_stream(url: str, gaps: list[float], stop: asyncio.Event) -> int:
+    body = {"model": "mock", "prompt": "a well-behaved client", "max_tokens": 200, "stream": True}
+    streams = 0
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                last = None
+                async for _ in resp.aiter_lines():
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+            streams += 1
+    return streams
+
+
+async def raw(port: int, data: bytes, hold: float = 0.0, trickle: bool = False) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if trickle:
+            for _ in range(int(hold)):
+                await asyncio.sleep(1)
+                writer.write(b" ")
+                await writer.drain()
+        elif hold:
+            await asyncio.sleep(hold)
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
+def never_reader(port: int) -> socket.socket:
+    body = json.dumps({"model": "mock", "prompt": "x", "n": 8, "max_tokens": 2000, "stream": True,
+                       "logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def fuzz_bodies(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
+    rng = random.Random(seed)
+    values = [None, True, -1, 0, 1, 2**70, 1e308, float("nan"), "", "x" * 1000, "\udcff", [], {}, [1, "a"],
+              {"a": [None]}, -0.5, 3.7, "mock"]
+    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop",
+              "logprobs", "seed", "stream_options", "response_format", "tools", "min_tokens", "ignore_eos", "echo",
+              "best_of", "logit_bias", "user", "max_completion_tokens", "top_logprobs", "stop_token_ids"]
+    out = []
+    for i in range(n):
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        kind = rng.random()
+        if kind < 0.1:
+            body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+        else:
+            base = ({"model": "mock", "prompt": "hi", "max_tokens": 3} if path.endswith("/completions") and
+                    "chat" not in path else {"model": "mock", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 3})
+            for _ in range(rng.randrange(1, 4)):
+                value = rng.choice(values)
+                base[rng.choice(fields)] = value if not (isinstance(value, float) and value != value) else "nan"
+            try:
+                body = json.dumps(base, allow_nan=False).encode("utf-8", "surrogatepass")
+            except ValueError:
+                body = b"{" + str(i).encode()
+        out.append((path, body))
+    return out
+
+
+async def amain(args) -> None:
+    etcd, nats_server = start_servers()
+    env = env_for(etcd, nats_server, "abuse")
+    port = free_port()
+    worker = ManagedProcess("workers.mock", ["--token-latency-ms", str(TOKEN_MS), "--num-speculative-tokens", "0"],
+                            env, "mock").start()
+    frontend = ManagedProcess("frontend", ["--http-port", str(port), "--body-timeout", "3", "--write-timeout", "3"],
+                              env, "frontend").start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        frontend.wait_for_log("frontend ready", timeout=60)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for _ in range(600):
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+            await client.post("/v1/completions", json={"model": "mock", "prompt": "warm", "max_tokens": 2})
+        rss_before = rss_mb(frontend.pid)
+        gaps: list[float] = []
+        stop = asyncio.Event()
+        good = [asyncio.create_task(good_stream(url, gaps, stop)) for _ in range(args.streams)]
+        await asyncio.sleep(1.0)
+        gaps.clear()  # measure from here on: every well-behaved stream is running
+        statuses: Counter = Counter()
+        started = time.perf_counter()
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def post(path: str, content: bytes) -> None:
+                try:
+                    r = await client.post(path, content=content, headers={"content-type": "application/json"})
+                    statuses[r.status_code] += 1
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1
+
+            big = json.dumps({"model": "mock", "prompt": ["a"] * 700_000}).encode()
+            many = json.dumps({"model": "mock", "messages": [{"role": "user", "content": ""}] * 100_000}).encode()
+            partial = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n" + b'{"model": ')
+            readers = [never_reader(port) for _ in range(3)] if "readers" in args.cases else []
+            tasks = [post("/v1/completions", big), post("/v1/chat/completions", many)] if "bodies" in args.cases else []
+            if "uploads" in args.cases:
+                tasks += [raw(port, partial) for _ in range(10)]
+                tasks += [raw(port, partial, hold=5, trickle=True) for _ in range(8)]
+            sem = asyncio.Semaphore(32)
+
+            async def fuzz(path: str, body: bytes) -> None:
+                async with sem:
+                    await post(path, body)
+
+            tasks += [fuzz(p, b) for p, b in fuzz_bodies(args.fuzz if "fuzz" in args.cases else 0)]
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(4)  # the never-reading clients' streams get dropped meanwhile
+            for sock in readers:
+                sock.close()
+        abuse_s = time.perf_counter() - started
+        stop.set()
+        streams = sum(await asyncio.gather(*good))
+        rss_after = rss_mb(frontend.pid)
+        text = httpx.get(url + "/metrics", timeout=5).text
+        server_5xx = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("tandem_frontend_requests_total{") and 'status="5' in line)
+        longest = max(gaps) if gaps else 0.0
+        print(f"abuse phase {abuse_s:.1f}s; {args.streams} well-behaved streams completed {streams} streams "
+              f"({len(gaps)} chunk gaps)")
+        print(f"longest gap between chunks of a well-behaved stream: {1e3 * longest:.0f} ms "
+              f"(token interval {TOKEN_MS} ms; p99 {1e3 * sorted(gaps)[int(0.99 * len(gaps))]:.0f} ms)")
+        print(f"frontend RSS {rss_before:.0f} MB before, {rss_after:.0f} MB after")
+        print(f"client-side statuses: {dict(sorted(statuses.items(), key=str))}; frontend-counted 5xx: {server_5xx:.0f}")
+        if any(isinstance(k, int) and k >= 500 for k in statuses) or server_5xx:
+            sys.exit("5xx answers seen")
+    finally:
+        frontend.stop()
+        worker.stop()
+        etcd.cleanup()
+        nats_server.cleanup()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--fuzz", type=int, default=1000)
+    ap.add_argument("--cases", type=lambda v: set(v.split(",")), default={"bodies", "uploads", "readers", "fuzz"},
+                    help="which abuse to send: bodies, uploads, readers, fuzz (default all)")
+    asyncio.run(amain(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
