@@ -7,17 +7,8 @@ Spec-decode counters (names after vLLM's ``spec_decode_*``; ``prometheus_client`
     tandem_spec_decode_num_accepted_tokens_total{target, draft}
     tandem_spec_decode_num_accepted_tokens_per_pos_total{target, draft, position}
 
-PromQL, per target over the last minute::
-
-    acceptance rate:
-      sum by (target) (rate(tandem_spec_decode_num_accepted_tokens_total[1m]))
-        / sum by (target) (rate(tandem_spec_decode_num_draft_tokens_total[1m]))
-    mean accepted length:
-      1 + sum by (target) (rate(tandem_spec_decode_num_accepted_tokens_total[1m]))
-        / sum by (target) (rate(tandem_spec_decode_num_drafts_total[1m]))
-    acceptance at position p:
-      rate(tandem_spec_decode_num_accepted_tokens_per_pos_total{position="p"}[1m])
-        / rate(tandem_spec_decode_num_drafts_total[1m])
+The PromQL for acceptance rate, mean accepted length and per-position acceptance is in
+:mod:`runtime.spec_stats` (series ``tandem_spec_decode_*``, labels ``target``, ``draft``, ``position``).
 
 The router's own sliding-window view is exported as gauges
 ``tandem_spec_decode_window_acceptance_rate{target}`` and

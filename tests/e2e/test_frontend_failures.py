@@ -151,16 +151,23 @@ def migrations(stack) -> float:
     return float(re.search(r"^tandem_frontend_migrations_total (\S+)$", text, re.M).group(1))
 
 
-async def test_a_dead_worker_still_registered_is_skipped_without_failing_requests(stack, workers):
-    # Its lease (10 s) outlives it, so the router still offers it: requests sent there find no
-    # responder and move on to a live worker.
-    ghost = stack.worker("--token-latency-ms", "0", "--lease-ttl", "10", name="doomed")
+async def start_doomed_worker(stack, name: str):
+    """One more worker, with a lease (10 s) that will outlive it; returns it and the live count once
+    the frontend routes to it."""
+    ghost = stack.worker("--token-latency-ms", "0", "--lease-ttl", "10", name=name)
     async with Runtime.connect(runtime_config(stack)) as rt:
         client = await rt.client("target", "generate")
         await client.snapshot.wait_for(lambda items: any(r.pid == ghost.pid for r in items.values()), 30)
         live = len(client.instances())
     wait_until(lambda: {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock") == live,
                10, "the frontend never saw the new worker")
+    return ghost, live
+
+
+async def test_a_dead_worker_still_registered_is_skipped_without_failing_requests(stack, workers):
+    # Its lease (10 s) outlives it, so the router still offers it: requests sent there find no
+    # responder and move on to a live worker.
+    ghost, live = await start_doomed_worker(stack, "doomed")
     before = migrations(stack)
     ghost.kill()
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
@@ -174,13 +181,7 @@ async def test_a_dead_worker_still_registered_is_skipped_without_failing_request
 async def test_a_sigkilled_worker_leaves_routing_at_its_first_no_responders(stack, workers):
     """Its lease outlives it by seconds; the first request that finds nobody on its subject takes it
     out of routing for every later request (one migration, not one per request until the lease ends)."""
-    ghost = stack.worker("--token-latency-ms", "0", "--lease-ttl", "10", name="sigkilled")
-    async with Runtime.connect(runtime_config(stack)) as rt:
-        client = await rt.client("target", "generate")
-        await client.snapshot.wait_for(lambda items: any(r.pid == ghost.pid for r in items.values()), 30)
-        live = len(client.instances())
-    wait_until(lambda: {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock") == live,
-               10, "the frontend never saw the new worker")
+    ghost, live = await start_doomed_worker(stack, "sigkilled")
     before = migrations(stack)
     ghost.kill()
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:

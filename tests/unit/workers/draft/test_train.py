@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
+from tests.unit.workers.target.test_spec_engine import run_spec
 from workers.demo_model import demo_tokenizer_dir
 from workers.draft.eagle import Eagle3Head, load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
@@ -178,7 +179,7 @@ def test_tiny_training_run_writes_a_head_that_speculates_losslessly(tiny_target,
         got = {}
         items = list(prompts.items())
         for i in range(0, len(items), batch):
-            got.update(_run(engine, proposer, dict(items[i : i + batch]), params))
+            got.update(run_spec(engine, proposer, dict(items[i : i + batch]), params))
         assert got == plain
 
 
@@ -194,23 +195,6 @@ def test_targets_it_cannot_train_for_are_one_line_errors(tmp_path, tiny_target):
     (small / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type"):
         check_target(small)
-
-
-def _run(engine: SpecEngine, proposer: EagleProposer, prompts: dict, params) -> dict:
-    """Drive the spec engine with the proposer in-process (what the step loop and draft worker do)."""
-    from workers.speculation.payloads import DraftInput  # noqa: F401  (the types travel as they are)
-
-    got = {rid: [] for rid in prompts}
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, params)
-    while engine.has_work():
-        inputs = engine.draft_inputs()
-        proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
-        for rid, delta in engine.step(proposals):
-            got[rid].extend(delta.token_ids)
-        proposer.verified(engine.take_verdicts())
-        proposer.release(engine.take_released())
-    return got
 
 
 class _quiet:
