@@ -182,6 +182,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     self._work.put_nowait(("release", stream, list(msg.release.seq_ids)))
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
+        except Exception:  # a malformed message: end this stream (the target falls back), say why
+            log.exception("stream from target %s: bad message", stream.target_id)
         finally:
             if seqs:  # the target went away: forget its sequences
                 self._work.put_nowait(("release", stream, sorted(seqs)))

@@ -41,6 +41,8 @@ def tensor_from_pb(msg: spec_pb2.Tensor) -> torch.Tensor:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"unsupported hidden-state dtype {msg.dtype!r}")
+    if not msg.data:  # no rows (a proposal request with nothing new): frombuffer refuses empty buffers
+        return torch.zeros(list(msg.shape), dtype=dtype)
     storage = torch.int16 if dtype == torch.bfloat16 else dtype
     flat = torch.frombuffer(bytearray(msg.data), dtype=storage)
     return flat.view(dtype).reshape(list(msg.shape))
