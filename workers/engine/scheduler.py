@@ -47,6 +47,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # False while something needs every position computed (a draft that reads the target's hidden
+        # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
+        self.reuse_cached_prefix = True
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -127,7 +130,7 @@ class Scheduler:
         """Take cached prefix blocks and blocks for the first chunk; 0 if they do not fit."""
         bs = self.block_size
         hashes = seq.full_block_hashes(bs, len(seq))[: (len(seq) - 1) // bs]
-        hits = self.blocks.match_prefix(hashes)
+        hits = self.blocks.match_prefix(hashes) if self.reuse_cached_prefix else []
         num_cached = len(hits) * bs
         n = min(len(seq) - num_cached, budget)
         need = self._blocks_for(num_cached + n) - len(hits)

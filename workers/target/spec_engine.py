@@ -54,8 +54,9 @@ class SpecEngine(Engine):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
-        self.hidden_layers = tuple(hidden_layers)
+        self._hidden_layers = tuple(hidden_layers)
         super().__init__(model, config, worker_id, eos_token_ids)
+        self.hidden_layers = self._hidden_layers
         # Adaptive γ per sequence: +2 after a fully accepted round, −1 otherwise; at 0 the sequence
         # decodes plainly for ``pause_steps`` steps and then tries one draft token again. A draft
         # that keeps missing then costs little; one that hits climbs back to γ within a few rounds.
@@ -67,11 +68,22 @@ class SpecEngine(Engine):
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
         self.counters: dict[str, SpecCounters] = {}  # per draft worker
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the draft worker reads (EAGLE); empty: none."""
+        return self._hidden_layers
+
+    @hidden_layers.setter
+    def hidden_layers(self, layers) -> None:
+        self._hidden_layers = tuple(layers)
+        # a draft reading hidden states needs them for every position: no prefix-cache hits then
+        self.scheduler.reuse_cached_prefix = not self._hidden_layers
+
     def _graph_query_lens(self) -> tuple[int, ...]:
         return (1, self.num_speculative_tokens + 1)  # decode; verify of up to γ drafts (fewer are padded)
 
     def _graph_hidden_layers(self) -> tuple[int, ...]:
-        return self.hidden_layers
+        return self._hidden_layers
 
     # ------------------------------------------------------------------ requests
 

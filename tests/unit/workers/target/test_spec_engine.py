@@ -137,3 +137,21 @@ def test_adaptive_gamma_backs_off_a_missing_draft_and_keeps_a_good_one(models):
             assert c.num_draft_tokens < 0.1 * 4 * 40 * len(batch)
         else:
             assert c.num_draft_tokens / c.num_drafts == pytest.approx(4, abs=0.5)
+
+
+def test_a_draft_reading_hidden_states_gets_them_for_a_prefix_cache_hit_too(models):
+    """A repeated prompt would be a prefix-cache hit whose positions are never computed, leaving an
+    EAGLE draft without their hidden states: while hidden states are wanted, hits are not reused."""
+    target_dir, _ = models
+    model = load_model(target_dir)
+    prompt = list(range(3, 30))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = SpecEngine(model, CFG, eos_token_ids=())
+    engine.generate({"first": prompt}, params)  # its prompt blocks are now cached
+    engine.hidden_layers = (1,)  # a draft worker that reads layer 1 connects
+    engine.add_request("again", prompt, params)
+    engine.step()  # the prefill
+    [inp] = engine.draft_inputs()
+    assert inp.hidden_states[0].shape[0] == len(prompt)  # a row for every position up to the last token
+    engine.hidden_layers = ()  # no such draft any more: hits are reused again
+    assert engine.scheduler.reuse_cached_prefix
