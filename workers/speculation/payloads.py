@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.sampling import is_greedy
+from runtime.messages import is_greedy
 
 PAD = -1  # token-id sentinel: no token (padding after a sequence's last draft or emitted token)
 

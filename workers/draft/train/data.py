@@ -52,7 +52,6 @@ class SampleMaker:
                                                  enable_prefix_caching=True))
         # the teacher-forced pass gets a cache of its own: the engine's blocks hold its prefix cache
         self._runner = ModelRunner(model, -(-max_len // 16), 16)
-        self.eos = sorted(self.engine.eos_token_ids)
 
     def _template(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

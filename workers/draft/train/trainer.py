@@ -18,13 +18,13 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ...engine.config import ModelConfig
-from ..eagle import Eagle3Head
+from ..eagle import Eagle3Head, load_target_parts
 from .checkpoint import save_eagle3
 from .data import SampleMaker, eagle3_layers, load_samples, write_shards
 from .prompts import conversation, local_prompts
@@ -57,7 +57,6 @@ class TrainConfig:
     device: str = "cpu"
     threads: int | None = None
     dtype: str = "float16"
-    metrics: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not Path(self.target).is_dir() or not (Path(self.target) / "config.json").exists():
@@ -154,12 +153,9 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     started = time.perf_counter()
     train_paths, eval_paths = make_data(cfg, progress)
     gen_s = time.perf_counter() - started
-    from ...engine.weights import iter_safetensors
-
-    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
-    parts = {n: t.float() for n, t in iter_safetensors(Path(cfg.target)) if n in wanted}
-    embed = torch.nn.Embedding.from_pretrained(parts["model.embed_tokens.weight"], freeze=True)
-    lm_head = parts.get("lm_head.weight", parts["model.embed_tokens.weight"])
+    embed, target_lm_head, _ = load_target_parts(cfg.target)  # the head reads the target's embedding, frozen
+    embed.weight.requires_grad_(False)
+    lm_head = target_lm_head.weight.detach()
     samples = _samples(train_paths)
     held = _samples(eval_paths)
     if not samples:
@@ -234,7 +230,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     metrics.update(train_tokens=tokens_per_epoch, train_reply_tokens=int(sum(int(s["mask"].sum()) for s in samples)),
                    train_sequences=len(samples), eval_sequences=len(held), epochs=cfg.epochs,
                    generation_minutes=gen_s / 60, training_minutes=train_s / 60, draft_vocab=len(draft_ids),
-                   config={k: v for k, v in asdict(cfg).items() if k != "metrics"})
+                   config=asdict(cfg))
     layers = eagle3_layers(target_cfg.num_layers)
     save_eagle3(head, t2d, cfg.out, layers=layers, verifier=str(cfg.target), num_speculative_tokens=cfg.steps,
                 dtype=getattr(torch, cfg.dtype), extra={"metrics": {k: metrics[k] for k in (

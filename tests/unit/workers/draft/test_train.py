@@ -90,7 +90,6 @@ def test_training_steps_equal_the_drafting_path(tiny_target):
 def test_checkpoint_round_trips_through_the_loader(tiny_target, tmp_path):
     cfg = ModelConfig.from_dir(tiny_target)
     head, _ = _head(cfg)
-    _, _, t2d = draft_vocabulary(torch.arange(cfg.vocab_size), 300)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[torch.arange(300) + head.d2t] = True
     save_eagle3(head, t2d, tmp_path, layers=[2, 2, 1], verifier=str(tiny_target), num_speculative_tokens=3,
