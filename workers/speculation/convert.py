@@ -60,23 +60,25 @@ def sampling_from_pb(msg: spec_pb2.SamplingSpec) -> SamplingSpec:
 def draft_input_to_pb(d: DraftInput, hidden_dtype: str = "") -> spec_pb2.ProposeRequest:
     return spec_pb2.ProposeRequest(seq_id=d.seq_id, round=d.round, new_tokens=d.new_tokens,
                                    num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling),
-                                   hidden_states=[tensor_to_pb(h, hidden_dtype) for h in d.hidden_states])
+                                   hidden_states=[tensor_to_pb(h, hidden_dtype) for h in d.hidden_states],
+                                   tree_topk=d.tree_topk, tree_depth=d.tree_depth)
 
 
 def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
     return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_tokens, sampling_from_pb(msg.sampling),
-                      [tensor_from_pb(h) for h in msg.hidden_states])
+                      [tensor_from_pb(h) for h in msg.hidden_states], msg.tree_topk, msg.tree_depth)
 
 
 def draft_output_to_pb(d: DraftOutput) -> spec_pb2.Proposal:
     return spec_pb2.Proposal(
         seq_id=d.seq_id, round=d.round, token_ids=d.token_ids,
-        distributions=[spec_pb2.SparseDistribution(ids=s.ids, probs=s.probs) for s in d.distributions])
+        distributions=[spec_pb2.SparseDistribution(ids=s.ids, probs=s.probs) for s in d.distributions],
+        parents=d.parents if d.is_tree else [])
 
 
 def draft_output_from_pb(msg: spec_pb2.Proposal) -> DraftOutput:
     return DraftOutput(msg.seq_id, msg.round, list(msg.token_ids),
-                       [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions])
+                       [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions], list(msg.parents))
 
 
 def verify_to_pb(v: VerifyResult, hidden_dtype: str = "") -> spec_pb2.VerifyOutcome:

@@ -4,8 +4,8 @@ Both sides convert protobuf messages into these types at the gRPC edge (:mod:`.c
 
 - :class:`DraftInput` — draft up to ``num_tokens`` tokens for a sequence after appending
   ``new_tokens`` (tokens committed since the draft last heard of the sequence);
-- :class:`DraftOutput` — the proposal: token ids and, when the draft sampled, the sparse
-  distribution each token was drawn from;
+- :class:`DraftOutput` — the proposal: token ids, their tree (``parents``; empty for a chain) and,
+  when the draft sampled, the sparse distribution each token was drawn from;
 - :class:`VerifyResult` — the target's verdict: how many drafts it accepted, every token it emitted
   this round, and hidden states for methods that need them.
 """
@@ -19,6 +19,7 @@ import torch
 from runtime.messages import is_greedy
 
 PAD = -1  # token-id sentinel: no token (padding after a sequence's last draft or emitted token)
+ROOT = -1  # parent index of a draft token that follows the last committed token
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class DraftInput:
     num_tokens: int
     sampling: SamplingSpec = SamplingSpec()
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [rows, hidden], see spec.proto
+    tree_topk: int = 0  # children per node and depth (0: the draft worker's setting; 1: a chain)
+    tree_depth: int = 0  # draft steps (0: the draft worker's setting)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ class DraftOutput:
     round: int
     token_ids: list[int]
     distributions: list[SparseDist] = field(default_factory=list)  # empty: greedy (one-hot)
+    parents: list[int] = field(default_factory=list)  # per token: ROOT or an earlier index; empty: a chain
+
+    @property
+    def is_tree(self) -> bool:
+        """True when some token is not the child of the one before it."""
+        return any(p != i - 1 for i, p in enumerate(self.parents))
 
 
 @dataclass(frozen=True)
