@@ -5,7 +5,8 @@ Definitions (vLLM's, from ``v1/spec_decode/metrics.py``):
 - ``num_drafts``: verification steps that had a draft;
 - ``num_draft_tokens``: tokens proposed;
 - ``num_accepted_tokens``: proposed tokens the target accepted;
-- ``accepted_per_pos[i]``: drafts whose token at position ``i`` was accepted;
+- ``accepted_per_pos[i]``: drafts whose token at position ``i`` was accepted (for a token tree:
+  whose accepted path reached depth ``i + 1``);
 - acceptance rate = accepted tokens / draft tokens;
 - mean accepted length = 1 + accepted tokens / drafts (the ``1`` is the token the target adds
   itself, so this is the tokens one verify step emits).
@@ -58,15 +59,17 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def observe_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One verified proposal of ``num_draft_tokens`` tokens of which the first ``num_accepted`` were kept."""
-        if not 0 <= num_accepted <= num_draft_tokens:
-            raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} draft tokens")
+    def observe_draft(self, num_draft_tokens: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verified proposal of ``num_draft_tokens`` tokens of which ``num_accepted`` were kept: the
+        first ones of a chain, or a path of a tree ``depth`` deep (None: a chain, as deep as it is long)."""
+        depth = num_draft_tokens if depth is None else depth
+        if not 0 <= num_accepted <= depth <= num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} draft tokens {depth} deep")
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_draft_tokens:
-            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        if len(self.accepted_per_pos) < depth:
+            self.accepted_per_pos.extend([0] * (depth - len(self.accepted_per_pos)))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 

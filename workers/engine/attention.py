@@ -11,6 +11,10 @@ token at position p of a sequence lives in slot ``block_table[p // bs] * bs + p 
 Short queries (decode / verify) are padded into one batched SDPA call with a mask; long prefill
 chunks get one SDPA call each.
 
+A *tree* row (speculative verification of a token tree, :mod:`workers.speculation.tree`) brings a
+[q, q] mask over its own new tokens: each new token sees the whole context before them, and of the
+new tokens only those its mask allows (itself and its ancestors), instead of every earlier one.
+
 *Static* metadata (:meth:`AttentionMetadata.static`, for CUDA graphs) holds tensors only: every
 token's sequence row, position and slot. The Triton kernel reads nothing else; the torch path then
 gathers each token's keys through its block table (a reference, for tests on CPU).
@@ -49,7 +53,8 @@ class AttentionMetadata:
     # long queries, one call each: (row, token start, query_len, context_len)
     singles: list[tuple[int, int, int, int]] = field(default_factory=list)
     single_blocks: list[torch.Tensor | None] = field(default_factory=list)  # [nb] block ids, None: no prefix
-    static: bool = False  # tensors only (no host-side lengths): see :meth:`static`
+    tensors_only: bool = False  # no host-side lengths (CUDA-graph safe): see :meth:`static`
+    has_tree: bool = False  # some row attends by a tree mask (the torch path only handles it)
 
     @property
     def num_tokens(self) -> int:
@@ -57,8 +62,14 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Inputs for one step; ``block_tables[b]`` must cover ``context_lens[b]`` tokens."""
+              block_size: int, device: torch.device | str = "cpu",
+              tree_masks: list[torch.Tensor | None] | None = None) -> AttentionMetadata:
+        """Inputs for one step; ``block_tables[b]`` must cover ``context_lens[b]`` tokens.
+
+        ``tree_masks[b]`` ([q_b, q_b] bool, or None: causal) replaces causal attention among row b's
+        new tokens. With any tree, every row reads its keys from the cache (none from this step's
+        own k/v), so attention functions that write the cache first can fall back to this path.
+        """
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
             raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
         max_blocks = max((len(bt) for bt in block_tables), default=1) or 1
@@ -84,14 +95,17 @@ class AttentionMetadata:
             token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
             token_pos=torch.tensor(token_pos, dtype=torch.int32, device=device),
         )
-        rows = [b for b, q in enumerate(query_lens) if q <= BATCHED_MAX_QUERY]
+        trees = tree_masks or [None] * len(query_lens)
+        meta.has_tree = any(t is not None for t in trees)
+        rows = [b for b, q in enumerate(query_lens) if q <= BATCHED_MAX_QUERY or trees[b] is not None]
         for b, q in enumerate(query_lens):
-            if q > BATCHED_MAX_QUERY:
+            if q > BATCHED_MAX_QUERY and trees[b] is None:
                 c = context_lens[b]
                 meta.singles.append((b, starts[b], q, c))
-                meta.single_blocks.append(None if c == q else tables[b, : -(-c // block_size)].to(device))
+                from_cache = c != q or meta.has_tree
+                meta.single_blocks.append(tables[b, : -(-c // block_size)].to(device) if from_cache else None)
         if rows:
-            meta._build_batched(rows, starts, tables, device)
+            meta._build_batched(rows, starts, tables, device, trees)
         return meta
 
     @classmethod
@@ -100,9 +114,10 @@ class AttentionMetadata:
         """Metadata from tensors only (slot_mapping [T] long, block_tables [B, max_blocks] int32,
         token_seq / token_pos [T] int32), valid for any lengths they describe: CUDA-graph safe."""
         return cls(block_size=block_size, query_lens=[], context_lens=[], slot_mapping=slot_mapping,
-                   block_tables=block_tables, token_seq=token_seq, token_pos=token_pos, static=True)
+                   block_tables=block_tables, token_seq=token_seq, token_pos=token_pos, tensors_only=True)
 
-    def _build_batched(self, rows: list[int], starts: list[int], tables: torch.Tensor, device) -> None:
+    def _build_batched(self, rows: list[int], starts: list[int], tables: torch.Tensor, device,
+                       trees: list[torch.Tensor | None]) -> None:
         q_lens = torch.tensor([self.query_lens[b] for b in rows])
         c_lens = torch.tensor([self.context_lens[b] for b in rows])
         qmax, lmax = int(q_lens.max()), int(c_lens.max())
@@ -118,14 +133,42 @@ class AttentionMetadata:
         self.batch_token_index = torch.tensor(token_index, dtype=torch.long, device=device)
         self.batch_pad_index = torch.tensor(pad_index, dtype=torch.long, device=device)
         self.batch_blocks = tables[rows, :num_blocks].flatten().to(device)
-        if len(rows) == 1 and (qmax == 1 or qmax == lmax):
+        if len(rows) == 1 and (qmax == 1 or qmax == lmax) and not self.has_tree:
             # one sequence, decoding (sees its whole context) or prefilling from scratch (plain causal)
             self.batch_causal = qmax > 1
             return
         key_pos = torch.arange(num_blocks * self.block_size)[None, None, :]  # [1, 1, Lpad]
         query_pos = (c_lens - q_lens)[:, None, None] + torch.arange(qmax)[None, :, None]  # [Bg, qmax, 1]
         mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lpad]
+        for g, b in enumerate(rows):
+            tree = trees[b]
+            if tree is not None:  # among the new tokens, the tree mask instead of causal order
+                q, c = self.query_lens[b], self.context_lens[b]
+                mask[g, :q, c - q : c] = tree
         self.batch_mask = mask[:, None].to(device)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each token: 1 for the root's children."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[N+1, N+1] bool over nodes (0 = root): row j is True at j and at every ancestor of j.
+
+    It is the attention mask of the tree's queries over the tree's own keys (each query also sees
+    the whole committed context before the root).
+    """
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[0, 0] = True
+    for i, p in enumerate(parents):
+        mask[i + 1] = mask[p + 1]
+        mask[i + 1, i + 1] = True
+    return mask.to(device)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -148,13 +191,13 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of new queries over each sequence's cache; k/v already written.
 
-    q [T, H, D]; k, v [T, Hkv, D] (this step's keys, used directly for prefill without prefix);
-    returns [T, H, D].
+    q [T, H, D]; k, v [T, Hkv, D] (this step's keys, used directly for prefill without prefix; may be
+    None when the metadata has a tree, which reads every key from the cache); returns [T, H, D].
     """
-    if meta.static:
+    if meta.tensors_only:
         return _static_attention(q, k_cache, v_cache, meta, scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    hkv = k.shape[1]
+    hkv = k_cache.shape[2]
     gqa = num_heads != hkv
     out = torch.empty_like(q)
     if meta.batch_rows:

@@ -2,14 +2,17 @@
 
 A chunk is (new token ids, position of the first one, block table). ``logits_last[b]`` says for how
 many of chunk b's last positions logits are wanted: 1 after a prefill chunk or a decode, γ+1 for a
-verify step, 0 for a prefill chunk that does not reach the end of its prompt.
+verify step, 0 for a prefill chunk that does not reach the end of its prompt. A verify chunk may be
+a token *tree* (``trees[b]``: the parents of its tokens after the first, see
+:mod:`workers.speculation.tree`): its tokens sit in consecutive cache slots, but each is rotated to
+its depth in the tree and attends only to its ancestors among the chunk.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, allocate_kv_cache
+from .attention import AttentionMetadata, allocate_kv_cache, ancestor_mask, tree_depths
 from .cuda_graphs import GraphConfig, GraphRunner
 from .model import DecoderModel, ModelOutput
 
@@ -50,28 +53,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
-                hidden_layers: tuple[int, ...] = ()) -> ModelOutput:
+                hidden_layers: tuple[int, ...] = (), trees: list[list[int] | None] | None = None) -> ModelOutput:
         """Run all chunks in one forward pass; logits rows come in chunk order."""
-        if self.graphs is not None:
+        trees = trees or [None] * len(chunks)
+        has_tree = any(t is not None for t in trees)
+        if self.graphs is not None and not has_tree:
             shape = self.graphs.shape_for(chunks, logits_last, hidden_layers)
             if shape is not None:
                 return self.graphs.run(chunks, shape)
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
-        for (chunk, start, table), want in zip(chunks, logits_last):
+        masks = []
+        for (chunk, start, table), want, tree in zip(chunks, logits_last, trees):
             first = len(tokens)
             tokens.extend(chunk)
-            positions.extend(range(start, start + len(chunk)))
+            if tree is None:
+                positions.extend(range(start, start + len(chunk)))
+                masks.append(None)
+            else:  # chunk = root + one token per tree node
+                positions.append(start)
+                positions.extend(start + d for d in tree_depths(tree))
+                masks.append(ancestor_mask(tree))
             query_lens.append(len(chunk))
             context_lens.append(start + len(chunk))
             tables.append(table)
             rows.extend(range(first + len(chunk) - want, first + len(chunk)))
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device,
+                                       masks if has_tree else None)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos, meta, self.kv_caches, index, hidden_layers)
+
+    @torch.inference_mode()
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy single cache slots src → dst in every layer (an accepted tree path moved into place)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k, v in self.kv_caches:
+            flat_k, flat_v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+            flat_k[dst] = flat_k[src]
+            flat_v[dst] = flat_v[src]
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

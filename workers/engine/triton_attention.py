@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, paged_attention_torch
 
 MAX_SPLITS = 16
 
@@ -138,8 +138,11 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Ten
     """q [T, H, D] (any strides with unit last stride); caches [num_blocks, bs, Hkv, D] → [T, H, D].
 
     ``k``/``v`` (this step's keys, already written to the cache) are not read. ``splits`` overrides
-    the split-KV choice (tests).
+    the split-KV choice (tests). A step verifying token trees (``meta.has_tree``) takes the masked
+    torch path, which reads the cache too.
     """
+    if meta.has_tree:
+        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)

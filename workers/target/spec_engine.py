@@ -7,6 +7,10 @@ pass as everything else in the batch, turns the k+1 logits rows into the request
 distributions, and applies :func:`workers.speculation.rejection.rejection_sample`. Accepted drafts plus one
 recovered or bonus token are committed (stop tokens and max_tokens still apply token by token);
 the KV of rejected positions is rolled back by truncating the block table to the committed length.
+A proposal may be a token tree (:mod:`workers.speculation.tree`): its nodes are verified in the same
+single pass under a tree attention mask, the longest valid path is accepted
+(:func:`workers.speculation.tree_rejection.tree_rejection_sample`), and that path's KV is copied into
+consecutive slots before the rest is rolled back.
 Verdicts (and target hidden states for methods that need them) wait in :meth:`take_verdicts`.
 Sequences without a proposal decode exactly as in :class:`Engine`, so no request depends on a
 draft worker.
@@ -27,10 +31,30 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.model import DecoderModel
 from ..engine.sampling import apply_top_k_top_p, is_greedy, logprobs_of
 from ..engine.sequence import Sequence
-from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, VerifyResult
+from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 from ..speculation.rejection import rejection_sample, sparse_to_dense
+from ..speculation.tree import parent_nodes, tree_depths, valid_parents
+from ..speculation.tree_rejection import tree_rejection_sample
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Drafted:
+    """A proposal attached to a sequence for this step: its tokens follow the committed ones."""
+
+    seq: Sequence
+    tokens: list[int]
+    dists: list[SparseDist]
+    parents: list[int]  # empty: a chain
+
+    @property
+    def depth(self) -> int:
+        return max(tree_depths(self.parents)) if self.parents else len(self.tokens)
+
+    def keep(self, n: int) -> _Drafted:
+        """The first n tokens (parents precede children, so they still form a tree)."""
+        return _Drafted(self.seq, self.tokens[:n], self.dists[:n], self.parents[:n])
 
 
 @dataclass
@@ -50,10 +74,16 @@ class SpecEngine(Engine):
 
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, *, num_speculative_tokens: int = 4,
-                 hidden_layers: tuple[int, ...] = (), adaptive: bool = True, pause_steps: int = 8):
+                 hidden_layers: tuple[int, ...] = (), adaptive: bool = True, pause_steps: int = 8,
+                 tree_topk: int = 0, tree_depth: int = 0):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        self.num_speculative_tokens = num_speculative_tokens
+        if tree_topk < 0 or tree_depth < 0:
+            raise ValueError(f"tree_topk and tree_depth must be >= 0, got {tree_topk} and {tree_depth}")
+        self.num_speculative_tokens = num_speculative_tokens  # chain length, or a tree's node budget
+        # Tree shape asked of the draft (0: the draft worker's own setting); top-k 1 is a chain.
+        self.tree_topk = tree_topk
+        self.tree_depth = tree_depth
         self._hidden_layers = tuple(hidden_layers)
         super().__init__(model, config, worker_id, eos_token_ids)
         self.hidden_layers = self._hidden_layers
@@ -134,7 +164,8 @@ class SpecEngine(Engine):
             p = seq.params
             hidden = self._hidden_rows(st, max(st.told - 1, 0), len(seq) - 1) if self.hidden_layers else []
             out.append(DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], k,
-                                  SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), hidden))
+                                  SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), hidden,
+                                  self.tree_topk, self.tree_depth))
             st.told = len(seq)
             st.round += 1
         return out
@@ -147,13 +178,13 @@ class SpecEngine(Engine):
         batch = self.scheduler.schedule()
         scheduled = {s.request_id: n for s, n in zip(batch.seqs, batch.num_tokens)}
         for rid in list(drafted):
-            seq, drafts, dists = drafted[rid]
+            d = drafted[rid]
             n = scheduled.get(rid, 0)
-            if n < len(drafts) + 1:  # preempted, or only partly scheduled: keep what fits
+            if n < len(d.tokens) + 1:  # preempted, or only partly scheduled: keep what fits
                 keep = max(0, n - 1)
-                del seq.token_ids[len(seq) - len(drafts) + keep :]
+                del d.seq.token_ids[len(d.seq) - len(d.tokens) + keep :]
                 if keep:
-                    drafted[rid] = (seq, drafts[:keep], dists[:keep])
+                    drafted[rid] = d.keep(keep)
                 else:
                     del drafted[rid]
         if not batch:
@@ -163,12 +194,13 @@ class SpecEngine(Engine):
         wants = []
         for s, n in zip(batch.seqs, batch.num_tokens):
             if s.request_id in drafted:
-                wants.append(len(drafted[s.request_id][1]) + 1)
+                wants.append(len(drafted[s.request_id].tokens) + 1)
             else:
                 wants.append(1 if s.num_computed + n == len(s) else 0)
         chunks = [(s.token_ids[s.num_computed : s.num_computed + n], s.num_computed, s.block_table)
                   for s, n in zip(batch.seqs, batch.num_tokens)]
-        out = self.runner.forward(chunks, wants, self.hidden_layers)
+        trees = [drafted[s.request_id].parents or None if s.request_id in drafted else None for s in batch.seqs]
+        out = self.runner.forward(chunks, wants, self.hidden_layers, trees)
         plain, plain_rows, verify, verify_rows = [], [], [], []
         row = 0
         for seq, n, want in zip(batch.seqs, batch.num_tokens, wants):
@@ -188,24 +220,33 @@ class SpecEngine(Engine):
             finished_plain = self._sample(plain, out.logits[plain_rows])
             outputs.extend(self._with_spec_usage(finished_plain))
         if verify:
-            outputs.extend(self._verify(verify, [drafted[s.request_id] for s in verify], out.logits, verify_rows))
+            outputs.extend(self._verify([drafted[s.request_id] for s in verify], out.logits, verify_rows))
         return outputs
 
-    def _attach(self, proposals: dict[str, DraftOutput]) -> dict[str, tuple[Sequence, list[int], list]]:
+    def _attach(self, proposals: dict[str, DraftOutput]) -> dict[str, _Drafted]:
         drafted = {}
         for seq in self.scheduler.running:
             prop = proposals.get(seq.request_id)
             st = self._spec.get(seq.request_id)
             if prop is None or st is None or not prop.token_ids or seq.num_uncomputed != 1:
                 continue
-            k = min(len(prop.token_ids), max(st.cap, 1), seq.params.max_tokens - seq.num_generated - 1,
-                    self.max_model_len - len(seq) - 1)
-            tokens = [t for t in prop.token_ids[:k] if 0 <= t < self.vocab_size]
-            if len(tokens) < k:  # a draft with out-of-vocabulary ids is ignored, not trusted
+            # A malformed tree or out-of-vocabulary ids: the proposal is ignored, not trusted.
+            if not valid_parents(prop.parents, len(prop.token_ids)) or any(
+                    not 0 <= t < self.vocab_size for t in prop.token_ids):
                 continue
-            if k > 0:
-                seq.token_ids.extend(tokens)
-                drafted[seq.request_id] = (seq, tokens, prop.distributions[:k])
+            if prop.distributions and len(prop.distributions) != len(prop.token_ids):
+                continue
+            room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
+            k = min(len(prop.token_ids), max(st.cap, 1), self.max_model_len - len(seq) - 1)
+            d = _Drafted(seq, list(prop.token_ids), list(prop.distributions),
+                         list(prop.parents) if prop.is_tree else [])
+            if d.parents:  # nodes within the budget (a prefix), and no deeper than can be emitted
+                d = _prune_depth(d.keep(k), room)
+            else:
+                d = d.keep(min(k, room))
+            if d.tokens:
+                seq.token_ids.extend(d.tokens)
+                drafted[seq.request_id] = d
         return drafted
 
     def _with_spec_usage(self, outputs: list[tuple[str, TokenDelta]]) -> list[tuple[str, TokenDelta]]:
@@ -219,12 +260,13 @@ class SpecEngine(Engine):
             result.append((rid, delta))
         return result
 
-    def _target_probs(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        """The request's sampling distribution at each verified position. logits [k+1, V] -> [k+1, V]."""
+    def _target_probs(self, seq: Sequence, logits: torch.Tensor, depths: list[int]) -> torch.Tensor:
+        """The request's sampling distribution after each verified node. logits [k+1, V] -> [k+1, V];
+        ``depths[i]``: tokens between the last committed one and row i's next token (0 for the root)."""
         p = seq.params
         logits = logits.clone()
-        for i in range(logits.shape[0]):  # stop tokens are banned until min_tokens
-            if seq.num_generated + i < p.min_tokens and seq.stop_ids:
+        for i, depth in enumerate(depths):  # stop tokens are banned until min_tokens
+            if seq.num_generated + depth < p.min_tokens and seq.stop_ids:
                 logits[i, sorted(seq.stop_ids)] = float("-inf")
         if is_greedy(p.temperature):
             return logits.softmax(-1)
@@ -235,46 +277,64 @@ class SpecEngine(Engine):
                                        torch.full((rows,), p.top_p, device=logits.device))
         return scaled.softmax(-1)
 
-    def _verify(self, seqs: list[Sequence], drafted: list[tuple], logits: torch.Tensor,
+    def _verify(self, drafted: list[_Drafted], logits: torch.Tensor,
                 rows: list[list[int]]) -> list[tuple[str, TokenDelta]]:
-        batch, gamma, vocab = len(seqs), max(len(d[1]) for d in drafted), logits.shape[-1]
+        batch, width, vocab = len(drafted), max(len(d.tokens) for d in drafted), logits.shape[-1]
         dev = logits.device
-        target = torch.zeros(batch, gamma + 1, vocab, device=dev)
-        draft_probs = torch.zeros(batch, gamma, vocab, device=dev)
-        tokens = torch.full((batch, gamma), PAD, dtype=torch.long, device=dev)
+        trees = any(d.parents for d in drafted)
+        target = torch.zeros(batch, width + 1, vocab, device=dev)
+        draft_probs = torch.zeros(batch, width, vocab, device=dev)
+        tokens = torch.full((batch, width), PAD, dtype=torch.long, device=dev)
         num_draft = torch.zeros(batch, dtype=torch.long, device=dev)
         greedy = torch.zeros(batch, dtype=torch.bool, device=dev)
-        uniforms = torch.empty(batch, gamma, device=dev)
+        uniforms = torch.empty(batch, width, device=dev)
         exps = torch.empty(batch, vocab, device=dev)
-        for b, (seq, (_, drafts, dists), r) in enumerate(zip(seqs, drafted, rows)):
-            k = len(drafts)
-            target[b, : k + 1] = self._target_probs(seq, logits[r])
-            tokens[b, :k] = torch.tensor(drafts, device=dev)
+        for b, (d, r) in enumerate(zip(drafted, rows)):
+            k, seq = len(d.tokens), d.seq
+            depths = [0] + (tree_depths(d.parents) if d.parents else list(range(1, k + 1)))
+            target[b, : k + 1] = self._target_probs(seq, logits[r], depths)
+            tokens[b, :k] = torch.tensor(d.tokens, device=dev)
             num_draft[b] = k
             greedy[b] = is_greedy(seq.params.temperature)
-            if dists and not greedy[b]:
-                ids = [d.ids for d in dists]
-                width = max(len(i) for i in ids)
-                ids_t = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
-                probs_t = torch.tensor([d.probs + [0.0] * (width - len(d.probs)) for d in dists])
+            if d.dists and not greedy[b]:
+                ids = [x.ids for x in d.dists]
+                span = max(len(i) for i in ids)
+                ids_t = torch.tensor([i + [PAD] * (span - len(i)) for i in ids])
+                probs_t = torch.tensor([x.probs + [0.0] * (span - len(x.probs)) for x in d.dists])
                 ids_t = torch.where(ids_t < vocab, ids_t, PAD)  # out-of-vocabulary ids carry no mass here
                 draft_probs[b, :k] = sparse_to_dense(ids_t.to(dev), probs_t.to(dev), vocab)
             else:  # greedy draft: one-hot on its token
                 draft_probs[b, torch.arange(k, device=dev), tokens[b, :k]] = 1.0
             uniforms[b].uniform_(generator=seq.generator)
             exps[b].exponential_(generator=seq.generator)
-        sampler = rejection_sample
-        if dev.type == "cuda":  # the fused kernel; on CPU the torch function is the reference
-            from ..speculation.triton_rejection import rejection_sample_triton as sampler
-        out_tokens, accepted = sampler(target, tokens, draft_probs, num_draft, greedy, uniforms, exps)
+        if trees:  # chains too, in the same batch, as degenerate trees
+            parents = parent_nodes([d.parents or list(range(-1, len(d.tokens) - 1)) for d in drafted], width, dev)
+            out_tokens, path, accepted = tree_rejection_sample(target, tokens, parents, draft_probs, greedy, uniforms,
+                                                               exps)
+            path = path.cpu()
+        else:
+            sampler = rejection_sample
+            if dev.type == "cuda":  # the fused kernel; on CPU the torch function is the reference
+                from ..speculation.triton_rejection import rejection_sample_triton as sampler
+            out_tokens, accepted = sampler(target, tokens, draft_probs, num_draft, greedy, uniforms, exps)
+            path = None
         out_tokens, accepted = out_tokens.cpu(), accepted.cpu()
-        return [self._commit(seq, d[1], out_tokens[b], int(accepted[b]), logits[rows[b]])
-                for b, (seq, d) in enumerate(zip(seqs, drafted))]
+        results = []
+        for b, (d, r) in enumerate(zip(drafted, rows)):
+            n = int(accepted[b])
+            chosen = path[b, :n].tolist() if path is not None else list(range(n))
+            results.append(self._commit(d, out_tokens[b], chosen, logits[[r[0]] + [r[1 + i] for i in chosen]]))
+        return results
 
-    def _commit(self, seq: Sequence, drafts: list[int], out: torch.Tensor, accepted: int,
-                logits: torch.Tensor) -> tuple[str, TokenDelta]:
-        k = len(drafts)
+    def _commit(self, d: _Drafted, out: torch.Tensor, path: list[int], logits: torch.Tensor) -> tuple[str, TokenDelta]:
+        """Commit the accepted drafts (token indices ``path``, in order) and the final token;
+        ``logits`` [len(path) + 1, V] are the rows of the root and of the accepted nodes."""
+        seq, k, accepted = d.seq, len(d.tokens), len(path)
         base = len(seq) - k  # committed length before this round
+        moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
+        if moves:  # a tree path: its KV (and hidden states) move to consecutive positions
+            self.runner.copy_slots([(self._slot(seq, src), self._slot(seq, dst)) for src, dst in moves])
+            self._move_hidden(seq.request_id, moves)
         del seq.token_ids[base:]
         emitted = out[: accepted + 1].tolist()
         finish, kept = None, []
@@ -292,9 +352,9 @@ class SpecEngine(Engine):
         u = st.usage
         st.usage = msgspec.structs.replace(u, num_drafts=u.num_drafts + 1, num_draft_tokens=u.num_draft_tokens + k,
                                            num_accepted_tokens=u.num_accepted_tokens + accepted)
-        self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted)
+        self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, d.depth)
         if self.adaptive:
-            st.cap = min(st.gamma, st.cap + 2) if accepted == k else max(0, st.cap - 1)
+            st.cap = min(st.gamma, st.cap + 2) if accepted == d.depth else max(0, st.cap - 1)
             if st.cap == 0:
                 st.pause = self.pause_steps
         logprobs = top = None
@@ -314,7 +374,20 @@ class SpecEngine(Engine):
             st.told = len(seq)
         return seq.request_id, TokenDelta(kept, logprobs, top, finish, usage)
 
+    def _slot(self, seq: Sequence, position: int) -> int:
+        bs = self.config.block_size
+        return seq.block_table[position // bs] * bs + position % bs
+
     # ------------------------------------------------------------------ hidden states (EAGLE)
+
+    def _move_hidden(self, request_id: str, moves: list[tuple[int, int]]) -> None:
+        """Hidden-state rows follow their tokens when an accepted tree path moves (src, dst positions)."""
+        st = self._spec.get(request_id)
+        if st is None or not st.hidden:
+            return
+        for rows in st.hidden:
+            for src, dst in moves:
+                rows[dst - st.hidden_base] = rows[src - st.hidden_base]
 
     def _keep_hidden(self, seqs, starts, counts, hidden: dict[int, torch.Tensor]) -> None:
         offset = 0
@@ -343,3 +416,14 @@ class SpecEngine(Engine):
                 del rows[: start - st.hidden_base]
             st.hidden_base = start
         return out
+
+
+def _prune_depth(d: _Drafted, max_depth: int) -> _Drafted:
+    """The tree without nodes deeper than ``max_depth`` (their descendants go too); indices renumbered."""
+    depth = tree_depths(d.parents)
+    keep = [i for i in range(len(d.tokens)) if depth[i] <= max_depth]
+    if len(keep) == len(d.tokens):
+        return d
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents = [d.parents[i] if d.parents[i] < 0 else new_index[d.parents[i]] for i in keep]
+    return _Drafted(d.seq, [d.tokens[i] for i in keep], [d.dists[i] for i in keep] if d.dists else [], parents)
