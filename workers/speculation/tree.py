@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.attention import ancestor_mask, tree_depths
 from .payloads import ROOT
+
+__all__ = ["ROOT", "ancestor_mask", "chain_parents", "children", "parent_nodes", "path_to", "tree_depths",
+           "valid_parents"]
 
 
 def chain_parents(n: int) -> list[int]:
@@ -27,29 +31,6 @@ def valid_parents(parents: list[int], num_tokens: int) -> bool:
     if not parents:
         return True
     return len(parents) == num_tokens and all(ROOT <= p < i for i, p in enumerate(parents))
-
-
-def depths(parents: list[int]) -> list[int]:
-    """Depth of each token: 1 for the root's children."""
-    out: list[int] = []
-    for p in parents:
-        out.append(1 if p == ROOT else out[p] + 1)
-    return out
-
-
-def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """[N+1, N+1] bool over nodes (0 = root): row j is True at j and at every ancestor of j.
-
-    It is the attention mask of the tree's queries over the tree's own keys (each query also sees
-    the whole committed context before the root).
-    """
-    n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[0, 0] = True
-    for i, p in enumerate(parents):
-        mask[i + 1] = mask[p + 1]
-        mask[i + 1, i + 1] = True
-    return mask.to(device)
 
 
 def path_to(parents: list[int], last: int) -> list[int]:
