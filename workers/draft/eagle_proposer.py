@@ -8,10 +8,22 @@ features by the target's real ones, so the head's KV is rolled back to the first
 feature changed and the drafted tail is dropped: the next proposal is drafted from real features.
 A sequence whose target features are incomplete (it started before this draft worker joined)
 gets empty proposals rather than guesses.
+
+Trees (``tree_topk`` > 1, EAGLE-2's dynamic tree): the head first runs over the committed pairs
+(the root), then ``tree_depth - 1`` more passes, each over the frontier: the ``tree_topk`` nodes of
+the newest depth with the highest cumulative draft log-probability, every one expanded to its
+``tree_topk`` most likely children. Frontier nodes sit in cache slots after the committed pairs and
+attend to the committed pairs and to their own ancestors only (a tree mask over those slots). Of
+every node seen, the ``num_tokens`` with the highest cumulative log-probability are proposed
+(ancestors before children, siblings best first), with no distributions: the candidates are a
+deterministic function of the context, which the target's recursive rule verifies losslessly for
+greedy and sampled requests alike. The tree's slots are dropped afterwards (drafting resumes from
+the committed pairs).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from dataclasses import dataclass, field
 
@@ -21,6 +33,7 @@ from ..engine.attention import AttentionMetadata, allocate_kv_cache
 from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
+from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
@@ -47,8 +60,12 @@ class EagleProposer:
     method = "eagle"
 
     def __init__(self, head: EagleHead, hidden_layers: list[int], num_blocks: int, block_size: int = 16,
-                 max_support: int = 64):
+                 max_support: int = 64, tree_topk: int = 1, tree_depth: int = 0):
+        if tree_topk < 1 or tree_depth < 0:
+            raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")
         self.head = head
+        self.tree_topk = tree_topk  # defaults for requests that do not ask for a shape (1: chains)
+        self.tree_depth = tree_depth  # 0: as deep as the node budget allows
         self.method = "eagle3" if head.version == 3 else "eagle"
         self.hidden_dtype = dtype_name(next(head.parameters()).dtype)  # targets send hidden states in it
         self.hidden_layers = list(hidden_layers)
@@ -68,6 +85,7 @@ class EagleProposer:
     # ------------------------------------------------------------------ protocol
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
+        trees = {item.seq_id: self._shape(item) for item in batch}
         for item in batch:
             seq = self._seqs.get(item.seq_id)
             if seq is None:
@@ -81,9 +99,15 @@ class EagleProposer:
                 seq.tokens.extend(item.new_tokens)
                 seq.committed = len(seq.tokens)
                 self._set_features(seq, max(first - 1, 0), item.hidden_states, len(item.new_tokens) - (first == 0))
-        self._extend({item.seq_id: item.num_tokens for item in batch})
+        self._extend({item.seq_id: item.num_tokens for item in batch if trees[item.seq_id] is None})
+        drafted = self._draft_trees({item.seq_id: (item.num_tokens, *trees[item.seq_id])
+                                     for item in batch if trees[item.seq_id] is not None})
         out = []
         for item in batch:
+            if item.seq_id in drafted:
+                tokens, parents = drafted[item.seq_id]
+                out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
+                continue
             seq = self._seqs[item.seq_id]
             n = min(item.num_tokens, len(seq.tail))
             dists = [] if seq.sampling.greedy else seq.dists[:n]
@@ -108,6 +132,14 @@ class EagleProposer:
                 self.blocks.free(seq.blocks)
 
     # ------------------------------------------------------------------ internals
+
+    def _shape(self, item: DraftInput) -> tuple[int, int] | None:
+        """(top-k, depth) of the tree to draft for ``item``; None: a chain."""
+        topk = item.tree_topk or self.tree_topk
+        if topk <= 1 or item.num_tokens <= 1:
+            return None
+        depth = item.tree_depth or self.tree_depth or item.num_tokens
+        return topk, max(1, min(depth, item.num_tokens))
 
     def _truncate_tail(self, seq: _Seq) -> None:
         del seq.tokens[seq.committed :]
@@ -173,3 +205,148 @@ class EagleProposer:
                 seq.feats[len(seq.tokens) - 1] = feat
                 seq.tokens.append(token)
                 seq.dists.append(dist)
+
+    @torch.inference_mode()
+    def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
+        """Seq id -> (node budget, top-k, depth) in; seq id -> (tokens, parents) out (see the module docstring)."""
+        out: dict[str, tuple[list[int], list[int]]] = {}
+        trees: dict[str, _Tree] = {}
+        for sid, (budget, topk, depth) in wanted.items():
+            seq = self._seqs[sid]
+            self._truncate_tail(seq)
+            last = len(seq.tokens) - 2  # the newest committed pair
+            out[sid] = ([], [])
+            if seq.broken or last < 0:
+                continue
+            if any(t not in seq.feats for t in range(seq.computed, last + 1)):
+                seq.broken = True
+                log.warning("sequence %s lacks target features: no EAGLE proposals for it", sid)
+                continue
+            if seq.computed >= last + 1:  # nothing new: recompute the last pair for the root's output
+                self._rollback(seq, last)
+            slots = 1 + topk * (depth - 1)  # tree slots after the committed pairs
+            if grow_blocks(self.blocks, seq.blocks, last + 1 + slots):
+                trees[sid] = _Tree(seq, budget, topk, depth, last + 1)
+        if not trees:
+            return out
+        # pass 1: the committed pairs not yet in the cache; their last output is the root's
+        batch = list(trees.values())
+        ids, feats, pos, qlens, clens, tables = [], [], [], [], [], []
+        for tree in batch:
+            seq, span = tree.seq, range(tree.seq.computed, tree.base)
+            ids.extend(seq.tokens[t + 1] for t in span)
+            feats.extend(seq.feats[t] for t in span)
+            pos.extend(span)
+            qlens.append(len(span))
+            clens.append(tree.base)
+            tables.append(seq.blocks)
+        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size)
+        hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
+        self.forward_calls += 1
+        ends = torch.tensor(qlens).cumsum(0) - 1
+        for tree, feat, logp in zip(batch, hidden[ends], self.head.logits(hidden[ends]).log_softmax(-1)):
+            tree.seq.computed = tree.base
+            tree.expand(ROOT, feat, logp)
+        # passes 2..depth: the frontier of the newest depth, each node attending to its ancestors
+        for _ in range(max(t.depth for t in batch) - 1):
+            batch = [t for t in batch if t.frontier_size()]
+            if not batch:
+                break
+            ids, feats, pos, qlens, clens, tables, masks, fronts = [], [], [], [], [], [], [], []
+            for tree in batch:
+                front = tree.take_frontier()
+                for n in front:
+                    ids.append(tree.tokens[n])
+                    feats.append(tree.parent_feature(n))
+                    pos.append(tree.base - 1 + tree.depths[n])
+                qlens.append(len(front))
+                clens.append(tree.base + tree.num_slots)
+                tables.append(tree.seq.blocks)
+                masks.append(tree.slot_mask(front))
+                fronts.append(front)
+            meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, tree_masks=masks)
+            hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
+            self.forward_calls += 1
+            logps = self.head.logits(hidden).log_softmax(-1)
+            row = 0
+            for tree, front in zip(batch, fronts):
+                for n in front:
+                    tree.expand(n, hidden[row], logps[row])
+                    row += 1
+        for sid, tree in trees.items():
+            out[sid] = tree.best()
+            self._rollback(tree.seq, tree.base)  # the tree's slots go; the committed pairs stay
+        return out
+
+
+class _Tree:
+    """One sequence's draft tree while it grows (see :meth:`EagleProposer._draft_trees`)."""
+
+    def __init__(self, seq: _Seq, budget: int, topk: int, depth: int, base: int):
+        self.seq, self.budget, self.topk, self.depth, self.base = seq, budget, topk, depth, base
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # node index or ROOT
+        self.depths: list[int] = []
+        self.scores: list[float] = []  # cumulative draft log-probability
+        self.features: dict[int, torch.Tensor] = {}  # node (ROOT for the root) -> its head output
+        self.slot: dict[int, int] = {}  # node -> its tree slot (cache position base + slot)
+        self.newest: list[int] = []  # nodes of the newest depth
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot)
+
+    def expand(self, node: int, feature: torch.Tensor, logp: torch.Tensor) -> None:
+        """Record ``node``'s head output and add its top-k children."""
+        self.features[node] = feature
+        depth = 1 if node == ROOT else self.depths[node] + 1
+        if depth > self.depth:
+            return
+        base_score = 0.0 if node == ROOT else self.scores[node]
+        values, ids = logp.topk(self.topk)
+        for v, t in zip(values.tolist(), ids.tolist()):
+            if v == float("-inf"):
+                break
+            self.tokens.append(t)
+            self.parents.append(node)
+            self.depths.append(depth)
+            self.scores.append(base_score + v)
+            self.newest.append(len(self.tokens) - 1)
+
+    def frontier_size(self) -> int:
+        return len(self.newest) if self.newest and self.depths[self.newest[0]] < self.depth else 0
+
+    def take_frontier(self) -> list[int]:
+        """The top-k nodes of the newest depth by score; they get slots now and are expanded next."""
+        front = heapq.nlargest(self.topk, self.newest, key=lambda n: self.scores[n])
+        self.newest = []
+        for n in front:
+            self.slot[n] = len(self.slot) + 1  # slot 0: the root's own pair (the last committed one)
+        return front
+
+    def parent_feature(self, node: int) -> torch.Tensor:
+        return self.features[self.parents[node]]
+
+    def slot_mask(self, front: list[int]) -> torch.Tensor:
+        """[len(front), 1 + slots] bool: each frontier node sees the root pair, its ancestors, itself."""
+        mask = torch.zeros(len(front), 1 + self.num_slots, dtype=torch.bool)
+        mask[:, 0] = True
+        for row, n in enumerate(front):
+            while n != ROOT:
+                mask[row, self.slot[n]] = True
+                n = self.parents[n]
+        return mask
+
+    def best(self) -> tuple[list[int], list[int]]:
+        """The ``budget`` best nodes as (tokens, parents): ancestors first, siblings best first."""
+        chosen = set(heapq.nlargest(self.budget, range(len(self.tokens)), key=lambda n: self.scores[n]))
+        for n in list(chosen):  # a child never outscores its parent, but ties could drop one
+            while self.parents[n] != ROOT and self.parents[n] not in chosen:
+                n = self.parents[n]
+                chosen.add(n)
+        order = sorted(chosen, key=lambda n: (self.depths[n], -self.scores[n]))[: self.budget]
+        index = {n: i for i, n in enumerate(order)}
+        order = [n for n in order if self.parents[n] == ROOT or self.parents[n] in index]
+        index = {n: i for i, n in enumerate(order)}
+        return ([self.tokens[n] for n in order],
+                [ROOT if self.parents[n] == ROOT else index[self.parents[n]] for n in order])

@@ -66,8 +66,10 @@ class AttentionMetadata:
               tree_masks: list[torch.Tensor | None] | None = None) -> AttentionMetadata:
         """Inputs for one step; ``block_tables[b]`` must cover ``context_lens[b]`` tokens.
 
-        ``tree_masks[b]`` ([q_b, q_b] bool, or None: causal) replaces causal attention among row b's
-        new tokens. With any tree, every row reads its keys from the cache (none from this step's
+        ``tree_masks[b]`` ([q_b, m] bool with q_b <= m <= context_lens[b], or None: causal) says which
+        of row b's last m keys each of its new tokens sees (the keys before those, all of them):
+        m = q_b for a tree verified in one pass; a draft growing a tree depth by depth also masks
+        the tree nodes of earlier passes. With any tree, every row reads its keys from the cache (none from this step's
         own k/v), so attention functions that write the cache first can fall back to this path.
         """
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
@@ -142,9 +144,9 @@ class AttentionMetadata:
         mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lpad]
         for g, b in enumerate(rows):
             tree = trees[b]
-            if tree is not None:  # among the new tokens, the tree mask instead of causal order
-                q, c = self.query_lens[b], self.context_lens[b]
-                mask[g, :q, c - q : c] = tree
+            if tree is not None:  # over the last m keys, the tree mask instead of causal order
+                q, c, m = self.query_lens[b], self.context_lens[b], tree.shape[1]
+                mask[g, :q, c - m : c] = tree
         self.batch_mask = mask[:, None].to(device)
 
 
