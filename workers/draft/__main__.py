@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
+    parser.add_argument("--speculative-eagle-topk", type=int, default=1,
+                        help="draft trees (eagle3, eagle, ngram): children per node and depth; 1 drafts chains. "
+                             "Targets may ask per request")
+    parser.add_argument("--speculative-num-steps", type=int, default=0,
+                        help="draft trees: depth (draft steps per proposal); 0: as deep as the node budget")
     parser.add_argument("--grpc-tls-cert", default=None, help="serve gRPC over TLS with this PEM certificate")
     parser.add_argument("--grpc-tls-key", default=None, help="the certificate's PEM key")
     parser.add_argument("--grpc-tls-client-ca", default=None,
@@ -69,8 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_proposer(args: argparse.Namespace):
+    if args.speculative_eagle_topk < 1 or args.speculative_num_steps < 0:
+        raise SystemExit("--speculative-eagle-topk must be >= 1 and --speculative-num-steps >= 0")
     if args.method == "ngram":
-        return NgramProposer(args.ngram_min, args.ngram_max)
+        return NgramProposer(args.ngram_min, args.ngram_max, args.speculative_eagle_topk)
     if args.method == "draft_model":
         if not args.draft_model:
             raise SystemExit("--method draft_model needs --draft-model PATH")
@@ -93,7 +100,8 @@ def make_proposer(args: argparse.Namespace):
 
         embed, lm_head, target_cfg = load_target_parts(args.target_model)
         head, layers = load_eagle(args.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
-        return EagleProposer(head, layers, args.num_blocks, args.block_size)
+        return EagleProposer(head, layers, args.num_blocks, args.block_size, tree_topk=args.speculative_eagle_topk,
+                             tree_depth=args.speculative_num_steps)
     raise ValueError(f"unknown draft method {args.method!r}")
 
 

@@ -4,19 +4,28 @@ For a sequence t_0..t_{L-1}, try n = max_n down to min_n: find the most recent e
 the last n tokens, and propose the tokens that followed it. Each sequence keeps an index from n-gram
 to the end position of its latest occurrence, updated incrementally, so a lookup costs O(max_n)
 regardless of the sequence length. Proposals are greedy (no distributions).
+
+With ``tree_topk`` > 1 a proposal is a token tree: the continuations of the most recent occurrences
+of the matched n-gram (up to ``MAX_OCCURRENCES`` are remembered per n-gram) merged into a trie, at
+most ``tree_topk`` children per node, siblings ordered by how many occurrences continue that way
+(then by recency), nodes taken breadth first up to the node budget. The most recent continuation
+is always the first branch, so the chain proposal is the tree's first path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, VerifyResult
+
+MAX_OCCURRENCES = 8  # ends remembered per n-gram, for tree proposals
 
 
 @dataclass
 class _History:
     tokens: list[int] = field(default_factory=list)
-    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end (exclusive) of latest occurrence
+    index: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> ends (exclusive), oldest first
     indexed_to: int = 0  # n-grams ending at positions < indexed_to are in ``index``
 
 
@@ -26,9 +35,12 @@ class NgramProposer:
     method = "ngram"
     hidden_layers: list[int] = []
 
-    def __init__(self, min_n: int = 1, max_n: int = 4):
+    def __init__(self, min_n: int = 1, max_n: int = 4, tree_topk: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if tree_topk < 1:
+            raise ValueError(f"tree_topk must be >= 1, got {tree_topk}")
+        self.tree_topk = tree_topk
         self.min_n = min_n
         self.max_n = max_n
         self._seqs: dict[str, _History] = {}
@@ -46,29 +58,69 @@ class NgramProposer:
             for n in range(self.min_n, self.max_n + 1):
                 if stop - n < 0:
                     break
-                hist.index[tuple(toks[stop - n : stop])] = stop
+                ends = hist.index.setdefault(tuple(toks[stop - n : stop]), [])
+                ends.append(stop)
+                if len(ends) > MAX_OCCURRENCES:
+                    del ends[0]
         hist.indexed_to = max(hist.indexed_to, end - 1)
 
-    def lookup(self, tokens: list[int], num_tokens: int, hist: _History | None = None) -> list[int]:
-        """The proposal for ``tokens`` (builds a throwaway index when ``hist`` is None)."""
-        if hist is None:
-            hist = _History()
-            self._extend(hist, list(tokens))
+    def _ends(self, hist: _History) -> list[int]:
+        """Ends of the occurrences of the longest matching suffix, most recent first."""
         length = len(hist.tokens)
         self._index_until(hist, length)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = hist.index.get(tuple(hist.tokens[length - n :]))
-            if end is not None:
-                return hist.tokens[end : end + num_tokens]
+            ends = hist.index.get(tuple(hist.tokens[length - n :]))
+            if ends:
+                return ends[::-1]
         return []
+
+    def lookup(self, tokens: list[int], num_tokens: int, hist: _History | None = None) -> list[int]:
+        """The chain proposal for ``tokens`` (builds a throwaway index when ``hist`` is None)."""
+        if hist is None:
+            hist = _History()
+            self._extend(hist, list(tokens))
+        ends = self._ends(hist)
+        return hist.tokens[ends[0] : ends[0] + num_tokens] if ends else []
+
+    def lookup_tree(self, hist: _History, num_tokens: int, topk: int, depth: int) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of the trie of every remembered continuation (see the module docstring)."""
+        conts = [hist.tokens[end : end + depth] for end in self._ends(hist)]
+        conts = [c for c in conts if c]
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(ROOT, conts)]  # (node, continuations through it, each without the node's token)
+        while frontier and len(tokens) < num_tokens:
+            nxt = []
+            for node, through in frontier:
+                groups: dict[int, list[list[int]]] = {}
+                for c in through:  # dicts keep insertion order: first seen = most recent
+                    groups.setdefault(c[0], []).append(c[1:])
+                ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:topk]
+                for token, rest in ranked:
+                    if len(tokens) == num_tokens:
+                        break
+                    tokens.append(token)
+                    parents.append(node)
+                    rest = [r for r in rest if r]
+                    if rest:
+                        nxt.append((len(tokens) - 1, rest))
+            frontier = nxt
+        return tokens, parents
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         out = []
         for item in batch:
             hist = self._seqs.setdefault(item.seq_id, _History())
             self._extend(hist, item.new_tokens)
-            tokens = self.lookup(hist.tokens, item.num_tokens, hist) if item.num_tokens > 0 else []
-            out.append(DraftOutput(item.seq_id, item.round, tokens))
+            topk = item.tree_topk or self.tree_topk
+            if item.num_tokens <= 0:
+                out.append(DraftOutput(item.seq_id, item.round, []))
+            elif topk > 1:
+                depth = item.tree_depth or item.num_tokens
+                tokens, parents = self.lookup_tree(hist, item.num_tokens, topk, depth)
+                out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
+            else:
+                out.append(DraftOutput(item.seq_id, item.round, self.lookup(hist.tokens, item.num_tokens, hist)))
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

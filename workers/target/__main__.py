@@ -53,6 +53,8 @@ class TargetConfig:
     propose_timeout: float = 2.0
     adaptive_speculation: bool = True
     cuda_graphs: bool = True
+    tree_topk: int = 0  # 0: the draft worker's setting
+    tree_depth: int = 0
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -73,6 +75,8 @@ class TargetConfig:
             raise ValueError("--threads must be positive")
         if self.num_speculative_tokens < 0 or self.propose_timeout <= 0:
             raise ValueError("--num-speculative-tokens must be >= 0 and --propose-timeout positive")
+        if self.tree_topk < 0 or self.tree_depth < 0:
+            raise ValueError("--speculative-eagle-topk and --speculative-num-steps must be >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,8 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on CUDA, run decode and verify steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
-                        help="γ: draft tokens verified per step when a draft worker is available (0 disables)")
+    parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=4,
+                        help="γ: draft tokens verified per step when a draft worker is available (a chain's length, "
+                             "a tree's node budget; 0 disables)")
+    parser.add_argument("--speculative-eagle-topk", type=int, default=0,
+                        help="draft trees: children per node and depth (1: chains; 0: the draft worker's setting)")
+    parser.add_argument("--speculative-num-steps", type=int, default=0,
+                        help="draft trees: depth, the draft steps per proposal (0: the draft worker's setting)")
     parser.add_argument("--no-adaptive-speculation", action="store_true",
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
@@ -122,7 +131,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
-                        not args.no_cuda_graphs)
+                        not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -162,7 +171,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
     return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
-                      adaptive=cfg.adaptive_speculation)
+                      adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth)
 
 
 def client_tls(args: argparse.Namespace):

@@ -49,3 +49,17 @@ def test_incremental_index_matches_brute_force(seed):
         assert prop.distributions == []
     p.release(["s"])
     assert len(p) == 0
+
+
+def test_tree_merges_the_continuations_of_every_occurrence():
+    from workers.speculation.payloads import DraftInput
+    # "1 2" occurs three times: followed by 3 4, 5 6 and 3 7 (most recent last)
+    history = [1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2, 3, 7, 9, 1, 2]
+    proposer = NgramProposer(1, 2, tree_topk=2)
+    (out,) = proposer.propose([DraftInput("s", 0, history, 5)])
+    # root children: 3 (two occurrences) before 5; under 3: 7 (most recent) then 4; under 5: 6
+    assert out.token_ids == [3, 5, 7, 4, 6] and out.parents == [-1, -1, 0, 0, 1]
+    (narrow,) = proposer.propose([DraftInput("s", 1, [], 3, tree_topk=1)])  # a chain on request
+    assert narrow.token_ids == [3, 7, 9] and not narrow.is_tree
+    (budget,) = proposer.propose([DraftInput("s", 2, [], 3)])
+    assert budget.token_ids == [3, 5, 7] and budget.parents == [-1, -1, 0]

@@ -64,6 +64,8 @@ def plain(target_dir, batch, params):
 def make_proposer(method: str, target_dir, draft_dir):
     if method == "ngram":
         return NgramProposer(1, 3)
+    if method == "ngram_tree":  # several matched continuations as branches
+        return NgramProposer(1, 3, tree_topk=3)
     if method == "draft_model":
         return DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4)
     if method == "self_draft":  # the target's own weights: every draft is accepted
@@ -71,7 +73,7 @@ def make_proposer(method: str, target_dir, draft_dir):
     raise ValueError(method)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft"])
+@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft_model", "self_draft"])
 def test_greedy_speculation_equals_plain_decoding(models, method):
     target_dir, draft_dir = models
     batch = prompts(50, seed=hash(method) % 1000)
