@@ -4,8 +4,9 @@ Shapes follow OpenAI's API reference: ``chat.completion`` / ``chat.completion.ch
 ``text_completion``. ``usage`` adds ``prompt_tokens_details.cached_tokens`` (prompt tokens the
 worker found in its prefix cache) and, for a speculated request, ``spec_decode`` with the counters,
 ``acceptance_rate`` and ``mean_accepted_length`` as defined in :mod:`runtime.spec_stats` (vLLM's:
-``1 + accepted_tokens / num_drafts``, the tokens emitted per target forward pass); a rate that is
-undefined (no drafts yet) is left out.
+``1 + accepted_tokens / num_drafts``, the tokens emitted per target forward pass), and
+``accepted_per_pos`` (verify steps whose accepted path reached position, or tree depth, i + 1); a
+rate that is undefined (no drafts yet) is left out.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> dict:
         drafts = sum(s.num_drafts for s in specs)
         draft_tokens = sum(s.num_draft_tokens for s in specs)
         accepted = sum(s.num_accepted_tokens for s in specs)
-        spec = {"num_drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted}
+        depth = max(len(s.accepted_per_pos) for s in specs)
+        per_pos = [sum(s.accepted_per_pos[i] for s in specs if i < len(s.accepted_per_pos)) for i in range(depth)]
+        spec = {"num_drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+                "accepted_per_pos": per_pos}
         rates = {"acceptance_rate": acceptance_rate(accepted, draft_tokens),
                  "mean_accepted_length": mean_accepted_length(accepted, drafts)}
         spec.update((k, v) for k, v in rates.items() if v is not None)

@@ -132,6 +132,7 @@ class SpecUsage(_Wire):
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []  # [i]: verify steps whose accepted path reached depth i + 1
 
 
 class Usage(_Wire):

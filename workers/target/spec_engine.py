@@ -350,8 +350,12 @@ class SpecEngine(Engine):
         self._register_blocks(seq, self.config.block_size)
         st = self._spec[seq.request_id]
         u = st.usage
+        per_pos = list(u.accepted_per_pos) + [0] * (d.depth - len(u.accepted_per_pos))
+        for i in range(accepted):
+            per_pos[i] += 1
         st.usage = msgspec.structs.replace(u, num_drafts=u.num_drafts + 1, num_draft_tokens=u.num_draft_tokens + k,
-                                           num_accepted_tokens=u.num_accepted_tokens + accepted)
+                                           num_accepted_tokens=u.num_accepted_tokens + accepted,
+                                           accepted_per_pos=per_pos)
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, d.depth)
         if self.adaptive:
             st.cap = min(st.gamma, st.cap + 2) if accepted == d.depth else max(0, st.cap - 1)

@@ -62,18 +62,20 @@ def test_usage_spec_decode_follows_vllm_definitions():
     u = usage(10, [_choice(SpecUsage(num_drafts=4, num_draft_tokens=16, num_accepted_tokens=10), 14, cached=8)])
     assert u["prompt_tokens"] == 10 and u["completion_tokens"] == 14 and u["total_tokens"] == 24
     assert u["prompt_tokens_details"] == {"cached_tokens": 8}
-    assert u["spec_decode"] == {"num_drafts": 4, "draft_tokens": 16, "accepted_tokens": 10,
+    assert u["spec_decode"] == {"num_drafts": 4, "draft_tokens": 16, "accepted_tokens": 10, "accepted_per_pos": [],
                                 "acceptance_rate": 10 / 16, "mean_accepted_length": 1 + 10 / 4}
 
 
 def test_usage_spec_decode_without_drafts_leaves_the_rates_out():
     u = usage(10, [_choice(SpecUsage(), 1)])
-    assert u["spec_decode"] == {"num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    assert u["spec_decode"] == {"num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
 
 
 def test_usage_spec_decode_sums_choices_before_dividing():
-    u = usage(10, [_choice(SpecUsage(4, 16, 10), 14), _choice(SpecUsage(), 1), _choice(SpecUsage(2, 8, 2), 5)])
+    u = usage(10, [_choice(SpecUsage(4, 16, 10, [4, 3, 2, 1]), 14), _choice(SpecUsage(), 1),
+                   _choice(SpecUsage(2, 8, 2, [2]), 5)])
     assert u["spec_decode"] == {"num_drafts": 6, "draft_tokens": 24, "accepted_tokens": 12,
+                                "accepted_per_pos": [6, 3, 2, 1],
                                 "acceptance_rate": 12 / 24, "mean_accepted_length": 1 + 12 / 6}
 
 
