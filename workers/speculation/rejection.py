@@ -61,7 +61,7 @@ def rejection_sample(
         q_tok = torch.ones_like(p_tok)
     else:
         q_tok = draft_probs.gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, G]
-    # u < p/q, written without division so q = 0 (a token the draft could not have drawn) rejects.
+    # u < p/q, written without division: p = q = 0 rejects (no NaN); q = 0 < p accepts, the min(1, p/q) limit.
     accept_sampled = uniforms * q_tok < p_tok
     accept_greedy = draft_tokens == target_probs[:, :gamma].argmax(-1)
     accept = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid
