@@ -75,3 +75,75 @@ def test_first_verified_token_has_the_target_marginal(dirs, temperature):
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # both accept and reject paths ran
     assert chi2_pvalue(torch.bincount(torch.tensor(firsts), minlength=VOCAB), p1) > 1e-4
     assert chi2_pvalue(torch.bincount(torch.tensor(seconds), minlength=VOCAB), p2) > 1e-4
+
+
+class FixedTree:
+    """Deterministic candidates (the same small tree whatever the context): the target verifies them
+    as one-hot drafts with the recursive multi-candidate rule."""
+
+    method = "fixed_tree"
+    hidden_layers: list[int] = []
+
+    def __init__(self, first: list[int], second: list[int]):
+        self.tokens, self.parents = [], []
+        for a in first:
+            self.tokens.append(a)
+            self.parents.append(-1)
+            at = len(self.tokens) - 1
+            for b in second:
+                self.tokens.append(b)
+                self.parents.append(at)
+
+    def propose(self, batch):
+        from workers.speculation.payloads import DraftOutput
+        return [DraftOutput(d.seq_id, d.round, self.tokens[: d.num_tokens], [], self.parents[: d.num_tokens])
+                for d in batch]
+
+    def verified(self, results):
+        pass
+
+    def release(self, seq_ids):
+        pass
+
+
+@torch.inference_mode()
+def test_tree_verification_keeps_the_target_distribution(dirs):
+    """Tokens 2-4 (emitted by tree verify steps) follow the target alone."""
+    import transformers
+
+    target_dir, _ = dirs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    p1, p2 = exact_marginals(hf, 1.0)
+    pairs = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+    p3_given = hf(pairs).logits[:, -1].softmax(-1).double().view(VOCAB, VOCAB, VOCAB)  # [x1, x2, x3]
+    p2_given = hf(torch.tensor([PROMPT + [x] for x in range(VOCAB)])).logits[:, -1].softmax(-1).double()
+    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    triples = torch.tensor([PROMPT + [a, b, c] for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)])
+    p4_given = torch.cat([hf(chunk).logits[:, -1].softmax(-1).double() for chunk in triples.split(4096)])
+    # the fourth token is the first one computed on top of an accepted path's moved KV
+    p4 = torch.einsum("ab,abc,abcd->d", p1[:, None] * p2_given, p3_given, p4_given.view(VOCAB, VOCAB, VOCAB, VOCAB))
+    likely = p2.topk(6).indices.tolist()
+    proposer = FixedTree(likely[:3], likely[3:5])  # 3 children at depth 1, 2 grandchildren under each
+    engine = SpecEngine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256,
+                                                            max_num_batched_tokens=4096),
+                        num_speculative_tokens=9, adaptive=False)
+    torch.manual_seed(99)
+    seconds, thirds, fourths = [], [], []
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    for start in range(0, N, 250):
+        out: dict[str, list[int]] = {}
+        for i in range(start, start + 250):
+            engine.add_request(str(i), PROMPT, params)
+            out[str(i)] = []
+        while engine.has_work():
+            inputs = engine.draft_inputs()
+            for rid, delta in engine.step({o.seq_id: o for o in proposer.propose(inputs)}):
+                out[rid].extend(delta.token_ids)
+        seconds += [t[1] for t in out.values()]
+        thirds += [t[2] for t in out.values()]
+        fourths += [t[3] for t in out.values()]
+    counters = engine.counters[""]
+    assert counters.num_drafts >= N and counters.accepted_per_pos[0] > 0
+    assert chi2_pvalue(torch.bincount(torch.tensor(seconds), minlength=VOCAB), p2) > 1e-4
+    assert chi2_pvalue(torch.bincount(torch.tensor(thirds), minlength=VOCAB), p3) > 1e-4
+    assert chi2_pvalue(torch.bincount(torch.tensor(fourths), minlength=VOCAB), p4) > 1e-4
