@@ -23,7 +23,12 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-method", choices=DRAFT_METHODS, default="ngram",
                         help="how draft workers propose tokens (default ngram)")
     parser.add_argument("--draft-model", default=None, help="draft model / EAGLE head directory")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per round (γ)")
+    parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=None,
+                        help="tokens proposed per round (γ; a tree's node budget)")
+    parser.add_argument("--speculative-eagle-topk", type=int, default=None,
+                        help="draft trees (eagle3, eagle, ngram): children per node and depth; 1: chains (the default)")
+    parser.add_argument("--speculative-num-steps", type=int, default=None,
+                        help="draft trees: depth, the draft steps per proposal (default: as deep as the budget)")
     parser.add_argument("--targets", type=int, default=1, help="target workers (default 1)")
     parser.add_argument("--drafts", type=int, default=None,
                         help="draft workers (default 1 for a real model, 0 with --mock or --draft-method none)")
@@ -44,6 +49,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         model=args.model, served_model_name=args.served_model_name, draft_method=args.draft_method,
         draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_eagle_topk=args.speculative_eagle_topk, speculative_num_steps=args.speculative_num_steps,
         targets=args.targets, drafts=args.drafts, router_mode=args.router_mode,
         standalone_router=args.standalone_router, http_port=args.http_port, host=args.host, mock=args.mock,
         mock_token_latency_ms=args.mock_token_latency_ms,

@@ -35,6 +35,8 @@ class StackConfig:
     draft_method: str = "ngram"
     draft_model: str | None = None
     num_speculative_tokens: int | None = None
+    speculative_eagle_topk: int | None = None  # draft trees: children per node (1: chains); None: the worker's
+    speculative_num_steps: int | None = None  # draft trees: depth; None: the worker's
     targets: int = 1
     drafts: int | None = None  # None: 1 for a real model (0 with --draft-method none), 0 for --mock
     router_mode: str = "kv"
@@ -57,6 +59,10 @@ class StackConfig:
             raise ValueError(f"drafts must be >= 0, got {self.drafts}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_eagle_topk is not None and self.speculative_eagle_topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.speculative_eagle_topk}")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be a TCP port, got {self.http_port}")
         if self.mock_token_latency_ms is not None and self.mock_token_latency_ms < 0:
@@ -166,8 +172,13 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
                 args += ["--draft-model", config.draft_model]
             if config.num_speculative_tokens is not None:
                 args += ["--max-speculative-tokens", str(config.num_speculative_tokens)]
+            if config.speculative_eagle_topk is not None:
+                args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
+            if config.speculative_num_steps is not None:
+                args += ["--speculative-num-steps", str(config.speculative_num_steps)]
             out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
-                                 optional_flags=("--max-speculative-tokens",)))
+                                 optional_flags=("--max-speculative-tokens", "--speculative-eagle-topk",
+                                                 "--speculative-num-steps")))
     for i in range(config.targets):
         cname = f"target-{i}"
         if config.mock:

@@ -81,6 +81,17 @@ def test_real_plan_with_router_targets_and_drafts():
     assert len({c.health_port for c in comps}) == len(comps)
 
 
+def test_tree_flags_reach_the_draft_workers():
+    cfg = StackConfig(model="/m/target", draft_method="eagle3", draft_model="/m/head", num_speculative_tokens=8,
+                      speculative_eagle_topk=4, speculative_num_steps=3)
+    draft = plan(cfg, "/m/target", ports_for(cfg))[0]
+    args = list(draft.args)
+    assert args[args.index("--speculative-eagle-topk") + 1] == "4"
+    assert args[args.index("--speculative-num-steps") + 1] == "3"
+    with pytest.raises(ValueError, match="speculative_eagle_topk"):
+        StackConfig(speculative_eagle_topk=0)
+
+
 def test_no_model_path_leaves_the_target_on_its_default_model():
     cfg = StackConfig(drafts=0)
     [target, _] = plan(cfg, None, ports_for(cfg))
