@@ -22,6 +22,8 @@ from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, ResponseStream, ShuttingDown
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 
+from .protocol import SpeculativeOptions
+
 log = logging.getLogger(__name__)
 
 MIGRATABLE = (InstanceGone, InstanceTimeout, ShuttingDown)
@@ -52,9 +54,10 @@ class Dispatcher:
         self._on_migrate = on_migrate
 
     async def open(
-        self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str
+        self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
+        speculative: SpeculativeOptions | None = None,
     ) -> Generation:
-        gen = Generation(self, model, list(token_ids), sampling, request_id)
+        gen = Generation(self, model, list(token_ids), sampling, request_id, speculative)
         await gen._send()
         return gen
 
@@ -62,8 +65,10 @@ class Dispatcher:
 class Generation:
     """The token deltas of one request, across however many workers it took."""
 
-    def __init__(self, dispatcher: Dispatcher, model: str, token_ids: list[int], sampling: SamplingParams, request_id: str):
+    def __init__(self, dispatcher: Dispatcher, model: str, token_ids: list[int], sampling: SamplingParams, request_id: str,
+                 speculative: SpeculativeOptions | None = None):
         self._d = dispatcher
+        self.speculative = speculative
         self.model = model
         self.token_ids = token_ids
         self.sampling = sampling
@@ -90,7 +95,11 @@ class Generation:
         done = len(self.output_ids)
         if done:
             sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - done, min_tokens=max(0, sp.min_tokens - done))
-        request = GenerateRequest(self.token_ids, sp, self.model, output_ids=list(self.output_ids))
+        spec = self.speculative
+        request = GenerateRequest(self.token_ids, sp, self.model, output_ids=list(self.output_ids),
+                                  num_speculative_tokens=spec.num_draft_tokens if spec else None,
+                                  speculative_tree_topk=spec.eagle_topk if spec else None,
+                                  speculative_tree_depth=spec.num_steps if spec else None)
         rid = self.request_id if self.attempt == 0 else f"{self.request_id}-m{self.attempt}"
         try:
             self._stream = await self._d.client.call(sel.instance_id, request, TokenDelta, request_id=rid)

@@ -24,6 +24,7 @@ MAX_MESSAGES = 4096  # chat messages per request
 MAX_PROMPTS = 1024  # prompts (strings or token-id lists) per completion request
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 64
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -36,6 +37,15 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     # vLLM's extension (GuideLLM sends it): with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
+
+
+class SpeculativeOptions(_Strict):
+    """Tandem's extension: this request's speculation, in SGLang's names; a field left out keeps the
+    worker's setting. ``num_draft_tokens`` 0 decodes without speculation; ``eagle_topk`` 1 drafts chains."""
+
+    num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)  # γ, or a tree's node budget
+    eagle_topk: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)  # children per node and depth
+    num_steps: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)  # tree depth
 
 
 class ChatMessage(_Strict):
@@ -62,6 +72,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    speculative: SpeculativeOptions | None = None
     user: str | None = None
     # Known but unsupported: accepted only with their neutral value (see check_supported).
     presence_penalty: float | None = None

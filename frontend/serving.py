@@ -22,7 +22,8 @@ from .errors import to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
-from .protocol import MAX_INT64, ChatCompletionRequest, CompletionRequest, message_dicts, prompts_of, stop_strings
+from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, message_dicts, prompts_of,
+                       stop_strings)
 from .responses import DONE, ResponseBuilder, error_event, usage
 from .streaming import merge
 from .tokenizer import Tokenizer
@@ -51,6 +52,7 @@ class Job:
     include_usage: bool
     builder: ResponseBuilder
     continuous_usage: bool = False  # with include_usage: usage so far in every chunk (vLLM's extension)
+    speculative: SpeculativeOptions | None = None  # Tandem's extension: this request's speculation
 
     @property
     def prompt_tokens(self) -> int:
@@ -133,7 +135,8 @@ class CompletionService:
         continuous = include_usage and req.stream_options.continuous_usage_stats
         builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None)
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
-                   stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous)
+                   stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
+                   req.speculative)
 
     @staticmethod
     async def _maybe_thread(size: int, fn, arg):
@@ -145,7 +148,8 @@ class CompletionService:
         try:
             for i, sampling in enumerate(job.samplings):
                 rid = job.request_id if len(job.samplings) == 1 else f"{job.request_id}-{i}"
-                gens.append(await self.dispatcher.open(job.model.name, job.prompts[job.prompt_of[i]], sampling, rid))
+                gens.append(await self.dispatcher.open(job.model.name, job.prompts[job.prompt_of[i]], sampling, rid,
+                                                       job.speculative))
         except BaseException:
             await close_all(gens)
             raise

@@ -122,8 +122,10 @@ class GenerateRequest(_Wire):
     token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
     model: str = ""
-    num_speculative_tokens: int | None = None  # None: the worker's default; 0 disables
+    num_speculative_tokens: int | None = None  # None: the worker's default; 0 disables (a tree's node budget)
     output_ids: list[int] = []
+    speculative_tree_topk: int | None = None  # draft trees: children per node (1: a chain); None: the worker's
+    speculative_tree_depth: int | None = None  # draft trees: depth; None: the worker's
 
 
 class SpecUsage(_Wire):

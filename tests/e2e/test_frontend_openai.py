@@ -138,6 +138,14 @@ def test_chat_non_streaming_with_usage_and_spec_decode(client):
     assert chat(client, max_tokens=12, temperature=0).choices[0].message.content == choice.message.content
 
 
+def test_speculation_per_request(client):
+    """Tandem's ``speculative`` extension reaches the worker: its node budget, or none at all."""
+    spec = chat(client, max_tokens=12, extra_body={"speculative": {"num_draft_tokens": 2}}).usage.model_extra["spec_decode"]
+    assert spec["num_drafts"] >= 1 and spec["draft_tokens"] == 2 * spec["num_drafts"]
+    off = chat(client, max_tokens=12, extra_body={"speculative": {"num_draft_tokens": 0}})
+    assert "spec_decode" not in off.usage.model_extra
+
+
 def test_cached_tokens_are_reported_on_a_repeated_prompt(client):
     content = "A long prompt for the prefix cache: " + WORDS * 6
     chat(client, content, max_tokens=2)
@@ -282,6 +290,8 @@ def test_accepted_harmless_parameters(client):
         ({"extra_body": {"best_of_luck": 1}}, "best_of_luck"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 100000}, "max_tokens"),
+        ({"extra_body": {"speculative": {"eagle_topk": 0}}}, "speculative.eagle_topk"),
+        ({"extra_body": {"speculative": {"num_draft_tokens": 8, "depth": 2}}}, "speculative.depth"),
     ],
 )
 def test_unsupported_or_invalid_parameters_are_400s_naming_them(client, kwargs, param):

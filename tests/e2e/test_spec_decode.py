@@ -124,6 +124,29 @@ async def test_killing_the_draft_mid_request_falls_back_and_restarting_resumes(r
     assert spec_rounds_before < 600 / 5  # the killed draft did not serve the whole request
 
 
+async def test_tree_proposals_over_grpc_match_the_target_alone(rt, spawn, target_dir):
+    """An n-gram draft worker proposing tries (several continuations per match) over gRPC: greedy output
+    equals the target alone, with the worker's tree setting and with a request asking for chains."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = expected(target_dir, greedy)
+    _, client, inst = await start_target(rt, spawn, target_dir)
+    spawn("workers.draft", "--method", "ngram", "--speculative-eagle-topk", "3", "--lease-ttl", "3", name="draft")
+    drafts = await rt.client("draft", "speculate")
+    await drafts.wait_for_instances(1, timeout=90)
+    await until_speculating(client, inst)
+    asks = [GenerateRequest(p, greedy, num_speculative_tokens=8) for p in PROMPTS]
+    asks[0] = GenerateRequest(PROMPTS[0], greedy, num_speculative_tokens=8, speculative_tree_topk=1)
+    streams = [await client.call(inst.instance_id, a, TokenDelta) for a in asks]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for i, deltas in enumerate(results):
+        assert tokens(deltas) == want[str(i)]
+    specs = [r[-1].usage.spec for r in results if r[-1].usage.spec is not None]
+    assert sum(s.num_accepted_tokens for s in specs) > 0 and all(s.accepted_per_pos for s in specs if s.num_drafts)
+    bad = await client.call(inst.instance_id, GenerateRequest(PROMPTS[0], greedy, speculative_tree_topk=0), TokenDelta)
+    with pytest.raises(Exception, match="speculative_tree_topk"):
+        await collect(bad)
+
+
 def test_a_draft_worker_will_not_share_a_grpc_port(spawn):
     # gRPC's default SO_REUSEPORT would let a second server bind a port another one listens on, and
     # targets would then reach either process at random; the draft worker refuses with a clear error.

@@ -66,6 +66,8 @@ class _SpecState:
     hidden: list[list[torch.Tensor]] = field(default_factory=list)  # per layer: rows for positions hidden_base..
     hidden_base: int = 0
     cap: int = 0  # adaptive γ for the next round (≤ gamma); 0: paused
+    tree_topk: int = 0  # tree shape asked of the draft (0: the engine's setting)
+    tree_depth: int = 0
     pause: int = 0  # plain steps left before drafting is tried again
 
 
@@ -118,11 +120,15 @@ class SpecEngine(Engine):
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] = (), num_speculative_tokens: int | None = None) -> None:
+                    output_ids: list[int] = (), num_speculative_tokens: int | None = None,
+                    tree_topk: int | None = None, tree_depth: int | None = None) -> None:
+        """``num_speculative_tokens`` (γ, or a tree's node budget), ``tree_topk`` and ``tree_depth``:
+        this request's speculation; None: the engine's settings."""
         super().add_request(request_id, token_ids, params, output_ids)
         if request_id in self.seqs:
             gamma = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
-            self._spec[request_id] = _SpecState(gamma, cap=gamma)
+            self._spec[request_id] = _SpecState(gamma, cap=gamma, tree_topk=tree_topk or self.tree_topk,
+                                                tree_depth=tree_depth or self.tree_depth)
 
     def abort(self, request_id: str) -> bool:
         self._forget(request_id)
@@ -165,7 +171,7 @@ class SpecEngine(Engine):
             hidden = self._hidden_rows(st, max(st.told - 1, 0), len(seq) - 1) if self.hidden_layers else []
             out.append(DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], k,
                                   SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), hidden,
-                                  self.tree_topk, self.tree_depth))
+                                  st.tree_topk, st.tree_depth))
             st.told = len(seq)
             st.round += 1
         return out

@@ -49,6 +49,7 @@ class AddRequest:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     num_speculative_tokens: int | None = None  # None: the engine's default γ
+    tree: tuple[int | None, int | None] = (None, None)  # (top-k, depth); None: the engine's setting
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,14 @@ class StepLoop:
             await self.pool.close()
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
-               num_speculative_tokens: int | None = None) -> asyncio.Queue:
+               num_speculative_tokens: int | None = None,
+               tree: tuple[int | None, int | None] = (None, None)) -> asyncio.Queue:
         """Validate (raises InvalidRequest here, on the caller's side) and queue a request; its
         deltas, or the exception that ended it, arrive on the returned queue."""
         self.engine.validate(token_ids, params, output_ids)
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out
-        self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens))
+        self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens, tree))
         return out
 
     def abort(self, request_id: str) -> None:
@@ -171,7 +173,7 @@ class StepLoop:
                 try:
                     if isinstance(self.engine, SpecEngine):
                         self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids,
-                                                cmd.num_speculative_tokens)
+                                                cmd.num_speculative_tokens, *cmd.tree)
                     else:
                         self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids)
                 except Exception as exc:

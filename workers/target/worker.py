@@ -80,10 +80,12 @@ class TargetWorker:
         if req.model and req.model != self.model_name:
             raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
         rid = f"{ctx.request_id}#{next(self._ids)}"
-        if req.num_speculative_tokens is not None and req.num_speculative_tokens < 0:
-            raise InvalidRequest(f"num_speculative_tokens must be >= 0, got {req.num_speculative_tokens}",
-                                 field="num_speculative_tokens")
-        out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids), req.num_speculative_tokens)
+        for name, low in (("num_speculative_tokens", 0), ("speculative_tree_topk", 1), ("speculative_tree_depth", 1)):
+            value = getattr(req, name)
+            if value is not None and value < low:
+                raise InvalidRequest(f"{name} must be >= {low}, got {value}", field=name)
+        out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids), req.num_speculative_tokens,
+                               (req.speculative_tree_topk, req.speculative_tree_depth))
         finished = False
         started, last = time.monotonic(), None
         try:
