@@ -26,7 +26,7 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=None,
                         help="tokens proposed per round (γ; a tree's node budget)")
     parser.add_argument("--speculative-eagle-topk", type=int, default=None,
-                        help="draft trees (eagle3, eagle, ngram): children per node and depth; 1: chains (the default)")
+                        help="draft trees (eagle3, eagle, draft_model, ngram): children per node and depth; 1: chains (the default)")
     parser.add_argument("--speculative-num-steps", type=int, default=None,
                         help="draft trees: depth, the draft steps per proposal (default: as deep as the budget)")
     parser.add_argument("--targets", type=int, default=1, help="target workers (default 1)")

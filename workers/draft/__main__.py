@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
     parser.add_argument("--speculative-eagle-topk", type=int, default=1,
-                        help="draft trees (eagle3, eagle, ngram): children per node and depth; 1 drafts chains. "
+                        help="draft trees (eagle3, eagle, draft_model, ngram): children per node and depth; 1 drafts chains. "
                              "Targets may ask per request")
     parser.add_argument("--speculative-num-steps", type=int, default=0,
                         help="draft trees: depth (draft steps per proposal); 0: as deep as the node budget")
@@ -84,7 +84,8 @@ def make_proposer(args: argparse.Namespace):
         from ..engine.weights import load_model
         from .draft_model import DraftModelProposer
 
-        return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size)
+        return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size,
+                                  tree_topk=args.speculative_eagle_topk, tree_depth=args.speculative_num_steps)
     if args.method == "oracle":
         from .oracle import OracleProposer
 

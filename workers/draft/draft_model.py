@@ -11,6 +11,10 @@ accepted; if that assumption holds, the next proposal is ready without any model
 Sampled drafts come from q = softmax(logits / T) restricted to its top ``max_support`` tokens (and
 the request's top_k), renormalised; that exact q travels with the proposal, so the target's
 rejection test stays exact. Greedy requests draft greedily and send no distributions.
+
+With ``tree_topk`` > 1 (the worker's setting or the request's) a proposal is a token tree grown by
+:mod:`workers.draft.tree_search`: the LM's own KV cache holds the committed tokens, the frontier of
+each depth runs in one batched pass under a tree mask, and the tree's slots are dropped afterwards.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.attention import AttentionMetadata
 from ..engine.block_manager import BlockManager
 from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
+from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
+from .tree_search import DraftTree, tree_shape
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,12 @@ class DraftModelProposer:
     method = "draft_model"
     hidden_layers: list[int] = []
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int = 16, max_support: int = 64):
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int = 16, max_support: int = 64,
+                 tree_topk: int = 1, tree_depth: int = 0):
+        if tree_topk < 1 or tree_depth < 0:
+            raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")
+        self.tree_topk = tree_topk  # defaults for requests that do not ask for a shape (1: chains)
+        self.tree_depth = tree_depth  # 0: as deep as the node budget allows
         self.model = model
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -73,10 +85,16 @@ class DraftModelProposer:
                 self._rollback(seq, seq.committed)
                 seq.tokens.extend(item.new_tokens)
                 seq.committed = len(seq.tokens)
-        wanted = {item.seq_id: item.num_tokens for item in batch}
-        self._extend(wanted)
+        shapes = {item.seq_id: tree_shape(item, self.tree_topk, self.tree_depth) for item in batch}
+        self._extend({item.seq_id: item.num_tokens for item in batch if shapes[item.seq_id] is None})
+        trees = self._draft_trees({item.seq_id: (item.num_tokens, *shapes[item.seq_id])
+                                   for item in batch if shapes[item.seq_id] is not None})
         out = []
         for item in batch:
+            if item.seq_id in trees:
+                tokens, parents = trees[item.seq_id]
+                out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
+                continue
             seq = self._seqs[item.seq_id]
             n = min(item.num_tokens, len(seq.tail))
             dists = [] if seq.sampling.greedy else [d for d in seq.dists[:n]]
@@ -152,3 +170,61 @@ class DraftModelProposer:
                 token, dist = sample_draft(logits, seq.sampling, seq.generator, self.max_support)
                 seq.tokens.append(token)
                 seq.dists.append(dist)
+
+    @torch.inference_mode()
+    def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
+        """Seq id -> (node budget, top-k, depth) in; seq id -> (tokens, parents) out."""
+        out: dict[str, tuple[list[int], list[int]]] = {}
+        trees: dict[str, DraftTree] = {}
+        for sid, (budget, topk, depth) in wanted.items():
+            seq = self._seqs[sid]
+            self._rollback(seq, seq.committed)  # a chain tail drafted ahead is of no use to a tree
+            out[sid] = ([], [])
+            length = len(seq.tokens)
+            if not length or length + DraftTree.max_slots(topk, depth) >= self.max_len:
+                continue
+            seq.computed = min(seq.computed, length - 1)  # the last token runs in the root's pass
+            if grow_blocks(self.blocks, seq.blocks, length + DraftTree.max_slots(topk, depth)):
+                trees[sid] = DraftTree(seq, budget, topk, depth, length)
+            else:
+                log.warning("draft KV cache full: no proposal for %s this round", sid)
+        if not trees:
+            return out
+        # pass 1: the committed tokens not yet in the cache; the last one's logits give the root's children
+        batch = list(trees.values())
+        chunks = [(t.seq.tokens[t.seq.computed :], t.seq.computed, t.seq.blocks) for t in batch]
+        logits = self.runner.forward(chunks, [1] * len(batch)).logits
+        self.forward_calls += 1
+        for tree, row in zip(batch, logits.log_softmax(-1)):
+            tree.seq.computed = tree.base
+            tree.expand(ROOT, row)
+        # passes 2..depth: each frontier attends to the committed tokens, its ancestors and itself
+        for _ in range(max(t.depth for t in batch) - 1):
+            batch = [t for t in batch if t.frontier_size()]
+            if not batch:
+                break
+            ids, pos, qlens, clens, tables, masks = [], [], [], [], [], []
+            for tree in batch:
+                front = tree.take_frontier()
+                ids.extend(tree.tokens[n] for n in front)
+                pos.extend(tree.position(n) for n in front)
+                qlens.append(len(front))
+                clens.append(tree.base + tree.num_slots)
+                tables.append(tree.seq.blocks)
+                masks.append(tree.slot_mask())
+            device = self.runner.device
+            meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, device, masks)
+            result = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
+                                self.runner.kv_caches)
+            self.forward_calls += 1
+            logps = result.logits.log_softmax(-1)
+            row = 0
+            for tree in batch:
+                for n in tree.front:
+                    tree.expand(n, logps[row])
+                    row += 1
+        for sid, tree in trees.items():
+            out[sid] = tree.best()
+            # the committed tokens stay; the tree's slots go
+            self.runner.copy_blocks(self.blocks.truncate(tree.seq.blocks, tree.base))
+        return out

@@ -23,7 +23,6 @@ the committed pairs).
 
 from __future__ import annotations
 
-import heapq
 import logging
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
 from ..speculation.payloads import ROOT
+from .tree_search import DraftTree, tree_shape
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
@@ -134,12 +134,7 @@ class EagleProposer:
     # ------------------------------------------------------------------ internals
 
     def _shape(self, item: DraftInput) -> tuple[int, int] | None:
-        """(top-k, depth) of the tree to draft for ``item``; None: a chain."""
-        topk = item.tree_topk or self.tree_topk
-        if topk <= 1 or item.num_tokens <= 1:
-            return None
-        depth = item.tree_depth or self.tree_depth or item.num_tokens
-        return topk, max(1, min(depth, item.num_tokens))
+        return tree_shape(item, self.tree_topk, self.tree_depth)
 
     def _truncate_tail(self, seq: _Seq) -> None:
         del seq.tokens[seq.committed :]
@@ -210,7 +205,7 @@ class EagleProposer:
     def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
         """Seq id -> (node budget, top-k, depth) in; seq id -> (tokens, parents) out (see the module docstring)."""
         out: dict[str, tuple[list[int], list[int]]] = {}
-        trees: dict[str, _Tree] = {}
+        trees: dict[str, DraftTree] = {}
         for sid, (budget, topk, depth) in wanted.items():
             seq = self._seqs[sid]
             self._truncate_tail(seq)
@@ -224,9 +219,8 @@ class EagleProposer:
                 continue
             if seq.computed >= last + 1:  # nothing new: recompute the last pair for the root's output
                 self._rollback(seq, last)
-            slots = 1 + topk * (depth - 1)  # tree slots after the committed pairs
-            if grow_blocks(self.blocks, seq.blocks, last + 1 + slots):
-                trees[sid] = _Tree(seq, budget, topk, depth, last + 1)
+            if grow_blocks(self.blocks, seq.blocks, last + 1 + DraftTree.max_slots(topk, depth)):
+                trees[sid] = DraftTree(seq, budget, topk, depth, last + 1)
         if not trees:
             return out
         # pass 1: the committed pairs not yet in the cache; their last output is the root's
@@ -246,7 +240,7 @@ class EagleProposer:
         ends = torch.tensor(qlens).cumsum(0) - 1
         for tree, feat, logp in zip(batch, hidden[ends], self.head.logits(hidden[ends]).log_softmax(-1)):
             tree.seq.computed = tree.base
-            tree.expand(ROOT, feat, logp)
+            tree.expand(ROOT, logp, feat)
         # passes 2..depth: the frontier of the newest depth, each node attending to its ancestors
         for _ in range(max(t.depth for t in batch) - 1):
             batch = [t for t in batch if t.frontier_size()]
@@ -257,12 +251,12 @@ class EagleProposer:
                 front = tree.take_frontier()
                 for n in front:
                     ids.append(tree.tokens[n])
-                    feats.append(tree.parent_feature(n))
-                    pos.append(tree.base - 1 + tree.depths[n])
+                    feats.append(tree.state[tree.parents[n]])
+                    pos.append(tree.position(n))
                 qlens.append(len(front))
                 clens.append(tree.base + tree.num_slots)
                 tables.append(tree.seq.blocks)
-                masks.append(tree.slot_mask(front))
+                masks.append(tree.slot_mask())
                 fronts.append(front)
             meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, tree_masks=masks)
             hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
@@ -271,82 +265,9 @@ class EagleProposer:
             row = 0
             for tree, front in zip(batch, fronts):
                 for n in front:
-                    tree.expand(n, hidden[row], logps[row])
+                    tree.expand(n, logps[row], hidden[row])
                     row += 1
         for sid, tree in trees.items():
             out[sid] = tree.best()
             self._rollback(tree.seq, tree.base)  # the tree's slots go; the committed pairs stay
         return out
-
-
-class _Tree:
-    """One sequence's draft tree while it grows (see :meth:`EagleProposer._draft_trees`)."""
-
-    def __init__(self, seq: _Seq, budget: int, topk: int, depth: int, base: int):
-        self.seq, self.budget, self.topk, self.depth, self.base = seq, budget, topk, depth, base
-        self.tokens: list[int] = []
-        self.parents: list[int] = []  # node index or ROOT
-        self.depths: list[int] = []
-        self.scores: list[float] = []  # cumulative draft log-probability
-        self.features: dict[int, torch.Tensor] = {}  # node (ROOT for the root) -> its head output
-        self.slot: dict[int, int] = {}  # node -> its tree slot (cache position base + slot)
-        self.newest: list[int] = []  # nodes of the newest depth
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.slot)
-
-    def expand(self, node: int, feature: torch.Tensor, logp: torch.Tensor) -> None:
-        """Record ``node``'s head output and add its top-k children."""
-        self.features[node] = feature
-        depth = 1 if node == ROOT else self.depths[node] + 1
-        if depth > self.depth:
-            return
-        base_score = 0.0 if node == ROOT else self.scores[node]
-        values, ids = logp.topk(self.topk)
-        for v, t in zip(values.tolist(), ids.tolist()):
-            if v == float("-inf"):
-                break
-            self.tokens.append(t)
-            self.parents.append(node)
-            self.depths.append(depth)
-            self.scores.append(base_score + v)
-            self.newest.append(len(self.tokens) - 1)
-
-    def frontier_size(self) -> int:
-        return len(self.newest) if self.newest and self.depths[self.newest[0]] < self.depth else 0
-
-    def take_frontier(self) -> list[int]:
-        """The top-k nodes of the newest depth by score; they get slots now and are expanded next."""
-        front = heapq.nlargest(self.topk, self.newest, key=lambda n: self.scores[n])
-        self.newest = []
-        for n in front:
-            self.slot[n] = len(self.slot) + 1  # slot 0: the root's own pair (the last committed one)
-        return front
-
-    def parent_feature(self, node: int) -> torch.Tensor:
-        return self.features[self.parents[node]]
-
-    def slot_mask(self, front: list[int]) -> torch.Tensor:
-        """[len(front), 1 + slots] bool: each frontier node sees the root pair, its ancestors, itself."""
-        mask = torch.zeros(len(front), 1 + self.num_slots, dtype=torch.bool)
-        mask[:, 0] = True
-        for row, n in enumerate(front):
-            while n != ROOT:
-                mask[row, self.slot[n]] = True
-                n = self.parents[n]
-        return mask
-
-    def best(self) -> tuple[list[int], list[int]]:
-        """The ``budget`` best nodes as (tokens, parents): ancestors first, siblings best first."""
-        chosen = set(heapq.nlargest(self.budget, range(len(self.tokens)), key=lambda n: self.scores[n]))
-        for n in list(chosen):  # a child never outscores its parent, but ties could drop one
-            while self.parents[n] != ROOT and self.parents[n] not in chosen:
-                n = self.parents[n]
-                chosen.add(n)
-        order = sorted(chosen, key=lambda n: (self.depths[n], -self.scores[n]))[: self.budget]
-        index = {n: i for i, n in enumerate(order)}
-        order = [n for n in order if self.parents[n] == ROOT or self.parents[n] in index]
-        index = {n: i for i, n in enumerate(order)}
-        return ([self.tokens[n] for n in order],
-                [ROOT if self.parents[n] == ROOT else index[self.parents[n]] for n in order])

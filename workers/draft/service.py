@@ -19,6 +19,7 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 
 from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
+from ..speculation.tree import tree_depths
 from .proposer import DraftInput, Proposer
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             self._ahead.update((d.seq_id, d.num_tokens) for d in inputs
                                if d.num_tokens > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         outputs = await asyncio.to_thread(self.proposer.propose, inputs)
-        self._proposed.update((out.seq_id, len(out.token_ids)) for out in outputs)
+        for out in outputs:  # drafting ahead extends a chain; a tree is drafted afresh each round
+            if out.is_tree:
+                self._ahead.pop(out.seq_id, None)
+        self._proposed.update((out.seq_id, max(tree_depths(out.parents)) if out.is_tree else len(out.token_ids))
+                              for out in outputs)
         self.batches += 1
         self.proposals += len(outputs)
         per_stream: dict[int, list] = {}

@@ -70,10 +70,15 @@ def make_proposer(method: str, target_dir, draft_dir):
         return DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4)
     if method == "self_draft":  # the target's own weights: every draft is accepted
         return DraftModelProposer(load_model(target_dir), num_blocks=512, block_size=4)
+    if method == "draft_model_tree":
+        return DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4, tree_topk=3, tree_depth=3)
+    if method == "self_draft_tree":  # the target's own top-3 at every depth: the argmax path is always there
+        return DraftModelProposer(load_model(target_dir), num_blocks=512, block_size=4, tree_topk=3, tree_depth=3)
     raise ValueError(method)
 
 
-@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft_model", "self_draft"])
+@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft_model", "self_draft", "draft_model_tree",
+                                    "self_draft_tree"])
 def test_greedy_speculation_equals_plain_decoding(models, method):
     target_dir, draft_dir = models
     batch = prompts(50, seed=hash(method) % 1000)
@@ -90,6 +95,8 @@ def test_greedy_speculation_equals_plain_decoding(models, method):
     assert counters.num_drafts > 0
     if method == "self_draft":
         assert counters.acceptance_rate == 1.0
+    if method == "self_draft_tree":  # the argmax path is always in the tree: accepted as deep as it is kept
+        assert counters.mean_accepted_length > 2.5, counters
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # nothing leaked through rollbacks
     assert len(proposer) == 0  # every sequence released on the draft side
 
