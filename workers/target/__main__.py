@@ -55,6 +55,7 @@ class TargetConfig:
     cuda_graphs: bool = True
     tree_topk: int = 0  # 0: the draft worker's setting
     tree_depth: int = 0
+    load_aware: bool = False
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="draft trees: children per node and depth (1: chains; 0: the draft worker's setting)")
     parser.add_argument("--speculative-num-steps", type=int, default=0,
                         help="draft trees: depth, the draft steps per proposal (0: the draft worker's setting)")
+    parser.add_argument("--load-aware-speculation", action="store_true",
+                        help="each step, give each request the draft tokens that maximise expected tokens/s of the "
+                             "whole batch, from a cost model of this worker's own steps (down to none under load)")
     parser.add_argument("--no-adaptive-speculation", action="store_true",
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
@@ -131,7 +135,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
-                        not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps)
+                        not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
+                        args.load_aware_speculation)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -171,7 +176,8 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
     return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
-                      adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth)
+                      adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
+                      load_aware=cfg.load_aware)
 
 
 def client_tls(args: argparse.Namespace):

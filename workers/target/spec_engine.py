@@ -19,6 +19,7 @@ draft worker.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -35,6 +36,7 @@ from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, S
 from ..speculation.rejection import rejection_sample, sparse_to_dense
 from ..speculation.tree import parent_nodes, tree_depths, valid_parents
 from ..speculation.tree_rejection import tree_rejection_sample
+from .budget import Acceptance, StepCost, plan
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class _SpecState:
     cap: int = 0  # adaptive γ for the next round (≤ gamma); 0: paused
     tree_topk: int = 0  # tree shape asked of the draft (0: the engine's setting)
     tree_depth: int = 0
+    acceptance: Acceptance = field(default_factory=Acceptance)  # per-token acceptance, for load-aware budgets
     pause: int = 0  # plain steps left before drafting is tried again
 
 
@@ -77,7 +80,7 @@ class SpecEngine(Engine):
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, *, num_speculative_tokens: int = 4,
                  hidden_layers: tuple[int, ...] = (), adaptive: bool = True, pause_steps: int = 8,
-                 tree_topk: int = 0, tree_depth: int = 0):
+                 tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if tree_topk < 0 or tree_depth < 0:
@@ -94,8 +97,15 @@ class SpecEngine(Engine):
         # that keeps missing then costs little; one that hits climbs back to γ within a few rounds.
         self.adaptive = adaptive
         self.pause_steps = pause_steps
+        # Load-aware budgets (workers/target/budget.py): each step's γ per sequence, within its cap,
+        # from a cost model of this engine's own steps and each sequence's acceptance.
+        self.load_aware = load_aware
+        self.cost = StepCost()
+        self.planned_draft_tokens = 0  # draft tokens asked for in the latest step (a gauge)
+        self.unplanned_steps = 0  # steps the load-aware plan chose not to speculate although it could
         self._spec: dict[str, _SpecState] = {}
         self._verdicts: list[VerifyResult] = []
+        self._last_tokens = 0  # query tokens of the latest step's forward pass
         self._released: list[str] = []
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
         self.counters: dict[str, SpecCounters] = {}  # per draft worker
@@ -154,7 +164,7 @@ class SpecEngine(Engine):
 
     def draft_inputs(self) -> list[DraftInput]:
         """Proposal requests for every running sequence that decodes next and speculates."""
-        out = []
+        caps: dict[str, int] = {}
         for seq in self.scheduler.running:
             st = self._spec.get(seq.request_id)
             if st is None or st.gamma <= 0 or seq.num_uncomputed != 1:
@@ -165,9 +175,22 @@ class SpecEngine(Engine):
                     continue
                 st.cap = 1
             k = min(st.cap, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq) - 1)
+            if k > 0:
+                caps[seq.request_id] = k
+        if self.load_aware and caps:
+            base = sum(1 if s.num_uncomputed == 1 else min(s.num_uncomputed, self.config.max_num_batched_tokens)
+                       for s in self.scheduler.running) + len(self.scheduler.waiting)
+            planned = plan(caps, {sid: self._spec[sid].acceptance.alpha for sid in caps}, base, self.cost)
+            if not any(planned.values()):
+                self.unplanned_steps += 1
+            caps = {sid: k for sid, k in planned.items() if k > 0}
+        self.planned_draft_tokens = sum(caps.values())
+        out = []
+        for seq in self.scheduler.running:
+            k = caps.get(seq.request_id, 0)
             if k <= 0:
                 continue
-            p = seq.params
+            st, p = self._spec[seq.request_id], seq.params
             hidden = self._hidden_rows(st, max(st.told - 1, 0), len(seq) - 1) if self.hidden_layers else []
             out.append(DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], k,
                                   SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), hidden,
@@ -179,6 +202,14 @@ class SpecEngine(Engine):
     # ------------------------------------------------------------------ stepping
 
     def step(self, proposals: dict[str, DraftOutput] | None = None) -> list[tuple[str, TokenDelta]]:
+        started = time.perf_counter()
+        outputs = self._step(proposals)
+        if self._last_tokens:
+            self.cost.observe(self._last_tokens, time.perf_counter() - started)
+        return outputs
+
+    def _step(self, proposals: dict[str, DraftOutput] | None) -> list[tuple[str, TokenDelta]]:
+        self._last_tokens = 0
         outputs, self._immediate = self._immediate, []
         drafted = self._attach(proposals or {})
         batch = self.scheduler.schedule()
@@ -195,6 +226,7 @@ class SpecEngine(Engine):
                     del drafted[rid]
         if not batch:
             return outputs
+        self._last_tokens = sum(batch.num_tokens)
         bs = self.config.block_size
         starts = [s.num_computed for s in batch.seqs]
         wants = []
@@ -363,6 +395,7 @@ class SpecEngine(Engine):
                                            num_accepted_tokens=u.num_accepted_tokens + accepted,
                                            accepted_per_pos=per_pos)
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, d.depth)
+        st.acceptance.observe(d.depth, accepted)
         if self.adaptive:
             st.cap = min(st.gamma, st.cap + 2) if accepted == d.depth else max(0, st.cap - 1)
             if st.cap == 0:

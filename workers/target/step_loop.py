@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -239,7 +240,10 @@ class StepLoop:
         if not inputs:
             return {}
         try:
-            return await client.propose(inputs, self.propose_timeout)
+            started = time.perf_counter()
+            proposals = await client.propose(inputs, self.propose_timeout)
+            engine.cost.observe_wait(time.perf_counter() - started)  # what speculating costs a step up front
+            return proposals
         except Exception as exc:  # speculation is optional: decode plainly this step
             log.warning("draft proposals failed: %r", exc)
             return {}

@@ -1,0 +1,79 @@
+"""Load-aware budgets: the plan follows the cost model — drafts when verifying is cheap and drafts
+hit, fewer (down to none) as the batch grows or acceptance falls."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.target.test_spec_engine import CFG, plain, prompts, run_spec
+from tests.unit.workers.target.test_tree_verify import target_dir  # noqa: F401 (fixture)
+from workers.engine.weights import load_model
+from workers.draft.ngram import NgramProposer
+from workers.target.budget import Acceptance, StepCost, expected_tokens, plan
+from workers.target.spec_engine import SpecEngine
+
+pytestmark = pytest.mark.unit
+
+
+def fitted(fixed: float, per_token: float, wait: float = 0.0) -> StepCost:
+    cost = StepCost()
+    for n in (1, 4, 8, 16, 32, 64, 8, 2, 40, 24):
+        cost.observe(n, fixed + per_token * n)
+    cost.observe_wait(wait)
+    return cost
+
+
+def test_cost_model_recovers_its_line():
+    a, b = fitted(0.05, 0.002).coefficients()
+    assert a == pytest.approx(0.05) and b == pytest.approx(0.002)
+    assert not StepCost().ready
+
+
+def test_memory_bound_steps_speculate_fully():
+    """Verify is almost free (GPU at small batch): every sequence drafts its whole cap."""
+    cost = fitted(0.02, 0.00001, wait=0.001)
+    caps = {f"s{i}": 4 for i in range(4)}
+    assert plan(caps, dict.fromkeys(caps, 0.6), 4, cost) == caps
+
+
+def test_compute_bound_big_batches_stop_speculating():
+    """Every token costs as much as a step's fixed part: drafts accepted 30 % of the time only lose."""
+    cost = fitted(0.01, 0.002, wait=0.002)
+    caps = {f"s{i}": 4 for i in range(32)}
+    assert not any(plan(caps, dict.fromkeys(caps, 0.3), 32, cost).values())
+
+
+def test_budget_goes_to_the_sequences_whose_drafts_hit():
+    cost = fitted(0.02, 0.001, wait=0.002)
+    caps = {"good": 4, "bad": 4}
+    got = plan(caps, {"good": 0.9, "bad": 0.05}, 2, cost)
+    assert got["good"] >= 3 and got["bad"] == 0
+    # the plan's expected rate beats both extremes under the model
+    def rate(g):
+        emitted = sum(expected_tokens(a, g[s]) for s, a in {"good": 0.9, "bad": 0.05}.items())
+        return emitted / cost.seconds(2 + sum(g.values()), any(g.values()))
+    assert rate(got) >= max(rate(dict.fromkeys(caps, 0)), rate(caps))
+
+
+def test_acceptance_estimate_tracks_rounds():
+    acc = Acceptance()
+    for _ in range(20):
+        acc.observe(4, 4)
+    assert acc.alpha > 0.9
+    for _ in range(20):
+        acc.observe(4, 0)
+    assert acc.alpha < 0.1
+
+
+def test_load_aware_engine_is_still_lossless(target_dir):  # noqa: F811
+    batch = prompts(16, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4, load_aware=True)
+    got = {}
+    items = list(batch.items())
+    for start in range(0, len(items), 8):
+        got.update(run_spec(engine, NgramProposer(1, 3), dict(items[start : start + 8]), params))
+    assert got == want
+    assert engine.cost.ready and engine.cost.samples > 0
