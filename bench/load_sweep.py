@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -123,6 +124,7 @@ async def amain(args) -> None:
     etcd, nats_server = start_servers()
     procs, runtimes = [], {}
     kinds = sorted({MODES[m][0] for m in args.modes})
+    stack = contextlib.AsyncExitStack()
     try:
         for kind in kinds:
             env = env_for(etcd, nats_server, f"sweep-{kind}")
@@ -132,11 +134,11 @@ async def amain(args) -> None:
             procs.append(ManagedProcess("workers.draft", ["--method", args.draft], env, name=f"draft-{kind}").start())
             cfg = RuntimeConfig(etcd_url=etcd.url, nats_url=nats_server.url, namespace=f"sweep-{kind}",
                                 handle_signals=False)
-            runtimes[kind] = await Runtime.connect(cfg).__aenter__()
+            runtimes[kind] = await stack.enter_async_context(Runtime.connect(cfg))
             drafts = await runtimes[kind].client("draft", "speculate")
             await drafts.wait_for_instances(1, timeout=120)
             await serve(runtimes[kind], all_prompts[:2], 2, 8, None)  # warm-up: opens the draft stream
-        print(f"{args.draft} draft, γ = {args.gamma}, {args.max_tokens} tokens per request, greedy\n")
+        print(f"{args.draft} draft, γ = {args.gamma}, {args.max_tokens} tokens per request, greedy\n", flush=True)
         print("| concurrency | mode | tokens/s | vs off | TTFT p50 (s) | ITL p50 (ms) | latency p50 (s) | p99 (s) |")
         print("|---|---|---|---|---|---|---|---|")
         relative: dict[str, list[float]] = {m: [] for m in args.modes}
@@ -157,8 +159,7 @@ async def amain(args) -> None:
             write_svg(Path(args.out), args.concurrency, relative)
             print(f"\nplot: {args.out}")
     finally:
-        for rt in runtimes.values():
-            await rt.__aexit__(None, None, None)
+        await stack.aclose()
         for p in procs:
             p.stop()
         etcd.stop()
