@@ -5,18 +5,22 @@ costs what a decode step does and drafts are nearly free; in a big batch (or on 
 token costs compute, and drafts the target rejects only slow the batch down. So the target measures
 its own steps and decides.
 
-- **Cost model**: step time ≈ a + b · n for n query tokens in the forward pass, fitted by
-  exponentially weighted least squares over recent steps (:class:`StepCost`), plus the time a step
-  spends waiting for proposals (an EWMA), paid only when the step speculates at all.
+- **Cost model**: decode/verify step time ≈ a + b · n + c · v for n query tokens of which v
+  sequences verify drafts (the per-sequence work of verifying: distributions, rejection sampling,
+  commits, the proposal's share of the RPC), fitted by exponentially weighted least squares over
+  recent steps without prefill chunks (:class:`StepCost`), plus the time a step waits for proposals (an EWMA), paid only
+  when the step speculates at all.
 - **Acceptance**: each sequence's per-token acceptance α (the draft token is accepted given the ones
-  before it were), from weighted success/failure counts of its recent rounds (:class:`Acceptance`).
+  before it were), from weighted success/failure counts of its recent rounds (:class:`Acceptance`);
+  a new sequence starts from the engine-wide estimate.
   A chain of k drafts then emits 1 + α + α² + … + α^k tokens on average; the j-th draft adds α^j.
 - **Plan** (:func:`plan`): start from no drafts (every decoding sequence emits one token per step)
   and add draft tokens one at a time, the one with the largest expected gain first, while the gain
   per extra unit of step time beats the rate the step already has; the first draft of the step also
-  pays the proposal wait. Then compare with not speculating at all and keep the better. The result is
-  the γ of each sequence for this step, never above the sequence's own cap (adaptive γ, the request's
-  γ, tokens left).
+  pays the proposal wait. A plan must beat not speculating at all by ``MARGIN`` (3 %) to be used,
+  so that noise in the model does not buy speculation that does not pay. The result is the γ of
+  each sequence for this step, never above the sequence's own cap (adaptive γ, the request's γ,
+  tokens left).
 
 This maximises expected emitted tokens per second of the whole batch, under the linear cost model.
 With too few measurements the plan is the caps themselves (no opinion yet).
@@ -25,31 +29,29 @@ With too few measurements the plan is the caps themselves (no opinion yet).
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
+import torch
 
-@dataclass
+MARGIN = 0.03  # speculate only when the plan's expected rate beats plain decoding's by this much
+
+
 class StepCost:
-    """Step seconds ≈ a + b · tokens, fitted by least squares with weights decaying by ``decay`` per step."""
+    """Step seconds ≈ a + b · tokens + c · verified sequences, fitted by least squares with weights
+    decaying by ``decay`` per step; plus the EWMA of the proposal wait (:meth:`observe_wait`)."""
 
-    decay: float = 0.97
-    min_samples: int = 8
-    _sw: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
-    samples: int = 0
-    wait: float = 0.0  # EWMA of seconds a speculating step waits for its proposals
+    def __init__(self, decay: float = 0.97, min_samples: int = 8):
+        self.decay = decay
+        self.min_samples = min_samples
+        self._xx = torch.zeros(3, 3, dtype=torch.float64)  # Σ w x xᵀ, x = (1, tokens, verified)
+        self._xy = torch.zeros(3, dtype=torch.float64)  # Σ w x y
+        self.samples = 0
+        self.wait = 0.0  # seconds a speculating step waits for its proposals
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._sw = d * self._sw + 1
-        self._sx = d * self._sx + tokens
-        self._sy = d * self._sy + seconds
-        self._sxx = d * self._sxx + tokens * tokens
-        self._sxy = d * self._sxy + tokens * seconds
+    def observe(self, tokens: int, seconds: float, verified: int = 0) -> None:
+        x = torch.tensor([1.0, tokens, verified], dtype=torch.float64)
+        self._xx = self.decay * self._xx + torch.outer(x, x)
+        self._xy = self.decay * self._xy + x * seconds
         self.samples += 1
 
     def observe_wait(self, seconds: float) -> None:
@@ -59,19 +61,22 @@ class StepCost:
     def ready(self) -> bool:
         return self.samples >= self.min_samples
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b): fixed seconds per step and seconds per query token (b ≥ 0, a ≥ 0)."""
-        if self._sw == 0:
-            return 0.0, 0.0
-        mean_x, mean_y = self._sx / self._sw, self._sy / self._sw
-        var = self._sxx / self._sw - mean_x * mean_x
-        b = (self._sxy / self._sw - mean_x * mean_y) / var if var > 1e-9 else 0.0
-        b = max(b, 0.0)
-        return max(mean_y - b * mean_x, 0.0), b
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c): seconds per step, per query token and per verified sequence, each ≥ 0."""
+        if self.samples == 0:
+            return 0.0, 0.0, 0.0
+        # a little ridge keeps the fit defined before verify steps (or varied batches) were seen
+        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6], dtype=torch.float64)) * float(self._xx[0, 0])
+        a, b, c = torch.linalg.solve(self._xx + ridge, self._xy).tolist()
+        b, c = max(b, 0.0), max(c, 0.0)
+        mean = self._xx[0] / self._xx[0, 0]  # weighted means of (1, tokens, verified)
+        a = max(float(self._xy[0] / self._xx[0, 0]) - b * float(mean[1]) - c * float(mean[2]), 0.0)
+        return a, b, c
 
-    def seconds(self, tokens: int, speculating: bool) -> float:
-        a, b = self.coefficients()
-        return a + b * tokens + (self.wait if speculating else 0.0)
+    def seconds(self, tokens: int, verified: int) -> float:
+        """Predicted step seconds with ``tokens`` query tokens of which ``verified`` sequences speculate."""
+        a, b, c = self.coefficients()
+        return a + b * tokens + c * verified + (self.wait if verified else 0.0)
 
 
 @dataclass
@@ -103,20 +108,22 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
         return dict(caps)
     gamma = {sid: 0 for sid in caps}
     emitted = float(len(caps))  # without drafts each decoding sequence emits one token
-    tokens = base_tokens
-    best_rate, best = emitted / max(cost.seconds(tokens, False), 1e-9), dict(gamma)
+    tokens, verified = base_tokens, 0
+    plain_rate = emitted / max(cost.seconds(tokens, 0), 1e-9)
+    best_rate, best = plain_rate * (1 + MARGIN), dict(gamma)
     heap = [(-alphas[sid], sid) for sid, cap in caps.items() if cap > 0 and alphas[sid] > 0]
     heapq.heapify(heap)
     while heap:
         neg_gain, sid = heapq.heappop(heap)
-        emitted += -neg_gain
+        emitted -= neg_gain
         tokens += 1
+        verified += gamma[sid] == 0
         gamma[sid] += 1
-        rate = emitted / max(cost.seconds(tokens, True), 1e-9)
-        if rate > best_rate * (1 + 1e-6):
+        rate = emitted / max(cost.seconds(tokens, verified), 1e-9)
+        if rate > best_rate:
             best_rate, best = rate, dict(gamma)
         if gamma[sid] < caps[sid]:
             next_gain = alphas[sid] ** (gamma[sid] + 1)
-            if next_gain > 0 and not math.isclose(next_gain, 0.0):
+            if next_gain > 1e-6:
                 heapq.heappush(heap, (-next_gain, sid))
     return best

@@ -106,6 +106,8 @@ class SpecEngine(Engine):
         self._spec: dict[str, _SpecState] = {}
         self._verdicts: list[VerifyResult] = []
         self._last_tokens = 0  # query tokens of the latest step's forward pass
+        self._last_verified = 0  # sequences it verified drafts for
+        self.acceptance = Acceptance(decay=0.99)  # engine-wide, the prior of a new sequence's
         self._released: list[str] = []
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
         self.counters: dict[str, SpecCounters] = {}  # per draft worker
@@ -137,8 +139,10 @@ class SpecEngine(Engine):
         super().add_request(request_id, token_ids, params, output_ids)
         if request_id in self.seqs:
             gamma = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
+            prior = self.acceptance.alpha
             self._spec[request_id] = _SpecState(gamma, cap=gamma, tree_topk=tree_topk or self.tree_topk,
-                                                tree_depth=tree_depth or self.tree_depth)
+                                                tree_depth=tree_depth or self.tree_depth,
+                                                acceptance=Acceptance(2 * prior, 2 * (1 - prior)))
 
     def abort(self, request_id: str) -> bool:
         self._forget(request_id)
@@ -178,8 +182,7 @@ class SpecEngine(Engine):
             if k > 0:
                 caps[seq.request_id] = k
         if self.load_aware and caps:
-            base = sum(1 if s.num_uncomputed == 1 else min(s.num_uncomputed, self.config.max_num_batched_tokens)
-                       for s in self.scheduler.running) + len(self.scheduler.waiting)
+            base = sum(1 for s in self.scheduler.running if s.num_uncomputed == 1)
             planned = plan(caps, {sid: self._spec[sid].acceptance.alpha for sid in caps}, base, self.cost)
             if not any(planned.values()):
                 self.unplanned_steps += 1
@@ -205,11 +208,11 @@ class SpecEngine(Engine):
         started = time.perf_counter()
         outputs = self._step(proposals)
         if self._last_tokens:
-            self.cost.observe(self._last_tokens, time.perf_counter() - started)
+            self.cost.observe(self._last_tokens, time.perf_counter() - started, self._last_verified)
         return outputs
 
     def _step(self, proposals: dict[str, DraftOutput] | None) -> list[tuple[str, TokenDelta]]:
-        self._last_tokens = 0
+        self._last_tokens = self._last_verified = 0
         outputs, self._immediate = self._immediate, []
         drafted = self._attach(proposals or {})
         batch = self.scheduler.schedule()
@@ -226,7 +229,11 @@ class SpecEngine(Engine):
                     del drafted[rid]
         if not batch:
             return outputs
-        self._last_tokens = sum(batch.num_tokens)
+        # the cost model learns from decode and verify steps only: prefill chunks cost differently
+        # per token, and what it decides is how many draft tokens to add to decoding sequences
+        decoding = all(n == 1 or s.request_id in drafted for s, n in zip(batch.seqs, batch.num_tokens))
+        self._last_tokens = sum(batch.num_tokens) if decoding else 0
+        self._last_verified = len(drafted)
         bs = self.config.block_size
         starts = [s.num_computed for s in batch.seqs]
         wants = []
@@ -396,6 +403,7 @@ class SpecEngine(Engine):
                                            accepted_per_pos=per_pos)
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, d.depth)
         st.acceptance.observe(d.depth, accepted)
+        self.acceptance.observe(d.depth, accepted)
         if self.adaptive:
             st.cap = min(st.gamma, st.cap + 2) if accepted == d.depth else max(0, st.cap - 1)
             if st.cap == 0:

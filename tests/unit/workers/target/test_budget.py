@@ -16,18 +16,26 @@ from workers.target.spec_engine import SpecEngine
 pytestmark = pytest.mark.unit
 
 
-def fitted(fixed: float, per_token: float, wait: float = 0.0) -> StepCost:
+def fitted(fixed: float, per_token: float, wait: float = 0.0, per_verify: float = 0.0) -> StepCost:
     cost = StepCost()
-    for n in (1, 4, 8, 16, 32, 64, 8, 2, 40, 24):
-        cost.observe(n, fixed + per_token * n)
+    for n, v in ((1, 0), (4, 1), (8, 0), (16, 3), (32, 2), (64, 8), (8, 4), (2, 0), (40, 5), (24, 1)):
+        cost.observe(n, fixed + per_token * n + per_verify * v, v)
     cost.observe_wait(wait)
     return cost
 
 
-def test_cost_model_recovers_its_line():
-    a, b = fitted(0.05, 0.002).coefficients()
-    assert a == pytest.approx(0.05) and b == pytest.approx(0.002)
+def test_cost_model_recovers_its_plane():
+    a, b, c = fitted(0.05, 0.002, per_verify=0.003).coefficients()
+    assert a == pytest.approx(0.05, rel=1e-3) and b == pytest.approx(0.002, rel=1e-3)
+    assert c == pytest.approx(0.003, rel=1e-3)
     assert not StepCost().ready
+
+
+def test_small_gains_are_not_bought():
+    """A plan that beats plain decoding by less than the margin is not taken."""
+    cost = fitted(0.05, 0.0, wait=0.0, per_verify=0.0)
+    assert plan({"s": 1}, {"s": 0.01}, 1, cost) == {"s": 0}
+    assert plan({"s": 1}, {"s": 0.5}, 1, cost) == {"s": 1}
 
 
 def test_memory_bound_steps_speculate_fully():
@@ -52,7 +60,7 @@ def test_budget_goes_to_the_sequences_whose_drafts_hit():
     # the plan's expected rate beats both extremes under the model
     def rate(g):
         emitted = sum(expected_tokens(a, g[s]) for s, a in {"good": 0.9, "bad": 0.05}.items())
-        return emitted / cost.seconds(2 + sum(g.values()), any(g.values()))
+        return emitted / cost.seconds(2 + sum(g.values()), sum(1 for k in g.values() if k))
     assert rate(got) >= max(rate(dict.fromkeys(caps, 0)), rate(caps))
 
 
