@@ -8,8 +8,8 @@ its own steps and decides.
 - **Cost model**: decode/verify step time ≈ a + b · n + c · v for n query tokens of which v
   sequences verify drafts (the per-sequence work of verifying: distributions, rejection sampling,
   commits, the proposal's share of the RPC), fitted by exponentially weighted least squares over
-  recent steps without prefill chunks (:class:`StepCost`), plus the time a step waits for proposals (an EWMA), paid only
-  when the step speculates at all.
+  recent steps without prefill chunks (:class:`StepCost`), plus the time a step waits for
+  proposals (an EWMA), paid only when the step speculates at all.
 - **Acceptance**: each sequence's per-token acceptance α (the draft token is accepted given the ones
   before it were), from weighted success/failure counts of its recent rounds (:class:`Acceptance`);
   a new sequence starts from the engine-wide estimate.
