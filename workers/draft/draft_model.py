@@ -30,7 +30,7 @@ from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
 from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
-from .tree_search import DraftTree, tree_shape
+from .tree_search import DraftTree, grow, tree_shape
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,23 @@ class DraftModelProposer:
                 seq.tokens.append(token)
                 seq.dists.append(dist)
 
+    def _run_frontier(self, batch: list[DraftTree]) -> tuple[torch.Tensor, None]:
+        """The draft LM over every tree's frontier tokens."""
+        ids, pos, qlens, clens, tables, masks = [], [], [], [], [], []
+        for tree in batch:
+            ids.extend(tree.tokens[n] for n in tree.front)
+            pos.extend(tree.position(n) for n in tree.front)
+            qlens.append(len(tree.front))
+            clens.append(tree.base + tree.num_slots)
+            tables.append(tree.seq.blocks)
+            masks.append(tree.slot_mask())
+        device = self.runner.device
+        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, device, masks)
+        result = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
+                            self.runner.kv_caches)
+        self.forward_calls += 1
+        return result.logits.log_softmax(-1), None
+
     @torch.inference_mode()
     def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
         """Seq id -> (node budget, top-k, depth) in; seq id -> (tokens, parents) out."""
@@ -198,31 +215,7 @@ class DraftModelProposer:
         for tree, row in zip(batch, logits.log_softmax(-1)):
             tree.seq.computed = tree.base
             tree.expand(ROOT, row)
-        # passes 2..depth: each frontier attends to the committed tokens, its ancestors and itself
-        for _ in range(max(t.depth for t in batch) - 1):
-            batch = [t for t in batch if t.frontier_size()]
-            if not batch:
-                break
-            ids, pos, qlens, clens, tables, masks = [], [], [], [], [], []
-            for tree in batch:
-                front = tree.take_frontier()
-                ids.extend(tree.tokens[n] for n in front)
-                pos.extend(tree.position(n) for n in front)
-                qlens.append(len(front))
-                clens.append(tree.base + tree.num_slots)
-                tables.append(tree.seq.blocks)
-                masks.append(tree.slot_mask())
-            device = self.runner.device
-            meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, device, masks)
-            result = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
-                                self.runner.kv_caches)
-            self.forward_calls += 1
-            logps = result.logits.log_softmax(-1)
-            row = 0
-            for tree in batch:
-                for n in tree.front:
-                    tree.expand(n, logps[row])
-                    row += 1
+        grow(batch, self._run_frontier)  # passes 2..depth: each frontier under its tree mask
         for sid, tree in trees.items():
             out[sid] = tree.best()
             # the committed tokens stay; the tree's slots go

@@ -33,7 +33,7 @@ from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
 from ..speculation.payloads import ROOT
-from .tree_search import DraftTree, tree_shape
+from .tree_search import DraftTree, grow, tree_shape
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,22 @@ class EagleProposer:
                 seq.tokens.append(token)
                 seq.dists.append(dist)
 
+    def _run_frontier(self, batch: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over every tree's frontier: pairs (node token, its parent's output)."""
+        ids, feats, pos, qlens, clens, tables, masks = [], [], [], [], [], [], []
+        for tree in batch:
+            ids.extend(tree.tokens[n] for n in tree.front)
+            feats.extend(tree.state[tree.parents[n]] for n in tree.front)
+            pos.extend(tree.position(n) for n in tree.front)
+            qlens.append(len(tree.front))
+            clens.append(tree.base + tree.num_slots)
+            tables.append(tree.seq.blocks)
+            masks.append(tree.slot_mask())
+        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, tree_masks=masks)
+        hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
+        self.forward_calls += 1
+        return self.head.logits(hidden).log_softmax(-1), hidden
+
     @torch.inference_mode()
     def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list[int]]]:
         """Seq id -> (node budget, top-k, depth) in; seq id -> (tokens, parents) out (see the module docstring)."""
@@ -241,32 +257,7 @@ class EagleProposer:
         for tree, feat, logp in zip(batch, hidden[ends], self.head.logits(hidden[ends]).log_softmax(-1)):
             tree.seq.computed = tree.base
             tree.expand(ROOT, logp, feat)
-        # passes 2..depth: the frontier of the newest depth, each node attending to its ancestors
-        for _ in range(max(t.depth for t in batch) - 1):
-            batch = [t for t in batch if t.frontier_size()]
-            if not batch:
-                break
-            ids, feats, pos, qlens, clens, tables, masks, fronts = [], [], [], [], [], [], [], []
-            for tree in batch:
-                front = tree.take_frontier()
-                for n in front:
-                    ids.append(tree.tokens[n])
-                    feats.append(tree.state[tree.parents[n]])
-                    pos.append(tree.position(n))
-                qlens.append(len(front))
-                clens.append(tree.base + tree.num_slots)
-                tables.append(tree.seq.blocks)
-                masks.append(tree.slot_mask())
-                fronts.append(front)
-            meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, tree_masks=masks)
-            hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
-            self.forward_calls += 1
-            logps = self.head.logits(hidden).log_softmax(-1)
-            row = 0
-            for tree, front in zip(batch, fronts):
-                for n in front:
-                    tree.expand(n, logps[row], hidden[row])
-                    row += 1
+        grow(batch, self._run_frontier)  # passes 2..depth
         for sid, tree in trees.items():
             out[sid] = tree.best()
             self._rollback(tree.seq, tree.base)  # the tree's slots go; the committed pairs stay

@@ -17,6 +17,7 @@ lossless for greedy and sampled requests alike.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import torch
 
@@ -111,3 +112,22 @@ class DraftTree:
         index = {n: i for i, n in enumerate(order)}
         return ([self.tokens[n] for n in order],
                 [ROOT if self.parents[n] == ROOT else index[self.parents[n]] for n in order])
+
+
+def grow(trees: list[DraftTree], run: Callable[[list[DraftTree]], tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Passes 2 .. depth: every tree's frontier taken, run in one batch (``run`` sees the trees, each
+    with its ``front`` and ``slot_mask()`` set, and returns log-probabilities [rows, V] and per-row
+    states or None, rows in tree then frontier order), and expanded."""
+    batch = list(trees)
+    for _ in range(max((t.depth for t in batch), default=1) - 1):
+        batch = [t for t in batch if t.frontier_size()]
+        if not batch:
+            return
+        for tree in batch:
+            tree.take_frontier()
+        logps, states = run(batch)
+        row = 0
+        for tree in batch:
+            for n in tree.front:
+                tree.expand(n, logps[row], None if states is None else states[row])
+                row += 1

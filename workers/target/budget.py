@@ -5,19 +5,19 @@ costs what a decode step does and drafts are nearly free; in a big batch (or on 
 token costs compute, and drafts the target rejects only slow the batch down. So the target measures
 its own steps and decides.
 
-- **Cost model**: decode/verify step time ≈ a + b · n + c · v for n query tokens of which v
-  sequences verify drafts (the per-sequence work of verifying: distributions, rejection sampling,
-  commits, the proposal's share of the RPC), fitted by exponentially weighted least squares over
-  recent steps without prefill chunks (:class:`StepCost`), plus the time a step waits for
-  proposals (an EWMA), paid only when the step speculates at all.
+- **Cost model**: decode/verify step time ≈ a + b · n + c · v + d · [v > 0] for n query tokens of
+  which v sequences verify drafts (c: the per-sequence work of verifying — distributions, rejection
+  sampling, commits, the proposal's share of the RPC; d: what speculating at all costs a step — the
+  proposal round trip), fitted by exponentially weighted least squares over recent steps without
+  prefill chunks (:class:`StepCost`). The target's step loop times whole cycles (proposals, the
+  step, delivery), so the draft's share of this machine is in the fit too.
 - **Acceptance**: each sequence's per-token acceptance α (the draft token is accepted given the ones
   before it were), from weighted success/failure counts of its recent rounds (:class:`Acceptance`);
   a new sequence starts from the engine-wide estimate.
   A chain of k drafts then emits 1 + α + α² + … + α^k tokens on average; the j-th draft adds α^j.
 - **Plan** (:func:`plan`): start from no drafts (every decoding sequence emits one token per step)
-  and add draft tokens one at a time, the one with the largest expected gain first, while the gain
-  per extra unit of step time beats the rate the step already has; the first draft of the step also
-  pays the proposal wait. A plan must beat not speculating at all by ``MARGIN`` (3 %) to be used,
+  and add draft tokens one at a time, the one with the largest expected gain first, keeping the
+  prefix with the best expected rate (a sequence's first draft also pays c, the step's first d). A plan must beat not speculating at all by ``MARGIN`` (3 %) to be used,
   so that noise in the model does not buy speculation that does not pay. The result is the γ of
   each sequence for this step, never above the sequence's own cap (adaptive γ, the request's γ,
   tokens left).
@@ -37,46 +37,43 @@ MARGIN = 0.03  # speculate only when the plan's expected rate beats plain decodi
 
 
 class StepCost:
-    """Step seconds ≈ a + b · tokens + c · verified sequences, fitted by least squares with weights
-    decaying by ``decay`` per step; plus the EWMA of the proposal wait (:meth:`observe_wait`)."""
+    """Step seconds ≈ a + b · tokens + c · verified sequences + d · [any verified], fitted by least
+    squares with weights decaying by ``decay`` per step (``d``: what speculating at all costs a step —
+    the proposal round trip and the work around it)."""
 
     def __init__(self, decay: float = 0.97, min_samples: int = 8):
         self.decay = decay
         self.min_samples = min_samples
-        self._xx = torch.zeros(3, 3, dtype=torch.float64)  # Σ w x xᵀ, x = (1, tokens, verified)
-        self._xy = torch.zeros(3, dtype=torch.float64)  # Σ w x y
+        self._xx = torch.zeros(4, 4, dtype=torch.float64)  # Σ w x xᵀ, x = (1, tokens, verified, any)
+        self._xy = torch.zeros(4, dtype=torch.float64)  # Σ w x y
         self.samples = 0
-        self.wait = 0.0  # seconds a speculating step waits for its proposals
 
     def observe(self, tokens: int, seconds: float, verified: int = 0) -> None:
-        x = torch.tensor([1.0, tokens, verified], dtype=torch.float64)
+        x = torch.tensor([1.0, tokens, verified, float(verified > 0)], dtype=torch.float64)
         self._xx = self.decay * self._xx + torch.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
         self.samples += 1
-
-    def observe_wait(self, seconds: float) -> None:
-        self.wait = seconds if self.wait == 0 else 0.8 * self.wait + 0.2 * seconds
 
     @property
     def ready(self) -> bool:
         return self.samples >= self.min_samples
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c): seconds per step, per query token and per verified sequence, each ≥ 0."""
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, b, c, d), each ≥ 0: seconds per step, per query token, per verified sequence, and for
+        speculating at all."""
         if self.samples == 0:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         # a little ridge keeps the fit defined before verify steps (or varied batches) were seen
-        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6], dtype=torch.float64)) * float(self._xx[0, 0])
-        a, b, c = torch.linalg.solve(self._xx + ridge, self._xy).tolist()
-        b, c = max(b, 0.0), max(c, 0.0)
-        mean = self._xx[0] / self._xx[0, 0]  # weighted means of (1, tokens, verified)
-        a = max(float(self._xy[0] / self._xx[0, 0]) - b * float(mean[1]) - c * float(mean[2]), 0.0)
-        return a, b, c
+        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6, 1e-6], dtype=torch.float64)) * float(self._xx[0, 0])
+        coef = torch.linalg.solve(self._xx + ridge, self._xy).clamp(min=0.0)
+        mean = self._xx[0] / self._xx[0, 0]  # weighted means of x
+        a = max(float(self._xy[0] / self._xx[0, 0]) - float((coef[1:] * mean[1:]).sum()), 0.0)
+        return a, float(coef[1]), float(coef[2]), float(coef[3])
 
     def seconds(self, tokens: int, verified: int) -> float:
         """Predicted step seconds with ``tokens`` query tokens of which ``verified`` sequences speculate."""
-        a, b, c = self.coefficients()
-        return a + b * tokens + c * verified + (self.wait if verified else 0.0)
+        a, b, c, d = self.coefficients()
+        return a + b * tokens + c * verified + (d if verified else 0.0)
 
 
 @dataclass

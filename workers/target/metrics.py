@@ -136,16 +136,16 @@ class TargetCollector(Collector):
                       engine.scheduler.num_preemptions)
         yield counter("engine_steps", "Engine forward steps.", w.loop.steps)
         if hasattr(engine, "cost"):  # speculation budgets and the step-cost model behind load-aware ones
-            fixed, per_token, per_seq = engine.cost.coefficients()
+            fixed, per_token, per_seq, speculating = engine.cost.coefficients()
             yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.",
                         engine.planned_draft_tokens)
             yield counter("spec_unplanned_steps", "Steps load-aware speculation chose to run without drafts.",
                           engine.unplanned_steps)
-            yield gauge("step_cost_fixed_seconds", "Fitted seconds per engine step (a in a + b * tokens + c * verified).", fixed)
+            yield gauge("step_cost_fixed_seconds", "Fitted seconds per step (a in a + b*tokens + c*verified + d*[verified]).", fixed)
             yield gauge("step_cost_per_token_seconds", "Fitted seconds per query token (b).", per_token)
             yield gauge("step_cost_per_verify_seconds", "Fitted seconds per sequence verifying drafts (c).", per_seq)
-            yield gauge("spec_proposal_wait_seconds", "Average seconds a speculating step waits for proposals.",
-                        engine.cost.wait)
+            yield gauge("step_cost_speculating_seconds", "Fitted seconds a step pays for speculating at all (d).",
+                        speculating)
         finished = CounterMetricFamily("tandem_target_requests_finished", "Requests ended, by finish reason.",
                                        labels=["model", "reason"])
         for reason, count in sorted(w.stats.finished.items()):

@@ -101,6 +101,7 @@ class SpecEngine(Engine):
         # from a cost model of this engine's own steps and each sequence's acceptance.
         self.load_aware = load_aware
         self.cost = StepCost()
+        self.time_steps = True  # the cost model times step(); a serving loop times whole cycles instead
         self.planned_draft_tokens = 0  # draft tokens asked for in the latest step (a gauge)
         self.unplanned_steps = 0  # steps the load-aware plan chose not to speculate although it could
         self._spec: dict[str, _SpecState] = {}
@@ -207,9 +208,14 @@ class SpecEngine(Engine):
     def step(self, proposals: dict[str, DraftOutput] | None = None) -> list[tuple[str, TokenDelta]]:
         started = time.perf_counter()
         outputs = self._step(proposals)
-        if self._last_tokens:
-            self.cost.observe(self._last_tokens, time.perf_counter() - started, self._last_verified)
+        if self.time_steps:
+            self.observe_cycle(time.perf_counter() - started)
         return outputs
+
+    def observe_cycle(self, seconds: float) -> None:
+        """Feed the cost model one step (or a whole serving cycle around it) that took ``seconds``."""
+        if self._last_tokens:
+            self.cost.observe(self._last_tokens, seconds, self._last_verified)
 
     def _step(self, proposals: dict[str, DraftOutput] | None) -> list[tuple[str, TokenDelta]]:
         self._last_tokens = self._last_verified = 0

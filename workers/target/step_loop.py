@@ -78,6 +78,8 @@ class StepLoop:
                  stats_interval: float = 0.5):
         self.engine = engine
         self.pool = pool if isinstance(engine, SpecEngine) else None
+        if self.pool is not None:
+            engine.time_steps = False  # the loop times whole cycles for the cost model (see _run)
         self.target_id = target_id
         self.propose_timeout = propose_timeout
         self._on_kv_events = on_kv_events
@@ -155,6 +157,7 @@ class StepLoop:
                 if not self._commands:
                     await self._wake.wait()
                 continue
+            cycle_started = time.perf_counter()
             proposals = await self._proposals()
             try:
                 outputs = await loop.run_in_executor(self._executor, engine.step, proposals) if proposals \
@@ -166,6 +169,8 @@ class StepLoop:
             self.steps += 1
             self._deliver(outputs)
             self._send_verdicts()
+            if self.pool is not None:  # load-aware budgets learn what a whole cycle costs
+                engine.observe_cycle(time.perf_counter() - cycle_started)
 
     def _apply_commands(self) -> None:
         while self._commands:
@@ -240,10 +245,7 @@ class StepLoop:
         if not inputs:
             return {}
         try:
-            started = time.perf_counter()
-            proposals = await client.propose(inputs, self.propose_timeout)
-            engine.cost.observe_wait(time.perf_counter() - started)  # what speculating costs a step up front
-            return proposals
+            return await client.propose(inputs, self.propose_timeout)
         except Exception as exc:  # speculation is optional: decode plainly this step
             log.warning("draft proposals failed: %r", exc)
             return {}

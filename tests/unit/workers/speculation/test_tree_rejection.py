@@ -16,6 +16,7 @@ import itertools
 import pytest
 import torch
 
+from tests.unit.workers.speculation.test_rejection import chi2_pvalue, random_dists as _random_dists
 from workers.speculation.payloads import PAD
 from workers.speculation.rejection import random_inputs, rejection_sample
 from workers.speculation.tree import children, parent_nodes
@@ -27,6 +28,10 @@ N = 200_000  # rows (trials) per χ² test
 P_MIN = 1e-3  # seeded, so each test is deterministic; the threshold only sets its strictness
 
 
+def random_dists(count: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    return _random_dists(count, vocab, gen, sharpness=1.5)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Ops on [N, small] tensors gain nothing from threads, and lose a lot when the cores are busy."""
@@ -34,25 +39,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson χ² test of observed counts against expected probabilities (cells expecting < 5 pooled)."""
-    n = counts.sum()
-    expected = probs.double() * n
-    big = expected >= 5
-    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
-
-
-def random_dists(count: int, vocab: int, gen: torch.Generator, sharpness: float = 1.5) -> torch.Tensor:
-    logits = torch.randn(count, vocab, generator=gen, dtype=torch.float64) * sharpness
-    return torch.softmax(logits, -1).float()
 
 
 def sample(dist: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
