@@ -23,7 +23,9 @@ its own steps and decides.
   tokens left).
 
 This maximises expected emitted tokens per second of the whole batch, under the linear cost model.
-With too few measurements the plan is the caps themselves (no opinion yet).
+With too few measurements the plan is the caps themselves (no opinion yet). The model is checked
+against what the engine achieves (:class:`RealizedRates`): at a batch size where speculating steps
+have emitted fewer tokens per second than plain ones, the plan is overruled (and retried now and then).
 """
 
 from __future__ import annotations
@@ -124,3 +126,54 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
             if next_gain > 1e-6:
                 heapq.heappush(heap, (-next_gain, sid))
     return best
+
+
+class RealizedRates:
+    """Tokens per second the engine actually achieved, with and without speculation, per batch size.
+
+    The cost model can be wrong (this machine's other processes, overheads it does not see); this
+    is the check on it. Decoding steps are bucketed by batch size (powers of two); each bucket keeps
+    an EWMA of emitted tokens per cycle-second for steps that speculated and for steps that did not.
+    :meth:`allow` says not to speculate where speculating has measurably done worse, and now and
+    then asks for the other choice than the one it favours, so that both rates stay current.
+    """
+
+    def __init__(self, weight: float = 0.1, min_samples: int = 3, explore_every: int = 16):
+        self.weight = weight
+        self.min_samples = min_samples
+        self.explore_every = explore_every
+        self._rate: dict[tuple[int, bool], float] = {}
+        self._count: dict[tuple[int, bool], int] = {}
+        self._since: dict[int, int] = {}  # steps per bucket since the last exploring one
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(batch, 1).bit_length()
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        key = (self.bucket(batch), speculated)
+        rate = tokens / seconds
+        self._rate[key] = rate if key not in self._rate else (1 - self.weight) * self._rate[key] + self.weight * rate
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def rate(self, batch: int, speculated: bool) -> float | None:
+        key = (self.bucket(batch), speculated)
+        return self._rate[key] if self._count.get(key, 0) >= self.min_samples else None
+
+    def veto(self, batch: int) -> bool:
+        """True where speculating has achieved fewer tokens/s than plain decoding at this batch size."""
+        spec, plain_rate = self.rate(batch, True), self.rate(batch, False)
+        return spec is not None and plain_rate is not None and spec < plain_rate
+
+    def allow(self, batch: int) -> bool:
+        """May a step at this batch size speculate (when the cost model says it pays)? No where
+        speculating measurably did worse, but one step in ``explore_every`` tries it again; yes
+        elsewhere, but one step in ``explore_every`` decodes plainly to keep that rate current."""
+        b = self.bucket(batch)
+        self._since[b] = self._since.get(b, 0) + 1
+        explore = self._since[b] >= self.explore_every
+        if explore:
+            self._since[b] = 0
+        return explore if self.veto(batch) else not explore

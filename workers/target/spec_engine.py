@@ -36,7 +36,7 @@ from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, S
 from ..speculation.rejection import rejection_sample, sparse_to_dense
 from ..speculation.tree import parent_nodes, tree_depths, valid_parents
 from ..speculation.tree_rejection import tree_rejection_sample
-from .budget import Acceptance, StepCost, plan
+from .budget import Acceptance, RealizedRates, StepCost, plan
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class SpecEngine(Engine):
         # from a cost model of this engine's own steps and each sequence's acceptance.
         self.load_aware = load_aware
         self.cost = StepCost()
+        self.realized = RealizedRates()  # the check on the cost model: tokens/s achieved, per batch size
         self.time_steps = True  # the cost model times step(); a serving loop times whole cycles instead
         self.planned_draft_tokens = 0  # draft tokens asked for in the latest step (a gauge)
         self.unplanned_steps = 0  # steps the load-aware plan chose not to speculate although it could
@@ -108,6 +109,8 @@ class SpecEngine(Engine):
         self._verdicts: list[VerifyResult] = []
         self._last_tokens = 0  # query tokens of the latest step's forward pass
         self._last_verified = 0  # sequences it verified drafts for
+        self._last_decoding = 0  # sequences in it
+        self._last_emitted = 0  # tokens it emitted
         self.acceptance = Acceptance(decay=0.99)  # engine-wide, the prior of a new sequence's
         self._released: list[str] = []
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
@@ -185,6 +188,8 @@ class SpecEngine(Engine):
         if self.load_aware and caps:
             base = sum(1 for s in self.scheduler.running if s.num_uncomputed == 1)
             planned = plan(caps, {sid: self._spec[sid].acceptance.alpha for sid in caps}, base, self.cost)
+            if any(planned.values()) and not self.realized.allow(base):
+                planned = {}  # speculating did worse here than the model thinks, or plain is due a measure
             if not any(planned.values()):
                 self.unplanned_steps += 1
             caps = {sid: k for sid, k in planned.items() if k > 0}
@@ -208,6 +213,7 @@ class SpecEngine(Engine):
     def step(self, proposals: dict[str, DraftOutput] | None = None) -> list[tuple[str, TokenDelta]]:
         started = time.perf_counter()
         outputs = self._step(proposals)
+        self._last_emitted = sum(len(delta.token_ids) for _, delta in outputs)
         if self.time_steps:
             self.observe_cycle(time.perf_counter() - started)
         return outputs
@@ -216,6 +222,7 @@ class SpecEngine(Engine):
         """Feed the cost model one step (or a whole serving cycle around it) that took ``seconds``."""
         if self._last_tokens:
             self.cost.observe(self._last_tokens, seconds, self._last_verified)
+            self.realized.observe(self._last_decoding, self._last_verified > 0, self._last_emitted, seconds)
 
     def _step(self, proposals: dict[str, DraftOutput] | None) -> list[tuple[str, TokenDelta]]:
         self._last_tokens = self._last_verified = 0
@@ -240,6 +247,7 @@ class SpecEngine(Engine):
         decoding = all(n == 1 or s.request_id in drafted for s, n in zip(batch.seqs, batch.num_tokens))
         self._last_tokens = sum(batch.num_tokens) if decoding else 0
         self._last_verified = len(drafted)
+        self._last_decoding = len(batch.seqs)
         bs = self.config.block_size
         starts = [s.num_computed for s in batch.seqs]
         wants = []

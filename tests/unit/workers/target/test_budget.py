@@ -85,3 +85,17 @@ def test_load_aware_engine_is_still_lossless(target_dir):  # noqa: F811
         got.update(run_spec(engine, NgramProposer(1, 3), dict(items[start : start + 8]), params))
     assert got == want
     assert engine.cost.ready and engine.cost.samples > 0
+
+
+def test_realized_rates_veto_speculation_that_does_worse():
+    from workers.target.budget import RealizedRates
+
+    rates = RealizedRates(min_samples=2, explore_every=4)
+    for _ in range(3):
+        rates.observe(8, False, 8, 0.10)  # plain: 80 tokens/s at batch 8
+        rates.observe(8, True, 10, 0.20)  # speculating: 50 tokens/s
+    assert rates.veto(8) and rates.veto(15)  # same bucket
+    assert not rates.veto(16) and not rates.veto(2)  # nothing measured there
+    # vetoed: speculation is tried again one step in four; elsewhere plain decoding is, one in four
+    assert [rates.allow(8) for _ in range(8)] == [False, False, False, True] * 2
+    assert [rates.allow(2) for _ in range(8)] == [True, True, True, False] * 2
