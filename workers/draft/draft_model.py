@@ -30,7 +30,7 @@ from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
 from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
-from .tree_search import DraftTree, grow, tree_shape
+from .tree_search import DraftTree, grow, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +85,13 @@ class DraftModelProposer:
                 self._rollback(seq, seq.committed)
                 seq.tokens.extend(item.new_tokens)
                 seq.committed = len(seq.tokens)
-        shapes = {item.seq_id: tree_shape(item, self.tree_topk, self.tree_depth) for item in batch}
-        self._extend({item.seq_id: item.num_tokens for item in batch if shapes[item.seq_id] is None})
-        trees = self._draft_trees({item.seq_id: (item.num_tokens, *shapes[item.seq_id])
-                                   for item in batch if shapes[item.seq_id] is not None})
+        chains, trees = split_batch(batch, self.tree_topk, self.tree_depth)
+        self._extend(chains)
+        drafted = self._draft_trees(trees)
         out = []
         for item in batch:
-            if item.seq_id in trees:
-                tokens, parents = trees[item.seq_id]
+            if item.seq_id in drafted:
+                tokens, parents = drafted[item.seq_id]
                 out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
                 continue
             seq = self._seqs[item.seq_id]

@@ -33,7 +33,7 @@ from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
 from ..speculation.payloads import ROOT
-from .tree_search import DraftTree, grow, tree_shape
+from .tree_search import DraftTree, grow, split_batch
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class EagleProposer:
     # ------------------------------------------------------------------ protocol
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        trees = {item.seq_id: self._shape(item) for item in batch}
+        chains, trees = split_batch(batch, self.tree_topk, self.tree_depth)
         for item in batch:
             seq = self._seqs.get(item.seq_id)
             if seq is None:
@@ -99,9 +99,8 @@ class EagleProposer:
                 seq.tokens.extend(item.new_tokens)
                 seq.committed = len(seq.tokens)
                 self._set_features(seq, max(first - 1, 0), item.hidden_states, len(item.new_tokens) - (first == 0))
-        self._extend({item.seq_id: item.num_tokens for item in batch if trees[item.seq_id] is None})
-        drafted = self._draft_trees({item.seq_id: (item.num_tokens, *trees[item.seq_id])
-                                     for item in batch if trees[item.seq_id] is not None})
+        self._extend(chains)
+        drafted = self._draft_trees(trees)
         out = []
         for item in batch:
             if item.seq_id in drafted:
@@ -132,9 +131,6 @@ class EagleProposer:
                 self.blocks.free(seq.blocks)
 
     # ------------------------------------------------------------------ internals
-
-    def _shape(self, item: DraftInput) -> tuple[int, int] | None:
-        return tree_shape(item, self.tree_topk, self.tree_depth)
 
     def _truncate_tail(self, seq: _Seq) -> None:
         del seq.tokens[seq.committed :]

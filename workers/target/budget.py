@@ -170,10 +170,13 @@ class RealizedRates:
     def allow(self, batch: int) -> bool:
         """May a step at this batch size speculate (when the cost model says it pays)? No where
         speculating measurably did worse, but one step in ``explore_every`` tries it again; yes
-        elsewhere, but one step in ``explore_every`` decodes plainly to keep that rate current."""
+        elsewhere, but one step in ``explore_every`` (every other one while plain decoding has not
+        been measured here) decodes plainly to keep that rate current."""
         b = self.bucket(batch)
         self._since[b] = self._since.get(b, 0) + 1
-        explore = self._since[b] >= self.explore_every
+        # until both rates are measured here, every other step takes the choice not yet measured
+        known = self.rate(batch, True) is not None and self.rate(batch, False) is not None
+        explore = self._since[b] >= (self.explore_every if known else 2)
         if explore:
             self._since[b] = 0
         return explore if self.veto(batch) else not explore

@@ -96,6 +96,11 @@ def test_realized_rates_veto_speculation_that_does_worse():
         rates.observe(8, True, 10, 0.20)  # speculating: 50 tokens/s
     assert rates.veto(8) and rates.veto(15)  # same bucket
     assert not rates.veto(16) and not rates.veto(2)  # nothing measured there
-    # vetoed: speculation is tried again one step in four; elsewhere plain decoding is, one in four
+    # vetoed: speculation is tried again one step in four
     assert [rates.allow(8) for _ in range(8)] == [False, False, False, True] * 2
+    # not measured yet: every other step decodes plainly; once both rates are known, one in four
+    assert [rates.allow(2) for _ in range(4)] == [True, False] * 2
+    for _ in range(2):
+        rates.observe(2, False, 2, 0.05)
+        rates.observe(2, True, 3, 0.05)
     assert [rates.allow(2) for _ in range(8)] == [True, True, True, False] * 2
