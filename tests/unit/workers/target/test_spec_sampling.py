@@ -14,6 +14,7 @@ import torch
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.speculation.test_rejection import chi2_pvalue
+from tests.unit.workers.target.test_spec_engine import run_spec
 from workers.engine.engine import EngineConfig
 from workers.engine.weights import load_model
 from workers.draft.draft_model import DraftModelProposer
@@ -58,16 +59,7 @@ def test_first_verified_token_has_the_target_marginal(dirs, temperature):
     firsts, seconds = [], []
     params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
     for start in range(0, N, 250):
-        out: dict[str, list[int]] = {}
-        for i in range(start, start + 250):
-            engine.add_request(str(i), PROMPT, params)
-            out[str(i)] = []
-        while engine.has_work():
-            inputs = engine.draft_inputs()
-            for rid, delta in engine.step({o.seq_id: o for o in proposer.propose(inputs)}):
-                out[rid].extend(delta.token_ids)
-            proposer.verified(engine.take_verdicts())
-            proposer.release(engine.take_released())
+        out = run_spec(engine, proposer, {str(i): PROMPT for i in range(start, start + 250)}, params)
         firsts += [t[0] for t in out.values()]
         seconds += [t[1] for t in out.values()]
     counters = engine.counters[""]
@@ -131,14 +123,7 @@ def test_tree_verification_keeps_the_target_distribution(dirs):
     seconds, thirds, fourths = [], [], []
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     for start in range(0, N, 250):
-        out: dict[str, list[int]] = {}
-        for i in range(start, start + 250):
-            engine.add_request(str(i), PROMPT, params)
-            out[str(i)] = []
-        while engine.has_work():
-            inputs = engine.draft_inputs()
-            for rid, delta in engine.step({o.seq_id: o for o in proposer.propose(inputs)}):
-                out[rid].extend(delta.token_ids)
+        out = run_spec(engine, proposer, {str(i): PROMPT for i in range(start, start + 250)}, params)
         seconds += [t[1] for t in out.values()]
         thirds += [t[2] for t in out.values()]
         fourths += [t[3] for t in out.values()]
