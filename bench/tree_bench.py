@@ -23,8 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-UNUSED_SEED = 7_777_777  # as bench/eagle3_check.py: trainer seeds are s (train) and s + 1_000_003 (eval)
-
 
 def run(engine, proposer, prompts: dict[str, list[int]], params, batch: int) -> tuple[dict, float]:
     """Generate every prompt, ``batch`` requests in flight at a time; (outputs, seconds)."""
@@ -106,7 +104,7 @@ def main() -> None:
     from workers.draft.eagle import load_eagle, load_target_parts
     from workers.draft.eagle_proposer import EagleProposer
     from workers.draft.ngram import NgramProposer
-    from workers.draft.train.prompts import conversation
+    from workers.draft.train.prompts import held_out_prompts
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.weights import load_model
     from workers.target.spec_engine import SpecEngine
@@ -114,11 +112,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = {}
-    for i in range(args.prompts):
-        text = tok.apply_chat_template(conversation(UNUSED_SEED, i)["messages"], add_generation_prompt=True,
-                                       tokenize=False)
-        prompts[f"p{i}"] = list(tok(text, add_special_tokens=False)["input_ids"])
+    prompts = held_out_prompts(tok, args.prompts)
     model = load_model(target)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     cfg = EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=max(8, args.batch))

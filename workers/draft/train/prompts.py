@@ -85,6 +85,19 @@ def conversation(seed: int, index: int) -> dict:
     return {"messages": messages, "follow_up": follow_up}
 
 
+HELD_OUT_SEED = 7_777_777  # no training run uses it: trainer seeds are s (train) and s + 1_000_003 (eval)
+
+
+def held_out_prompts(tokenizer, count: int) -> dict[str, list[int]]:
+    """``count`` chat prompts (token ids, generation prompt added) no train-draft conversation uses."""
+    out = {}
+    for i in range(count):
+        text = tokenizer.apply_chat_template(conversation(HELD_OUT_SEED, i)["messages"], add_generation_prompt=True,
+                                             tokenize=False)
+        out[f"p{i}"] = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
 def local_prompts(paths: list[str | Path]) -> list[dict]:
     """User prompts from local files: ``.jsonl`` lines with "prompt" / "text" / "messages", or plain
     text files (one prompt per blank-line-separated paragraph)."""
