@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.attention import AttentionMetadata
 from ..engine.block_manager import BlockManager
 from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
 from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
-from .tree_search import DraftTree, grow, split_batch
+from .tree_search import DraftTree, frontier_batch, grow, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -172,18 +171,8 @@ class DraftModelProposer:
 
     def _run_frontier(self, batch: list[DraftTree]) -> tuple[torch.Tensor, None]:
         """The draft LM over every tree's frontier tokens."""
-        ids, pos, qlens, clens, tables, masks = [], [], [], [], [], []
-        for tree in batch:
-            ids.extend(tree.tokens[n] for n in tree.front)
-            pos.extend(tree.position(n) for n in tree.front)
-            qlens.append(len(tree.front))
-            clens.append(tree.base + tree.num_slots)
-            tables.append(tree.seq.blocks)
-            masks.append(tree.slot_mask())
-        device = self.runner.device
-        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, device, masks)
-        result = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
-                            self.runner.kv_caches)
+        ids, pos, meta = frontier_batch(batch, self.block_size, self.runner.device)
+        result = self.model(ids, pos, meta, self.runner.kv_caches)
         self.forward_calls += 1
         return result.logits.log_softmax(-1), None
 

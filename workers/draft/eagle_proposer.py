@@ -33,7 +33,7 @@ from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
 from ..speculation.payloads import ROOT
-from .tree_search import DraftTree, grow, split_batch
+from .tree_search import DraftTree, frontier_batch, grow, split_batch
 from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
 
 log = logging.getLogger(__name__)
@@ -199,17 +199,9 @@ class EagleProposer:
 
     def _run_frontier(self, batch: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over every tree's frontier: pairs (node token, its parent's output)."""
-        ids, feats, pos, qlens, clens, tables, masks = [], [], [], [], [], [], []
-        for tree in batch:
-            ids.extend(tree.tokens[n] for n in tree.front)
-            feats.extend(tree.state[tree.parents[n]] for n in tree.front)
-            pos.extend(tree.position(n) for n in tree.front)
-            qlens.append(len(tree.front))
-            clens.append(tree.base + tree.num_slots)
-            tables.append(tree.seq.blocks)
-            masks.append(tree.slot_mask())
-        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, tree_masks=masks)
-        hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
+        ids, pos, meta = frontier_batch(batch, self.block_size)
+        feats = torch.stack([tree.state[tree.parents[n]] for tree in batch for n in tree.front])
+        hidden = self.head(ids, feats, pos, meta, self.kv)
         self.forward_calls += 1
         return self.head.logits(hidden).log_softmax(-1), hidden
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..engine.attention import AttentionMetadata
 from ..speculation.payloads import ROOT, DraftInput
 
 
@@ -126,6 +127,22 @@ class DraftTree:
         index = {n: i for i, n in enumerate(order)}
         return ([self.tokens[n] for n in order],
                 [ROOT if self.parents[n] == ROOT else index[self.parents[n]] for n in order])
+
+
+def frontier_batch(batch: list[DraftTree], block_size: int, device: torch.device | str = "cpu"
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Every tree's frontier as one forward's inputs: token ids [T], positions [T] and the attention
+    metadata (each frontier after its tree's slots so far, under the tree's slot mask)."""
+    ids, pos, qlens, clens, tables, masks = [], [], [], [], [], []
+    for tree in batch:
+        ids.extend(tree.tokens[n] for n in tree.front)
+        pos.extend(tree.position(n) for n in tree.front)
+        qlens.append(len(tree.front))
+        clens.append(tree.base + tree.num_slots)
+        tables.append(tree.seq.blocks)
+        masks.append(tree.slot_mask())
+    meta = AttentionMetadata.build(qlens, clens, tables, block_size, device, masks)
+    return torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta
 
 
 def grow(trees: list[DraftTree], run: Callable[[list[DraftTree]], tuple[torch.Tensor, torch.Tensor | None]]) -> None:

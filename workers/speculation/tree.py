@@ -17,7 +17,7 @@ import torch
 from ..engine.attention import ancestor_mask, tree_depths
 from .payloads import ROOT
 
-__all__ = ["ROOT", "ancestor_mask", "chain_parents", "children", "parent_nodes", "path_to", "tree_depths",
+__all__ = ["ROOT", "ancestor_mask", "chain_parents", "children", "parent_nodes", "tree_depths",
            "valid_parents"]
 
 
@@ -31,15 +31,6 @@ def valid_parents(parents: list[int], num_tokens: int) -> bool:
     if not parents:
         return True
     return len(parents) == num_tokens and all(ROOT <= p < i for i, p in enumerate(parents))
-
-
-def path_to(parents: list[int], last: int) -> list[int]:
-    """Token indices from the root's child down to token ``last`` (inclusive), in order."""
-    path = []
-    while last != ROOT:
-        path.append(last)
-        last = parents[last]
-    return path[::-1]
 
 
 def children(parents: list[int]) -> list[list[int]]:

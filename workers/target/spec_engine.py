@@ -34,7 +34,7 @@ from ..engine.sampling import apply_top_k_top_p, is_greedy, logprobs_of
 from ..engine.sequence import Sequence
 from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 from ..speculation.rejection import rejection_sample, sparse_to_dense
-from ..speculation.tree import parent_nodes, tree_depths, valid_parents
+from ..speculation.tree import chain_parents, parent_nodes, tree_depths, valid_parents
 from ..speculation.tree_rejection import tree_rejection_sample
 from .budget import Acceptance, RealizedRates, StepCost, plan
 
@@ -367,7 +367,7 @@ class SpecEngine(Engine):
             uniforms[b].uniform_(generator=seq.generator)
             exps[b].exponential_(generator=seq.generator)
         if trees:  # chains too, in the same batch, as degenerate trees
-            parents = parent_nodes([d.parents or list(range(-1, len(d.tokens) - 1)) for d in drafted], width, dev)
+            parents = parent_nodes([d.parents or chain_parents(len(d.tokens)) for d in drafted], width, dev)
             out_tokens, path, accepted = tree_rejection_sample(target, tokens, parents, draft_probs, greedy, uniforms,
                                                                exps)
             path = path.cpu()
