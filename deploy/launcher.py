@@ -28,6 +28,7 @@ from deploy.binaries import free_port, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.stack import Component, StackConfig, component_names, filter_flags, module_flags, plan
+from runtime.config import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,8 @@ class Launcher:
             self._infra.append(child)
             self._wait_port(child, port)
             nats_url = f"nats://127.0.0.1:{port}"
-        log.info("etcd at %s, NATS at %s, namespace %s", etcd_url, nats_url, self.config.namespace)
+        log.info("etcd at %s, NATS at %s, namespace %s", redact_url(etcd_url), redact_url(nats_url),
+                 self.config.namespace)
         return etcd_url, nats_url
 
     def _wait_port(self, child: Child, port: int) -> None:
@@ -219,7 +221,7 @@ class Launcher:
             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
             f"\"max_tokens\": 32}}'\n"
             f"Add a worker while it runs:\n"
-            f"  TANDEM_ETCD={self._env['TANDEM_ETCD']} TANDEM_NATS={self._env['TANDEM_NATS']} "
+            f"  TANDEM_ETCD={redact_url(self._env['TANDEM_ETCD'])} TANDEM_NATS={redact_url(self._env['TANDEM_NATS'])} "
             f"TANDEM_NAMESPACE={self._env['TANDEM_NAMESPACE']} {sys.executable} -m "
             f"{worker}\n"
             "Press Ctrl-C to stop.\n",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from urllib.parse import urlparse
+from dataclasses import dataclass, field, replace
+from urllib.parse import unquote, urlparse
 
 DEFAULT_ETCD = "http://127.0.0.1:2379"
 DEFAULT_NATS = "nats://127.0.0.1:4222"
@@ -34,6 +34,14 @@ class RuntimeConfig:
     nats_tls_key: str | None = None
     nats_creds: str | None = None
     nats_nkey: str | None = None
+    # etcd security: TLS when the URL is https:// or a CA / client certificate is given (the CA that
+    # signed etcd's certificate, default the system's roots; a client certificate and key for mutual
+    # TLS); a user and password (also accepted in the URL, http://USER:PASSWORD@host:port).
+    etcd_tls_ca: str | None = None
+    etcd_tls_cert: str | None = None
+    etcd_tls_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("etcd_url", "nats_url"):
@@ -46,7 +54,13 @@ class RuntimeConfig:
             raise ValueError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
         if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
             raise ValueError("--nats-tls-cert and --nats-tls-key go together")
-        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_creds", "nats_nkey"):
+        if bool(self.etcd_tls_cert) != bool(self.etcd_tls_key):
+            raise ValueError("--etcd-tls-cert and --etcd-tls-key go together")
+        user, password = self.etcd_credentials
+        if (user is None) != (password is None):
+            raise ValueError("an etcd user needs a password and a password needs a user")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_creds", "nats_nkey",
+                     "etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key"):
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name.replace('_', '-')} {path} does not exist")
@@ -64,7 +78,9 @@ class RuntimeConfig:
             nats_url=os.environ.get("TANDEM_NATS", DEFAULT_NATS),
             namespace=os.environ.get("TANDEM_NAMESPACE", DEFAULT_NAMESPACE),
             **{name: os.environ.get(f"TANDEM_{name.upper()}") or None
-               for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_creds", "nats_nkey")},
+               for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_creds", "nats_nkey",
+                            "etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key", "etcd_user")},
+            etcd_password=_read_at_file(os.environ.get("TANDEM_ETCD_PASSWORD") or None),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -90,6 +106,24 @@ class RuntimeConfig:
         url = urlparse(self.etcd_url)
         return url.hostname or "127.0.0.1", url.port or 2379
 
+    @property
+    def etcd_credentials(self) -> tuple[str | None, str | None]:
+        """(user, password): the flags' or, failing those, the URL's."""
+        if self.etcd_user is not None or self.etcd_password is not None:
+            return self.etcd_user, self.etcd_password
+        url = urlparse(self.etcd_url)
+        return (unquote(url.username) if url.username else None,
+                unquote(url.password) if url.password is not None else None)
+
+    def etcd_security(self):
+        """The etcd client's :class:`~runtime.etcd.EtcdSecurity` from these settings."""
+        from .etcd import EtcdSecurity
+
+        user, password = self.etcd_credentials
+        tls = urlparse(self.etcd_url).scheme == "https" or bool(self.etcd_tls_ca or self.etcd_tls_cert)
+        return EtcdSecurity(tls=tls, ca=self.etcd_tls_ca, cert=self.etcd_tls_cert, key=self.etcd_tls_key,
+                            user=user, password=password)
+
 
 def add_runtime_args(parser) -> None:
     """Add the flags every service shares to an ``argparse`` parser."""
@@ -107,6 +141,15 @@ def add_runtime_args(parser) -> None:
                        ("--nats-nkey", "NATS NKEY seed file")):
         env = "TANDEM_" + flag[2:].upper().replace("-", "_")
         parser.add_argument(flag, default=None, help=f"{what} (env {env}); a token or user:password go in the NATS URL")
+    for flag, what in (("--etcd-tls-ca", "CA (PEM) that signed etcd's certificate: connect over TLS "
+                                         "(https:// in the etcd URL alone uses the system's CAs)"),
+                       ("--etcd-tls-cert", "client certificate (PEM) for etcd mutual TLS"),
+                       ("--etcd-tls-key", "its key (PEM)"),
+                       ("--etcd-user", "etcd user (auth enabled on etcd)"),
+                       ("--etcd-password", "that user's password, or @FILE to read it from a file "
+                                           "(prefer the environment: flags show in ps)")):
+        env = "TANDEM_" + flag[2:].upper().replace("-", "_")
+        parser.add_argument(flag, default=None, help=f"{what} (env {env})")
     parser.add_argument("--connect-timeout", type=float, default=None,
                         help="seconds to keep trying NATS and etcd at start-up before exiting with an error "
                              "(env TANDEM_CONNECT_TIMEOUT, default 30)")
@@ -120,6 +163,25 @@ def config_from_args(args, **overrides) -> RuntimeConfig:
         nats_tls_ca=getattr(args, "nats_tls_ca", None), nats_tls_cert=getattr(args, "nats_tls_cert", None),
         nats_tls_key=getattr(args, "nats_tls_key", None), nats_creds=getattr(args, "nats_creds", None),
         nats_nkey=getattr(args, "nats_nkey", None),
+        etcd_tls_ca=getattr(args, "etcd_tls_ca", None), etcd_tls_cert=getattr(args, "etcd_tls_cert", None),
+        etcd_tls_key=getattr(args, "etcd_tls_key", None), etcd_user=getattr(args, "etcd_user", None),
+        etcd_password=_read_at_file(getattr(args, "etcd_password", None)),
         connect_timeout=args.connect_timeout or (float(os.environ["TANDEM_CONNECT_TIMEOUT"])
                                                  if os.environ.get("TANDEM_CONNECT_TIMEOUT") else None), **overrides
     )
+
+
+def redact_url(url: str) -> str:
+    """``url`` with a token, user or password replaced by '***' (for logs and errors)."""
+    parts = urlparse(url)
+    if not parts.username and not parts.password:
+        return url
+    return url.replace(parts.netloc, f"***@{parts.hostname}:{parts.port}")
+
+
+def _read_at_file(value: str | None) -> str | None:
+    """``@PATH`` -> the file's first line; anything else as given."""
+    if value is None or not value.startswith("@"):
+        return value
+    with open(value[1:]) as f:
+        return f.readline().rstrip("\r\n")

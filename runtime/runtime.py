@@ -28,8 +28,9 @@ import aetcd
 import msgspec
 import nats
 
-from .config import RuntimeConfig
+from .config import RuntimeConfig, redact_url
 from .discovery import Registrar, Snapshot
+from .etcd import EtcdClient
 from .errors import NoInstances, StartupError
 from .events import EventPlane, Subscription
 from .health import HealthServer
@@ -40,14 +41,11 @@ from .request_plane import Handler, RequestClient, RequestServer, ResponseStream
 log = logging.getLogger(__name__)
 
 
-def _without_secrets(url: str) -> str:
-    """``url`` with a token or password replaced by '***' (for logs)."""
-    from urllib.parse import urlparse
+def _refused(exc: Exception) -> bool:
+    """etcd answered, and said no (credentials or permissions), as opposed to being unreachable."""
+    return (isinstance(exc, (aetcd.InvalidArgumentError, aetcd.exceptions.UnauthenticatedError))
+            or "permission denied" in str(exc))
 
-    parts = urlparse(url)
-    if not parts.username and not parts.password:
-        return url
-    return url.replace(parts.netloc, f"***@{parts.hostname}:{parts.port}")
 
 UNREACHABLE_HOLD_S = 30.0  # how long an instance NATS found unreachable stays out of routing
 
@@ -149,10 +147,10 @@ class Runtime:
 
         async def on_disconnect() -> None:
             if not self._closed:
-                log.warning("nats: disconnected from %s", _without_secrets(cfg.nats_url))
+                log.warning("nats: disconnected from %s", redact_url(cfg.nats_url))
 
         async def on_reconnect() -> None:
-            log.info("nats: reconnected to %s", _without_secrets(cfg.nats_url))
+            log.info("nats: reconnected to %s", redact_url(cfg.nats_url))
 
         try:
             self.nc = await asyncio.wait_for(nats.connect(
@@ -168,23 +166,29 @@ class Runtime:
                 **cfg.nats_options(),
             ), cfg.connect_timeout)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-            raise StartupError(f"cannot reach NATS at {_without_secrets(cfg.nats_url)} (gave up after "
+            raise StartupError(f"cannot reach NATS at {redact_url(cfg.nats_url)} (gave up after "
                                f"{cfg.connect_timeout:g}s: {type(exc).__name__})") from None
         connected = True
         host, port = cfg.etcd_host_port
+        security = cfg.etcd_security()
         deadline = time.monotonic() + cfg.connect_timeout
         while True:  # etcd: retry until the deadline, then one line
             try:
-                self.etcd = aetcd.Client(host=host, port=port, timeout=min(5.0, cfg.connect_timeout))
+                self.etcd = EtcdClient(host, port, security, timeout=min(5.0, cfg.connect_timeout))
                 await self.etcd.connect()
+                # a read first: etcd grants leases without auth, so this is what finds missing credentials
+                await self.etcd.get(instances_prefix(self.namespace).encode())
                 self._registrar = Registrar(self.etcd, cfg.lease_ttl)
                 await self._registrar.start()
                 break
             except Exception as exc:
                 await self.etcd.close()
+                if _refused(exc):  # wrong user or password, auth required, no permission: retrying will not help
+                    who = f" as {security.user}" if security.user else ""
+                    raise StartupError(f"etcd at {redact_url(cfg.etcd_url)} refused us{who}: {exc}") from None
                 if time.monotonic() >= deadline:
-                    raise StartupError(f"cannot reach etcd at {cfg.etcd_url} (gave up after {cfg.connect_timeout:g}s: "
-                                       f"{type(exc).__name__})") from None
+                    raise StartupError(f"cannot reach etcd at {redact_url(cfg.etcd_url)} (gave up after "
+                                       f"{cfg.connect_timeout:g}s: {type(exc).__name__})") from None
                 await asyncio.sleep(0.5)
         self.events = EventPlane(self.nc, self.namespace)
         self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)

@@ -57,20 +57,22 @@ class _Server:
 class EtcdServer(_Server):
     name = "etcd"
 
-    def __init__(self):
+    def __init__(self, *extra: str, scheme: str = "http"):
         super().__init__()
         self.peer_port = free_port()
+        self.extra = list(extra)  # e.g. ("--cert-file", ..., "--key-file", ...) with scheme="https"
+        self.scheme = scheme
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def wipe(self) -> None:
         """Delete etcd's data (stopped server only): a restart then comes back empty."""
         shutil.rmtree(self.workdir / "data", ignore_errors=True)
 
     def _argv(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.port}"
+        client = self.url
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             find_binary("etcd"),
@@ -82,6 +84,7 @@ class EtcdServer(_Server):
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"tandem-test={peer}",
             "--log-level", "warn",
+            *self.extra,
         ]
 
 

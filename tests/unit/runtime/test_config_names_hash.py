@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from runtime.config import RuntimeConfig, add_runtime_args, config_from_args
+from runtime.config import RuntimeConfig, add_runtime_args, config_from_args, redact_url
 from runtime.kv_hash import block_hash, block_hashes
 from runtime.names import check_token, instance_key, model_key
 
@@ -36,6 +36,34 @@ def test_env_then_flags(monkeypatch):
     assert (cfg.etcd_url, cfg.nats_url, cfg.namespace, cfg.lease_ttl) == (
         "http://10.0.0.1:2379", "nats://10.0.0.2:4222", "staging", 5)
     assert cfg.etcd_host_port == ("10.0.0.1", 2379)
+
+
+def test_etcd_security_from_flags_env_and_url(monkeypatch, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    (tmp_path / "pw").write_text("from-file\n")
+    monkeypatch.setenv("TANDEM_ETCD_USER", "svc")
+    monkeypatch.setenv("TANDEM_ETCD_PASSWORD", "from-env")
+    cfg = config_from_args(parser.parse_args(["--etcd-tls-ca", str(ca)]))
+    sec = cfg.etcd_security()
+    assert (sec.tls, sec.ca, sec.user, sec.password) == (True, str(ca), "svc", "from-env")
+    assert "from-env" not in repr(cfg) and "from-env" not in repr(sec)
+    cfg = config_from_args(parser.parse_args(["--etcd-password", f"@{tmp_path / 'pw'}"]))
+    assert cfg.etcd_credentials == ("svc", "from-file")
+    monkeypatch.delenv("TANDEM_ETCD_USER")
+    monkeypatch.delenv("TANDEM_ETCD_PASSWORD")
+    cfg = RuntimeConfig(etcd_url="https://root:p%40ss@etcd:2379")
+    assert cfg.etcd_credentials == ("root", "p@ss") and cfg.etcd_security().tls
+    assert redact_url(cfg.etcd_url) == "https://***@etcd:2379"
+    assert not RuntimeConfig().etcd_security().tls
+    with pytest.raises(ValueError, match="go together"):
+        RuntimeConfig(etcd_tls_cert=str(ca))
+    with pytest.raises(ValueError, match="needs a password"):
+        RuntimeConfig(etcd_user="root")
+    with pytest.raises(ValueError, match="does not exist"):
+        RuntimeConfig(etcd_tls_ca=str(tmp_path / "missing.pem"))
 
 
 def test_names():
