@@ -112,7 +112,8 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 # ---------------------------------------------------------------------------------------- ours
 
 
-def decode_throughput(engine, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+def start_decoding(engine, batch: int, prompt_len: int, steps: int, vocab: int) -> list[str]:
+    """Add ``batch`` greedy requests and step until every one has its first token; returns their ids."""
     from runtime.messages import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -123,20 +124,46 @@ def decode_throughput(engine, batch: int, prompt_len: int, steps: int, vocab: in
     while not all(started.values()):  # prefill (eager, chunked) until every request has its first token
         for rid, _ in engine.step():
             started[rid] = True
-    replays = engine.runner.graphs.replays
     for _ in range(3):  # warm-up decode steps
         engine.step()
     torch.cuda.synchronize()
+    return ids
+
+
+def decode_throughput(engine, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    ids = start_decoding(engine, batch, prompt_len, steps, vocab)
+    replays = engine.runner.graphs.replays
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    graphed = engine.runner.graphs.replays - replays - 3
+    graphed = engine.runner.graphs.replays - replays
     for rid in ids:
         engine.abort(rid)
     return {"batch": batch, "step_ms": 1e3 * seconds / steps, "tokens_per_s": batch * steps / seconds,
             "graphed_steps": graphed, "steps": steps, "mean_context": prompt_len + 4 + steps / 2}
+
+
+def profile_steps(engine, batch: int, prompt_len: int, steps: int, vocab: int) -> str:
+    """cProfile of ``steps`` engine decode steps (host time per function; waits on the GPU show up
+    in the call that synchronises)."""
+    import cProfile
+    import io
+    import pstats
+
+    ids = start_decoding(engine, batch, prompt_len, steps, vocab)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for rid in ids:
+        engine.abort(rid)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return f"## batch {batch}, {steps} decode steps\n{text.getvalue()}"
 
 
 def verify_cost(engine, batch: int, context: int, iters: int = 30) -> dict:
@@ -329,6 +356,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--no-hf-static", action="store_true", help="skip transformers' static cache (it compiles)")
+    ap.add_argument("--profile", action="store_true", help="also write a host profile of decode steps (gpu_profile.txt)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -373,6 +401,10 @@ def main() -> None:
         res["decode"].append(row)
         print(json.dumps(row), flush=True)
         save()
+    if args.profile:
+        text = "\n".join(profile_steps(engine, b, args.prompt_len, args.steps, cfg.vocab_size)
+                         for b in (batches[0], batches[-1]))
+        (out_dir / "gpu_profile.txt").write_text(text)
     for b in batches:
         res["verify"].append(verify_cost(engine, b, args.prompt_len + args.steps // 2))
         print(json.dumps(res["verify"][-1]), flush=True)

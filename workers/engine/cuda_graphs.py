@@ -93,13 +93,25 @@ class GraphRunner:
         device = kv_caches[0][0].device
         self.device = device
         n = self.buckets[-1] * self.query_lens[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
-        self.token_seq = torch.zeros(n, dtype=torch.int32, device=device)
-        self.token_pos = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((self.buckets[-1], self.max_blocks), scratch_block, dtype=torch.int32,
-                                       device=device)
+        self.max_tokens = n
+        # The static inputs live in two device buffers, so that a step's inputs go up in two copies
+        # from pinned host mirrors: long [3, n] = (token ids, positions, cache slots) and int32
+        # [token's sequence (n) | token's position (n) | block tables (max bucket × max blocks)].
+        cuda = device.type == "cuda"
+        self._long = torch.zeros((3, n), dtype=torch.long, device=device)
+        self._int = torch.zeros(2 * n + self.buckets[-1] * self.max_blocks, dtype=torch.int32, device=device)
+        self._host_long = torch.zeros(self._long.shape, dtype=torch.long, pin_memory=cuda)
+        self._host_int = torch.zeros(self._int.shape, dtype=torch.int32, pin_memory=cuda)
+        self._host_long_np, self._host_int_np = self._host_long.numpy(), self._host_int.numpy()
+        self._host_long_np[2].fill(scratch_block * block_size)
+        self._host_int_np[2 * n:].fill(scratch_block)
+        self._long.copy_(self._host_long)
+        self._int.copy_(self._host_int)
+        self.input_ids, self.positions, self.slot_mapping = self._long[0], self._long[1], self._long[2]
+        self.token_seq, self.token_pos = self._int[:n], self._int[n : 2 * n]
+        self.block_tables = self._int[2 * n :].view(self.buckets[-1], self.max_blocks)
+        self._table_width = [0] * self.buckets[-1]  # columns of each host table row not holding the scratch block
+        self._uploaded = torch.cuda.Event() if cuda else None  # the host mirrors are free once it has passed
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
         self._pool = None
         self.replays = 0
@@ -183,31 +195,50 @@ class GraphRunner:
         """Run a batch :meth:`shape_for` accepted; output rows are the chunks' tokens in order."""
         bucket, q, hidden = shape
         entry = self._graph(bucket, q, hidden)  # captures on first use of a new shape
-        n, bs = bucket * q, self.block_size
-        scratch_slot = self.scratch_block * bs
-        ids, pos, slots = [0] * n, [0] * n, [scratch_slot] * n
-        seq_of, rows = [b for b in range(bucket) for _ in range(q)], []
-        tables = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.int32)
-        for b, (tokens, start, table) in enumerate(chunks):
-            base = b * q
-            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            for j, token in enumerate(tokens):
-                p = start + j
-                ids[base + j], pos[base + j] = token, p
-                slots[base + j] = table[p // bs] * bs + p % bs
-                rows.append(base + j)
-        self.input_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(pos), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.token_seq[:n].copy_(torch.tensor(seq_of, dtype=torch.int32), non_blocking=True)
-        self.token_pos[:n].copy_(torch.tensor(pos, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bucket].copy_(tables, non_blocking=True)
+        self._upload(chunks, bucket, q)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output
         else:
             out = self._forward(bucket, q, hidden)
         self.replays += 1
+        rows = [b * q + j for b, (tokens, _, _) in enumerate(chunks) for j in range(len(tokens))]
+        if rows[-1] == len(rows) - 1:  # every chunk fills its row (decode, full verify): copy a slice
+            k = len(rows)
+            return ModelOutput(out.logits[:k].clone(), {layer: h[:k].clone() for layer, h in out.hidden.items()})
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         return ModelOutput(out.logits.index_select(0, index),
                            {layer: h.index_select(0, index) for layer, h in out.hidden.items()})
+
+    def _upload(self, chunks: list[tuple[list[int], int, list[int]]], bucket: int, q: int) -> None:
+        """Write the step's padded inputs into the pinned host mirrors and copy them up (two copies)."""
+        n, bs, size = bucket * q, self.block_size, self.max_tokens
+        scratch_slot = self.scratch_block * bs
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's copies have read the mirrors
+        ids, pos, slots = [0] * n, [0] * n, [scratch_slot] * n
+        seq_of = [b for b in range(bucket) for _ in range(q)]
+        tables = self._host_int_np[2 * size :].reshape(-1, self.max_blocks)
+        width = self._table_width
+        for b, (tokens, start, table) in enumerate(chunks):
+            base = b * q
+            for j, token in enumerate(tokens):
+                p = start + j
+                ids[base + j], pos[base + j] = token, p
+                slots[base + j] = table[p // bs] * bs + p % bs
+            tables[b, : len(table)] = table
+            if width[b] > len(table):
+                tables[b, len(table) : width[b]] = self.scratch_block
+            width[b] = len(table)
+        for b in range(len(chunks), bucket):  # padding rows read only the scratch block
+            if width[b]:
+                tables[b, : width[b]] = self.scratch_block
+                width[b] = 0
+        host_long, host_int = self._host_long_np, self._host_int_np
+        host_long[0, :n], host_long[1, :n], host_long[2, :n] = ids, pos, slots
+        host_int[:n], host_int[size : size + n] = seq_of, pos
+        self._long.copy_(self._host_long, non_blocking=True)
+        used = 2 * size + bucket * self.max_blocks
+        self._int[:used].copy_(self._host_int[:used], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()

@@ -195,10 +195,13 @@ class Engine:
         banned = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs) if s.num_generated < s.params.min_tokens]
         if banned:
             logits = mask_tokens(logits.clone(), [i for i, _ in banned], [ids for _, ids in banned])
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        tokens = sample(logits, temperature, top_k, top_p, [s.generator for s in seqs]).tolist()
+        if all(is_greedy(p.temperature) for p in params):  # no sampling tensors to send up, one sync
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            tokens = sample(logits, temperature, top_k, top_p, [s.generator for s in seqs]).tolist()
         want_lp = [p.logprobs is not None for p in params]
         lp = None
         if any(want_lp):

@@ -276,7 +276,8 @@ class SpecEngine(Engine):
         if self.hidden_layers:
             self._keep_hidden(batch.seqs, starts, batch.num_tokens, out.hidden)
         if plain:
-            finished_plain = self._sample(plain, out.logits[plain_rows])
+            every_row = len(plain_rows) == out.logits.shape[0]  # a decode-only step: no gather
+            finished_plain = self._sample(plain, out.logits if every_row else out.logits[plain_rows])
             outputs.extend(self._with_spec_usage(finished_plain))
         if verify:
             outputs.extend(self._verify([drafted[s.request_id] for s in verify], out.logits, verify_rows))

@@ -96,6 +96,30 @@ def test_padded_static_forward_equals_eager(model_dir, fused):
         assert (k_got[:32] - k_ref).abs().max() < 1e-5 and (v_got[:32] - v_ref).abs().max() < 1e-5
 
 
+def test_uploaded_block_tables_hold_only_the_batch(model_dir):
+    """The static block tables are rewritten in place step after step: entries past a row's table,
+    and the bucket's rows past the batch, point at the scratch block, whatever earlier (longer)
+    batches wrote."""
+    model = load_model(model_dir, device=DEVICE)
+    eager, graphed = _runners(model, capture=False)
+    runner = graphed.graphs
+    scratch = runner.scratch_block
+    steps = [[([5], 9, [3, 4, 5]), ([6], 13, [0, 1, 2, 7]), ([7], 2, [8])],  # bucket 4
+             [([5, 6], 10, [3, 4, 5])],  # fewer sequences, shorter tables, verify shape
+             [([5], 1, [9])]]
+    for chunks in steps:
+        wants = [len(c[0]) for c in chunks]
+        bucket = runner.shape_for(chunks, wants, ())[0]
+        ref = eager.forward(chunks, wants)
+        got = graphed.forward(chunks, wants)
+        assert (got.logits - ref.logits).abs().max() < 1e-4
+        tables = runner.block_tables.cpu()
+        for b in range(bucket):
+            table = chunks[b][2] if b < len(chunks) else []
+            assert tables[b, : len(table)].tolist() == table
+            assert bool((tables[b, len(table) :] == scratch).all())
+
+
 def test_non_uniform_batches_run_eagerly(model_dir):
     model = load_model(model_dir, device=DEVICE)
     runner = ModelRunner(model, 32, 4, GraphConfig(2, (1, 3), capture=False), max_model_len=64)
