@@ -46,15 +46,23 @@ class StepCost:
     def __init__(self, decay: float = 0.97, min_samples: int = 8):
         self.decay = decay
         self.min_samples = min_samples
-        self._xx = torch.zeros(4, 4, dtype=torch.float64)  # Σ w x xᵀ, x = (1, tokens, verified, any)
-        self._xy = torch.zeros(4, dtype=torch.float64)  # Σ w x y
+        # Σ w x xᵀ and Σ w x y, x = (1, tokens, verified, any), as plain floats: observe runs every
+        # step on the host, between GPU steps, where small tensor ops would cost more than the sums
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
+        self._coef: tuple[float, float, float, float] | None = None  # the fit, until the next sample
         self.samples = 0
 
     def observe(self, tokens: int, seconds: float, verified: int = 0) -> None:
-        x = torch.tensor([1.0, tokens, verified, float(verified > 0)], dtype=torch.float64)
-        self._xx = self.decay * self._xx + torch.outer(x, x)
-        self._xy = self.decay * self._xy + x * seconds
+        x = (1.0, float(tokens), float(verified), 1.0 if verified > 0 else 0.0)
+        d = self.decay
+        for i, xi in enumerate(x):
+            row = self._xx[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + xi * xj
+            self._xy[i] = d * self._xy[i] + xi * seconds
         self.samples += 1
+        self._coef = None
 
     @property
     def ready(self) -> bool:
@@ -65,11 +73,18 @@ class StepCost:
         speculating at all."""
         if self.samples == 0:
             return 0.0, 0.0, 0.0, 0.0
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
+
+    def _fit(self) -> tuple[float, float, float, float]:
+        xx = torch.tensor(self._xx, dtype=torch.float64)
+        xy = torch.tensor(self._xy, dtype=torch.float64)
         # a little ridge keeps the fit defined before verify steps (or varied batches) were seen
-        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6, 1e-6], dtype=torch.float64)) * float(self._xx[0, 0])
-        coef = torch.linalg.solve(self._xx + ridge, self._xy).clamp(min=0.0)
-        mean = self._xx[0] / self._xx[0, 0]  # weighted means of x
-        a = max(float(self._xy[0] / self._xx[0, 0]) - float((coef[1:] * mean[1:]).sum()), 0.0)
+        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6, 1e-6], dtype=torch.float64)) * float(xx[0, 0])
+        coef = torch.linalg.solve(xx + ridge, xy).clamp(min=0.0)
+        mean = xx[0] / xx[0, 0]  # weighted means of x
+        a = max(float(xy[0] / xx[0, 0]) - float((coef[1:] * mean[1:]).sum()), 0.0)
         return a, float(coef[1]), float(coef[2]), float(coef[3])
 
     def seconds(self, tokens: int, verified: int) -> float:
