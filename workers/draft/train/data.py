@@ -47,8 +47,10 @@ class SampleMaker:
         self.temperature = temperature
         self.max_len = max_len
         self.seed = seed
+        # room for every generating sequence at full length (at least 512 MiB)
+        kv_bytes = max(512 << 20, batch * -(-max_len // 16) * ModelRunner.bytes_per_block(model, 16))
         self.engine = Engine(model, EngineConfig(block_size=16, max_num_seqs=batch, max_num_batched_tokens=2048,
-                                                 max_model_len=max_len, kv_cache_bytes=512 << 20,
+                                                 max_model_len=max_len, kv_cache_bytes=kv_bytes,
                                                  enable_prefix_caching=True))
         # the teacher-forced pass gets a cache of its own: the engine's blocks hold its prefix cache
         self._runner = ModelRunner(model, -(-max_len // 16), 16)

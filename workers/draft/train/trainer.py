@@ -129,11 +129,17 @@ def _samples(paths: list[Path]) -> list[dict]:
     return [s for s in load_samples(paths) if s["mask"].sum() >= 2]
 
 
+def _on(sample: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sample's (tokens, hidden as float32, mask) on ``device`` (samples stay on the host)."""
+    return (sample["tokens"].to(device), sample["hidden"].to(device).float(), sample["mask"].to(device))
+
+
 def evaluate(head: Eagle3Head, embed, samples: list[dict], t2d_index: torch.Tensor, steps: int) -> dict:
     correct, counted, chains, accepted = [0] * steps, [0] * steps, 0, 0
+    device = t2d_index.device
     with torch.no_grad():
         for s in samples:
-            st = ttt_forward(head, embed, s["tokens"], s["hidden"].float(), s["mask"], t2d_index, steps)
+            st = ttt_forward(head, embed, *_on(s, device), t2d_index, steps)
             for k in range(len(st.correct)):
                 correct[k] += st.correct[k]
                 counted[k] += st.counted[k]
@@ -167,6 +173,10 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     t2d_index = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft_ids] = torch.arange(len(draft_ids))
     head = build_head(target_cfg, embed, lm_head, draft_ids, d2t, cfg.max_len, cfg.seed)
+    device = torch.device(cfg.device)  # the head trains where the data was generated
+    head.to(device)
+    embed.to(device)
+    t2d_index = t2d_index.to(device)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     tokens_per_epoch = sum(int(s["tokens"].shape[0]) for s in samples)
@@ -180,7 +190,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     state_path = Path(cfg.out) / "train_state.pt"
     step, epoch, position = 0, 0, 0
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, epoch, position = state["step"], state["epoch"], state["position"]
@@ -203,7 +213,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         while position < len(order):
             s = samples[order[position]]
-            st = ttt_forward(head, embed, s["tokens"], s["hidden"].float(), s["mask"], t2d_index, cfg.steps)
+            st = ttt_forward(head, embed, *_on(s, device), t2d_index, cfg.steps)
             n = int(s["tokens"].shape[0])
             (st.loss * n / cfg.batch_tokens).backward()
             acc_tokens += n
