@@ -18,7 +18,7 @@ from runtime.service import run_service
 
 from .app import Frontend, RouterUnavailable
 from .auth import read_keys
-from .config import DEFAULT_MAX_BODY_BYTES, FrontendConfig
+from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER_BYTES, FrontendConfig
 from .server import HttpServer
 
 log = logging.getLogger("frontend")
@@ -38,8 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a client has to send its whole request body (then 408)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds from a request's first byte to the end of its headers before the connection "
+                             "is closed")
+    parser.add_argument("--idle-timeout", type=float, default=30.0,
+                        help="seconds a connection may send nothing (new, or kept alive between requests) before it "
+                             "is closed")
     parser.add_argument("--write-timeout", type=float, default=30.0,
                         help="seconds a streaming client may read nothing before its stream is dropped")
+    parser.add_argument("--max-stream-buffer-bytes", type=int, default=DEFAULT_MAX_STREAM_BUFFER_BYTES,
+                        help="bytes of a stream's output that may wait for a client that does not read before the "
+                             "stream is dropped and its worker work cancelled")
     parser.add_argument("--api-key", action="append", default=None,
                         help="require 'Authorization: Bearer KEY'; repeatable, comma-separated, or @FILE (one per "
                              "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
@@ -58,7 +67,8 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           remote_router=args.remote_router,
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations,
                           max_inflight=args.max_inflight, body_timeout_s=args.body_timeout,
-                          write_timeout_s=args.write_timeout,
+                          write_timeout_s=args.write_timeout, header_timeout_s=args.header_timeout,
+                          idle_timeout_s=args.idle_timeout, max_stream_buffer_bytes=args.max_stream_buffer_bytes,
                           api_keys=read_keys(args.api_key if args.api_key is not None
                                              else [os.environ.get("TANDEM_API_KEY", "")]),
                           metrics_require_key=args.metrics_require_key)
@@ -68,7 +78,8 @@ async def amain(args: argparse.Namespace) -> None:
     config = build_config(args)
     async with Runtime.connect(config_from_args(args, drain_timeout=args.drain_timeout)) as rt:
         async with Frontend.start(rt, config) as frontend:
-            server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout).start()
+            server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout,
+                                      idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s).start()
             log.info("frontend ready on %s (router %s)", server.url, config.router_mode)
             await rt.wait_for_shutdown()
             log.info("shutting down: finishing open requests")

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from router.base import Router, create_router
-from runtime import EndpointClient, InvalidRequest, Overloaded, Runtime
+from runtime import EndpointClient, InvalidRequest, Overloaded, PendingBytes, Runtime
 
 from .auth import ApiKeyAuth
 from .config import FrontendConfig
@@ -69,36 +69,67 @@ class ClientStalled(Exception):
     """The client stopped reading its stream: a write did not complete within the write timeout."""
 
 
+class BufferOverflow(Exception):
+    """More of a stream's output waits for its client than the per-request cap allows."""
+
+
 class EventStream(StreamingResponse):
     """An SSE response that runs ``cleanup`` after it ends, even if it never started streaming.
 
-    A client that stops reading (its socket buffers full) makes a write wait; after ``write_timeout``
-    the stream is dropped: the generations are closed, which cancels the workers' work, and nothing
-    more is buffered for it."""
+    A client that stops reading (its socket buffers full) makes a write wait. The stream is dropped
+    when a write waits ``write_timeout`` seconds, or earlier when the output waiting for the client
+    (frames from the workers not yet sent, counted by ``pending``) passes its cap: the generations
+    are closed, which cancels the workers' work, and what was waiting is freed. One log line each.
+    """
 
     def __init__(self, events: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], headers: dict[str, str],
-                 write_timeout: float = 30.0, request_id: str = ""):
+                 write_timeout: float = 30.0, request_id: str = "", pending: PendingBytes | None = None,
+                 on_drop: Callable[[str], None] | None = None):
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
         self._cleanup = cleanup
         self._write_timeout = write_timeout
         self._request_id = request_id
+        self._pending = pending
+        self._on_drop = on_drop
 
     async def __call__(self, scope, receive, send) -> None:
-        async def timed_send(message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self._write_timeout)
-            except asyncio.TimeoutError:
-                raise ClientStalled() from None
+        overflow = asyncio.get_running_loop().create_future()
+        if self._pending is not None:
+            self._pending.on_exceeded(lambda: overflow.done() or overflow.set_result(None))
+
+        async def guarded_send(message) -> None:
+            if message["type"] == "http.response.start":  # the headers always go: the response has begun
+                await send(message)
+                return
+            if overflow.done():
+                raise BufferOverflow()
+            sending = asyncio.ensure_future(send(message))
+            done, _ = await asyncio.wait((sending, overflow), timeout=self._write_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if sending in done:
+                sending.result()
+                return
+            sending.cancel()
+            raise BufferOverflow() if overflow.done() else ClientStalled()
 
         try:
-            await super().__call__(scope, receive, timed_send)
+            await super().__call__(scope, receive, guarded_send)
         except* ClientStalled:
             log.info("request %s: the client stopped reading for %.0fs: stream dropped", self._request_id,
                      self._write_timeout)
+            self._dropped("write_timeout")
+        except* BufferOverflow:
+            log.info("request %s: %d bytes of output waiting for a client that does not read (cap %d): stream "
+                     "dropped", self._request_id, self._pending.peak, self._pending.limit)
+            self._dropped("buffer")
         finally:
             await self._events.aclose()
             await self._cleanup()
+
+    def _dropped(self, reason: str) -> None:
+        if self._on_drop is not None:
+            self._on_drop(reason)
 
 
 class Frontend:
@@ -173,7 +204,8 @@ class Frontend:
             gauge = series.in_flight
             gauge.inc()
             timer = RequestTimer(series, start)
-            gens = await self.service.open(job)
+            pending = PendingBytes(self.config.max_stream_buffer_bytes) if job.stream else None
+            gens = await self.service.open(job, pending)
             outs = job.outputs()
             if job.stream:
                 firsts = await until_disconnect(request.receive, self.service.first_deltas(gens))
@@ -198,7 +230,8 @@ class Frontend:
                 events = self.service.events(job, gens, outs, firsts, timer, self.config.retry_after_s, finished)
                 headers = {"Cache-Control": "no-cache", "X-Request-Id": request_id}
                 return EventStream(events, cleanup, headers=headers, write_timeout=self.config.write_timeout_s,
-                                   request_id=request_id)
+                                   request_id=request_id, pending=pending,
+                                   on_drop=lambda reason: metrics.streams_dropped.labels(reason).inc())
             await until_disconnect(request.receive, self.service.collect(job, gens, outs, timer))
             timer.done()
             self.service.account(job, outs)

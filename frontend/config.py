@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from router.base import ROUTER_MODES
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_STREAM_BUFFER_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,10 @@ class FrontendConfig:
     retry_after_s: int = 1  # Retry-After on 429 and 503 answers
     tokenizer_timeout_s: float = 120.0  # how long a request waits for its model's tokenizer to load
     write_timeout_s: float = 30.0  # a stream whose client reads nothing for this long is dropped
+    max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES  # a stream with more output waiting is dropped
     body_timeout_s: float = 30.0  # a request body not complete by then is a 408 (slow or stalled uploads)
+    header_timeout_s: float = 10.0  # a connection whose request headers are not complete by then is closed
+    idle_timeout_s: float = 30.0  # a connection with no request (new, or kept alive) is closed after this
     api_keys: tuple[str, ...] = ()  # any of these as "Authorization: Bearer <key>" (none: no authentication)
     metrics_require_key: bool = False  # /metrics needs a key too (/health and /live never do)
 
@@ -49,9 +53,13 @@ class FrontendConfig:
             raise ValueError("API keys must be non-empty and contain no whitespace")
         if self.metrics_require_key and not self.api_keys:
             raise ValueError("--metrics-require-key needs an --api-key")
+        if self.max_stream_buffer_bytes < 64 * 1024:
+            raise ValueError(f"max_stream_buffer_bytes must be at least 65536, got {self.max_stream_buffer_bytes}")
         if self.write_timeout_s <= 0:
             raise ValueError(f"write_timeout_s must be > 0, got {self.write_timeout_s}")
         if self.body_timeout_s <= 0:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        if self.header_timeout_s <= 0 or self.idle_timeout_s <= 0:
+            raise ValueError("header_timeout_s and idle_timeout_s must be > 0")
         if self.tokenizer_timeout_s <= 0:
             raise ValueError(f"tokenizer_timeout_s must be > 0, got {self.tokenizer_timeout_s}")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from router.base import Router, Selection
-from runtime import EndpointClient, InstanceGone, InstanceTimeout, ResponseStream, ShuttingDown
+from runtime import EndpointClient, InstanceGone, InstanceTimeout, PendingBytes, ResponseStream, ShuttingDown
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 
 from .protocol import SpeculativeOptions
@@ -55,9 +55,10 @@ class Dispatcher:
 
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
-        speculative: SpeculativeOptions | None = None,
+        speculative: SpeculativeOptions | None = None, pending: PendingBytes | None = None,
     ) -> Generation:
-        gen = Generation(self, model, list(token_ids), sampling, request_id, speculative)
+        """Route and send one generation; ``pending`` counts the bytes of its frames not read yet."""
+        gen = Generation(self, model, list(token_ids), sampling, request_id, speculative, pending)
         await gen._send()
         return gen
 
@@ -66,9 +67,10 @@ class Generation:
     """The token deltas of one request, across however many workers it took."""
 
     def __init__(self, dispatcher: Dispatcher, model: str, token_ids: list[int], sampling: SamplingParams, request_id: str,
-                 speculative: SpeculativeOptions | None = None):
+                 speculative: SpeculativeOptions | None = None, pending: PendingBytes | None = None):
         self._d = dispatcher
         self.speculative = speculative
+        self.pending = pending
         self.model = model
         self.token_ids = token_ids
         self.sampling = sampling
@@ -102,7 +104,8 @@ class Generation:
                                   speculative_tree_depth=spec.num_steps if spec else None)
         rid = self.request_id if self.attempt == 0 else f"{self.request_id}-m{self.attempt}"
         try:
-            self._stream = await self._d.client.call(sel.instance_id, request, TokenDelta, request_id=rid)
+            self._stream = await self._d.client.call(sel.instance_id, request, TokenDelta, request_id=rid,
+                                                     pending=self.pending)
         except BaseException:
             self._release()
             raise

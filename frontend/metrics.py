@@ -51,6 +51,8 @@ class FrontendMetrics:
         self.osl = Histogram(P + "output_sequence_tokens", "completion length of each request (tokens, all choices)",
                              ("model",), buckets=SEQ_BUCKETS, registry=r)
         self.migrations = Counter(P + "migrations", "requests moved to another worker after theirs failed", registry=r)
+        self.streams_dropped = Counter(P + "streams_dropped", "streams dropped because their client stopped reading, "
+                                       "by reason (write_timeout, buffer: too much output waiting)", ("reason",), registry=r)
         self._series: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, str, int], object] = {}
 

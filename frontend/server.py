@@ -3,6 +3,13 @@
 The runtime owns SIGTERM/SIGINT (drain, revoke the lease), so uvicorn's own signal capture is
 turned off; :meth:`HttpServer.stop` is the way to shut it down. Port 0 picks a free port, which
 :attr:`HttpServer.port` reports once started.
+
+Connections are bounded in time while no request is being served: one that sends nothing (new, or
+between keep-alive requests) is closed after ``idle_timeout``, and one that started a request but has
+not finished its headers ``header_timeout`` after the first byte is closed too. uvicorn alone has
+neither: its keep-alive timer starts only after a first response and restarts on every byte, so a
+client trickling headers, or connecting and sending nothing, held a connection for ever. Bodies are
+bounded by the app (``--body-timeout``), streams by its write timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +27,78 @@ from runtime.errors import StartupError
 log = logging.getLogger(__name__)
 
 
+class _Deadlines:
+    """Mixin for uvicorn's HTTP protocols: the idle and header deadlines of the module docstring.
+
+    Between requests one timer runs: ``idle_timeout`` from the connection's start or its last
+    response's end, replaced by ``header_timeout`` at the first byte of the next request. Once the
+    headers are complete a request cycle is running and the timer, should it fire, does nothing.
+    """
+
+    idle_timeout = 30.0
+    header_timeout = 10.0
+    closed_idle = 0  # connections closed by these deadlines (all servers of the process)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._in_headers = False
+        self._arm(self.idle_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_headers and self._between_requests():
+            self._in_headers = True
+            self._arm(self.header_timeout)
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._in_headers = False
+        self._arm(self.idle_timeout)
+
+    def connection_lost(self, exc) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self, seconds: float) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self._between_requests() and not self.transport.is_closing():
+            _Deadlines.closed_idle += 1
+            log.debug("closing connection from %s: %s", self.client,
+                      "headers incomplete" if self._in_headers else "idle")
+            self.transport.close()
+
+
+def _protocol(idle_timeout: float, header_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol (h11 when httptools is missing) with these deadlines."""
+    if importlib.util.find_spec("httptools"):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return type("Http" + base.__name__, (_Deadlines, base),
+                {"idle_timeout": idle_timeout, "header_timeout": header_timeout})
+
+
+class _IncompleteResponses(logging.Filter):
+    """Drops uvicorn's error line for a response the app left unfinished: the app does that only to a
+    stream it dropped on purpose (a client that stopped reading), which it logged in a line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing response."
+
+
+logging.getLogger("uvicorn.error").addFilter(_IncompleteResponses())
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
@@ -30,11 +109,10 @@ class HttpServer:
     """One uvicorn server on ``host:port``; httptools when installed, no access log."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, graceful_timeout: float = 30.0,
-                 log_level: str = "warning"):
-        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-        config = uvicorn.Config(app, host=host, port=port, http=http, loop="none", lifespan="off",
-                                access_log=False, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
-                                timeout_keep_alive=30)
+                 log_level: str = "warning", idle_timeout: float = 30.0, header_timeout: float = 10.0):
+        config = uvicorn.Config(app, host=host, port=port, http=_protocol(idle_timeout, header_timeout), loop="none",
+                                lifespan="off", access_log=False, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
+                                timeout_keep_alive=idle_timeout)
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
         self.host = host

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from runtime import InvalidRequest, TandemError
+from runtime import InvalidRequest, PendingBytes, TandemError
 from runtime.messages import SamplingParams, TokenDelta
 
 from .dispatch import Dispatcher, Generation
@@ -142,14 +142,15 @@ class CompletionService:
     async def _maybe_thread(size: int, fn, arg):
         return fn(arg) if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, arg)
 
-    async def open(self, job: Job) -> list[Generation]:
-        """Route and send every choice; on failure the ones already sent are closed."""
+    async def open(self, job: Job, pending: PendingBytes | None = None) -> list[Generation]:
+        """Route and send every choice; on failure the ones already sent are closed. ``pending``
+        counts the bytes of all choices' frames not read yet."""
         gens: list[Generation] = []
         try:
             for i, sampling in enumerate(job.samplings):
                 rid = job.request_id if len(job.samplings) == 1 else f"{job.request_id}-{i}"
                 gens.append(await self.dispatcher.open(job.model.name, job.prompts[job.prompt_of[i]], sampling, rid,
-                                                       job.speculative))
+                                                       job.speculative, pending))
         except BaseException:
             await close_all(gens)
             raise
@@ -223,7 +224,8 @@ class CompletionService:
                     if index[0].finished:
                         break
             elif live:
-                async with contextlib.aclosing(merge(live)) as merged:
+                # one delta per choice read ahead at most: the rest waits, counted, in the worker streams
+                async with contextlib.aclosing(merge(live, ahead=len(live))) as merged:
                     async for i, delta in merged:
                         chunk = self._step(b, index[i], delta, timer, usage_on)
                         if chunk:

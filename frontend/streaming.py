@@ -58,21 +58,30 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(iterators: Sequence[AsyncIterator[T]], ahead: int | None = None) -> AsyncIterator[tuple[int, T]]:
     """Items of several async iterators as ``(index, item)``, in arrival order.
 
-    The first exception of any iterator is raised here; leaving early cancels every pump.
+    At most ``ahead`` items (None: no limit) are taken from the iterators before the caller reads
+    them; the rest stay in the iterators. The first exception of any iterator is raised here;
+    leaving early cancels every pump.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    room = asyncio.Semaphore(ahead) if ahead else None
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
         try:
-            async for item in it:
-                await queue.put((i, item))
+            while True:
+                if room is not None:
+                    await room.acquire()
+                try:
+                    item = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                queue.put_nowait((i, item))
         except Exception as exc:
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, _END))
+            queue.put_nowait((i, exc))
+        finally:  # never blocks, so a cancelled pump always ends
+            queue.put_nowait((i, _END))
 
     tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
     left = len(tasks)
@@ -84,6 +93,8 @@ async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[in
             elif isinstance(item, Exception):
                 raise item
             else:
+                if room is not None:
+                    room.release()
                 yield i, item
     finally:
         for task in tasks:

@@ -15,7 +15,7 @@ from .errors import (
     ShuttingDown,
     TandemError,
 )
-from .request_plane import RequestContext, ResponseStream
+from .request_plane import PendingBytes, RequestContext, ResponseStream
 from .runtime import EndpointClient, Runtime
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "NoInstances",
     "Overloaded",
     "PayloadTooLarge",
+    "PendingBytes",
     "RemoteError",
     "RequestContext",
     "ResponseStream",

@@ -12,6 +12,9 @@ Contract:
 - Closing a stream before its end publishes :class:`Cancel` on the instance's control subject;
   the server cancels the handler's task.
 - Every payload is checked against the server's ``max_payload`` before it is published.
+- Frames wait in the stream until its reader takes them. A :class:`PendingBytes` shared by the
+  streams of one request counts the bytes waiting and tells its owner once they pass a limit (a
+  reader that stopped reading); the bytes of a closed stream are released at once.
 """
 
 from __future__ import annotations
@@ -225,28 +228,71 @@ class RequestServer:
         self._subs.clear()
 
 
+class PendingBytes:
+    """Bytes of response frames received for one request and not yet read, over all its streams.
+
+    ``on_exceeded`` callbacks run once, synchronously, when the count first passes ``limit``.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.value = 0
+        self.peak = 0
+        self.exceeded = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def on_exceeded(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the limit is passed (at once if it already was)."""
+        if self.exceeded:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def add(self, size: int) -> None:
+        self.value += size
+        if self.value > self.peak:
+            self.peak = self.value
+            if self.peak > self.limit and not self.exceeded:
+                self.exceeded = True
+                for callback in self._callbacks:
+                    callback()
+                self._callbacks.clear()
+
+    def release(self, size: int) -> None:
+        self.value -= size
+
+
 class ResponseStream(Generic[T]):
     """An async iterator over one request's response items.
 
     Use ``async with`` (or call :meth:`aclose`) so that leaving early cancels the remote handler.
     """
 
-    def __init__(self, client: RequestClient, token: str, instance_id: str, request_id: str, response_type):
+    def __init__(self, client: RequestClient, token: str, instance_id: str, request_id: str, response_type,
+                 pending: PendingBytes | None = None):
         self._client = client
         self._token = token
         self.instance_id = instance_id
         self.request_id = request_id
         self._type = response_type
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue()  # (frame or exception, its size in bytes)
+        self._pending = pending
+        self._queued_bytes = 0
         self._acked = False
         self._done = False
         self._next_seq = 0
         self.last_frame = time.monotonic()
         self._sent_at = self.last_frame
 
-    def _push(self, item) -> None:
+    def _push(self, item, size: int = 0) -> None:
         self.last_frame = time.monotonic()
-        self._queue.put_nowait(item)
+        self._put(item, size)
+
+    def _put(self, item, size: int = 0) -> None:
+        self._queue.put_nowait((item, size))
+        if size and self._pending is not None:
+            self._queued_bytes += size
+            self._pending.add(size)
 
     def __aiter__(self) -> ResponseStream[T]:
         return self
@@ -255,7 +301,10 @@ class ResponseStream(Generic[T]):
         while True:
             if self._done:
                 raise StopAsyncIteration
-            item = await self._queue.get()
+            item, size = await self._queue.get()
+            if size and self._pending is not None:
+                self._queued_bytes -= size
+                self._pending.release(size)
             if isinstance(item, BaseException):
                 self._finish()
                 raise item
@@ -283,12 +332,10 @@ class ResponseStream(Generic[T]):
             return
         if not self._acked:
             if now - self._sent_at > ack_timeout:
-                self._queue.put_nowait(InstanceTimeout(self.instance_id, ack_timeout))
+                self._put(InstanceTimeout(self.instance_id, ack_timeout))
                 self._done_pending()
         elif now - self.last_frame > stall_timeout:
-            self._queue.put_nowait(
-                InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s")
-            )
+            self._put(InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s"))
             self._done_pending()
 
     def _done_pending(self) -> None:
@@ -297,6 +344,11 @@ class ResponseStream(Generic[T]):
     def _finish(self) -> None:
         self._done = True
         self._client._streams.pop(self._token, None)
+        if self._queued_bytes:  # nobody will read these frames now: free them
+            self._pending.release(self._queued_bytes)
+            self._queued_bytes = 0
+            while not self._queue.empty():
+                self._queue.get_nowait()
 
     @property
     def finished(self) -> bool:
@@ -354,7 +406,7 @@ class RequestClient:
             stream._done_pending()
             return
         try:
-            stream._push(self._frame_decoder.decode(msg.data))
+            stream._push(self._frame_decoder.decode(msg.data), len(msg.data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             stream._push(InstanceGone(stream.instance_id, f"undecodable frame: {exc}"))
 
@@ -366,8 +418,10 @@ class RequestClient:
         request: Any,
         response_type: type[T] | None = None,
         request_id: str | None = None,
+        pending: PendingBytes | None = None,
     ) -> ResponseStream[T]:
-        """Send ``request`` (a Struct or bytes) to one instance; returns its response stream.
+        """Send ``request`` (a Struct or bytes) to one instance; returns its response stream, whose
+        unread frames ``pending`` counts.
 
         Raises :class:`PayloadTooLarge` before sending when the request does not fit.
         """
@@ -377,7 +431,7 @@ class RequestClient:
         payload = request if isinstance(request, bytes) else encode(request)
         data = encode(RequestEnvelope(request_id, payload, reply_to))
         _check_size(data, self._nc.max_payload)
-        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type)
+        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type, pending)
         self._streams[token] = stream
         subject = endpoint_subject(self._ns, component, endpoint, instance_id)
         try:

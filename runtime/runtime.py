@@ -36,7 +36,7 @@ from .events import EventPlane, Subscription
 from .health import HealthServer
 from .messages import InstanceRecord, ModelCard, encode
 from .names import check_token, instance_key, instances_prefix, model_key, models_prefix, new_instance_id
-from .request_plane import Handler, RequestClient, RequestServer, ResponseStream
+from .request_plane import Handler, PendingBytes, RequestClient, RequestServer, ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,13 @@ class EndpointClient:
         return self.instances(model)
 
     async def call(
-        self, instance_id: str, request: Any, response_type: type[T] | None = None, request_id: str | None = None
+        self, instance_id: str, request: Any, response_type: type[T] | None = None, request_id: str | None = None,
+        pending: PendingBytes | None = None,
     ) -> ResponseStream[T]:
-        """Send ``request`` to one instance; iterate the returned stream for its responses."""
-        return await self._rt._requests.call(self.component, self.endpoint, instance_id, request, response_type, request_id)
+        """Send ``request`` to one instance; iterate the returned stream for its responses (``pending``
+        counts the bytes of its frames not read yet)."""
+        return await self._rt._requests.call(self.component, self.endpoint, instance_id, request, response_type,
+                                             request_id, pending)
 
 
 class Runtime:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from runtime import InstanceGone, InstanceTimeout, InvalidRequest, PayloadTooLarge, RemoteError, Runtime
+from runtime import InstanceGone, InstanceTimeout, InvalidRequest, PayloadTooLarge, PendingBytes, RemoteError, Runtime
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 
@@ -25,6 +25,27 @@ async def test_stream_of_1000_frames_arrives_complete_and_in_order(rt):
     request = GenerateRequest(token_ids=[1], sampling=SamplingParams(max_tokens=1000))
     items = await collect(await client.call(inst.instance_id, request, TokenDelta))
     assert [d.token_ids[0] for d in items] == list(range(1000))
+
+
+async def test_unread_frames_are_counted_across_streams_and_freed_on_close(rt):
+    await rt.serve("worker", "generate", counting_handler, GenerateRequest)
+    client = await rt.client("worker", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    pending = PendingBytes(limit=4000)
+    over = []
+    pending.on_exceeded(lambda: over.append(pending.value))
+    request = GenerateRequest(token_ids=[1], sampling=SamplingParams(max_tokens=300))
+    streams = [await client.call(inst.instance_id, request, TokenDelta, pending=pending) for _ in range(2)]
+    for _ in range(100):  # nobody reads: the frames wait, counted
+        await asyncio.sleep(0.02)
+        if pending.value > 2 * 4000:
+            break
+    assert len(over) == 1 and over[0] > 4000 and pending.value > 4000
+    first = await streams[0].__anext__()  # reading takes a frame off the count
+    assert first.token_ids == [0]
+    await streams[0].aclose()
+    await streams[1].aclose()
+    assert pending.value == 0 and pending.peak > 4000
 
 
 async def test_handler_exception_arrives_as_typed_remote_error(rt):

@@ -41,7 +41,7 @@ class FakeClient:
     def unreachable_ids(self) -> list[str]:
         return []
 
-    async def call(self, instance_id, request, response_type, request_id=""):
+    async def call(self, instance_id, request, response_type, request_id="", pending=None):
         self.requests.append((instance_id, request))
         if len(self.requests) == 1:
             return FakeStream(instance_id, [TokenDelta([7, 8])])
