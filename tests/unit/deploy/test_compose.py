@@ -1,5 +1,5 @@
 """deploy/docker-compose.yml against the compose-spec schema (and `docker compose config` where the
-CLI has the plugin), Prometheus scraping every component, the Grafana dashboard, yamllint."""
+CLI has the plugin), Prometheus scraping every component, the Grafana dashboard, yamllint, compose-lint."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -178,3 +179,24 @@ def test_yaml_is_lint_clean():
     problems = [f"{f.relative_to(ROOT)}:{p.line}: {p.message}" for f in files
                 for p in linter.run(f.read_text(), config, str(f))]
     assert not problems
+
+
+def test_compose_lint_finds_nothing_high_and_would_catch_a_literal_password(tmp_path):
+    """compose-lint (OWASP / CIS Docker Benchmark rules, in the test extra) on the file as it is, and on a
+    copy with Grafana's password written in, as the file had it before."""
+    pytest.importorskip("compose_lint", reason="compose-lint is in the test extra")
+
+    def lint(path: Path) -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "compose_lint", "check", "--format", "json", "--no-env",
+                              "--fail-on", "high", str(path)], capture_output=True, text=True, timeout=60)
+        assert out.returncode in (0, 1), out.stderr
+        return [f for f in json.loads(out.stdout)["findings"] if not f["suppressed"]]
+
+    findings = lint(COMPOSE)
+    assert not [f for f in findings if f["severity"] in ("high", "critical")], findings
+    assert not [f for f in findings if f["rule_id"] == "CL-0003"]  # no-new-privileges everywhere
+    compose = yaml.safe_load(COMPOSE.read_text())
+    compose["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] = "admin"
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(yaml.safe_dump(compose))
+    assert any(f["severity"] == "high" and f["service"] == "grafana" for f in lint(broken))
