@@ -88,7 +88,8 @@ class Frame(_Wire):
 
 
 class Cancel(_Wire):
-    """Sent on an instance's control subject: stop the handler of ``request_id``."""
+    """Sent on an instance's control subject: stop the handler of ``request_id``. An empty
+    ``request_id`` cancels nothing: clients send it as a liveness probe (see the request plane)."""
 
     request_id: str
 

@@ -9,6 +9,12 @@ Contract:
 - The client raises :class:`InstanceTimeout` when no ACK arrives within ``ack_timeout``,
   :class:`InstanceGone` when NATS reports no responders or the stream stalls (no frame for
   ``stall_factor`` heartbeat intervals), and the remote error when an ERROR frame arrives.
+- A stream with no frame for half a heartbeat interval is probed: an empty :class:`Cancel` (it
+  cancels nothing) is published to the instance's control subject with the stream's reply subject.
+  A live instance ignores it; for a dead one (SIGKILLed: its subscriptions left with its connection)
+  NATS answers "no responders" at once, and every stream of that instance fails with
+  :class:`InstanceGone` in well under a second instead of after the stall timeout. At most one
+  probe per instance per watchdog round, however many streams it serves.
 - Closing a stream before its end publishes :class:`Cancel` on the instance's control subject;
   the server cancels the handler's task.
 - Every payload is checked against the server's ``max_payload`` before it is published.
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STALL_FACTOR = 5  # heartbeat intervals without any frame before a stream counts as dead
+PROBE_FACTOR = 0.5  # heartbeat intervals without any frame before the instance is probed
 _NO_RESPONDERS = "503"
 
 
@@ -283,6 +290,7 @@ class ResponseStream(Generic[T]):
         self._next_seq = 0
         self.last_frame = time.monotonic()
         self._sent_at = self.last_frame
+        self._probed_at = 0.0
 
     def _push(self, item, size: int = 0) -> None:
         self.last_frame = time.monotonic()
@@ -338,6 +346,13 @@ class ResponseStream(Generic[T]):
             self._put(InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s"))
             self._done_pending()
 
+    def _needs_probe(self, now: float, probe_after: float) -> bool:
+        """Acknowledged, silent for ``probe_after`` seconds, and not probed in that time."""
+        if self._done or not self._acked or now - self.last_frame <= probe_after or now - self._probed_at <= probe_after:
+            return False
+        self._probed_at = now
+        return True
+
     def _done_pending(self) -> None:
         self._client._streams.pop(self._token, None)
 
@@ -376,6 +391,8 @@ class RequestClient:
         self._ns = namespace
         self._ack_timeout = ack_timeout
         self._stall_timeout = heartbeat_interval * STALL_FACTOR
+        self._probe_after = heartbeat_interval * PROBE_FACTOR
+        self._probe = encode(Cancel(""))
         self._streams: dict[str, ResponseStream] = {}
         self._prefix = ""
         self._sub = None
@@ -402,8 +419,14 @@ class RequestClient:
         if stream is None:
             return
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
-            stream._push(InstanceGone(stream.instance_id, "no responders on its subject", unreachable=True))
-            stream._done_pending()
+            if not stream._acked:  # the request itself found nobody
+                stream._push(InstanceGone(stream.instance_id, "no responders on its subject", unreachable=True))
+                stream._done_pending()
+                return
+            # a probe found nobody: the instance is gone, and with it every stream it was serving
+            for other in [s for s in self._streams.values() if s.instance_id == stream.instance_id and s._acked]:
+                other._push(InstanceGone(other.instance_id, "no responders to a probe mid-stream", unreachable=True))
+                other._done_pending()
             return
         try:
             stream._push(self._frame_decoder.decode(msg.data), len(msg.data))
@@ -448,12 +471,20 @@ class RequestClient:
             log.warning("request %s: could not send cancel to %s: %r", request_id, instance_id, exc)
 
     async def _watch_stalls(self) -> None:
-        period = min(0.5, self._stall_timeout / 4)
+        period = min(0.25, self._probe_after / 2)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            probed: set[str] = set()  # one probe per instance per round, however many streams it serves
             for stream in list(self._streams.values()):
                 stream._check_stall(now, self._ack_timeout, self._stall_timeout)
+                if stream.instance_id not in probed and stream._needs_probe(now, self._probe_after):
+                    probed.add(stream.instance_id)
+                    try:  # the answer, if any, is NATS's "no responders" on the stream's own reply subject
+                        await self._nc.publish(control_subject(self._ns, stream.instance_id), self._probe,
+                                               reply=f"{self._prefix}.{stream._token}")
+                    except Exception as exc:
+                        log.debug("probe of %s failed: %r", stream.instance_id, exc)
 
 
 async def collect(stream: ResponseStream[T]) -> list[T]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -46,6 +47,33 @@ async def test_unread_frames_are_counted_across_streams_and_freed_on_close(rt):
     await streams[0].aclose()
     await streams[1].aclose()
     assert pending.value == 0 and pending.peak > 4000
+
+
+async def test_a_silent_stream_is_probed_so_a_sigkilled_server_fails_it_at_once(rt, spawn):
+    worker = spawn("workers.mock", "--token-latency-ms", "400", "--num-speculative-tokens", "0")
+    client = await rt.client("target", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=30)
+    # a live worker slower than the probe interval (0.25 s here) is probed and ignores it: the stream completes
+    slow = GenerateRequest(token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3, ignore_eos=True), model="mock")
+    items = await collect(await client.call(inst.instance_id, slow, TokenDelta))
+    assert items[-1].finish_reason is not None
+    long = GenerateRequest(token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=100, ignore_eos=True), model="mock")
+    streams = [await client.call(inst.instance_id, long, TokenDelta) for _ in range(3)]
+    for stream in streams:
+        await stream.__anext__()
+    worker.kill()
+    began = time.monotonic()
+
+    async def fails(stream) -> InstanceGone:
+        with pytest.raises(InstanceGone) as err:
+            async for _ in stream:
+                pass
+        return err.value
+
+    errors = await asyncio.gather(*(fails(s) for s in streams))
+    # every stream of the dead worker, found by one probe, not by the 2.5 s stall
+    assert all(e.unreachable and "no responders to a probe" in str(e) for e in errors), errors
+    assert time.monotonic() - began < 1.5
 
 
 async def test_handler_exception_arrives_as_typed_remote_error(rt):
