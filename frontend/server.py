@@ -111,8 +111,8 @@ class HttpServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, graceful_timeout: float = 30.0,
                  log_level: str = "warning", idle_timeout: float = 30.0, header_timeout: float = 10.0):
         config = uvicorn.Config(app, host=host, port=port, http=_protocol(idle_timeout, header_timeout), loop="none",
-                                lifespan="off", access_log=False, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
-                                timeout_keep_alive=idle_timeout)
+                                lifespan="off", access_log=False, log_level=log_level,
+                                timeout_graceful_shutdown=graceful_timeout, timeout_keep_alive=idle_timeout)
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
         self.host = host

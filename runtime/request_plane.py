@@ -348,7 +348,9 @@ class ResponseStream(Generic[T]):
 
     def _needs_probe(self, now: float, probe_after: float) -> bool:
         """Acknowledged, silent for ``probe_after`` seconds, and not probed in that time."""
-        if self._done or not self._acked or now - self.last_frame <= probe_after or now - self._probed_at <= probe_after:
+        if self._done or not self._acked:
+            return False
+        if now - self.last_frame <= probe_after or now - self._probed_at <= probe_after:
             return False
         self._probed_at = now
         return True
