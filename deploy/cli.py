@@ -20,9 +20,11 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     """Flags describing the stack, shared by ``up`` and ``ray up`` (other tools script against these)."""
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M demo)")
     parser.add_argument("--served-model-name", default=None, help="name clients pass as \"model\"")
-    parser.add_argument("--draft-method", choices=DRAFT_METHODS, default="ngram",
-                        help="how draft workers propose tokens (default ngram)")
-    parser.add_argument("--draft-model", default=None, help="draft model / EAGLE head directory")
+    parser.add_argument("--draft-method", choices=DRAFT_METHODS, default=None,
+                        help="how draft workers propose tokens (default: eagle3 with the bundled head for the "
+                             "demo model, ngram for any other model)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model / EAGLE head directory (default for eagle3 on the demo model: the bundled head)")
     parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=None,
                         help="tokens proposed per round (γ; a tree's node budget)")
     parser.add_argument("--speculative-eagle-topk", type=int, default=None,

