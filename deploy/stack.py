@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DRAFT_METHODS = ("ngram", "draft_model", "eagle3", "eagle", "none")
+DRAFT_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "none")
 HEAD_METHODS = ("eagle3", "eagle")  # draft heads on the target's hidden states: --draft-model is the head
 ROUTER_MODES = ("kv", "round_robin", "random")
 MOCK_MODEL_NAME = "mock"
