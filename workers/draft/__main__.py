@@ -27,7 +27,7 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram", "draft_model", "eagle3", "eagle", "oracle")
+METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "oracle")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="method oracle: emulated cost of drafting one token (a sleep, as on a separate device)")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--suffix-max-depth", type=int, default=24,
+                        help="method suffix: tokens per suffix-tree path (the longest match plus what may follow it)")
+    parser.add_argument("--suffix-spec-factor", type=float, default=1.0,
+                        help="method suffix: tokens proposed per matched token (bounded by the target's γ)")
+    parser.add_argument("--suffix-min-token-prob", type=float, default=0.1,
+                        help="method suffix: stop a proposal once its estimated probability falls below this")
+    parser.add_argument("--suffix-max-cached-outputs", type=int, default=10_000,
+                        help="method suffix: finished outputs kept in the global tree, oldest evicted first (0: none)")
+    parser.add_argument("--suffix-max-cached-nodes", type=int, default=1_000_000,
+                        help="method suffix: node cap of the global tree (its memory; oldest outputs evicted first)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
     parser.add_argument("--speculative-eagle-topk", type=int, default=1,
-                        help="draft trees (eagle3, eagle, draft_model, ngram): children per node and depth; 1 drafts chains. "
+                        help="draft trees (eagle3, eagle, draft_model, ngram, suffix): children per node and depth; 1 drafts chains. "
                              "Targets may ask per request")
     parser.add_argument("--speculative-num-steps", type=int, default=0,
                         help="draft trees: depth (draft steps per proposal); 0: as deep as the node budget")
@@ -78,6 +88,15 @@ def make_proposer(args: argparse.Namespace):
         raise SystemExit("--speculative-eagle-topk must be >= 1 and --speculative-num-steps >= 0")
     if args.method == "ngram":
         return NgramProposer(args.ngram_min, args.ngram_max, args.speculative_eagle_topk)
+    if args.method == "suffix":
+        from .suffix import SuffixConfig, SuffixProposer
+
+        try:
+            return SuffixProposer(SuffixConfig(args.suffix_max_depth, args.suffix_spec_factor, args.suffix_min_token_prob,
+                                               args.suffix_max_cached_outputs, args.suffix_max_cached_nodes,
+                                               args.speculative_eagle_topk, args.speculative_num_steps))
+        except ValueError as exc:
+            raise SystemExit(f"--method suffix: {exc}") from None
     if args.method == "draft_model":
         if not args.draft_model:
             raise SystemExit("--method draft_model needs --draft-model PATH")

@@ -1,0 +1,158 @@
+"""Suffix decoding: no model, proposals read from suffix trees of the request's own tokens and of
+earlier outputs of all the traffic this draft worker serves (SuffixDecoding, Oliaro et al. 2024,
+arXiv 2411.04975; Snowflake's ArcticInference ships the reference implementation).
+
+Two :class:`~workers.draft.suffix_tree.SuffixTree` indexes:
+
+- a **per-request** tree over the sequence's prompt and output so far, freed when the request ends;
+- one **global** tree over finished outputs: when a request ends, its output (with the last
+  ``PROMPT_TAIL`` tokens of its prompt before it, so that the start of an output has a pattern to
+  match — a chat template's assistant header, say) goes in. A draft worker serves every target
+  that picks it, so repeated structured outputs (tool calls, JSON, code edits) of any request help
+  all later ones. It is bounded: over ``max_cached_outputs`` outputs or ``max_cached_nodes`` nodes
+  the oldest outputs are evicted. (Outputs still in flight stay out of it: the request's own tree
+  has them, and counting them twice would skew the comparison of the two trees' scores.)
+
+For each proposal, in each tree: match the longest suffix of the sequence (at most
+``max_depth − γ`` tokens, leaving the tree room for γ more) that has a continuation; allow
+``min(γ, ⌊spec_factor · match length⌋)`` tokens (a longer match speculates further); read the most
+frequent continuation (a chain) or, when a tree is asked for, the best-first tree of the top-k
+children at every level, both scored by the product of conditional frequencies and cut below
+``min_token_prob``. The proposal with the larger score (Σ of those probabilities: the expected
+number of accepted tokens if the frequencies were the truth) wins. Proposals are deterministic and
+carry no distributions, so the target verifies them as one-hot drafts: lossless for greedy and
+sampled requests whatever they propose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from .proposer import DraftInput, DraftOutput, VerifyResult
+from .suffix_tree import SuffixTree
+from .tree_search import tree_shape
+
+log = logging.getLogger(__name__)
+
+PROMPT_TAIL = 8  # prompt tokens put before each output in the global tree
+
+
+@dataclass
+class _Request:
+    local: SuffixTree  # this request's prompt and output
+    prompt_len: int  # tokens of the first call: the prompt (and the first output token)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_depth: int = 24  # tokens per tree path: the longest match plus what may follow it
+    spec_factor: float = 1.0  # tokens proposed per matched token (bounded by γ)
+    min_token_prob: float = 0.1  # stop a path once its estimated probability falls below this
+    max_cached_outputs: int = 10_000  # outputs in the global tree
+    max_cached_nodes: int = 1_000_000  # nodes in the global tree (its memory: ~80-300 B per node)
+    tree_topk: int = 1  # children per node in tree proposals (1: chains); targets may ask per request
+    tree_depth: int = 0  # tree depth (0: as deep as the node budget)
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {self.max_depth}")
+        if self.spec_factor <= 0:
+            raise ValueError(f"spec_factor must be > 0, got {self.spec_factor}")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.max_cached_outputs < 0 or self.max_cached_nodes < 0:
+            raise ValueError("max_cached_outputs and max_cached_nodes must be >= 0 (0: no global tree)")
+        if self.tree_topk < 1 or self.tree_depth < 0:
+            raise ValueError(f"need tree_topk >= 1 and tree_depth >= 0, got {self.tree_topk}, {self.tree_depth}")
+
+
+class SuffixProposer:
+    """Suffix decoding over each request's tokens and a bounded global tree of earlier outputs."""
+
+    method = "suffix"
+    hidden_layers: list[int] = []
+
+    def __init__(self, config: SuffixConfig = SuffixConfig()):
+        self.config = config
+        self.cache = SuffixTree(config.max_depth)  # the global tree
+        self._seqs: dict[str, _Request] = {}
+        self._keys = itertools.count()
+        self.evicted = 0  # outputs evicted from the global tree
+        self.won = {"request": 0, "global": 0}  # proposals taken from each tree
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------------ state
+
+    def _append(self, seq_id: str, tokens: list[int]) -> _Request:
+        req = self._seqs.get(seq_id)
+        if req is None:  # the first call carries the prompt (and the first output token)
+            req = self._seqs[seq_id] = _Request(SuffixTree(self.config.max_depth), len(tokens))
+            req.local.add(0, tokens)
+        elif tokens:
+            req.local.extend(0, tokens)
+        return req
+
+    def _cache_output(self, req: _Request) -> None:
+        """A finished request's output into the global tree, then the oldest outputs out of it until
+        it is within both caps (the new one too, when it alone is over the node cap)."""
+        cfg = self.config
+        tokens = req.local.tokens(0)
+        if len(tokens) > req.prompt_len and cfg.max_cached_outputs and cfg.max_cached_nodes:
+            self.cache.add(next(self._keys), tokens[max(0, req.prompt_len - PROMPT_TAIL) :])
+            self.cache.close(self.cache.newest())
+        while len(self.cache) and (len(self.cache) > cfg.max_cached_outputs or self.cache.num_nodes > cfg.max_cached_nodes):
+            self.cache.remove(self.cache.oldest())
+            self.evicted += 1
+
+    # ------------------------------------------------------------------ proposals
+
+    def _draft(self, tree: SuffixTree, context: list[int], budget: int, shape: tuple[int, int] | None
+               ) -> tuple[float, list[int], list[int]]:
+        """(score, tokens, parents) from one tree; parents empty for a chain."""
+        cfg = self.config
+        depth = budget if shape is None else shape[1]
+        node, length = tree.match(context, max(1, cfg.max_depth - depth))
+        if length == 0:
+            return 0.0, [], []
+        limit = min(budget, int(length * cfg.spec_factor + 1e-9))
+        if limit <= 0:
+            return 0.0, [], []
+        if shape is None:
+            tokens, probs = tree.chain(node, limit, cfg.min_token_prob)
+            return sum(probs), tokens, []
+        tokens, parents, probs = tree.tree(node, limit, shape[0], depth, cfg.min_token_prob)
+        return sum(probs), tokens, parents
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
+        reqs = [self._append(item.seq_id, item.new_tokens) for item in batch]
+        out = []
+        for item, req in zip(batch, reqs):
+            if item.num_tokens <= 0:
+                out.append(DraftOutput(item.seq_id, item.round, []))
+                continue
+            shape = tree_shape(item, self.config.tree_topk, self.config.tree_depth)
+            context = req.local.tokens(0)
+            own = self._draft(req.local, context, item.num_tokens, shape)
+            other = self._draft(self.cache, context, item.num_tokens, shape) if len(self.cache) else (0.0, [], [])
+            best = own if own[0] >= other[0] else other  # ties: the request's own history
+            if best[1]:
+                self.won["request" if best is own else "global"] += 1
+            out.append(DraftOutput(item.seq_id, item.round, best[1], [], best[2]))
+        return out
+
+    def verified(self, results: list[VerifyResult]) -> None:
+        # Drafts never enter the trees, so there is nothing to roll back: commit what the target emitted.
+        for result in results:
+            if result.seq_id in self._seqs and result.emitted_tokens:
+                self._append(result.seq_id, result.emitted_tokens)
+
+    def release(self, seq_ids: list[str]) -> None:
+        """Free the requests' own trees; their outputs go into the global tree."""
+        for seq_id in seq_ids:
+            req = self._seqs.pop(seq_id, None)
+            if req is not None:
+                self._cache_output(req)
