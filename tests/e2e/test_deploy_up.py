@@ -216,14 +216,17 @@ def test_a_stopped_worker_is_survived_and_a_dead_frontend_stops_the_stack(launch
     assert wait_gone(children, 5) == set()
 
 
-def test_tandem_up_serves_the_bundled_demo_model_with_an_ngram_draft(launcher):
-    # What `make run` runs: the real target worker on SmolLM2-135M and one ngram draft worker.
+def test_tandem_up_serves_the_bundled_demo_model_with_its_eagle3_draft(launcher):
+    # What `make run` runs: the real target worker on SmolLM2-135M and one draft worker speculating
+    # with the bundled EAGLE-3 head; the response's usage shows the speculation.
     up = launcher()
     up.wait_ready(timeout=240)
-    answer = ask(up.url, model="SmolLM2-135M-Instruct", max_tokens=4)
-    assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["finish_reason"] == "length"
+    answer = ask(up.url, model="SmolLM2-135M-Instruct", max_tokens=24)
+    assert answer["usage"]["completion_tokens"] == 24 and answer["choices"][0]["finish_reason"] == "length"
+    spec = answer["usage"]["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
     logs = up.logs()
-    assert "[target-0] " in logs and "[draft-0] " in logs and "method ngram" in logs
+    assert "[target-0] " in logs and "[draft-0] " in logs and "method eagle3" in logs
     children = descendants(up.proc.pid)
     stopping = time.monotonic()
     up.proc.send_signal(signal.SIGINT)
