@@ -53,6 +53,7 @@ class ModelCard(_Wire):
     chat_template: str = ""
     supports_logprobs: bool = True
     instance_id: str = ""
+    structured_outputs: bool = False  # the workers constrain output to a grammar (:class:`StructuredOutput`)
 
 
 # --------------------------------------------------------------------------- request plane (NATS)
@@ -103,6 +104,15 @@ def is_greedy(temperature):
     return temperature <= 0
 
 
+class StructuredOutput(_Wire):
+    """A grammar every generated token must follow; exactly one field is set. The target worker
+    compiles it and masks the logits of every position it samples or verifies."""
+
+    json_schema: str = ""  # JSON text of a JSON Schema (response_format, tools)
+    regex: str = ""  # the whole output matches this regular expression
+    choice: list[str] = []  # the output is exactly one of these strings
+
+
 class SamplingParams(_Wire):
     """Per-request sampling. temperature 0 is greedy (:func:`is_greedy`); top_k 0 disables top-k."""
 
@@ -115,6 +125,7 @@ class SamplingParams(_Wire):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
+    structured: StructuredOutput | None = None  # None: unconstrained
 
 
 class GenerateRequest(_Wire):

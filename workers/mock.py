@@ -245,6 +245,8 @@ class MockWorker:
             raise InvalidRequest(f"temperature must be >= 0, got {sp.temperature}", field="temperature")
         if not 0 < sp.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {sp.top_p}", field="top_p")
+        if sp.structured is not None:  # echoing the prompt cannot follow a grammar
+            raise InvalidRequest("the mock worker does not support structured outputs", field="response_format")
 
     async def generate(self, req: GenerateRequest, ctx):
         """Token ids in, token deltas out; the last delta has the finish reason and usage."""

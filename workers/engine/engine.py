@@ -20,9 +20,10 @@ from runtime.messages import KvEvent, SamplingParams, SpecUsage, TokenDelta, Top
 
 from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
+from .grammar import Grammar, GrammarBackend
 from .model import DecoderModel
 from .model_runner import ModelRunner
-from .sampling import is_greedy, logprobs_of, mask_tokens, sample
+from .sampling import apply_token_bitmask, is_greedy, logprobs_of, mask_tokens, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -64,7 +65,7 @@ class Engine:
     """Owns the scheduler, block manager and model runner of one model."""
 
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
-                 eos_token_ids: tuple[int, ...] | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, grammars: GrammarBackend | None = None):
         cfg = model.cfg
         max_len = min(config.max_model_len or cfg.max_position_embeddings, model.max_positions)
         if cfg.sliding_window and max_len > cfg.sliding_window:
@@ -82,6 +83,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len)
+        self.grammars = grammars  # structured outputs (None: requests with a grammar are refused)
         self.seqs: dict[str, Sequence] = {}
         self._immediate: list[tuple[str, TokenDelta]] = []
         log.info("engine: %d blocks of %d tokens, max_model_len %d", num_blocks, config.block_size, max_len)
@@ -127,13 +129,28 @@ class Engine:
             raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {params.min_tokens}", field="min_tokens")
         if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", field="logprobs")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise InvalidRequest("this worker does not support structured outputs", field="response_format")
+            # a finished grammar allows only EOS: it must end the output, and may not be banned
+            if params.ignore_eos:
+                raise InvalidRequest("ignore_eos cannot be combined with structured outputs", field="ignore_eos")
+            if params.min_tokens:
+                raise InvalidRequest("min_tokens cannot be combined with structured outputs", field="min_tokens")
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] = ()) -> None:
-        """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request."""
+                    output_ids: list[int] = (), grammar: Grammar | None = None) -> None:
+        """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request.
+        ``grammar``: the request's compiled ``params.structured`` (compiled here when not given)."""
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already running", field="request_id")
         self.validate(token_ids, params, output_ids)
+        if params.structured is not None:
+            grammar = grammar or self.grammars.grammar(params.structured)
+            if not grammar.accept(output_ids):
+                raise InvalidRequest("output_ids do not follow the request's grammar", field="output_ids")
+        else:
+            grammar = None
         if params.max_tokens == 0:
             usage = Usage(len(token_ids), len(output_ids), 0)
             self._immediate.append((request_id, TokenDelta(finish_reason="length", usage=usage)))
@@ -143,7 +160,7 @@ class Engine:
         if params.seed is not None and not is_greedy(params.temperature):
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(request_id, list(token_ids) + list(output_ids), len(token_ids), len(output_ids), params,
-                       frozenset(t for t in stop if 0 <= t < self.vocab_size), generator)
+                       frozenset(t for t in stop if 0 <= t < self.vocab_size), generator, grammar=grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -195,6 +212,13 @@ class Engine:
         banned = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs) if s.num_generated < s.params.min_tokens]
         if banned:
             logits = mask_tokens(logits.clone(), [i for i, _ in banned], [ids for _, ids in banned])
+        guided = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if guided:  # structured outputs: each such row keeps only what its grammar allows next
+            masks = self.grammars.new_masks(len(guided))
+            for j, i in enumerate(guided):
+                seqs[i].grammar.fill(masks[j])
+            logits = apply_token_bitmask(logits.clone() if logits is raw else logits, masks,
+                                         None if len(guided) == len(seqs) else guided)
         if all(is_greedy(p.temperature) for p in params):  # no sampling tensors to send up, one sync
             tokens = logits.argmax(dim=-1).tolist()
         else:
@@ -208,6 +232,8 @@ class Engine:
             k = max(p.logprobs or 0 for p in params)
             chosen, top_ids, top_vals = logprobs_of(raw, torch.tensor(tokens, device=raw.device), k)
             lp = (chosen.tolist(), top_ids.tolist(), top_vals.tolist())
+        for i in guided:
+            seqs[i].grammar.accept((tokens[i],))
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.token_ids.append(token)

@@ -10,11 +10,12 @@ a seeded request samples the same tokens whatever else shares its batch: the dra
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.messages import is_greedy
 
-__all__ = ["apply_top_k_top_p", "is_greedy", "logprobs_of", "mask_tokens", "sample"]
+__all__ = ["apply_token_bitmask", "apply_top_k_top_p", "is_greedy", "logprobs_of", "mask_tokens", "sample"]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,28 @@ def mask_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[list[int]
     for row, ids in zip(rows, token_ids):
         if ids:
             logits[row, ids] = float("-inf")
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """Forbid (-inf) every token whose bit is 0, in place: a grammar's mask (see :mod:`.grammar`).
+
+    logits [B, V] float; bitmask [R, W] int32 on the CPU with 32·W >= V, bit j of word w for token
+    32·w + j; rows: the R rows of ``logits`` the masks belong to (None: all B, R == B). Returns logits.
+    """
+    vocab = logits.shape[-1]
+    if logits.is_cuda:  # unpacked on the device: only the packed words travel
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+        words = bitmask.to(logits.device, non_blocking=True)  # [R, W]
+        forbidden = ((words[:, :, None] >> bits) & 1).flatten(1)[:, :vocab] == 0  # [R, V]
+    else:  # numpy's unpackbits is several times faster than the shifts on a CPU (little-endian words)
+        unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")  # [R, 32·W]
+        forbidden = torch.from_numpy(unpacked[:, :vocab]) == 0  # [R, V]
+    if rows is None:
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
     return logits
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.kv_hash import ROOT_HASH, block_hash
 from runtime.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 
 class SeqStatus(enum.Enum):
@@ -39,6 +43,7 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_generated: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    grammar: Grammar | None = None  # structured output: every sampled token obeys its mask
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -156,6 +156,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     import torch
 
     from workers.engine.engine import EngineConfig
+    from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
     from workers.target.spec_engine import SpecEngine
 
@@ -175,9 +176,13 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
-    return SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
-                      adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
-                      load_aware=cfg.load_aware)
+    engine = SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
+                        adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
+                        load_aware=cfg.load_aware)
+    model_path = Path(cfg.model)
+    engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
+                                                   engine.vocab_size, sorted(engine.eos_token_ids))
+    return engine
 
 
 def client_tls(args: argparse.Namespace):
@@ -225,6 +230,7 @@ async def amain(args: argparse.Namespace) -> None:
             eos_token_ids=sorted(engine.eos_token_ids),
             chat_template=chat_template(model_dir),
             num_speculative_tokens=cfg.num_speculative_tokens,
+            structured_outputs=engine.grammars is not None,
         ))
         # The instance record goes last: once it is visible, the model card is there too.
         await rt.serve("target", "generate", worker.generate, GenerateRequest, role="target", model=cfg.served_model_name)

@@ -29,8 +29,9 @@ from runtime.messages import SamplingParams, SpecUsage, TokenDelta, TopLogprob
 from runtime.spec_stats import SpecCounters
 
 from ..engine.engine import Engine, EngineConfig
+from ..engine.grammar import Grammar, GrammarBackend
 from ..engine.model import DecoderModel
-from ..engine.sampling import apply_top_k_top_p, is_greedy, logprobs_of
+from ..engine.sampling import apply_token_bitmask, apply_top_k_top_p, is_greedy, logprobs_of
 from ..engine.sequence import Sequence
 from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 from ..speculation.rejection import rejection_sample, sparse_to_dense
@@ -80,7 +81,8 @@ class SpecEngine(Engine):
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, *, num_speculative_tokens: int = 4,
                  hidden_layers: tuple[int, ...] = (), adaptive: bool = True, pause_steps: int = 8,
-                 tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False):
+                 tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False,
+                 grammars: GrammarBackend | None = None):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if tree_topk < 0 or tree_depth < 0:
@@ -90,7 +92,7 @@ class SpecEngine(Engine):
         self.tree_topk = tree_topk
         self.tree_depth = tree_depth
         self._hidden_layers = tuple(hidden_layers)
-        super().__init__(model, config, worker_id, eos_token_ids)
+        super().__init__(model, config, worker_id, eos_token_ids, grammars)
         self.hidden_layers = self._hidden_layers
         # Adaptive γ per sequence: +2 after a fully accepted round, −1 otherwise; at 0 the sequence
         # decodes plainly for ``pause_steps`` steps and then tries one draft token again. A draft
@@ -137,10 +139,11 @@ class SpecEngine(Engine):
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     output_ids: list[int] = (), num_speculative_tokens: int | None = None,
-                    tree_topk: int | None = None, tree_depth: int | None = None) -> None:
+                    tree_topk: int | None = None, tree_depth: int | None = None,
+                    grammar: Grammar | None = None) -> None:
         """``num_speculative_tokens`` (γ, or a tree's node budget), ``tree_topk`` and ``tree_depth``:
         this request's speculation; None: the engine's settings."""
-        super().add_request(request_id, token_ids, params, output_ids)
+        super().add_request(request_id, token_ids, params, output_ids, grammar)
         if request_id in self.seqs:
             gamma = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
             prior = self.acceptance.alpha
@@ -320,14 +323,18 @@ class SpecEngine(Engine):
             result.append((rid, delta))
         return result
 
-    def _target_probs(self, seq: Sequence, logits: torch.Tensor, depths: list[int]) -> torch.Tensor:
+    def _target_probs(self, seq: Sequence, logits: torch.Tensor, depths: list[int],
+                      masks: torch.Tensor | None = None) -> torch.Tensor:
         """The request's sampling distribution after each verified node. logits [k+1, V] -> [k+1, V];
-        ``depths[i]``: tokens between the last committed one and row i's next token (0 for the root)."""
+        ``depths[i]``: tokens between the last committed one and row i's next token (0 for the root);
+        ``masks`` [k+1, W] int32: the grammar's mask at each node (structured outputs), or None."""
         p = seq.params
         logits = logits.clone()
         for i, depth in enumerate(depths):  # stop tokens are banned until min_tokens
             if seq.num_generated + depth < p.min_tokens and seq.stop_ids:
                 logits[i, sorted(seq.stop_ids)] = float("-inf")
+        if masks is not None:  # a draft token the grammar forbids gets p = 0: it is rejected
+            apply_token_bitmask(logits, masks)
         if is_greedy(p.temperature):
             return logits.softmax(-1)
         scaled = logits / p.temperature
@@ -352,7 +359,11 @@ class SpecEngine(Engine):
         for b, (d, r) in enumerate(zip(drafted, rows)):
             k, seq = len(d.tokens), d.seq
             depths = [0] + (tree_depths(d.parents) if d.parents else list(range(1, k + 1)))
-            target[b, : k + 1] = self._target_probs(seq, logits[r], depths)
+            masks = None
+            if seq.grammar is not None:
+                masks = self.grammars.new_masks(k + 1)
+                seq.grammar.fill_draft(masks, d.tokens, d.parents)
+            target[b, : k + 1] = self._target_probs(seq, logits[r], depths, masks)
             tokens[b, :k] = torch.tensor(d.tokens, device=dev)
             num_draft[b] = k
             greedy[b] = is_greedy(seq.params.temperature)
@@ -405,6 +416,8 @@ class SpecEngine(Engine):
             finish = self._finish_reason(seq, token)
             if finish:
                 break
+        if seq.grammar is not None:
+            seq.grammar.accept(kept)
         seq.num_computed = min(base + accepted, len(seq))
         self.runner.copy_blocks(self.blocks.truncate(seq.block_table, seq.num_computed))
         self._register_blocks(seq, self.config.block_size)

@@ -32,6 +32,7 @@ from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import KvEvent, SamplingParams, TokenDelta
 
 from ..engine.engine import Engine
+from ..engine.grammar import Grammar
 from ..speculation.payloads import DraftOutput
 from .draft_client import DraftClient, DraftPool
 from .spec_engine import SpecEngine
@@ -51,6 +52,7 @@ class AddRequest:
     output_ids: list[int] = field(default_factory=list)
     num_speculative_tokens: int | None = None  # None: the engine's default γ
     tree: tuple[int | None, int | None] = (None, None)  # (top-k, depth); None: the engine's setting
+    grammar: Grammar | None = None  # params.structured, compiled off the loop
 
 
 @dataclass(frozen=True)
@@ -116,14 +118,22 @@ class StepLoop:
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
                num_speculative_tokens: int | None = None,
-               tree: tuple[int | None, int | None] = (None, None)) -> asyncio.Queue:
+               tree: tuple[int | None, int | None] = (None, None), grammar: Grammar | None = None) -> asyncio.Queue:
         """Validate (raises InvalidRequest here, on the caller's side) and queue a request; its
-        deltas, or the exception that ended it, arrive on the returned queue."""
+        deltas, or the exception that ended it, arrive on the returned queue. ``grammar``: the
+        compiled ``params.structured`` (see :meth:`compile_grammar`)."""
         self.engine.validate(token_ids, params, output_ids)
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out
-        self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens, tree))
+        self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens, tree,
+                              grammar))
         return out
+
+    async def compile_grammar(self, token_ids: list[int], params: SamplingParams, output_ids: list[int] = ()) -> Grammar:
+        """``params.structured`` compiled in a thread (a large schema takes milliseconds; the first one
+        also builds the tokenizer info), so that neither the event loop nor the engine step waits."""
+        self.engine.validate(token_ids, params, output_ids)
+        return await asyncio.to_thread(self.engine.grammars.grammar, params.structured)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (no more deltas are delivered)."""
@@ -179,9 +189,10 @@ class StepLoop:
                 try:
                     if isinstance(self.engine, SpecEngine):
                         self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids,
-                                                cmd.num_speculative_tokens, *cmd.tree)
+                                                cmd.num_speculative_tokens, *cmd.tree, grammar=cmd.grammar)
                     else:
-                        self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids)
+                        self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids,
+                                                cmd.grammar)
                 except Exception as exc:
                     queue = self._queues.pop(cmd.request_id, None)
                     if queue is not None:

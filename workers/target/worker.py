@@ -84,8 +84,11 @@ class TargetWorker:
             value = getattr(req, name)
             if value is not None and value < low:
                 raise InvalidRequest(f"{name} must be >= {low}, got {value}", field=name)
+        grammar = None
+        if req.sampling.structured is not None:
+            grammar = await self.loop.compile_grammar(list(req.token_ids), req.sampling, list(req.output_ids))
         out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids), req.num_speculative_tokens,
-                               (req.speculative_tree_topk, req.speculative_tree_depth))
+                               (req.speculative_tree_topk, req.speculative_tree_depth), grammar)
         finished = False
         started, last = time.monotonic(), None
         try:

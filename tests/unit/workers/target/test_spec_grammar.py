@@ -1,0 +1,114 @@
+"""Structured outputs stay lossless under speculation: with a JSON-schema grammar, greedy output with
+drafts (chains and trees, drafts that know nothing of the grammar) equals plain decoding token for
+token (float32, CPU), and sampled output follows the schema too.
+
+A tiny random model over SmolLM2's real vocabulary, so that the grammar sees real tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from runtime.errors import InvalidRequest
+from runtime.messages import SamplingParams, StructuredOutput
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.unit.workers.target.test_spec_engine import run_spec
+from workers.demo_model import demo_tokenizer_dir
+from workers.draft.draft_model import DraftModelProposer
+from workers.draft.ngram import NgramProposer
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.grammar import GrammarBackend
+from workers.engine.weights import load_model
+from workers.target.spec_engine import SpecEngine
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 49152
+EOS = 2
+CFG = EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=256)
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                             "maxItems": 3}},
+          "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+STRUCTURED = StructuredOutput(json_schema=json.dumps(SCHEMA))
+GREEDY = SamplingParams(temperature=0, max_tokens=64, structured=STRUCTURED)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    target_dir, draft_dir = tmp_path_factory.mktemp("gtarget"), tmp_path_factory.mktemp("gdraft")
+    tiny_hf_model("llama", target_dir, seed=1, vocab=VOCAB, layers=1)
+    tiny_hf_model("llama", draft_dir, seed=2, vocab=VOCAB, layers=1)
+    tokenizer_file = demo_tokenizer_dir() / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    prompts = {f"r{i}": tok.encode(f"Describe person number {i} as JSON.").ids for i in range(4)}
+    return load_model(target_dir), draft_dir, GrammarBackend(str(tokenizer_file), VOCAB, [EOS]), tok, prompts
+
+
+@pytest.fixture(scope="module")
+def greedy_plain(setup):
+    """Plain decoding under the grammar (what every speculative run must reproduce)."""
+    model, _, grammars, tok, prompts = setup
+    want = Engine(model, CFG, eos_token_ids=(EOS,), grammars=grammars).generate(prompts, GREEDY)
+    check_schema(tok, want)
+    return want
+
+
+def check_schema(tok, outputs: dict[str, list[int]]) -> None:
+    for ids in outputs.values():
+        assert ids[-1] == EOS, tok.decode(ids)  # the grammar finished: the only way out is EOS
+        jsonschema.validate(json.loads(tok.decode(ids[:-1])), SCHEMA)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft_tree"])
+def test_greedy_speculation_under_a_grammar_equals_plain_decoding(setup, greedy_plain, method):
+    model, draft_dir, grammars, tok, prompts = setup
+    proposer = {"ngram": lambda: NgramProposer(1, 3),
+                "draft_model": lambda: DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4),
+                "self_draft_tree": lambda: DraftModelProposer(model, num_blocks=512, block_size=4, tree_topk=3,
+                                                              tree_depth=3)}[method]()
+    engine = SpecEngine(model, CFG, eos_token_ids=(EOS,), grammars=grammars, num_speculative_tokens=4)
+    assert run_spec(engine, proposer, prompts, GREEDY) == greedy_plain
+    assert engine.counters[""].num_drafts > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_sampled_speculation_under_a_grammar_follows_the_schema(setup):
+    model, draft_dir, grammars, tok, prompts = setup
+    engine = SpecEngine(model, CFG, eos_token_ids=(EOS,), grammars=grammars, num_speculative_tokens=3)
+    proposer = DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4)  # samples its drafts
+    params = {rid: SamplingParams(temperature=0.7, seed=i, max_tokens=64, structured=STRUCTURED)
+              for i, rid in enumerate(prompts)}
+    out = {rid: [] for rid in prompts}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params[rid])
+    while engine.has_work():
+        inputs = engine.draft_inputs()
+        for rid, delta in engine.step({o.seq_id: o for o in proposer.propose(inputs)}):
+            out[rid].extend(delta.token_ids)
+        proposer.verified(engine.take_verdicts())
+        proposer.release(engine.take_released())
+    check_schema(tok, out)
+    assert engine.counters[""].num_drafts > 0
+
+
+def test_structured_requests_a_worker_cannot_serve_are_refused(setup):
+    model, _, grammars, _, _ = setup
+    with pytest.raises(InvalidRequest) as info:
+        Engine(model, CFG, eos_token_ids=(EOS,)).validate([1, 2], SamplingParams(structured=STRUCTURED))
+    assert info.value.field == "response_format"
+    engine = Engine(model, CFG, eos_token_ids=(EOS,), grammars=grammars)
+    for bad, field in ((dict(ignore_eos=True), "ignore_eos"), (dict(min_tokens=2), "min_tokens")):
+        with pytest.raises(InvalidRequest) as info:
+            engine.validate([1, 2], SamplingParams(structured=STRUCTURED, **bad))
+        assert info.value.field == field
+    # a migrated request resumes the grammar where it stopped; outputs that break it are refused
+    with pytest.raises(InvalidRequest) as info:
+        engine.add_request("bad", [1, 2], SamplingParams(structured=STRUCTURED), output_ids=[100, 101])
+    assert info.value.field == "output_ids"
