@@ -5,7 +5,7 @@ Contract: :func:`parse` turns a raw JSON body into a validated request or raises
 Validation is strict: wrong JSON types are rejected rather than coerced, unknown fields are
 rejected (nothing is silently ignored), and parameters we know but do not support are rejected by
 :func:`check_supported` unless they carry their neutral value (``presence_penalty: 0``,
-``logit_bias: {}``, ``response_format: {"type": "text"}``, ...).
+``logit_bias: {}``, ...). Structured outputs and tools are checked further in :mod:`.structured`.
 """
 
 from __future__ import annotations
@@ -48,12 +48,68 @@ class SpeculativeOptions(_Strict):
     num_steps: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)  # tree depth
 
 
-class ChatMessage(_Strict):
-    """One chat message. Content is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+class ToolCallFunction(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as OpenAI sends it
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatMessage(_Strict):
+    """One chat message. Content is a string or a list of ``{"type": "text", "text": ...}`` parts;
+    an assistant turn may carry ``tool_calls``, a ``tool`` message answers one (``tool_call_id``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; absent: no arguments
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly this function."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class _Sampling(_Strict):
@@ -74,6 +130,11 @@ class _Sampling(_Strict):
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     speculative: SpeculativeOptions | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, or one of vLLM's guided_* extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1)
     # Known but unsupported: accepted only with their neutral value (see check_supported).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -81,10 +142,6 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Any] | None = None
     min_p: float | None = None
     echo: bool | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -96,6 +153,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     modalities: list[str] | None = None
     store: bool | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -113,10 +173,6 @@ _NEUTRAL = {
     "logit_bias": lambda v: not v,
     "min_p": lambda v: v in (None, 0),
     "echo": lambda v: not v,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
-    "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "modalities": lambda v: v is None or v == ["text"],
@@ -212,6 +268,11 @@ def _check_chat(req: ChatCompletionRequest) -> None:
                     raise InvalidRequest("a text part is {\"type\": \"text\", \"text\": <string>}", f"messages[{i}].content[{j}]")
         elif msg.content is None and msg.role != "assistant":
             raise InvalidRequest(f"a {msg.role} message needs 'content'", f"messages[{i}].content")
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise InvalidRequest("only assistant messages carry 'tool_calls'", f"messages[{i}].tool_calls")
+        if (msg.tool_call_id is None) == (msg.role == "tool"):
+            raise InvalidRequest("a tool message needs 'tool_call_id' (and only a tool message has one)",
+                                 f"messages[{i}].tool_call_id")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
@@ -232,18 +293,35 @@ def stop_strings(req: _Sampling) -> tuple[str, ...]:
     return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
 
 
-def message_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the plain dicts a chat template expects; text parts joined by newlines."""
+def message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the plain dicts a chat template expects; text parts joined by newlines. Tool-call
+    arguments go to the template as objects where they parse as one (what Hugging Face templates
+    expect), else as the text sent."""
     out = []
     for msg in req.messages:
         content = msg.content
         if isinstance(content, list):
             content = "\n".join(part["text"] for part in content)
-        item = {"role": msg.role, "content": content or ""}
+        item: dict[str, Any] = {"role": msg.role, "content": content or ""}
         if msg.name:
             item["name"] = msg.name
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
+        if msg.tool_calls:
+            item["tool_calls"] = [{"id": call.id, "type": "function",
+                                   "function": {"name": call.function.name,
+                                                "arguments": _maybe_object(call.function.arguments)}}
+                                  for call in msg.tool_calls]
         out.append(item)
     return out
+
+
+def _maybe_object(text: str) -> Any:
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def prompts_of(req: CompletionRequest) -> list[str | list[int]]:

@@ -6,7 +6,8 @@ worker found in its prefix cache) and, for a speculated request, ``spec_decode``
 ``acceptance_rate`` and ``mean_accepted_length`` as defined in :mod:`runtime.spec_stats` (vLLM's:
 ``1 + accepted_tokens / num_drafts``, the tokens emitted per target forward pass), and
 ``accepted_per_pos`` (verify steps whose accepted path reached position, or tree depth, i + 1); a
-rate that is undefined (no drafts yet) is left out.
+rate that is undefined (no drafts yet) is left out. A forced tool call answers ``message.tool_calls``
+(streamed as ``delta.tool_calls``) with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
 from runtime.spec_stats import acceptance_rate, mean_accepted_length
 
 from .output import ChoiceOutput, LogprobEntry, Piece
+from .structured import ToolCalls, tool_call, tool_call_id
 
 _json = msgspec.json.Encoder()
 encode_json = _json.encode
@@ -82,11 +85,26 @@ def completion_logprobs(entries: Sequence[LogprobEntry], token_text: Callable[[i
     }
 
 
-class ResponseBuilder:
-    """Builds the bodies and chunks of one request (one id, one creation time)."""
+@dataclass
+class _ToolStream:
+    """One choice's streamed tool call so far."""
 
-    def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], with_logprobs: bool):
+    text: str = ""
+    call_id: str = ""  # set once the call's first delta went out (named function)
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # held back with the text (tool_choice required)
+
+
+class ResponseBuilder:
+    """Builds the bodies and chunks of one request (one id, one creation time). With ``tools`` (a
+    forced tool call) a chat choice that ends normally answers ``tool_calls`` instead of content:
+    a named function's arguments stream as they come; the array of ``tool_choice: "required"`` is
+    sent whole when it is complete."""
+
+    def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], with_logprobs: bool,
+                 tools: ToolCalls | None = None):
         self.chat = chat
+        self.tools = tools if chat else None
+        self._tool_streams: dict[int, _ToolStream] = {}
         self.model = model
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
@@ -112,12 +130,18 @@ class ResponseBuilder:
         items = []
         for c in choices:
             item = {"index": c.index}
+            finish = c.finish_reason
             if self.chat:
-                item["message"] = {"role": "assistant", "content": c.text}
+                calls = self._calls(c.text, finish)
+                if calls:
+                    item["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    finish = "tool_calls"
+                else:
+                    item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = c.text
             item["logprobs"] = self._logprobs(c.index, c.logprobs)
-            item["finish_reason"] = c.finish_reason
+            item["finish_reason"] = finish
             items.append(item)
         obj = "chat.completion" if self.chat else "text_completion"
         return encode_json({"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -129,15 +153,24 @@ class ResponseBuilder:
             chunk["usage"] = usage_ if usage_ is not None or self.running_usage is None else self.running_usage()
         return b"data: " + encode_json(chunk) + b"\n\n"
 
+    def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
+        """The tool calls of a chat choice that ended normally (None: answer with content)."""
+        if self.tools is None or finish_reason != "stop":
+            return None
+        return self.tools.parse(text)
+
     def role_chunk(self, index: int, with_usage: bool) -> bytes:
         """The first chunk of a chat choice: the assistant role, no content yet."""
-        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        content = None if self.tools is not None else ""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                              "finish_reason": None}], None, with_usage)
 
     def piece_chunk(self, index: int, piece: Piece, with_usage: bool) -> bytes | None:
         """A content chunk (and/or the finish chunk) for one piece; None when there is nothing to say."""
         if not piece.text and not piece.logprobs and piece.finish_reason is None:
             return None
+        if self.tools is not None:
+            return self._tool_chunks(index, piece, with_usage)
         logprobs = self._logprobs(index, piece.logprobs) if piece.logprobs else None
         if self.chat:
             if not piece.text and not piece.logprobs:
@@ -153,6 +186,36 @@ class ResponseBuilder:
         else:
             choice = {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return self._chunk([choice], None, with_usage)
+
+    def _tool_chunks(self, index: int, piece: Piece, with_usage: bool) -> bytes | None:
+        st = self._tool_streams.setdefault(index, _ToolStream())
+        st.text += piece.text
+        out = b""
+        if self.tools.name is not None:  # the arguments of a named function, as they come
+            if piece.text or piece.logprobs:
+                if not st.call_id:
+                    st.call_id = tool_call_id()
+                    call = {"index": 0, **tool_call(self.tools.name, piece.text, st.call_id)}
+                else:
+                    call = {"index": 0, "function": {"arguments": piece.text}}
+                logprobs = self._logprobs(index, piece.logprobs) if piece.logprobs else None
+                out += self._chunk([{"index": index, "delta": {"tool_calls": [call]}, "logprobs": logprobs,
+                                     "finish_reason": None}], None, with_usage)
+        else:
+            st.logprobs.extend(piece.logprobs)
+        if piece.finish_reason is None:
+            return out or None
+        calls = self._calls(st.text, piece.finish_reason)
+        if self.tools.name is None:  # the whole array at once: calls, or the text that did not parse
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else \
+                {"content": st.text}
+            if calls or st.text or st.logprobs:
+                logprobs = self._logprobs(index, st.logprobs) if st.logprobs else None
+                out += self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
+                                   None, with_usage)
+        finish = "tool_calls" if calls else piece.finish_reason
+        return out + self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}], None,
+                                 with_usage)
 
     def usage_chunk(self, choices: Sequence[ChoiceOutput], prompt_tokens: int) -> bytes:
         """The last chunk before ``[DONE]`` when ``stream_options.include_usage`` is set."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, Spec
                        stop_strings)
 from .responses import DONE, ResponseBuilder, error_event, usage
 from .streaming import merge
+from .structured import structured_output
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -82,12 +84,18 @@ class CompletionService:
         count = 1 if chat else len(prompts_of(req))
         if req.n * count > self.max_n:
             raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
+        grammar = structured_output(req)
+        if grammar is not None and not model.card.structured_outputs:
+            raise InvalidRequest("this model's workers do not support structured outputs", grammar.field)
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
         if chat:
             messages = message_dicts(req)
+            tools = None
+            if req.tools and req.tool_choice != "none":
+                tools = [t.model_dump(exclude_none=True) for t in req.tools]
             # templating costs per message too: many short messages go to the thread as well
-            size = sum(len(m["content"]) for m in messages) + 64 * len(messages)
-            prompts = [await self._maybe_thread(size, tok.encode_chat, messages)]
+            size = sum(len(m["content"]) for m in messages) + 64 * len(messages) + (len(repr(tools)) if tools else 0)
+            prompts = [await self._maybe_thread(size, functools.partial(tok.encode_chat, tools=tools), messages)]
             field, max_tokens = "messages", req.max_completion_tokens or req.max_tokens
         else:
             prompts = []
@@ -127,13 +135,15 @@ class CompletionService:
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=max(0, req.top_k or 0), seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                    stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=top))
+                    stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=top,
+                    structured=grammar.spec if grammar else None))
                 prompt_of.append(p)
         hidden = set(stop_ids) | (set() if req.ignore_eos else set(model.card.eos_token_ids or tok.eos_token_ids))
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
-        builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None)
+        builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None,
+                                  grammar.tools if grammar else None)
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
                    stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
                    req.speculative)

@@ -65,20 +65,22 @@ class Tokenizer:
             return self._fast.decode([token_id], skip_special_tokens=False)
         return self._hf.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The chat template applied to ``messages`` with the assistant's turn opened."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` with the assistant's turn opened; ``tools``
+        (OpenAI's function definitions) go to templates that render them."""
         if not self.chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
         try:
             return self._hf.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
+                tools=tools or None,
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in the template
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from None
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template already writes the special tokens (BOS, role markers) it wants.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
         """Raise :class:`InvalidRequest` when a token id is outside the vocabulary."""

@@ -81,7 +81,7 @@ def test_malformed_bodies_are_400(http, raw):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"min_tokens": 10}, "min_tokens"),
         ({"whatever": True}, "whatever"),

@@ -1,0 +1,193 @@
+"""Structured outputs and forced tool calls: which grammar a request asks for, checked before it is sent.
+
+Contract: :func:`structured_output` turns a validated request into an :class:`OutputGrammar`: the
+:class:`StructuredOutput` the target worker enforces (a JSON schema, a regex or a choice), the
+parameter it came from, and a :class:`ToolCalls` when the output is a tool call; or raises
+:class:`InvalidRequest` naming the parameter. Sources, at most one per request:
+
+- ``response_format``: ``json_object`` (any JSON object) or ``json_schema`` (its ``schema``;
+  enforced whether or not ``strict`` is set);
+- vLLM's extensions ``guided_json``, ``guided_regex``, ``guided_choice``;
+- ``tool_choice`` ``"required"`` (a JSON array of one or more ``{"name", "arguments"}`` objects,
+  each against its function's parameters; one only with ``parallel_tool_calls: false``) or a
+  named function (the output is that function's arguments), as vLLM does.
+
+``tool_choice`` ``"auto"`` (OpenAI's default when ``tools`` are given) needs a parser for the
+model's own tool-call format and is refused; ``"none"`` ignores ``tools``. Every schema is compiled
+here once (llguidance, the engine the workers use, without the tokenizer) so a schema the engine
+cannot handle is a 400 naming its field, not a failed stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from runtime import InvalidRequest
+from runtime.messages import StructuredOutput
+
+from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
+
+JSON_OBJECT = {"type": "object"}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or choice list larger than this is refused
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(kind: str, text: str) -> str:
+    """llguidance's complaint about a grammar ("" when it compiles)."""
+    from llguidance import LLMatcher
+
+    try:
+        if kind == "json_schema":
+            grammar = LLMatcher.grammar_from_json_schema(text)
+        elif kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(text)
+        else:
+            grammar = LLMatcher.grammar_from_lark(text)
+    except ValueError as exc:
+        return str(exc)
+    return LLMatcher.validate_grammar(grammar)
+
+
+def _checked(spec: StructuredOutput, field: str) -> StructuredOutput:
+    if spec.json_schema:
+        kind, text = "json_schema", spec.json_schema
+    elif spec.regex:
+        kind, text = "regex", spec.regex
+    else:
+        kind, text = "choice", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"the grammar is {len(text)} characters long; at most {MAX_GRAMMAR_CHARS} are allowed",
+                             field)
+    error = _grammar_error(kind, text)
+    if error:
+        raise InvalidRequest(f"this {kind.replace('_', ' ')} is not supported: {error.strip()}", field)
+    return spec
+
+
+def _schema(schema: dict[str, Any], field: str) -> StructuredOutput:
+    return _checked(StructuredOutput(json_schema=msgspec.json.encode(schema).decode()), field)
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """How a choice's text becomes OpenAI ``tool_calls``: ``name`` set, the text is that function's
+    arguments; None, it is a JSON array of ``{"name", "arguments"}``."""
+
+    name: str | None = None
+
+    def parse(self, text: str) -> list[dict] | None:
+        """The tool calls in ``text`` (None when it does not parse: e.g. cut off by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:
+            return [tool_call(self.name, text)] if isinstance(value, dict) else None
+        if not isinstance(value, list) or not value:
+            return None
+        calls = []
+        for item in value:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            calls.append(tool_call(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False)))
+        return calls
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_choice(req: ChatCompletionRequest) -> tuple[StructuredOutput | None, ToolCalls | None]:
+    tools: list[ToolDefinition] = req.tools or []
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("'tool_choice' needs 'tools'", "tool_choice")
+        return None, None
+    names = [t.function.name for t in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise InvalidRequest(f"two tools are named {name!r}", f"tools[{i}].function.name")
+    if choice == "none":
+        return None, None
+    if choice is None or choice == "auto":
+        raise InvalidRequest("tool_choice 'auto' is not supported: this server has no parser for the model's own "
+                             "tool-call format; use tool_choice 'required' or name a function "
+                             "(OpenAI's default is 'auto' when 'tools' are given)", "tool_choice")
+    params = [t.function.parameters if t.function.parameters is not None else NO_ARGUMENTS for t in tools]
+    for i, schema in enumerate(params):  # each one on its own, so the error names the tool
+        _schema(schema, f"tools[{i}].function.parameters")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not among 'tools'", "tool_choice.function.name")
+        return _schema(params[names.index(name)], "tool_choice"), ToolCalls(name)
+    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                        "required": ["name", "arguments"], "additionalProperties": False}
+                       for name, schema in zip(names, params)]}
+    array = {"type": "array", "items": calls, "minItems": 1}
+    if req.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return _schema(array, "tools"), ToolCalls()
+
+
+@dataclass(frozen=True)
+class OutputGrammar:
+    spec: StructuredOutput
+    field: str  # the parameter that asked for it
+    tools: ToolCalls | None = None  # a forced tool call: how to read the output
+
+
+def structured_output(req: ChatCompletionRequest | CompletionRequest) -> OutputGrammar | None:
+    """The grammar ``req`` asks for (None: unconstrained)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", _schema(JSON_OBJECT, "response_format")))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequest("a json_schema response_format needs 'json_schema.schema'", "response_format.json_schema")
+        found.append(("response_format", _schema(fmt.json_schema.schema_, "response_format.json_schema.schema")))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise InvalidRequest("'guided_json' is not valid JSON", "guided_json") from None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("'guided_json' must be a JSON schema object", "guided_json")
+        found.append(("guided_json", _schema(schema, "guided_json")))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", _checked(StructuredOutput(regex=req.guided_regex), "guided_regex")))
+    if req.guided_choice is not None:
+        if any(not c for c in req.guided_choice):
+            raise InvalidRequest("'guided_choice' strings must not be empty", "guided_choice")
+        found.append(("guided_choice", _checked(StructuredOutput(choice=list(req.guided_choice)), "guided_choice")))
+    tools = None
+    if isinstance(req, ChatCompletionRequest):
+        spec, tools = _tool_choice(req)
+        if spec is not None:
+            found.append(("tool_choice", spec))
+    if len(found) > 1:
+        raise InvalidRequest(f"'{found[1][0]}' cannot be combined with '{found[0][0]}': one output grammar per request",
+                             found[1][0])
+    if not found:
+        return None
+    field, spec = found[0]
+    if req.ignore_eos:  # a finished grammar allows only EOS, which must end the output
+        raise InvalidRequest(f"'ignore_eos' cannot be combined with '{field}'", "ignore_eos")
+    if req.min_tokens:
+        raise InvalidRequest(f"'min_tokens' cannot be combined with '{field}'", "min_tokens")
+    return OutputGrammar(spec, field, tools if field == "tool_choice" else None)
