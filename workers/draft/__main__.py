@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="method suffix: stop a proposal once its estimated probability falls below this")
     parser.add_argument("--suffix-max-cached-outputs", type=int, default=10_000,
                         help="method suffix: finished outputs kept in the global tree, oldest evicted first (0: none)")
-    parser.add_argument("--suffix-max-cached-nodes", type=int, default=1_000_000,
-                        help="method suffix: node cap of the global tree (its memory; oldest outputs evicted first)")
+    parser.add_argument("--suffix-max-cached-nodes", type=int, default=500_000,
+                        help="method suffix: node cap of the global tree (about 300 B each; oldest outputs evicted first)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16)
     parser.add_argument("--speculative-eagle-topk", type=int, default=1,
                         help="draft trees (eagle3, eagle, draft_model, ngram, suffix): children per node and depth; 1 drafts chains. "

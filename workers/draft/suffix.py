@@ -51,7 +51,7 @@ class SuffixConfig:
     spec_factor: float = 1.0  # tokens proposed per matched token (bounded by γ)
     min_token_prob: float = 0.1  # stop a path once its estimated probability falls below this
     max_cached_outputs: int = 10_000  # outputs in the global tree
-    max_cached_nodes: int = 1_000_000  # nodes in the global tree (its memory: ~80-300 B per node)
+    max_cached_nodes: int = 500_000  # nodes in the global tree (its memory: about 300 B per node)
     tree_topk: int = 1  # children per node in tree proposals (1: chains); targets may ask per request
     tree_depth: int = 0  # tree depth (0: as deep as the node budget)
 
