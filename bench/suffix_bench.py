@@ -45,8 +45,10 @@ PEOPLE = ["Alice, 31, from Paris", "Bob, 45, from Tokyo", "Chen, 28, from Lima",
 CLASSES = ["User", "Order", "Invoice", "Product", "Shipment", "Payment", "Customer", "Review"]
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Lagos", "Cairo", "Zagreb", "Kyoto"]
 TEMPLATES = (
-    ("json", "Write a JSON object for a user profile with the fields name, age, city and email. The user is {}.", PEOPLE),
-    ("dataclass", "Write a Python dataclass named {} with fields id: int, name: str and created_at: datetime.", CLASSES),
+    ("json", "Write a JSON object for a user profile with the fields name, age, city and email. "
+             "The user is {}.", PEOPLE),
+    ("dataclass", "Write a Python dataclass named {} with fields id: int, name: str and created_at: datetime.",
+     CLASSES),
     ("sql", "Write a SQL query that selects the name and email of every customer from {} in the customers table.",
      CITIES),
 )
@@ -68,11 +70,13 @@ def new_totals() -> dict:
             "accepted": 0, "outputs": []}
 
 
-async def serve(client, inst, prompt: list[int], params: SamplingParams, gamma: int | None, acc: dict | None) -> list[int]:
+async def serve(client, inst, prompt: list[int], params: SamplingParams, gamma: int | None,
+                acc: dict | None) -> list[int]:
+    """One request; its tokens, timings and speculation counters added to ``acc`` (None: not measured)."""
     t = time.perf_counter()
     deltas, first_at, first_len = [], None, 0
-    async for delta in await client.call(inst.instance_id, GenerateRequest(prompt, params, num_speculative_tokens=gamma),
-                                         TokenDelta):
+    request = GenerateRequest(prompt, params, num_speculative_tokens=gamma)
+    async for delta in await client.call(inst.instance_id, request, TokenDelta):
         if first_at is None and delta.token_ids:
             first_at, first_len = time.perf_counter(), len(delta.token_ids)
         deltas.append(delta)
@@ -125,8 +129,8 @@ async def amain(args) -> None:
                      "suffix": (targets["smol-b"], None)}
             for inst in targets.values():  # process warm-up (the target opens its draft stream here)
                 for _ in range(2):
-                    await serve(client, inst, warm[0] if warm else prompts[0], SamplingParams(temperature=0, max_tokens=8),
-                                None, None)
+                    await serve(client, inst, (warm or prompts)[0], SamplingParams(temperature=0, max_tokens=8), None,
+                                None)
             for p in warm:
                 for method in ("ngram", "suffix"):
                     inst, gamma = where[method]
@@ -155,7 +159,8 @@ def report(args, totals: dict, num_prompts: int, wall: float) -> None:
     dps = {m: t["decode_tokens"] / t["decode_elapsed"] for m, t in totals.items()}
     shape = f"trees top-{args.tree_topk}" if args.tree_topk > 1 else "chains"
     print(f"\n## Suffix decoding: SmolLM2-135M, {num_prompts} prompts ({len(TEMPLATES)} templates, {args.warmup} "
-          f"warm-up per template), ≤ {args.max_tokens} tokens, greedy, batch 1, γ ≤ {args.gamma} adaptive, {shape}; "
+          f"warm-up per template), ≤ {args.max_tokens} tokens, greedy, batch 1, γ ≤ {args.gamma} adaptive, "
+          f"{shape}; "
           f"{plain['tokens']} tokens per method, outputs equal; wall {wall:.0f} s\n")
     print("| method | tokens/s | speedup vs plain (end to end) | decode-phase speedup | accepted / drafted "
           "| acceptance length (tokens per verify pass) | tokens per decode step |")
@@ -166,7 +171,8 @@ def report(args, totals: dict, num_prompts: int, wall: float) -> None:
             continue
         rate = t["accepted"] / t["draft_tokens"] if t["draft_tokens"] else 0.0
         length = 1 + t["accepted"] / t["drafts"] if t["drafts"] else 1.0
-        per_step = t["decode_tokens"] / (t["decode_tokens"] - t["accepted"]) if t["decode_tokens"] > t["accepted"] else 1.0
+        steps = t["decode_tokens"] - t["accepted"]  # one target token per decode step
+        per_step = t["decode_tokens"] / steps if steps > 0 else 1.0
         label = {"ngram": "n-gram prompt lookup", "suffix": "suffix decoding"}[m]
         print(f"| {label} | {tps[m]:.1f} | {tps[m] / tps['plain']:.2f}× | {dps[m] / dps['plain']:.2f}× | {rate:.2f} "
               f"| {length:.2f} | {per_step:.2f} |")
@@ -176,7 +182,8 @@ def report(args, totals: dict, num_prompts: int, wall: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-template", type=int, default=5, help="measured prompts per template (at most 8 - warmup)")
+    parser.add_argument("--per-template", type=int, default=5,
+                        help="measured prompts per template (at most 8 - warmup)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured prompts per template served first")
     parser.add_argument("--max-tokens", type=int, default=80)
     parser.add_argument("--gamma", type=int, default=8, help="the targets' --num-speculative-tokens")

@@ -27,14 +27,11 @@ sampled requests whatever they propose.
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass
 
 from .proposer import DraftInput, DraftOutput, VerifyResult
 from .suffix_tree import SuffixTree
 from .tree_search import tree_shape
-
-log = logging.getLogger(__name__)
 
 PROMPT_TAIL = 8  # prompt tokens put before each output in the global tree
 
@@ -104,7 +101,8 @@ class SuffixProposer:
         if len(tokens) > req.prompt_len and cfg.max_cached_outputs and cfg.max_cached_nodes:
             self.cache.add(next(self._keys), tokens[max(0, req.prompt_len - PROMPT_TAIL) :])
             self.cache.close(self.cache.newest())
-        while len(self.cache) and (len(self.cache) > cfg.max_cached_outputs or self.cache.num_nodes > cfg.max_cached_nodes):
+        while len(self.cache) and (len(self.cache) > cfg.max_cached_outputs
+                                   or self.cache.num_nodes > cfg.max_cached_nodes):
             self.cache.remove(self.cache.oldest())
             self.evicted += 1
 

@@ -153,6 +153,7 @@ def test_the_draft_worker_builds_it_from_its_flags():
     p = make_proposer(parse_args(["--method", "suffix", "--suffix-max-depth", "16", "--suffix-spec-factor", "2",
                                   "--suffix-max-cached-nodes", "5000", "--speculative-eagle-topk", "3"]))
     assert isinstance(p, SuffixProposer) and p.method == "suffix"
-    assert (p.config.max_depth, p.config.spec_factor, p.config.max_cached_nodes, p.config.tree_topk) == (16, 2.0, 5000, 3)
+    cfg = p.config
+    assert (cfg.max_depth, cfg.spec_factor, cfg.max_cached_nodes, cfg.tree_topk) == (16, 2.0, 5000, 3)
     with pytest.raises(SystemExit, match="suffix"):
         make_proposer(parse_args(["--method", "suffix", "--suffix-min-token-prob", "2"]))
