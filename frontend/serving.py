@@ -27,7 +27,7 @@ from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, Spec
                        stop_strings)
 from .responses import DONE, ResponseBuilder, error_event, usage
 from .streaming import merge
-from .structured import structured_output
+from .structured import asks_for_grammar, structured_output
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class CompletionService:
         count = 1 if chat else len(prompts_of(req))
         if req.n * count > self.max_n:
             raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
-        grammar = structured_output(req)
+        # compiling a schema to check it takes milliseconds (a large one 100 ms): off the event loop
+        grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
         if grammar is not None and not model.card.structured_outputs:
             raise InvalidRequest("this model's workers do not support structured outputs", grammar.field)
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)

@@ -38,9 +38,20 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or choice list larger than this is refused
 
 
-@functools.lru_cache(maxsize=256)
+CACHED_GRAMMAR_CHARS = 1 << 16  # verdicts on grammars up to this size are remembered (256 of them)
+
+
 def _grammar_error(kind: str, text: str) -> str:
-    """llguidance's complaint about a grammar ("" when it compiles)."""
+    """llguidance's complaint about a grammar ("" when it compiles); milliseconds for a large schema."""
+    return _cached_grammar_error(kind, text) if len(text) <= CACHED_GRAMMAR_CHARS else _compile_error(kind, text)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_grammar_error(kind: str, text: str) -> str:
+    return _compile_error(kind, text)
+
+
+def _compile_error(kind: str, text: str) -> str:
     from llguidance import LLMatcher
 
     try:
@@ -140,6 +151,15 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[StructuredOutput | None, T
     if req.parallel_tool_calls is False:
         array["maxItems"] = 1
     return _schema(array, "tools"), ToolCalls()
+
+
+def asks_for_grammar(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether :func:`structured_output` has anything to do (cheap: no compiling)."""
+    fmt = req.response_format
+    if (fmt is not None and fmt.type != "text") or req.guided_json is not None or req.guided_regex is not None \
+            or req.guided_choice is not None:
+        return True
+    return isinstance(req, ChatCompletionRequest) and bool(req.tools or req.tool_choice not in (None, "none"))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from frontend.output import LogprobEntry, Piece
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, check_supported, parse
 from frontend.responses import ResponseBuilder
 from frontend.serving import CompletionService
-from frontend.structured import ToolCalls, structured_output
+from frontend.structured import ToolCalls, asks_for_grammar, structured_output
 from frontend.tokenizer import Tokenizer
 from runtime import InvalidRequest
 from runtime.messages import ModelCard
@@ -47,6 +47,8 @@ def test_response_formats_become_json_schemas():
     assert schema_of(g) == schema
     assert structured_output(request({"response_format": {"type": "text"}})) is None
     assert structured_output(request({})) is None
+    assert not asks_for_grammar(request({"response_format": {"type": "text"}})) and not asks_for_grammar(request({}))
+    assert asks_for_grammar(request({"guided_regex": "a"}, chat=False)) and asks_for_grammar(request({"tools": [WEATHER]}))
     # completions take them too
     assert schema_of(structured_output(request({"response_format": {"type": "json_object"}}, chat=False))) == {"type": "object"}
 
