@@ -10,7 +10,9 @@ import asyncio
 import socket
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import GenerateRequest, SamplingParams, SpecStatsEvent, TokenDelta
@@ -52,7 +54,7 @@ async def start_target(rt, spawn, target_dir):
 def start_draft(spawn, target_dir, name="draft"):
     # The target's own weights as the draft model: every draft is accepted.
     return spawn("workers.draft", "--method", "draft_model", "--draft-model", str(target_dir), "--block-size", "8",
-                 "--num-blocks", "512", "--lease-ttl", "3", name=name)
+                 "--num-blocks", "512", "--lease-ttl", "3", "--health-port", "0", name=name)
 
 
 async def until_speculating(client, inst, timeout: float = 60.0) -> None:
@@ -98,6 +100,24 @@ async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(r
     latest = [s for s in stats if s.draft_id == draft.instance_id][-1]
     assert latest.num_accepted_tokens == latest.num_draft_tokens and latest.method == "draft_model"
     assert latest.accepted_per_pos[0] == latest.num_drafts
+
+    # The draft worker's own metrics: what it proposed, in which batches, how fast, and what was accepted.
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://{draft.http_address}/metrics")).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") == "draft" and sample.labels.get("method") == "draft_model":
+                values[sample.name] = sample.value
+    assert values["tandem_draft_target_streams"] == 1
+    assert values["tandem_draft_proposals_total"] >= latest.num_drafts > 0
+    assert values["tandem_draft_draft_tokens_total"] >= latest.num_draft_tokens
+    # verdicts come back for rounds the sequence goes on after (a finished sequence is released instead)
+    assert 0 < values["tandem_draft_accepted_tokens_total"] <= latest.num_accepted_tokens
+    assert values["tandem_draft_verdicts_total"] > 0
+    assert values["tandem_draft_propose_calls_total"] == values["tandem_draft_batch_size_count"] == \
+        values["tandem_draft_proposal_seconds_count"] > 0
+    assert values["tandem_draft_hidden_state_bytes_total"] == 0  # a draft model reads no hidden states
 
 
 async def test_killing_the_draft_mid_request_falls_back_and_restarting_resumes(rt, spawn, target_dir):

@@ -14,6 +14,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import grpc
+from prometheus_client import REGISTRY
 
 from proto import spec_pb2_grpc
 from runtime import Runtime
@@ -21,6 +22,7 @@ from runtime.config import add_runtime_args, config_from_args
 from runtime.messages import ModelCard
 from runtime.service import run_service
 
+from .metrics import DraftCollector
 from .ngram import NgramProposer
 from ..speculation.tls import ServerTls
 from .service import DraftService
@@ -142,6 +144,7 @@ async def amain(args: argparse.Namespace) -> None:
     config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(config) as rt:
         service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
+        REGISTRY.register(DraftCollector(service, args.model_name or "draft", args.method))
         await service.start()
         # gRPC sets SO_REUSEPORT by default: a second server could then bind a port already in use
         # (asked-for or picked by port 0, grpc/grpc#10755) and targets would reach the wrong process.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,7 @@ from proto import spec_pb2, spec_pb2_grpc
 
 from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
 from ..speculation.tree import tree_depths
+from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._work: asyncio.Queue = asyncio.Queue()  # (kind, stream, payload)
         self._task: asyncio.Task | None = None
         self.streams: dict[int, _Stream] = {}
-        self.batches = 0  # propose() calls made
-        self.proposals = 0  # sequences proposed for
-        self.drafted_ahead = 0  # draft-ahead passes run
+        self.stats = DraftStats()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="draft-batcher")
@@ -111,9 +111,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._ahead.clear()
         for length, seq_ids in by_gamma.items():
             await asyncio.to_thread(self.proposer.predraft, seq_ids, length)
-        self.drafted_ahead += 1
+        self.stats.drafted_ahead += 1
 
     def _note_verdicts(self, results) -> None:
+        self.stats.verdicts += len(results)
+        self.stats.accepted_tokens += sum(result.num_accepted for result in results)
         for result in results:
             proposed = self._proposed.get(result.seq_id, 0)
             if proposed:
@@ -126,14 +128,19 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         if self.overlap:
             self._ahead.update((d.seq_id, d.num_tokens) for d in inputs
                                if d.num_tokens > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
+        started = time.perf_counter()
         outputs = await asyncio.to_thread(self.proposer.propose, inputs)
+        stats = self.stats
+        stats.latency.observe(time.perf_counter() - started)
+        stats.batch_size.observe(len(inputs))
         for out in outputs:  # drafting ahead extends a chain; a tree is drafted afresh each round
             if out.is_tree:
                 self._ahead.pop(out.seq_id, None)
         self._proposed.update((out.seq_id, max(tree_depths(out.parents)) if out.is_tree else len(out.token_ids))
                               for out in outputs)
-        self.batches += 1
-        self.proposals += len(outputs)
+        stats.propose_calls += 1
+        stats.proposals += len(outputs)
+        stats.draft_tokens += sum(len(out.token_ids) for out in outputs)
         per_stream: dict[int, list] = {}
         for (stream, _), out in zip(batch, outputs):
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(out))
@@ -171,6 +178,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         max_speculative_tokens=self.max_speculative_tokens,
                         hidden_dtype=getattr(self.proposer, "hidden_dtype", ""))))
                 elif body == "propose":
+                    self.stats.hidden_bytes += sum(len(t.data) for r in msg.propose.requests for t in r.hidden_states)
                     inputs = []
                     for r in msg.propose.requests:
                         d = draft_input_from_pb(r)
@@ -181,6 +189,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         inputs.append(d)
                     self._work.put_nowait(("propose", stream, inputs))
                 elif body == "verify":
+                    self.stats.hidden_bytes += sum(len(t.data) for o in msg.verify.outcomes for t in o.hidden_states)
                     self._work.put_nowait(("verify", stream, [verify_from_pb(o) for o in msg.verify.outcomes]))
                 elif body == "release":
                     seqs.difference_update(msg.release.seq_ids)

@@ -22,12 +22,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import bisect
 import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from runtime.histogram import Histogram
 from runtime.messages import TokenDelta
 from runtime.spec_stats import SpecCounters
 
@@ -37,29 +37,6 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
-
-
-@dataclass
-class Histogram:
-    """Cumulative-at-exposition bucket counts for a HistogramMetricFamily."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-        self.counts[bisect.bisect_left(self.bounds, value)] += times
-        self.total += value * times
-
-    def buckets(self) -> list[tuple[str, float]]:
-        counts = self.counts or [0] * (len(self.bounds) + 1)
-        out, acc = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), counts):
-            acc += n
-            out.append((bound, acc))
-        return out
 
 
 @dataclass
