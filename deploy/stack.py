@@ -79,7 +79,7 @@ class StackConfig:
         if self.draft_method in ("draft_model", *HEAD_METHODS) and not self.draft_model and self.num_drafts:
             what = "a draft head directory" if self.draft_method in HEAD_METHODS else "a draft model"
             raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH ({what})")
-        if self.draft_model and self.draft_method in ("ngram", "none"):
+        if self.draft_model and self.draft_method in ("ngram", "suffix", "none"):
             raise ValueError(f"--draft-model applies to draft_model, eagle3 and eagle, not --draft-method "
                              f"{self.draft_method}")
         if self.draft_method == "none" and self.drafts:

@@ -27,6 +27,7 @@ def ports_for(config: StackConfig, drafts_available: bool = True) -> dict[str, i
     ({"draft_method": "eagle", "drafts": 2}, "--draft-model"),
     ({"model": "/m", "draft_method": "eagle3"}, "--draft-model PATH \\(a draft head directory\\)"),
     ({"draft_method": "ngram", "draft_model": "/h"}, "--draft-model applies to"),
+    ({"draft_method": "suffix", "draft_model": "/h"}, "not --draft-method suffix"),
     ({"draft_method": "none", "drafts": 1}, "--draft-method none"),
     ({"mock": True, "drafts": 1}, "no draft workers"),
 ])
