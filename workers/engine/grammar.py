@@ -158,11 +158,16 @@ class Grammar:
         """The mask for the next token into ``row`` [words] int32."""
         self._fill(self._matcher, row)
 
-    def fill_draft(self, rows: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] = ()) -> None:
+    def fill_draft(self, rows: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] = ()) -> list[int]:
         """Masks for a verify step into ``rows`` [len(tokens) + 1, words] int32: row 0 after the committed
         tokens, row i + 1 after the path to draft token i. ``parents``: the draft tree (see
-        :mod:`workers.speculation.tree`: -1 is the root, else an earlier token index); empty: a chain."""
+        :mod:`workers.speculation.tree`: -1 is the root, else an earlier token index); empty: a chain.
+
+        Returns the draft tokens worth verifying, in order: those whose parent's mask allows them,
+        plus the first forbidden child of each (its rejection is sampled with its draft probability;
+        what lies below it can never be accepted)."""
         k = len(tokens)
+        reachable: list[int] = []
         kids: list[list[int]] = [[] for _ in range(k + 1)]
         for i in range(k):
             kids[(parents[i] if parents else i - 1) + 1].append(i)
@@ -172,6 +177,7 @@ class Grammar:
             node, matcher = stack.pop()
             self._fill(matcher, rows[node])
             for i in kids[node]:
+                reachable.append(i)
                 if not _allowed(rows[node], tokens[i]):
                     continue
                 child = matcher.deep_copy()
@@ -179,6 +185,7 @@ class Grammar:
                     stack.append((i + 1, child))
                 else:  # the mask allowed it but the matcher did not: forbid it here
                     _set_bit(rows[node], tokens[i], False)
+        return sorted(reachable)
 
     def accept(self, tokens: Sequence[int]) -> bool:
         """Advance by committed tokens; False (and the matcher then allows only EOS) if one is refused."""

@@ -33,31 +33,14 @@ from ..engine.grammar import Grammar, GrammarBackend
 from ..engine.model import DecoderModel
 from ..engine.sampling import apply_token_bitmask, apply_top_k_top_p, is_greedy, logprobs_of
 from ..engine.sequence import Sequence
-from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
+from ..speculation.payloads import PAD, DraftInput, DraftOutput, SamplingSpec, VerifyResult
 from ..speculation.rejection import rejection_sample, sparse_to_dense
 from ..speculation.tree import chain_parents, parent_nodes, tree_depths, valid_parents
 from ..speculation.tree_rejection import tree_rejection_sample
 from .budget import Acceptance, RealizedRates, StepCost, plan
+from .drafted import Drafted
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Drafted:
-    """A proposal attached to a sequence for this step: its tokens follow the committed ones."""
-
-    seq: Sequence
-    tokens: list[int]
-    dists: list[SparseDist]
-    parents: list[int]  # empty: a chain
-
-    @property
-    def depth(self) -> int:
-        return max(tree_depths(self.parents)) if self.parents else len(self.tokens)
-
-    def keep(self, n: int) -> _Drafted:
-        """The first n tokens (parents precede children, so they still form a tree)."""
-        return _Drafted(self.seq, self.tokens[:n], self.dists[:n], self.parents[:n])
 
 
 @dataclass
@@ -286,7 +269,7 @@ class SpecEngine(Engine):
             outputs.extend(self._verify([drafted[s.request_id] for s in verify], out.logits, verify_rows))
         return outputs
 
-    def _attach(self, proposals: dict[str, DraftOutput]) -> dict[str, _Drafted]:
+    def _attach(self, proposals: dict[str, DraftOutput]) -> dict[str, Drafted]:
         drafted = {}
         for seq in self.scheduler.running:
             prop = proposals.get(seq.request_id)
@@ -301,12 +284,19 @@ class SpecEngine(Engine):
                 continue
             room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
             k = min(len(prop.token_ids), max(st.cap, 1), self.max_model_len - len(seq) - 1)
-            d = _Drafted(seq, list(prop.token_ids), list(prop.distributions),
+            d = Drafted(seq, list(prop.token_ids), list(prop.distributions),
                          list(prop.parents) if prop.is_tree else [])
             if d.parents:  # nodes within the budget (a prefix), and no deeper than can be emitted
-                d = _prune_depth(d.keep(k), room)
+                d = d.keep(k)
+                depth = tree_depths(d.parents)
+                d = d.subset([i for i in range(len(d.tokens)) if depth[i] <= room])
             else:
                 d = d.keep(min(k, room))
+            if d.tokens and seq.grammar is not None:
+                # Structured output: the grammar's masks for every node, and nothing below a token it
+                # forbids (that token is rejected for certain; it stays, its rejection uses its q).
+                d.masks = self.grammars.new_masks(len(d.tokens) + 1)
+                d = d.subset(seq.grammar.fill_draft(d.masks, d.tokens, d.parents))
             if d.tokens:
                 seq.token_ids.extend(d.tokens)
                 drafted[seq.request_id] = d
@@ -344,7 +334,7 @@ class SpecEngine(Engine):
                                        torch.full((rows,), p.top_p, device=logits.device))
         return scaled.softmax(-1)
 
-    def _verify(self, drafted: list[_Drafted], logits: torch.Tensor,
+    def _verify(self, drafted: list[Drafted], logits: torch.Tensor,
                 rows: list[list[int]]) -> list[tuple[str, TokenDelta]]:
         batch, width, vocab = len(drafted), max(len(d.tokens) for d in drafted), logits.shape[-1]
         dev = logits.device
@@ -359,11 +349,7 @@ class SpecEngine(Engine):
         for b, (d, r) in enumerate(zip(drafted, rows)):
             k, seq = len(d.tokens), d.seq
             depths = [0] + (tree_depths(d.parents) if d.parents else list(range(1, k + 1)))
-            masks = None
-            if seq.grammar is not None:
-                masks = self.grammars.new_masks(k + 1)
-                seq.grammar.fill_draft(masks, d.tokens, d.parents)
-            target[b, : k + 1] = self._target_probs(seq, logits[r], depths, masks)
+            target[b, : k + 1] = self._target_probs(seq, logits[r], depths, d.masks)
             tokens[b, :k] = torch.tensor(d.tokens, device=dev)
             num_draft[b] = k
             greedy[b] = is_greedy(seq.params.temperature)
@@ -397,7 +383,7 @@ class SpecEngine(Engine):
             results.append(self._commit(d, out_tokens[b], chosen, logits[[r[0]] + [r[1 + i] for i in chosen]]))
         return results
 
-    def _commit(self, d: _Drafted, out: torch.Tensor, path: list[int], logits: torch.Tensor) -> tuple[str, TokenDelta]:
+    def _commit(self, d: Drafted, out: torch.Tensor, path: list[int], logits: torch.Tensor) -> tuple[str, TokenDelta]:
         """Commit the accepted drafts (token indices ``path``, in order) and the final token;
         ``logits`` [len(path) + 1, V] are the rows of the root and of the accepted nodes."""
         seq, k, accepted = d.seq, len(d.tokens), len(path)
@@ -496,13 +482,3 @@ class SpecEngine(Engine):
             st.hidden_base = start
         return out
 
-
-def _prune_depth(d: _Drafted, max_depth: int) -> _Drafted:
-    """The tree without nodes deeper than ``max_depth`` (their descendants go too); indices renumbered."""
-    depth = tree_depths(d.parents)
-    keep = [i for i in range(len(d.tokens)) if depth[i] <= max_depth]
-    if len(keep) == len(d.tokens):
-        return d
-    new_index = {old: new for new, old in enumerate(keep)}
-    parents = [d.parents[i] if d.parents[i] < 0 else new_index[d.parents[i]] for i in keep]
-    return _Drafted(d.seq, [d.tokens[i] for i in keep], [d.dists[i] for i in keep] if d.dists else [], parents)

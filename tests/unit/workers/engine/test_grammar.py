@@ -79,7 +79,7 @@ def test_verify_masks_of_a_chain_match_stepwise_masks(backend, tok):
     g = schema_grammar(backend)
     assert g.accept(prefix)
     rows = backend.new_masks(len(drafts) + 1)
-    g.fill_draft(rows, drafts)
+    assert g.fill_draft(rows, drafts) == list(range(len(drafts)))  # every draft is worth verifying
     ref = schema_grammar(backend)
     ref.accept(prefix)
     one = backend.new_masks(1)[0]
@@ -97,7 +97,7 @@ def test_a_forbidden_draft_token_is_masked_and_nothing_below_it_is_constrained(b
     [opening], [closing], [key] = tok.encode('{"').ids, tok.encode("}").ids, tok.encode("city").ids
     drafts = [opening, closing, key]  # '{"' then '}': a key must follow, so '}' is forbidden
     rows = backend.new_masks(len(drafts) + 1)
-    g.fill_draft(rows, drafts)
+    assert g.fill_draft(rows, drafts) == [0, 1]  # the forbidden draft is verified (rejected), not what follows
     assert opening in allowed(rows[0]) and key in allowed(rows[1])
     assert closing not in allowed(rows[1])  # the target gives the forbidden draft probability 0
     assert bool((rows[2:] == -1).all())  # rows under it are never used: unconstrained
@@ -112,7 +112,7 @@ def test_verify_masks_of_a_tree_follow_each_path(backend, tok):
     tokens = [one, x, two, two, one, close]
     parents = [-1, -1, -1, 0, 1, 2]
     rows = backend.new_masks(len(tokens) + 1)
-    g.fill_draft(rows, tokens, parents)
+    assert g.fill_draft(rows, tokens, parents) == [0, 1, 2, 3, 5]  # not the child of the forbidden "x"
     ref = backend.new_masks(1)[0]
 
     def mask_after(path):

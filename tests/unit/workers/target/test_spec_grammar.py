@@ -112,3 +112,79 @@ def test_structured_requests_a_worker_cannot_serve_are_refused(setup):
     with pytest.raises(InvalidRequest) as info:
         engine.add_request("bad", [1, 2], SamplingParams(structured=STRUCTURED), output_ids=[100, 101])
     assert info.value.field == "output_ids"
+
+
+# --------------------------------------------------------------------------- sampling: χ² against the exact marginals
+
+TINY_CHARS = "abcdefgh{}\":, 0123456789xyz[]"  # token i + 1 is character i; token 0 is EOS
+TINY_VOCAB = 32
+TINY_PROMPT = [9, 10, 11, 12, 1, 2]
+REGEX = StructuredOutput(regex="[a-h]{1,3}")
+
+
+def tiny_tokenizer(path) -> str:
+    """A byte-level tokenizer.json of single characters, so that a 32-token model can follow a grammar."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    byte_char = {b: chr(b) for b in printable}
+    byte_char.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)})
+    vocab = {"<eos>": 0} | {byte_char[ord(c)]: i + 1 for i, c in enumerate(TINY_CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(path))
+    return str(path)
+
+
+def allowed_ids(grammars: GrammarBackend, prefix: list[int]) -> list[int]:
+    g = grammars.grammar(REGEX)
+    assert g.accept(prefix)
+    row = grammars.new_masks(1)[0]
+    g.fill(row)
+    return [t for t in range(TINY_VOCAB) if (int(row[t >> 5]) >> (t & 31)) & 1]
+
+
+def test_sampled_speculation_under_a_grammar_has_the_masked_target_marginals(tmp_path):
+    """The first token comes from prefill, the second from the first verify step. Under the grammar
+    alone its exact marginal is Σ_x1 p(x1) p(x2 | x1), each p the target's distribution masked to what
+    the grammar allows there; a sampling draft model that knows nothing of the grammar proposes."""
+    import torch
+    import transformers
+
+    from tests.unit.workers.speculation.test_rejection import chi2_pvalue
+
+    tiny_hf_model("llama", tmp_path / "t", seed=21, vocab=TINY_VOCAB, layers=2)
+    tiny_hf_model("llama", tmp_path / "d", seed=22, vocab=TINY_VOCAB, layers=1)
+    grammars = GrammarBackend(tiny_tokenizer(tmp_path / "tokenizer.json"), TINY_VOCAB, [0])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "t").eval()
+
+    def masked(logits, ids):  # the target's distribution restricted to ``ids``
+        out = torch.full_like(logits, float("-inf"))
+        out[ids] = logits[ids]
+        return out.softmax(-1).double()
+
+    first = allowed_ids(grammars, [])
+    with torch.inference_mode():
+        p1 = masked(hf(torch.tensor([TINY_PROMPT])).logits[0, -1], first)
+        rows = hf(torch.tensor([TINY_PROMPT + [x] for x in first])).logits[:, -1]
+    p2 = sum(p1[x] * masked(rows[i], allowed_ids(grammars, [x])) for i, x in enumerate(first))
+
+    cfg = EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
+    engine = SpecEngine(load_model(tmp_path / "t"), cfg, eos_token_ids=(0,), grammars=grammars,
+                        num_speculative_tokens=2)
+    proposer = DraftModelProposer(load_model(tmp_path / "d"), num_blocks=4096, block_size=4, max_support=16)
+    torch.manual_seed(4321)
+    params = SamplingParams(temperature=1.0, max_tokens=3, structured=REGEX)
+    firsts, seconds, n = [], [], 2000
+    for start in range(0, n, 250):
+        out = run_spec(engine, proposer, {str(i): TINY_PROMPT for i in range(start, start + 250)}, params)
+        firsts += [t[0] for t in out.values()]
+        seconds += [t[1] for t in out.values()]
+    assert chi2_pvalue(torch.bincount(torch.tensor(firsts), minlength=TINY_VOCAB), p1) > 1e-4
+    assert chi2_pvalue(torch.bincount(torch.tensor(seconds), minlength=TINY_VOCAB), p2) > 1e-4
+    counters = engine.counters[""]
+    assert counters.num_drafts >= n  # the second token of every request went through a verify step
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # accepted and rejected drafts
