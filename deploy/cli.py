@@ -12,6 +12,7 @@ import os
 import sys
 
 from deploy.stack import DRAFT_METHODS, ROUTER_MODES, StackConfig
+from runtime.config import apply_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="mock worker time per generated token (0: as fast as possible)")
     parser.add_argument("--namespace", default=None, help="Tandem namespace (env TANDEM_NAMESPACE, default tandem)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds a stopping worker may drain")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="log level of tandem and its children")
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the whole stack locally on 127.0.0.1")
     add_stack_args(up)
-    up.add_argument("--etcd", default=None, help="use this etcd (URL) instead of starting one")
-    up.add_argument("--nats", default=None, help="use this NATS server (URL) instead of starting one")
+    up.add_argument("--etcd", default=None, help="use this etcd (URL) instead of starting one (default: start one)")
+    up.add_argument("--nats", default=None, help="use this NATS server (URL) instead of starting one (default: start one)")
     up.add_argument("--etcd-port", type=int, default=0, help="port for the etcd it starts (default: free)")
     up.add_argument("--nats-port", type=int, default=0, help="port for the nats-server it starts (default: free)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -81,15 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     ray_up = ray_sub.add_parser("up", help="place the components as Ray actors")
     add_stack_args(ray_up)
     ray_up.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
-    ray_up.add_argument("--etcd", default=os.environ.get("TANDEM_ETCD"), required="TANDEM_ETCD" not in os.environ,
+    ray_up.add_argument("--etcd", required=True,
                         help="etcd URL reachable from every Ray node (env TANDEM_ETCD)")
-    ray_up.add_argument("--nats", default=os.environ.get("TANDEM_NATS"), required="TANDEM_NATS" not in os.environ,
+    ray_up.add_argument("--nats", required=True,
                         help="NATS URL reachable from every Ray node (env TANDEM_NATS)")
     ray_up.add_argument("--gpus-per-worker", type=float, default=1.0,
                         help="GPUs reserved per target/draft actor (real model; 0 for CPU clusters)")
     ray_up.add_argument("--cpus-per-component", type=float, default=1.0, help="CPUs reserved per actor")
     ray_up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    return parser
+    return apply_env_defaults(parser)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -108,16 +109,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="conversations per data shard")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary (most frequent reply tokens)")
     p.add_argument("--steps", type=int, default=3, help="training-time-test steps (and the head's default γ)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--epochs", type=int, default=2, help="passes over the training data")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=50, help="warm-up optimizer steps")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
     p.add_argument("--save-every", type=int, default=100, help="optimizer steps between checkpoints")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed for prompts and training")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default="float16", help="dtype of the written head")
-    p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "info"))
+    p.add_argument("--log-level", default="info", help="log level")
 
 
 def train_draft(args: argparse.Namespace) -> None:

@@ -42,10 +42,12 @@ def _row(action: argparse.Action) -> str | None:
         flags += " {" + ",".join(map(str, action.choices)) + "}"
     default = "" if action.default in (None, argparse.SUPPRESS, False) or isinstance(
         action, argparse._StoreTrueAction) else f"`{action.default}`"
-    text = (action.help or "").replace("|", "\\|").replace("\n", " ")
-    if text == argparse.SUPPRESS:
+    if action.help == argparse.SUPPRESS:
         return None
-    return f"| {flags} | {default} | {text} |"
+    text = getattr(action, "plain_help", action.help) or ""
+    text = text.replace("%%", "%").replace("|", "\\|").replace("\n", " ")
+    env = f"`{action.env_var}`" if getattr(action, "env_var", None) else ""
+    return f"| {flags} | {default} | {env} | {text} |"
 
 
 def render() -> str:
@@ -61,14 +63,14 @@ def _render() -> str:
     lines = ["# Command-line reference", "",
              "Generated from the parsers by `python -m deploy.cli_reference`; "
              "`tests/unit/deploy/test_cli_reference.py` fails when it is stale.",
-             "Runtime flags (`--etcd`, `--nats`, `--namespace`, ...) also read `TANDEM_*` environment variables "
-             "where noted.", ""]
+             "Every flag also reads the environment variable in its `env` column (`TANDEM_` and the flag's name); "
+             "a flag on the command line wins. See [configuration.md](configuration.md).", ""]
     for title, module, path in COMMANDS:
         parser = _sub(importlib.import_module(module).build_parser(), path)
         lines += [f"## `{title}`", ""]
         if parser.description:
             lines += [parser.description.strip().split("\n")[0], ""]
-        lines += ["| flag | default | what |", "|---|---|---|"]
+        lines += ["| flag | default | env | what |", "|---|---|---|---|"]
         lines += [row for row in map(_row, parser._actions) if row]
         lines.append("")
     return "\n".join(lines)

@@ -210,7 +210,7 @@ class Launcher:
 
     def _announce(self) -> None:
         name = self.config.model_name(self._model_path)
-        worker = (f"workers.mock --model-name {name}" if self.config.mock
+        worker = (f"workers.mock --served-model-name {name}" if self.config.mock
                   else f"workers.target --model {self._model_path} --served-model-name {name}")
         for comp in self._components:
             log.info("%-10s pid %-7d health http://127.0.0.1:%s/health", comp.name, self._children[comp.name].pid,

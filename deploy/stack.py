@@ -167,29 +167,30 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
     out: list[Component] = []
     if config.standalone_router:
         out.append(Component("router", "router", "router",
-                             ("--http-port", str(ports["router"]), "--mode", config.router_mode),
+                             ("--http-port", str(ports["router"]), "--router-mode", config.router_mode),
                              ports["router"]))
     if drafts_available:
         for i in range(config.num_drafts):
             cname = f"draft-{i}"
-            args = ["--method", config.draft_method, "--model-name", name, "--health-port", str(ports[cname])]
+            args = ["--draft-method", config.draft_method, "--served-model-name", name,
+                    "--health-port", str(ports[cname])]
             if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
                 args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
             elif config.draft_model:
                 args += ["--draft-model", config.draft_model]
             if config.num_speculative_tokens is not None:
-                args += ["--max-speculative-tokens", str(config.num_speculative_tokens)]
+                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
             if config.speculative_eagle_topk is not None:
                 args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
             if config.speculative_num_steps is not None:
                 args += ["--speculative-num-steps", str(config.speculative_num_steps)]
             out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
-                                 optional_flags=("--max-speculative-tokens", "--speculative-eagle-topk",
+                                 optional_flags=("--num-speculative-tokens", "--speculative-eagle-topk",
                                                  "--speculative-num-steps")))
     for i in range(config.targets):
         cname = f"target-{i}"
         if config.mock:
-            args = ["--model-name", name, "--health-port", str(ports[cname])]
+            args = ["--served-model-name", name, "--health-port", str(ports[cname])]
             if config.mock_token_latency_ms is not None:
                 args += ["--token-latency-ms", f"{config.mock_token_latency_ms:g}"]
             if config.num_speculative_tokens is not None:

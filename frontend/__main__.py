@@ -13,7 +13,7 @@ import sys
 
 from router.base import ROUTER_MODES
 from runtime import Runtime
-from runtime.config import add_runtime_args, config_from_args
+from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.service import run_service
 
 from .app import Frontend, RouterUnavailable
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(parser)
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    parser.add_argument("--router-mode", default="round_robin", choices=ROUTER_MODES)
+    parser.add_argument("--router-mode", default="round_robin", choices=ROUTER_MODES, help="how requests pick a worker")
     parser.add_argument("--remote-router", action="store_true",
                         help="route through the shared `python -m router` service instead of an embedded router")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get a 413")
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
     parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
-    parser.add_argument("--log-level", default=None)
-    return parser
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    return apply_env_defaults(parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from prometheus_client import REGISTRY
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, config_from_args
+from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import RouteRelease, RouteRequest
 from runtime.service import run_service
 
@@ -57,7 +57,7 @@ class RouterServiceConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m router", description="Tandem shared router service")
     add_runtime_args(parser)
-    parser.add_argument("--mode", default="kv", choices=ROUTER_MODES)
+    parser.add_argument("--router-mode", "--mode", dest="mode", default="kv", choices=ROUTER_MODES, help="routing policy")
     parser.add_argument("--http-port", type=int, default=None,
                         help="serve /live, /health, /metrics, /v1/spec_stats here (same as --health-port)")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size until workers' events say theirs")
@@ -66,13 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queue-weight", type=float, default=KvRouterConfig.queue_weight,
                         help="cost of one queued request, in blocks")
     parser.add_argument("--temperature", type=float, default=0.0, help="softmax temperature (0: cheapest wins)")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="random seed for --router-mode random (default: unseeded)")
     parser.add_argument("--no-dump", action="store_true", help="do not ask workers for their cache state at start")
     parser.add_argument("--stats-window", type=float, default=60.0, help="sliding window of spec-decode stats, seconds")
     parser.add_argument("--selection-ttl", type=float, default=600.0, help="forget unreleased selections after this")
-    parser.add_argument("--drain-timeout", type=float, default=5.0)
-    parser.add_argument("--log-level", default=None)
-    return parser
+    parser.add_argument("--drain-timeout", type=float, default=5.0, help="seconds open requests get on SIGTERM")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    return apply_env_defaults(parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field, replace
 from urllib.parse import unquote, urlparse
@@ -130,7 +131,7 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--etcd", default=None, help=f"etcd URL (env TANDEM_ETCD, default {DEFAULT_ETCD})")
     parser.add_argument("--nats", default=None, help=f"NATS URL (env TANDEM_NATS, default {DEFAULT_NATS})")
     parser.add_argument("--namespace", default=None, help="namespace (env TANDEM_NAMESPACE, default tandem)")
-    parser.add_argument("--lease-ttl", type=int, default=None, help="etcd lease TTL in seconds (default 10)")
+    parser.add_argument("--lease-ttl", type=int, default=None, help="etcd lease TTL in seconds (env TANDEM_LEASE_TTL, default 10)")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /live, /health and /metrics on this port (0: any free port; default: off)")
     parser.add_argument("--health-host", default=None, help="address for the health port (default 127.0.0.1)")
@@ -153,6 +154,81 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=None,
                         help="seconds to keep trying NATS and etcd at start-up before exiting with an error "
                              "(env TANDEM_CONNECT_TIMEOUT, default 30)")
+
+
+ENV_PREFIX = "TANDEM_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def env_name(action: argparse.Action) -> str:
+    """``TANDEM_<FLAG>`` for an option: its first long spelling (the canonical one), upper case."""
+    flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ=None) -> argparse.ArgumentParser:
+    """Give every option of ``parser`` (and of its sub-commands) a ``TANDEM_<FLAG>`` fallback.
+
+    A set variable becomes the option's default (converted with the option's type, checked against
+    its choices; a switch reads 1/true/yes/on or 0/false/no/off), so a flag on the command line still
+    wins. A bad value exits through ``parser.error`` naming the variable. Each option's help gains
+    its variable and its default; ``action.env_var`` and ``action.plain_help`` keep both apart for
+    the generated reference.
+    """
+    environ = os.environ if environ is None else environ
+    seen: set[int] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    apply_env_defaults(sub, environ)
+            continue
+        if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        if action.help == argparse.SUPPRESS or hasattr(action, "env_var"):
+            continue
+        name = env_name(action)
+        raw = environ.get(name)
+        if raw is not None and (raw != "" or isinstance(action, argparse._StoreConstAction)):
+            action.default = _from_env(parser, action, name, raw)
+            action.required = False
+        action.env_var, action.plain_help = name, action.help or ""
+        action.help = _help_with_env(action, name)
+    return parser
+
+
+def _from_env(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str):
+    if isinstance(action, argparse._StoreConstAction):  # store_true / store_false / store_const
+        value = raw.strip().lower()
+        if value not in _TRUE | _FALSE:
+            parser.error(f"environment variable {name}={raw!r}: expected 1/true/yes/on or 0/false/no/off")
+        return action.const if value in _TRUE else action.default
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+")
+    values = [v.strip() for v in raw.split(",") if v.strip()] if many else [raw]
+    out = []
+    for value in values:
+        try:
+            converted = action.type(value) if action.type else value
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"environment variable {name}={raw!r}: not a valid "
+                         f"{getattr(action.type, '__name__', 'value')} ({exc})")
+        if action.choices is not None and converted not in action.choices:
+            parser.error(f"environment variable {name}={raw!r}: choose from "
+                         f"{', '.join(map(str, action.choices))}")
+        out.append(converted)
+    return out if many else out[0]
+
+
+def _help_with_env(action: argparse.Action, name: str) -> str:
+    text = action.help or ""
+    extra = [] if name in text else [f"env {name}"]
+    if "default" not in text.lower() and not isinstance(action, argparse._StoreConstAction):
+        shown = "unset" if action.default is None else action.default
+        extra.append(f"default: {shown}".replace("%", "%%"))
+    if not extra:
+        return text
+    return f"{text} ({'; '.join(extra)})" if text else "; ".join(extra)
 
 
 def config_from_args(args, **overrides) -> RuntimeConfig:

@@ -1,6 +1,6 @@
 """Mock engine worker: serves ``target.generate`` like a real worker, with no model.
 
-Usage: python -m workers.mock --model-name mock --token-latency-ms 5
+Usage: python -m workers.mock --served-model-name mock --token-latency-ms 5
        (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
 
 It registers an instance and a model card (pointing at a real tokenizer), streams token deltas
@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from runtime import InvalidRequest, Runtime
-from runtime.config import add_runtime_args, config_from_args
+from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
 from runtime.kv_hash import ROOT_HASH, block_hashes, stored_events
 from runtime.messages import (
@@ -313,20 +313,21 @@ class MockWorker:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.mock", description="Tandem mock engine worker")
     add_runtime_args(parser)
-    parser.add_argument("--model-name", default="mock", help="model name to serve")
+    parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="mock", help="model name to serve")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the demo SmolLM2 tokenizer)")
     parser.add_argument("--token-latency-ms", type=float, default=5.0, help="time per generated token (0 = as fast as possible)")
     parser.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time per uncached prompt token")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=4096)
-    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per simulated KV cache block")
+    parser.add_argument("--num-blocks", type=int, default=4096, help="simulated KV cache blocks")
+    parser.add_argument("--max-model-len", "--context-length", dest="context_length", type=int, default=2048,
+                        help="context length")
     parser.add_argument("--acceptance-rate", type=float, default=0.7, help="simulated per-token draft acceptance")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="simulated γ (0 disables speculation)")
     parser.add_argument("--draft-id", default="mock-draft", help="draft id reported in spec-decode stats")
     parser.add_argument("--stats-interval", type=float, default=0.5, help="seconds between load/stats events")
-    parser.add_argument("--drain-timeout", type=float, default=30.0)
-    parser.add_argument("--log-level", default=None)
-    return parser
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    return apply_env_defaults(parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -2,9 +2,9 @@
 # Container entrypoint: run any Tandem component by name.
 #   docker run tandem frontend --http-port 8000 --host 0.0.0.0
 #   docker run tandem target --model /models/llama --health-port 9100
-#   docker run tandem draft --method ngram --health-port 9100
+#   docker run tandem draft --draft-method ngram --health-port 9100
 #   docker run tandem router --http-port 8001 --mode kv
-#   docker run tandem mock --model-name mock --health-port 9100
+#   docker run tandem mock --served-model-name mock --health-port 9100
 #   docker run tandem up --mock --host 0.0.0.0       (the whole local stack in one container)
 # Anything else is executed as given (e.g. `docker run -it tandem bash`).
 set -eu

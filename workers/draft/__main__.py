@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from proto import spec_pb2_grpc
 from runtime import Runtime
-from runtime.config import add_runtime_args, config_from_args
+from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import ModelCard
 from runtime.service import run_service
 
@@ -35,9 +35,10 @@ METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "oracle")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.draft", description="Tandem draft worker")
     add_runtime_args(parser)
-    parser.add_argument("--method", choices=METHODS, default="ngram", help="draft method")
-    parser.add_argument("--model-name", default="", help="target model this draft serves ('' = any)")
-    parser.add_argument("--grpc-host", default="127.0.0.1")
+    parser.add_argument("--draft-method", "--method", dest="method", choices=METHODS, default="ngram", help="draft method")
+    parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="",
+                        help="served model name of the targets this draft serves ('' = any)")
+    parser.add_argument("--grpc-host", default="127.0.0.1", help="address the gRPC server binds")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--advertise-host", default=None,
                         help="host targets should dial (default: --grpc-host; set it when listening on 0.0.0.0)")
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-model", default=None,
                         help="the target's model directory: EAGLE uses its embedding and LM head (method eagle)")
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
     parser.add_argument("--oracle-file", default=None,
                         help="benchmarks only (method oracle): JSON list of reference token sequences")
@@ -54,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--oracle-vocab-size", type=int, default=49152, help="method oracle: vocabulary for wrong tokens")
     parser.add_argument("--oracle-token-cost-ms", type=float, default=0.0,
                         help="method oracle: emulated cost of drafting one token (a sleep, as on a separate device)")
-    parser.add_argument("--ngram-min", type=int, default=1)
-    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, default=1, help="method ngram: shortest n-gram to match")
+    parser.add_argument("--ngram-max", type=int, default=4, help="method ngram: longest n-gram to match")
     parser.add_argument("--suffix-max-depth", type=int, default=24,
                         help="method suffix: tokens per suffix-tree path (the longest match plus what may follow it)")
     parser.add_argument("--suffix-spec-factor", type=float, default=1.0,
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="method suffix: finished outputs kept in the global tree, oldest evicted first (0: none)")
     parser.add_argument("--suffix-max-cached-nodes", type=int, default=500_000,
                         help="method suffix: node cap of the global tree (about 300 B each; oldest outputs evicted first)")
-    parser.add_argument("--max-speculative-tokens", type=int, default=16)
+    parser.add_argument("--num-speculative-tokens", "--max-speculative-tokens", dest="max_speculative_tokens", type=int,
+                        default=16, help="most draft tokens per proposal (a target asking for more gets this many)")
     parser.add_argument("--speculative-eagle-topk", type=int, default=1,
                         help="draft trees (eagle3, eagle, draft_model, ngram, suffix): children per node and depth; 1 drafts chains. "
                              "Targets may ask per request")
@@ -76,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grpc-tls-key", default=None, help="the certificate's PEM key")
     parser.add_argument("--grpc-tls-client-ca", default=None,
                         help="mutual TLS: targets must present a certificate signed by this CA")
-    parser.add_argument("--drain-timeout", type=float, default=5.0)
-    parser.add_argument("--log-level", default=None)
-    return parser
+    parser.add_argument("--drain-timeout", type=float, default=5.0, help="seconds open streams get on SIGTERM")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    return apply_env_defaults(parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

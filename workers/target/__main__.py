@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, config_from_args
+from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.events import TOPIC_KV_DUMP
 from runtime.messages import GenerateRequest, KvDumpRequest, ModelCard
 from runtime.service import run_service
@@ -85,12 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(parser)
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the demo SmolLM2)")
     parser.add_argument("--served-model-name", default=None, help="model name to register (default: the model's name)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from --kv-cache-gb)")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB when --num-blocks is unset")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one forward pass")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto = cuda if a GPU is visible")
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "auto = triton on CUDA, torch on CPU")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on CUDA, run decode and verify steps eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
     parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=4,
                         help="γ: draft tokens verified per step when a draft worker is available (a chain's length, "
@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reach draft workers over TLS, trusting this CA (PEM; 'system' for the system roots)")
     parser.add_argument("--draft-tls-cert", default=None, help="mutual TLS: this target's certificate (PEM)")
     parser.add_argument("--draft-tls-key", default=None, help="mutual TLS: its key (PEM)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0)
-    parser.add_argument("--log-level", default=None)
-    return parser
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    return apply_env_defaults(parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

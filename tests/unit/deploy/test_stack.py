@@ -66,7 +66,7 @@ def test_mock_plan():
     assert [c.name for c in comps] == ["target-0", "target-1", "frontend"]
     t0 = comps[0]
     assert t0.module == "workers.mock" and not t0.gpu
-    assert t0.argv("py") == ["py", "-m", "workers.mock", "--model-name", "mock", "--health-port", str(ports["target-0"]),
+    assert t0.argv("py") == ["py", "-m", "workers.mock", "--served-model-name", "mock", "--health-port", str(ports["target-0"]),
                              "--token-latency-ms", "0", "--num-speculative-tokens", "3", "--drain-timeout", "30"]
     assert comps[-1].args == ("--http-port", str(ports["frontend"]), "--host", "127.0.0.1", "--router-mode", "kv",
                               "--drain-timeout", "30")
@@ -79,14 +79,14 @@ def test_real_plan_with_router_targets_and_drafts():
     comps = plan(cfg, "/m/target", ports_for(cfg))
     assert [c.name for c in comps] == ["router", "draft-0", "draft-1", "target-0", "frontend"]
     router, draft, target = comps[0], comps[1], comps[3]
-    assert router.args[2:4] == ("--mode", "round_robin")
+    assert router.args[2:4] == ("--router-mode", "round_robin")
     assert target.module == "workers.target" and target.gpu
     assert target.args[:4] == ("--model", "/m/target", "--served-model-name", "target")
     assert draft.module == "workers.draft" and draft.gpu
     args = list(draft.args)
-    assert args[args.index("--method") + 1] == "draft_model" and args[args.index("--draft-model") + 1] == "/m/draft"
-    assert args[args.index("--max-speculative-tokens") + 1] == "5"
-    assert args[args.index("--model-name") + 1] == "target"
+    assert args[args.index("--draft-method") + 1] == "draft_model" and args[args.index("--draft-model") + 1] == "/m/draft"
+    assert args[args.index("--num-speculative-tokens") + 1] == "5"
+    assert args[args.index("--served-model-name") + 1] == "target"
     assert len({c.health_port for c in comps}) == len(comps)
 
 
@@ -113,7 +113,7 @@ def test_head_methods_get_the_head_and_the_target(method):
     cfg = StackConfig(model="/m/target", draft_method=method, draft_model="/h")
     draft = next(c for c in plan(cfg, "/m/target", ports_for(cfg)) if c.kind == "draft")
     args = list(draft.args)
-    assert args[args.index("--method") + 1] == method
+    assert args[args.index("--draft-method") + 1] == method
     assert args[args.index("--eagle-model") + 1] == "/h" and args[args.index("--target-model") + 1] == "/m/target"
     assert "--draft-model" not in args
 
