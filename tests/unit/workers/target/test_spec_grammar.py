@@ -45,7 +45,10 @@ def setup(tmp_path_factory):
     target_dir, draft_dir = tmp_path_factory.mktemp("gtarget"), tmp_path_factory.mktemp("gdraft")
     tiny_hf_model("llama", target_dir, seed=1, vocab=VOCAB, layers=1)
     tiny_hf_model("llama", draft_dir, seed=2, vocab=VOCAB, layers=1)
-    tokenizer_file = demo_tokenizer_dir() / "tokenizer.json"
+    try:
+        tokenizer_file = demo_tokenizer_dir() / "tokenizer.json"
+    except FileNotFoundError:  # a machine without the demo model's package (the GPU check)
+        pytest.skip("SmolLM2's tokenizer is not installed")
     tok = Tokenizer.from_file(str(tokenizer_file))
     prompts = {f"r{i}": tok.encode(f"Describe person number {i} as JSON.").ids for i in range(4)}
     return load_model(target_dir), draft_dir, GrammarBackend(str(tokenizer_file), VOCAB, [EOS]), tok, prompts
