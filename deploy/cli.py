@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-port", type=int, default=0, help="port for the nats-server it starts (default: free)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
 
-    train = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a target model (self-distillation)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a target model (self-distillation)")
     add_train_args(train)
+    apply_env_defaults(train, prefix="TANDEM_TRAIN_")  # --device, --dtype, --seed mean other things here
 
     ray = sub.add_parser("ray", help="run Tandem on a Ray cluster")
     ray_sub = ray.add_subparsers(dest="ray_command", required=True)

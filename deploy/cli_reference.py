@@ -1,6 +1,7 @@
-"""docs/cli.md, generated from the argument parsers themselves (a test keeps the file current).
+"""docs/cli.md and docs/configuration.md, generated from the argument parsers themselves (a test keeps
+both current).
 
-Usage: python -m deploy.cli_reference [--check]   (writes docs/cli.md; --check fails if it is stale)
+Usage: python -m deploy.cli_reference [--check]   (writes both; --check fails if either is stale)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
 
 # (title, module with build_parser(), sub-command path within it)
 COMMANDS = (
@@ -40,8 +42,8 @@ def _row(action: argparse.Action) -> str | None:
     flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}` (positional)"
     if action.choices:
         flags += " {" + ",".join(map(str, action.choices)) + "}"
-    default = "" if action.default in (None, argparse.SUPPRESS, False) or isinstance(
-        action, argparse._StoreTrueAction) else f"`{action.default}`"
+    hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+    default = "" if hidden or isinstance(action, argparse._StoreTrueAction) else f"`{action.default}`"
     if action.help == argparse.SUPPRESS:
         return None
     text = getattr(action, "plain_help", action.help) or ""
@@ -52,9 +54,18 @@ def _row(action: argparse.Action) -> str | None:
 
 def render() -> str:
     """The reference as the parsers build it with no ``TANDEM_*`` variable set (defaults some read)."""
+    return _clean_env(_render)
+
+
+def render_configuration() -> str:
+    """docs/configuration.md: every ``TANDEM_*`` variable, its flag, who reads it and their defaults."""
+    return _clean_env(_render_configuration)
+
+
+def _clean_env(fn):
     saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("TANDEM_")]}
     try:
-        return _render()
+        return fn()
     finally:
         os.environ.update(saved)
 
@@ -76,14 +87,80 @@ def _render() -> str:
     return "\n".join(lines)
 
 
+CONFIG_INTRO = """\
+# Configuration and environment
+
+Generated from the parsers by `python -m deploy.cli_reference`; `tests/unit/deploy/test_cli_reference.py`
+fails when it is stale. Per-command flag tables: [cli.md](cli.md).
+
+Every flag of every command has an environment variable: `TANDEM_` and the flag's canonical (first) long
+name in upper case, dashes as underscores (`--num-speculative-tokens` reads `TANDEM_NUM_SPECULATIVE_TOKENS`).
+
+- **Precedence**: a flag on the command line, else its variable, else the default.
+- **Values**: converted like the flag's own value and checked against its choices; a bad one stops the
+  command at start with `error: environment variable TANDEM_X='...': ...` (exit status 2).
+  Switches (`--mock`, `--remote-router`, ...) take `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`;
+  repeatable flags (`--api-key`) take a comma-separated list (and flags given on the command line add to it).
+- **Shared environments**: one variable configures every command that has that flag, with the same
+  meaning (`TANDEM_ETCD`, `TANDEM_NATS`, `TANDEM_NAMESPACE`, `TANDEM_SERVED_MODEL_NAME`,
+  `TANDEM_BLOCK_SIZE`, ...). Mind the few whose flag is per-process, such as `TANDEM_HTTP_PORT`
+  (the frontend's port, and the standalone router's metrics port) or `TANDEM_HEALTH_PORT`: set those per
+  process. `tandem up` passes its children every per-process value as a flag, so its own variables
+  (`TANDEM_HTTP_PORT`, `TANDEM_MODEL`, ...) do not leak into them the wrong way.
+- **`tandem up` with existing infrastructure**: with `TANDEM_ETCD` / `TANDEM_NATS` set (or `--etcd` /
+  `--nats`) it uses those servers and starts no etcd or NATS of its own.
+- **Old spellings**: `--model-name` (draft, mock), `--max-speculative-tokens` and `--method` (draft),
+  `--context-length` (mock) and `--mode` (router) still work as aliases of the canonical names; their
+  variables are the canonical ones.
+- **`tandem train-draft`** reads `TANDEM_TRAIN_<FLAG>` instead (its `--device`, `--dtype`, `--seed`,
+  `--temperature` are not the services').
+
+Variables that are not flags: `TANDEM_CACHE` (where the demo model and head are downloaded; default
+`$XDG_CACHE_HOME/tandem`), `TANDEM_CPU_LINEAR=torch` (turn off the oneDNN linear kernels on CPU, for
+comparisons), and in the container image `TANDEM_DRAFT_GRPC_HOST` (`auto`: a draft binds and registers
+the container's IP) and `TANDEM_PYTHON`.
+
+Model architectures a target or draft worker loads: see [models.md](models.md). Failures and their
+fixes: [troubleshooting.md](troubleshooting.md).
+
+"""
+
+
+def _short(title: str) -> str:
+    return title.replace("python -m ", "").replace("workers.", "")
+
+
+def _render_configuration() -> str:
+    rows: dict[str, dict] = {}
+    for title, module, path in COMMANDS:
+        parser = _sub(importlib.import_module(module).build_parser(), path)
+        for action in parser._actions:
+            name = getattr(action, "env_var", None)
+            if not name:
+                continue
+            row = rows.setdefault(name, {"flag": action.option_strings[0], "by": [], "help": action.plain_help})
+            default = "" if action.default is None or action.default is False else f" (`{action.default}`)"
+            row["by"].append(f"{_short(title)}{default}")
+    lines = [CONFIG_INTRO, "| variable | flag | read by (default) | what (as the first reader describes it) |",
+             "|---|---|---|---|"]
+    for name in sorted(rows):
+        row = rows[name]
+        text = row["help"].replace("%%", "%").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{name}` | `{row['flag']}` | {', '.join(row['by'])} | {text} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    text = render()
+    docs = ((DOC, render()), (CONFIG_DOC, render_configuration()))
     if "--check" in sys.argv[1:]:
-        if not DOC.exists() or DOC.read_text() != text:
-            sys.exit("docs/cli.md is stale: run python -m deploy.cli_reference")
+        for doc, text in docs:
+            if not doc.exists() or doc.read_text() != text:
+                sys.exit(f"docs/{doc.name} is stale: run python -m deploy.cli_reference")
         return
-    DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)}")
+    for doc, text in docs:
+        doc.write_text(text)
+        print(f"wrote {doc.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

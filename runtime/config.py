@@ -131,7 +131,8 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--etcd", default=None, help=f"etcd URL (env TANDEM_ETCD, default {DEFAULT_ETCD})")
     parser.add_argument("--nats", default=None, help=f"NATS URL (env TANDEM_NATS, default {DEFAULT_NATS})")
     parser.add_argument("--namespace", default=None, help="namespace (env TANDEM_NAMESPACE, default tandem)")
-    parser.add_argument("--lease-ttl", type=int, default=None, help="etcd lease TTL in seconds (env TANDEM_LEASE_TTL, default 10)")
+    parser.add_argument("--lease-ttl", type=int, default=None,
+                        help="etcd lease TTL in seconds (env TANDEM_LEASE_TTL, default 10)")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /live, /health and /metrics on this port (0: any free port; default: off)")
     parser.add_argument("--health-host", default=None, help="address for the health port (default 127.0.0.1)")
@@ -160,20 +161,22 @@ ENV_PREFIX = "TANDEM_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
-def env_name(action: argparse.Action) -> str:
+def env_name(action: argparse.Action, prefix: str = ENV_PREFIX) -> str:
     """``TANDEM_<FLAG>`` for an option: its first long spelling (the canonical one), upper case."""
     flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
-    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+    return prefix + flag.lstrip("-").upper().replace("-", "_")
 
 
-def apply_env_defaults(parser: argparse.ArgumentParser, environ=None) -> argparse.ArgumentParser:
+def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
+                       prefix: str = ENV_PREFIX) -> argparse.ArgumentParser:
     """Give every option of ``parser`` (and of its sub-commands) a ``TANDEM_<FLAG>`` fallback.
 
     A set variable becomes the option's default (converted with the option's type, checked against
     its choices; a switch reads 1/true/yes/on or 0/false/no/off), so a flag on the command line still
     wins. A bad value exits through ``parser.error`` naming the variable. Each option's help gains
     its variable and its default; ``action.env_var`` and ``action.plain_help`` keep both apart for
-    the generated reference.
+    the generated reference. ``prefix`` sets a command apart whose flags mean something else than
+    the services' flags of the same name (``tandem train-draft``: ``TANDEM_TRAIN_``).
     """
     environ = os.environ if environ is None else environ
     seen: set[int] = set()
@@ -182,13 +185,13 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None) -> argpars
             for sub in action.choices.values():
                 if id(sub) not in seen:
                     seen.add(id(sub))
-                    apply_env_defaults(sub, environ)
+                    apply_env_defaults(sub, environ, prefix)
             continue
         if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             continue
         if action.help == argparse.SUPPRESS or hasattr(action, "env_var"):
             continue
-        name = env_name(action)
+        name = env_name(action, prefix)
         raw = environ.get(name)
         if raw is not None and (raw != "" or isinstance(action, argparse._StoreConstAction)):
             action.default = _from_env(parser, action, name, raw)
