@@ -181,7 +181,7 @@ def test_sampled_speculation_under_a_grammar_has_the_masked_target_marginals(tmp
     proposer = DraftModelProposer(load_model(tmp_path / "d"), num_blocks=4096, block_size=4, max_support=16)
     torch.manual_seed(4321)
     params = SamplingParams(temperature=1.0, max_tokens=3, structured=REGEX)
-    firsts, seconds, n = [], [], 2000
+    firsts, seconds, n = [], [], 1250
     for start in range(0, n, 250):
         out = run_spec(engine, proposer, {str(i): TINY_PROMPT for i in range(start, start + 250)}, params)
         firsts += [t[0] for t in out.values()]
