@@ -131,7 +131,10 @@ def _get(refs, stop: threading.Event, timeout: float, what: str):
 
 def run_ray(config: StackConfig, options: RayOptions) -> int:
     """Place the stack on the Ray cluster at ``options.address``; serve until SIGINT/SIGTERM."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("tandem ray up needs Ray: pip install 'tandem[ray]'") from None
 
     from deploy.launcher import module_available
 

@@ -1,10 +1,8 @@
-"""k8s/: every overlay builds (Python kustomize equivalent, and real kubectl when present), every
-object is valid against the Kubernetes schemas, and the wiring between objects holds."""
+"""k8s/: every overlay builds with the real ``kubectl kustomize``, every object is valid against the
+Kubernetes schemas, and the wiring between objects holds."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -13,7 +11,7 @@ import pytest
 import yaml
 
 from runtime.config import RuntimeConfig
-from tests.unit.deploy.kustomize import KustomizeError, build, pod_specs, strategic_merge
+from tests.unit.deploy.kustomize import KustomizeError, build, pod_specs
 
 pytestmark = pytest.mark.unit
 
@@ -193,43 +191,10 @@ def test_images_are_pinned():
                     assert ":" in c["image"] and not c["image"].endswith(":latest"), (overlay, c["image"])
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed: the Python build is checked alone")
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_python_build_matches_kubectl_kustomize(overlay):
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    def key(obj: dict) -> tuple[str, str]:
-        return obj["kind"], obj["metadata"]["name"]
-
-    theirs = sorted(yaml.safe_load_all(out.stdout), key=key)
-    ours = sorted(build(K8S / overlay), key=key)
-    assert [key(o) for o in ours] == [key(o) for o in theirs]
-    for a, b in zip(ours, theirs, strict=True):
-        assert a == b, key(a)
-
-
-def test_builder_fails_loudly(tmp_path):
+def test_build_fails_loudly(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: [missing.yaml]\n")
-    with pytest.raises(KustomizeError, match="does not exist"):
+    with pytest.raises(KustomizeError, match="missing.yaml"):
         build(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text("replicas: [{name: x, count: 2}]\n")
-    with pytest.raises(KustomizeError, match="does not implement"):
-        build(tmp_path)
-    (tmp_path / "a.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
-    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml, a.yaml]\n")
-    with pytest.raises(KustomizeError, match="defined twice"):
-        build(tmp_path)
-
-
-def test_strategic_merge_rules():
-    base = {"spec": {"containers": [{"name": "a", "args": ["x"], "env": [{"name": "E", "value": "1"}]}],
-                     "volumes": [{"name": "m", "emptyDir": {}}]}}
-    patch = {"spec": {"containers": [{"name": "a", "args": ["y"], "env": [{"name": "F", "value": "2"}]}],
-                      "volumes": [{"name": "m", "emptyDir": None, "persistentVolumeClaim": {"claimName": "c"}}]}}
-    strategic_merge(base, patch)
-    assert base == {"spec": {"containers": [{"name": "a", "args": ["y"], "env": [{"name": "E", "value": "1"},
-                                                                                   {"name": "F", "value": "2"}]}],
-                             "volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": "c"}}]}}
 
 
 def _source_of(spec: dict, container: dict, path: str) -> tuple[str, dict, bool]:
