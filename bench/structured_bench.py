@@ -28,20 +28,10 @@ sys.path.insert(0, str(ROOT))
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
 
+from tests.e2e.test_structured_outputs import PERSON  # noqa: E402  (the schema the e2e test checks)
 from tests.support.procs import ManagedProcess  # noqa: E402
 from tests.support.servers import env_for, free_port, start_servers  # noqa: E402
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "maxLength": 24},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
-    },
-    "required": ["name", "age", "city", "hobbies"],
-    "additionalProperties": False,
-}
 NAMES = ["Ada", "Bjorn", "Chen", "Dalia", "Emeka", "Farah", "Gustavo", "Hana", "Ivan", "Jia"]
 STYLES = ["Describe a person called {n} as JSON: name, age, city and hobbies.",
           "{n} is a teacher who loves music. Give their profile as JSON.",
