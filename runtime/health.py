@@ -1,22 +1,33 @@
-"""A small HTTP server for probes and Prometheus on every long-running process.
+"""Probes and Prometheus on every long-running process, served by uvicorn.
 
 Serves ``GET /live`` (200 while the event loop runs), ``GET /health`` (200 when ``ready()`` is true,
-else 503) and ``GET /metrics`` (Prometheus text of a registry); ``extra`` routes may add JSON
-endpoints. HTTP/1.1 with ``Connection: close``; no framework, so ``runtime/`` stays small.
+else 503) and ``GET /metrics`` (prometheus_client's own ASGI exposition of a registry: text or
+OpenMetrics by ``Accept``, gzip, ``name[]`` filters); ``extra`` routes may add JSON endpoints.
+A tiny ASGI app on uvicorn (already the frontend's server): HTTP parsing, keep-alive and timeouts
+are the library's, and signals stay with the runtime.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+import uvicorn
+from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app
+
+from .errors import StartupError
 
 log = logging.getLogger(__name__)
 
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable", 500: "Internal Server Error"}
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # signals belong to the runtime
 
 
 class HealthServer:
@@ -33,9 +44,10 @@ class HealthServer:
         self.host = host
         self.port = port
         self._ready = ready
-        self._registry = registry
+        self._metrics = make_asgi_app(registry)
         self._extra = dict(extra or {})
-        self._server: asyncio.AbstractServer | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -45,49 +57,63 @@ class HealthServer:
         """Serve ``handler()`` as JSON on ``GET path``."""
         self._extra[path] = handler
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+    async def start(self, timeout: float = 10.0) -> None:
+        # Bind here: a taken port is one line (StartupError), and port 0 is known before serving.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise StartupError(f"cannot serve health on {self.host}:{self.port}: {exc.strerror or exc}") from None
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self._app, interface="asgi3", loop="none", lifespan="off", access_log=False,
+                                log_level="warning", timeout_graceful_shutdown=1)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="health-http")
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self._server.started:
+            if self._task.done() or asyncio.get_running_loop().time() > deadline:
+                await self.stop()
+                raise StartupError(f"the health server on {self.address} did not start")
+            await asyncio.sleep(0.01)
         log.info("health and metrics on http://%s/{live,health,metrics}", self.address)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await self._task
+        except (Exception, SystemExit) as exc:
+            log.warning("health server stopped with %r", exc)
+        self._task = self._server = None
+
+    async def _app(self, scope, receive, send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/metrics" and method in ("GET", "HEAD"):
+            await self._metrics(scope, receive, send)
+            return
+        try:
+            status, ctype, body = self._route(method, path)
+        except Exception:
+            log.exception("health route %s failed", path)
+            status, ctype, body = 500, "text/plain", b"internal error\n"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
 
     def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
-        path = path.split("?", 1)[0]
         if method not in ("GET", "HEAD"):
             return 405, "text/plain", b"method not allowed\n"
         if path == "/live":
             return 200, "text/plain", b"live\n"
         if path == "/health":
             ok = self._ready()
-            return (200 if ok else 503), "application/json", json.dumps({"status": "ready" if ok else "not ready"}).encode()
-        if path == "/metrics":
-            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
+            body = json.dumps({"status": "ready" if ok else "not ready"}).encode()
+            return (200 if ok else 503), "application/json", body
         handler = self._extra.get(path)
         if handler is not None:
             return 200, "application/json", json.dumps(handler()).encode()
         return 404, "text/plain", b"not found\n"
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            try:
-                status, ctype, body = self._route(method, path)
-            except Exception:
-                log.exception("health route %s failed", path)
-                status, ctype, body = 500, "text/plain", b"internal error\n"
-            writer.write(
-                f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                + (b"" if method == "HEAD" else body)
-            )
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
-            pass
-        finally:
-            writer.close()
