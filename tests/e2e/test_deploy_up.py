@@ -113,9 +113,9 @@ def launcher():
         item.cleanup()
 
 
-def ask(url: str, model: str = "mock", max_tokens: int = 12) -> dict:
+def ask(url: str, model: str = "mock", max_tokens: int = 12, **extra) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": "Say something nice about tandem bicycles."}],
-            "max_tokens": max_tokens}
+            "max_tokens": max_tokens, **extra}
     resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -221,8 +221,13 @@ def test_tandem_up_serves_the_bundled_demo_model_with_its_eagle3_draft(launcher)
     # with the bundled EAGLE-3 head; the response's usage shows the speculation.
     up = launcher()
     up.wait_ready(timeout=240)
-    answer = ask(up.url, model="SmolLM2-135M-Instruct", max_tokens=24)
-    assert answer["usage"]["completion_tokens"] == 24 and answer["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 90  # the target serves at once; its draft stream opens in the background
+    while True:
+        answer = ask(up.url, model="SmolLM2-135M-Instruct", max_tokens=24, temperature=0, ignore_eos=True)
+        assert answer["usage"]["completion_tokens"] == 24 and answer["choices"][0]["finish_reason"] == "length"
+        if "spec_decode" in answer["usage"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     spec = answer["usage"]["spec_decode"]
     assert spec["num_drafts"] > 0 and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
     logs = up.logs()
