@@ -30,6 +30,11 @@ T = TypeVar("T")
 RETRY_MIN, RETRY_MAX = 0.2, 2.0
 
 
+def lease_gone(exc: BaseException) -> bool:
+    """True for etcd's answer to a put or refresh on a lease it no longer has."""
+    return "requested lease not found" in str(exc)
+
+
 class Registrar:
     """Owns one etcd lease and the keys registered on it."""
 
@@ -55,7 +60,15 @@ class Registrar:
     async def put(self, key: str, value: bytes) -> None:
         async with self._lock:
             self._keys[key] = value
-            await self._client.put(key.encode(), value, lease=self._lease)
+            try:
+                await self._client.put(key.encode(), value, lease=self._lease)
+                return
+            except Exception as exc:
+                if not lease_gone(exc):
+                    raise
+        # etcd lost the lease (restarted without its data) before the keep-alive noticed
+        log.warning("etcd lease %x is gone; registering again", self._lease.id)
+        await self._regrant()  # puts every key, this one included
 
     async def delete(self, key: str) -> None:
         async with self._lock:
