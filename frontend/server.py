@@ -15,7 +15,6 @@ bounded by the app (``--body-timeout``), streams by its write timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import logging
 import socket
@@ -23,6 +22,7 @@ import socket
 import uvicorn
 
 from runtime.errors import StartupError
+from runtime.health import UvicornServer, stop_server
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,6 @@ class _IncompleteResponses(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_IncompleteResponses())
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield  # signals belong to the runtime
-
-
 class HttpServer:
     """One uvicorn server on ``host:port``; httptools when installed, no access log."""
 
@@ -113,7 +107,7 @@ class HttpServer:
         config = uvicorn.Config(app, host=host, port=port, http=_protocol(idle_timeout, header_timeout), loop="none",
                                 lifespan="off", access_log=False, log_level=log_level,
                                 timeout_graceful_shutdown=graceful_timeout, timeout_keep_alive=idle_timeout)
-        self._server = _Server(config)
+        self._server = UvicornServer(config)
         self._task: asyncio.Task | None = None
         self.host = host
         self.port = port
@@ -151,9 +145,5 @@ class HttpServer:
         """Stop accepting, let open requests finish (up to the graceful timeout), then return."""
         if self._task is None:
             return
-        self._server.should_exit = True
-        try:
-            await self._task
-        except (Exception, SystemExit) as exc:
-            log.warning("HTTP server stopped with %r", exc)
+        await stop_server(self._server, self._task, "HTTP server")
         self._task = None

@@ -24,10 +24,21 @@ from .errors import StartupError
 log = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
+    """uvicorn run as one task of a service's event loop (the frontend's HTTP server too)."""
+
     @contextlib.contextmanager
     def capture_signals(self):
         yield  # signals belong to the runtime
+
+
+async def stop_server(server: UvicornServer, task: asyncio.Task, what: str) -> None:
+    """Ask ``server`` to exit and wait for its serving ``task`` (open requests get its graceful timeout)."""
+    server.should_exit = True
+    try:
+        await task
+    except (Exception, SystemExit) as exc:
+        log.warning("%s stopped with %r", what, exc)
 
 
 class HealthServer:
@@ -46,7 +57,7 @@ class HealthServer:
         self._ready = ready
         self._metrics = make_asgi_app(registry)
         self._extra = dict(extra or {})
-        self._server: _Server | None = None
+        self._server: UvicornServer | None = None
         self._task: asyncio.Task | None = None
 
     @property
@@ -70,7 +81,7 @@ class HealthServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self._app, interface="asgi3", loop="none", lifespan="off", access_log=False,
                                 log_level="warning", timeout_graceful_shutdown=1)
-        self._server = _Server(config)
+        self._server = UvicornServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="health-http")
         deadline = asyncio.get_running_loop().time() + timeout
         while not self._server.started:
@@ -83,11 +94,7 @@ class HealthServer:
     async def stop(self) -> None:
         if self._task is None:
             return
-        self._server.should_exit = True
-        try:
-            await self._task
-        except (Exception, SystemExit) as exc:
-            log.warning("health server stopped with %r", exc)
+        await stop_server(self._server, self._task, "health server")
         self._task = self._server = None
 
     async def _app(self, scope, receive, send) -> None:
