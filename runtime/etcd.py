@@ -128,7 +128,10 @@ class EtcdClient(aetcd.Client):
             return
         sec = self.security
         target = f"{self._host}:{self._port}"
-        interceptors = [_UnaryUnary(self._token), _UnaryStream(self._token), _StreamStream(self._token)]
+        # The token rides in interceptors only when there is one to carry: without auth the channel is
+        # the plain one aetcd opens (grpc.aio interceptors change how calls are wrapped and cancelled)
+        interceptors = ([_UnaryUnary(self._token), _UnaryStream(self._token), _StreamStream(self._token)]
+                        if sec.user is not None else None)
         if sec.tls:
             self.channel = grpc.aio.secure_channel(target, sec.channel_credentials(), interceptors=interceptors)
         else:
