@@ -25,11 +25,12 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="how draft workers propose tokens (default: eagle3 with the bundled head for the "
                              "demo model, ngram for any other model)")
     parser.add_argument("--draft-model", default=None,
-                        help="draft model / EAGLE head directory (default for eagle3 on the demo model: the bundled head)")
+                        help="draft model, or head directory for eagle3 / eagle / medusa / mlp_speculator "
+                             "(default for eagle3 on the demo model: the bundled head)")
     parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=None,
                         help="tokens proposed per round (γ; a tree's node budget)")
     parser.add_argument("--speculative-eagle-topk", type=int, default=None,
-                        help="draft trees (eagle3, eagle, draft_model, ngram): children per node and depth; 1: chains (the default)")
+                        help="draft trees (every draft method): children per node and depth; 1: chains (the default)")
     parser.add_argument("--speculative-num-steps", type=int, default=None,
                         help="draft trees: depth, the draft steps per proposal (default: as deep as the budget)")
     parser.add_argument("--targets", type=int, default=1, help="target workers (default 1)")
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-port", type=int, default=0, help="port for the nats-server it starts (default: free)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
 
-    train = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a target model (self-distillation)")
+    train = sub.add_parser("train-draft", help="train a draft head (EAGLE-3, Medusa or MLP speculator) for a target model (self-distillation)")
     add_train_args(train)
     apply_env_defaults(train, prefix="TANDEM_TRAIN_")  # --device, --dtype, --seed mean other things here
 
@@ -96,8 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", nargs="?", default=None,
                    help="target model directory (config.json + safetensors + tokenizer); default: the demo model")
-    p.add_argument("--out", required=True, help="output directory: the head (speculators layout), data, checkpoints")
-    p.add_argument("--head", default="eagle3", choices=["eagle3"], help="draft head architecture")
+    p.add_argument("--out", required=True, help="output directory: the head, its data, checkpoints")
+    p.add_argument("--head", default="eagle3", choices=["eagle3", "medusa", "mlp"],
+                   help="draft head: eagle3 (speculators layout), medusa or mlp (IBM's MLP speculator; vLLM's layouts)")
+    p.add_argument("--data-from", default=None,
+                   help="reuse the conversations of an earlier --out (any head); only the hidden states are recomputed")
+    p.add_argument("--inner-dim", type=int, default=0, help="mlp: state width (0: the target's hidden size)")
+    p.add_argument("--head-layers", type=int, default=1, help="medusa: residual blocks per head")
     p.add_argument("--prompts", type=int, default=2000, help="generated training conversations")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out conversations (another seed)")
     p.add_argument("--prompt-file", action="append", default=[],
@@ -107,8 +113,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the replies (0: greedy)")
     p.add_argument("--gen-batch", type=int, default=32, help="concurrent sequences while generating")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per data shard")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary (most frequent reply tokens)")
-    p.add_argument("--steps", type=int, default=3, help="training-time-test steps (and the head's default γ)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft vocabulary (most frequent reply tokens; eagle3 and medusa)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="eagle3: training-time-test steps; medusa: heads; mlp: stages (the head's default γ)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the training data")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=50, help="warm-up optimizer steps")
@@ -135,7 +143,9 @@ def train_draft(args: argparse.Namespace) -> None:
                              temperature=args.temperature, gen_batch=args.gen_batch, shard_size=args.shard_size,
                              draft_vocab=args.draft_vocab, steps=args.steps, epochs=args.epochs, lr=args.lr,
                              warmup=args.warmup, batch_tokens=args.batch_tokens, save_every=args.save_every,
-                             seed=args.seed, device=args.device, threads=args.threads, dtype=args.dtype)
+                             seed=args.seed, device=args.device, threads=args.threads, dtype=args.dtype,
+                             head=args.head, data_from=args.data_from, inner_dim=args.inner_dim,
+                             head_layers=args.head_layers)
         metrics = train(config)
     except ValueError as exc:
         sys.exit(f"tandem train-draft: error: {exc}")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DRAFT_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "none")
-HEAD_METHODS = ("eagle3", "eagle")  # draft heads on the target's hidden states: --draft-model is the head
+DRAFT_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "medusa", "mlp_speculator", "none")
+# draft heads on the target's hidden states: --draft-model is the head
+HEAD_METHODS = ("eagle3", "eagle", "medusa", "mlp_speculator")
 ROUTER_MODES = ("kv", "round_robin", "random")
 MOCK_MODEL_NAME = "mock"
 
@@ -80,7 +81,8 @@ class StackConfig:
             what = "a draft head directory" if self.draft_method in HEAD_METHODS else "a draft model"
             raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH ({what})")
         if self.draft_model and self.draft_method in ("ngram", "suffix", "none"):
-            raise ValueError(f"--draft-model applies to draft_model, eagle3 and eagle, not --draft-method "
+            raise ValueError(f"--draft-model applies to draft_model and the heads ({', '.join(HEAD_METHODS)}), "
+                             f"not --draft-method "
                              f"{self.draft_method}")
         if self.draft_method == "none" and self.drafts:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")

@@ -29,7 +29,7 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "oracle")
+METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "medusa", "mlp_speculator", "oracle")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--advertise-host", default=None,
                         help="host targets should dial (default: --grpc-host; set it when listening on 0.0.0.0)")
     parser.add_argument("--draft-model", default=None, help="draft LM directory or .gguf (method draft_model)")
-    parser.add_argument("--eagle-model", default=None, help="EAGLE-3 / EAGLE-1 head directory (methods eagle3, eagle)")
+    parser.add_argument("--eagle-model", "--head-model", dest="eagle_model", default=None,
+                        help="draft head directory (methods eagle3, eagle, medusa, mlp_speculator)")
     parser.add_argument("--target-model", default=None,
-                        help="the target's model directory: EAGLE uses its embedding and LM head (method eagle)")
+                        help="the target's model directory: heads use its config, embedding and LM head "
+                             "(methods eagle3, eagle, medusa, mlp_speculator)")
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-speculative-tokens", "--max-speculative-tokens", dest="max_speculative_tokens", type=int,
                         default=16, help="most draft tokens per proposal (a target asking for more gets this many)")
     parser.add_argument("--speculative-eagle-topk", type=int, default=1,
-                        help="draft trees (eagle3, eagle, draft_model, ngram, suffix): children per node and depth; 1 drafts chains. "
+                        help="draft trees (every method but oracle): children per node and depth; 1 drafts chains. "
                              "Targets may ask per request")
     parser.add_argument("--speculative-num-steps", type=int, default=0,
                         help="draft trees: depth (draft steps per proposal); 0: as deep as the node budget")
@@ -126,6 +128,24 @@ def make_proposer(args: argparse.Namespace):
         head, layers = load_eagle(args.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
         return EagleProposer(head, layers, args.num_blocks, args.block_size, tree_topk=args.speculative_eagle_topk,
                              tree_depth=args.speculative_num_steps)
+    if args.method in ("medusa", "mlp_speculator"):
+        if not args.eagle_model or not args.target_model:
+            raise SystemExit(f"--method {args.method} needs --head-model PATH and --target-model PATH")
+        from .eagle import load_target_parts
+        from .head_proposer import HeadProposer
+        from .spec_heads import head_kind, load_spec_head
+
+        kind = head_kind(args.eagle_model)
+        if kind != args.method:
+            raise SystemExit(f"--method {args.method}: {args.eagle_model} holds "
+                             f"{'a ' + kind + ' head' if kind else 'no Medusa or MLP speculator head'}")
+        _, lm_head, target_cfg = load_target_parts(args.target_model)
+        try:
+            head = load_spec_head(args.eagle_model, target_cfg.hidden_size, target_cfg.vocab_size, lm_head)
+        except ValueError as exc:
+            raise SystemExit(f"--method {args.method}: {exc}") from None
+        return HeadProposer(head.float(), target_cfg.num_layers, tree_topk=args.speculative_eagle_topk,
+                            tree_depth=args.speculative_num_steps)
     raise ValueError(f"unknown draft method {args.method!r}")
 
 

@@ -1,12 +1,12 @@
-"""Self-distillation data for an EAGLE-3 head: the target answers prompts, and its own forward pass
+"""Self-distillation data for a draft head: the target answers prompts, and its own forward pass
 gives the hidden states the head learns from.
 
 For each conversation the target generates a reply with our engine (continuous batching, greedy
 or at ``temperature``); conversations with a follow-up get a second turn after the target's own
 first answer. Then one teacher-forced forward of the whole token sequence through the same model
-returns the hidden states of the three layers EAGLE-3 reads (low, middle, high). A sample is
-``tokens [T]`` (long), ``mask [T]`` (bool: tokens the target generated, where the loss applies)
-and ``hidden [T, 3·H]`` (float16). Samples are written in shards of ``shard_size`` conversations
+returns the hidden states of the layers the head reads (EAGLE-3: low, middle, high; Medusa and MLP:
+the last, after the final norm). A sample is ``tokens [T]`` (long), ``mask [T]`` (bool: tokens the
+target generated, where the loss applies) and ``hidden [T, n·H]`` (float16, n layers). Samples are written in shards of ``shard_size`` conversations
 (``shard_00000.pt``, ...); a shard already on disk is not made again, so an interrupted run resumes.
 """
 
@@ -130,6 +130,21 @@ def write_shards(maker: SampleMaker, conversations: list[dict], out_dir: Path, s
         if progress is not None:
             progress.update(len(chunk))
     return paths
+
+
+def rehidden_shards(maker: SampleMaker, pairs: list[tuple[Path, Path]], progress=None) -> None:
+    """For each (source, destination) shard pair: the source's conversations (tokens and loss mask,
+    from any earlier run) with the hidden states of ``maker``'s layers, written to the destination
+    unless it is there already (resumable like :func:`write_shards`)."""
+    for src, dst in pairs:
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            samples = [maker.hidden(s["tokens"].tolist(), s["mask"].tolist()) for s in torch.load(src, weights_only=True)]
+            tmp = dst.with_suffix(".tmp")
+            torch.save(samples, tmp)
+            tmp.replace(dst)
+        if progress is not None:
+            progress.update(1)
 
 
 def load_samples(paths: list[Path]) -> Iterator[dict]:

@@ -1,14 +1,23 @@
-"""``tandem train-draft``: an EAGLE-3 head for a target model, trained on the target's own replies.
+"""``tandem train-draft``: a draft head for a target model, trained on the target's own replies.
+
+Heads (``--head``): ``eagle3`` (the default), ``medusa`` and ``mlp`` (IBM's MLP speculator); see
+:mod:`workers.draft.eagle` and :mod:`workers.draft.spec_heads`.
 
 Stages, each resumable (an interrupted run picks up where it stopped):
 1. data — prompts (:mod:`.prompts`), replies and hidden states (:mod:`.data`) in shards under
-   ``OUT/data/{train,eval}``; the eval prompts come from another seed than the training ones;
-2. vocabulary — the ``draft_vocab`` most frequent reply tokens (EAGLE-3's reduced LM head);
-3. training — training-time test over ``steps`` unrolled steps (:mod:`.ttt`), AdamW with warm-up and
-   cosine decay, gradient clipping; a checkpoint (``OUT/train_state.pt``) every ``save_every``
-   optimizer steps and at the end of each epoch;
+   ``OUT/data/{train,eval}``; the eval prompts come from another seed than the training ones. The
+   hidden states are the ones the head reads (EAGLE-3: three layers; Medusa and MLP: the last).
+   ``--data-from DIR`` takes the conversations another run generated (any head) and only recomputes
+   the hidden states, with one teacher-forced forward per conversation;
+2. vocabulary — the ``draft_vocab`` most frequent reply tokens (EAGLE-3's reduced LM head, Medusa's
+   token map; the MLP speculator keeps the whole vocabulary, as its layout has no map);
+3. training — EAGLE-3: training-time test over ``steps`` unrolled steps (:mod:`.ttt`); Medusa and MLP:
+   ``steps`` heads / stages, teacher-forced (:mod:`.spec_heads`); AdamW with warm-up and cosine
+   decay, gradient clipping; a checkpoint (``OUT/train_state.pt``) every ``save_every`` optimizer
+   steps and at the end of each epoch;
 4. evaluation on the held-out split (top-1 per step, greedy acceptance length at γ = ``steps``) and
-   the head written in the ``speculators`` layout (:mod:`.checkpoint`) to ``OUT``.
+   the head written to ``OUT`` (EAGLE-3: the ``speculators`` layout, :mod:`.checkpoint`; Medusa and
+   MLP: vLLM's layouts, :func:`workers.draft.spec_heads.save_spec_head`).
 """
 
 from __future__ import annotations
@@ -25,10 +34,14 @@ import torch
 
 from ...engine.config import ModelConfig
 from ..eagle import Eagle3Head, load_target_parts
+from ..spec_heads import save_spec_head
 from .checkpoint import save_eagle3
-from .data import SampleMaker, eagle3_layers, load_samples, write_shards
+from .data import SampleMaker, eagle3_layers, load_samples, rehidden_shards, write_shards
 from .prompts import conversation, local_prompts
+from .spec_heads import build_medusa, build_mlp, spec_head_forward
 from .ttt import draft_vocabulary, ttt_forward
+
+HEADS = ("eagle3", "medusa", "mlp")
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +70,20 @@ class TrainConfig:
     device: str = "cpu"
     threads: int | None = None
     dtype: str = "float16"
+    head: str = "eagle3"
+    data_from: str | None = None  # another run's OUT: reuse its conversations, recompute hidden states
+    inner_dim: int = 0  # MLP speculator: its state width (0: the target's hidden size)
+    head_layers: int = 1  # Medusa: residual blocks per head
 
     def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"--head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.inner_dim < 0 or self.head_layers < 1:
+            raise ValueError("--inner-dim must be >= 0 and --head-layers >= 1")
+        if self.head == "mlp" and self.steps < 2:
+            raise ValueError("--head mlp ties its stages' weights: --steps must be >= 2")
+        if self.data_from is not None and not (Path(self.data_from) / "data" / "train").is_dir():
+            raise ValueError(f"--data-from {self.data_from}: no data/train shards there (an earlier train-draft --out)")
         if not Path(self.target).is_dir() or not (Path(self.target) / "config.json").exists():
             raise ValueError(f"target {self.target!r} is not a model directory with a config.json")
         for name in ("prompts", "max_tokens", "gen_batch", "shard_size", "draft_vocab", "steps", "epochs",
@@ -71,14 +96,21 @@ class TrainConfig:
             raise ValueError(f"--dtype must be float16, bfloat16 or float32, got {self.dtype}")
 
 
-def check_target(path: str | Path) -> ModelConfig:
-    """The target's config; ValueError (one line) for a target an EAGLE-3 head cannot be trained for."""
+def check_target(path: str | Path, head: str = "eagle3") -> ModelConfig:
+    """The target's config; ValueError (one line) for a target the head cannot be trained for."""
     cfg = ModelConfig.from_dir(path)  # raises for unsupported architectures
+    if head != "eagle3":
+        return cfg  # Medusa and MLP read the last hidden state of any model our engine runs
     eagle3_layers(cfg.num_layers)
     if cfg.qk_norm or cfg.qkv_bias:
         raise ValueError(f"EAGLE-3 training supports Llama-style targets (no q/k norms or qkv biases); "
                          f"{path} is {cfg.model_type}")
     return cfg
+
+
+def head_layers(cfg: TrainConfig, target_cfg: ModelConfig) -> list[int]:
+    """The target layers whose hidden states the head reads (L: after the final norm)."""
+    return eagle3_layers(target_cfg.num_layers) if cfg.head == "eagle3" else [target_cfg.num_layers]
 
 
 def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
@@ -87,23 +119,57 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
     from ...engine.weights import load_model
 
     out = Path(cfg.out) / "data"
-    train_convs = [conversation(cfg.seed, i) for i in range(cfg.prompts)] + local_prompts(list(cfg.prompt_files))
-    eval_convs = [conversation(cfg.seed + 1_000_003, i) for i in range(cfg.eval_prompts)]
-    shard = cfg.shard_size
-    todo = [p for p in _shard_names(out / "train", len(train_convs), shard) + _shard_names(out / "eval", len(eval_convs), shard)
-            if not p.exists()]
-    if not todo:  # everything on disk already: no model needed
-        return _shard_names(out / "train", len(train_convs), shard), _shard_names(out / "eval", len(eval_convs), shard)
-    target_cfg = check_target(cfg.target)
-    model = load_model(cfg.target, device=cfg.device, max_positions=cfg.max_len)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    maker = SampleMaker(model, tokenizer, eagle3_layers(target_cfg.num_layers), max_tokens=cfg.max_tokens,
-                        temperature=cfg.temperature, batch=cfg.gen_batch, max_len=cfg.max_len, seed=cfg.seed)
-    bar = progress(total=len(train_convs) + len(eval_convs), desc="generating", unit="conv")
-    held = write_shards(maker, eval_convs, out / "eval", shard, bar)  # first: a cut-short run can still evaluate
-    train = write_shards(maker, train_convs, out / "train", shard, bar)
-    bar.close()
-    return train, held
+    target_cfg = check_target(cfg.target, cfg.head)
+    layers = head_layers(cfg, target_cfg)
+    _check_layers(out, layers, target_cfg.hidden_size)
+    if cfg.data_from is not None:
+        source = Path(cfg.data_from) / "data"
+        pairs = {split: [(p, out / split / p.name) for p in sorted((source / split).glob("shard_*.pt"))]
+                 for split in ("train", "eval")}
+        if not pairs["train"]:
+            raise ValueError(f"--data-from {cfg.data_from}: no shards in {source / 'train'}")
+        todo = [dst for split in pairs.values() for _, dst in split if not dst.exists()]
+    else:
+        train_convs = [conversation(cfg.seed, i) for i in range(cfg.prompts)] + local_prompts(list(cfg.prompt_files))
+        eval_convs = [conversation(cfg.seed + 1_000_003, i) for i in range(cfg.eval_prompts)]
+        shard = cfg.shard_size
+        todo = [p for p in _shard_names(out / "train", len(train_convs), shard) +
+                _shard_names(out / "eval", len(eval_convs), shard) if not p.exists()]
+    if todo:  # with everything on disk already, no model is needed
+        model = load_model(cfg.target, device=cfg.device, max_positions=cfg.max_len)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+        maker = SampleMaker(model, tokenizer, layers, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                            batch=cfg.gen_batch, max_len=cfg.max_len, seed=cfg.seed)
+    if cfg.data_from is not None:
+        if todo:
+            bar = progress(total=len(todo), desc="hidden states", unit="shard")
+            rehidden_shards(maker, [pair for split in pairs.values() for pair in split], bar)
+            bar.close()
+        return [dst for _, dst in pairs["train"]], [dst for _, dst in pairs["eval"]]
+    if todo:
+        bar = progress(total=len(train_convs) + len(eval_convs), desc="generating", unit="conv")
+        write_shards(maker, eval_convs, out / "eval", shard, bar)  # first: a cut-short run can still evaluate
+        write_shards(maker, train_convs, out / "train", shard, bar)
+        bar.close()
+    return _shard_names(out / "train", len(train_convs), shard), _shard_names(out / "eval", len(eval_convs), shard)
+
+
+def _check_layers(out: Path, layers: list[int], hidden_size: int) -> None:
+    """Shards under ``out`` hold one head's hidden states: refuse to mix, record them for the next run."""
+    marker = out / "layers.json"
+    mismatch = f"{out} holds hidden states of other target layers than the {layers} this head reads: " \
+               f"use another --out (and --data-from {out.parent} to reuse its conversations)"
+    if marker.exists():
+        if json.loads(marker.read_text()) != layers:
+            raise ValueError(mismatch)
+        return
+    shards = sorted(out.glob("*/shard_*.pt"))
+    if shards:  # made before the marker existed: check the width of their hidden states
+        first = next(iter(torch.load(shards[0], weights_only=True)), None)
+        if first is not None and first["hidden"].shape[-1] != len(layers) * hidden_size:
+            raise ValueError(mismatch)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(layers) + "\n")
 
 
 def _shard_names(directory: Path, n: int, shard: int) -> list[Path]:
@@ -134,12 +200,12 @@ def _on(sample: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
     return (sample["tokens"].to(device), sample["hidden"].to(device).float(), sample["mask"].to(device))
 
 
-def evaluate(head: Eagle3Head, embed, samples: list[dict], t2d_index: torch.Tensor, steps: int) -> dict:
+def evaluate(forward, samples: list[dict], steps: int) -> dict:
+    """Held-out top-1 per step and greedy acceptance length; ``forward(sample)`` gives its StepStats."""
     correct, counted, chains, accepted = [0] * steps, [0] * steps, 0, 0
-    device = t2d_index.device
     with torch.no_grad():
         for s in samples:
-            st = ttt_forward(head, embed, *_on(s, device), t2d_index, steps)
+            st = forward(s)
             for k in range(len(st.correct)):
                 correct[k] += st.correct[k]
                 counted[k] += st.counted[k]
@@ -155,7 +221,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
         from tqdm import tqdm as progress
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target_cfg = check_target(cfg.target)
+    target_cfg = check_target(cfg.target, cfg.head)
     started = time.perf_counter()
     train_paths, eval_paths = make_data(cfg, progress)
     gen_s = time.perf_counter() - started
@@ -172,11 +238,24 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     draft_ids, d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab)
     t2d_index = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft_ids] = torch.arange(len(draft_ids))
-    head = build_head(target_cfg, embed, lm_head, draft_ids, d2t, cfg.max_len, cfg.seed)
+    H, V = target_cfg.hidden_size, target_cfg.vocab_size
+    if cfg.head == "eagle3":
+        head = build_head(target_cfg, embed, lm_head, draft_ids, d2t, cfg.max_len, cfg.seed)
+    elif cfg.head == "medusa":
+        head = build_medusa(H, V, cfg.steps, cfg.head_layers, lm_head, draft_ids if len(draft_ids) < V else None)
+    else:
+        head = build_mlp(H, cfg.inner_dim or H, V, cfg.steps, embed.weight.detach(), lm_head, cfg.seed)
     device = torch.device(cfg.device)  # the head trains where the data was generated
     head.to(device)
     embed.to(device)
     t2d_index = t2d_index.to(device)
+    medusa_map = t2d_index if cfg.head == "medusa" and len(draft_ids) < V else None
+
+    def forward(sample: dict):
+        tokens, hidden, mask = _on(sample, device)
+        if cfg.head == "eagle3":
+            return ttt_forward(head, embed, tokens, hidden, mask, t2d_index, cfg.steps)
+        return spec_head_forward(head, tokens, hidden, mask, medusa_map, cfg.steps)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     tokens_per_epoch = sum(int(s["tokens"].shape[0]) for s in samples)
@@ -213,7 +292,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         while position < len(order):
             s = samples[order[position]]
-            st = ttt_forward(head, embed, *_on(s, device), t2d_index, cfg.steps)
+            st = forward(s)
             n = int(s["tokens"].shape[0])
             (st.loss * n / cfg.batch_tokens).backward()
             acc_tokens += n
@@ -236,15 +315,21 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     bar.close()
     head.eval()
     train_s = time.perf_counter() - train_started
-    metrics = evaluate(head, embed, held, t2d_index, cfg.steps)
-    metrics.update(train_tokens=tokens_per_epoch, train_reply_tokens=int(sum(int(s["mask"].sum()) for s in samples)),
+    metrics = evaluate(forward, held, cfg.steps)
+    metrics.update(head=cfg.head, train_tokens=tokens_per_epoch,
+                   train_reply_tokens=int(sum(int(s["mask"].sum()) for s in samples)),
                    train_sequences=len(samples), eval_sequences=len(held), epochs=cfg.epochs,
-                   generation_minutes=gen_s / 60, training_minutes=train_s / 60, draft_vocab=len(draft_ids),
+                   generation_minutes=gen_s / 60, training_minutes=train_s / 60,
+                   draft_vocab=V if cfg.head == "mlp" else len(draft_ids),
+                   parameters=sum(p.numel() for p in {id(p): p for p in head.parameters()}.values()),
                    config=asdict(cfg))
-    layers = eagle3_layers(target_cfg.num_layers)
-    save_eagle3(head, t2d, cfg.out, layers=layers, verifier=str(cfg.target), num_speculative_tokens=cfg.steps,
-                dtype=getattr(torch, cfg.dtype), extra={"metrics": {k: metrics[k] for k in (
-                    "acceptance_length", "top1_per_step", "train_tokens", "generation_minutes", "training_minutes")}})
+    extra = {"metrics": {k: metrics[k] for k in ("acceptance_length", "top1_per_step", "train_tokens",
+                                                 "generation_minutes", "training_minutes")}}
+    if cfg.head == "eagle3":
+        save_eagle3(head, t2d, cfg.out, layers=eagle3_layers(target_cfg.num_layers), verifier=str(cfg.target),
+                    num_speculative_tokens=cfg.steps, dtype=getattr(torch, cfg.dtype), extra=extra)
+    else:
+        save_spec_head(head.cpu(), cfg.out, dtype=getattr(torch, cfg.dtype), extra={**extra, "verifier": str(cfg.target)})
     (Path(cfg.out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log.info("held-out acceptance length %.2f at γ=%d; head written to %s",
              metrics["acceptance_length"] or 0.0, cfg.steps, cfg.out)

@@ -1,6 +1,7 @@
 """``tandem train-draft``: the training-time-test forward matches what the head computes when it
 drafts, a tiny seeded run writes a speculators-layout head that loads back and speculates
-losslessly, and a speculators-format EAGLE-3 checkpoint loads."""
+losslessly (and Medusa and MLP-speculator runs, the second on the first's conversations, write
+heads that do too), and a speculators-format EAGLE-3 checkpoint loads."""
 
 from __future__ import annotations
 
@@ -180,6 +181,50 @@ def test_tiny_training_run_writes_a_head_that_speculates_losslessly(tiny_target,
         for i in range(0, len(items), batch):
             got.update(run_spec(engine, proposer, dict(items[i : i + batch]), params))
         assert got == plain
+
+
+def test_medusa_and_mlp_heads_train_reuse_conversations_and_speculate_losslessly(tiny_target, tmp_path):
+    from workers.draft.head_proposer import HeadProposer
+    from workers.draft.spec_heads import MedusaHead, MlpSpeculatorHead, load_spec_head
+
+    common = dict(target=str(tiny_target), prompts=6, eval_prompts=2, max_tokens=12, max_len=256, shard_size=4,
+                  draft_vocab=512, steps=3, epochs=1, batch_tokens=256, warmup=1, save_every=2, threads=1,
+                  dtype="float32")
+    medusa = train(TrainConfig(out=str(tmp_path / "medusa"), head="medusa", **common), progress=_quiet)
+    assert medusa["head"] == "medusa" and medusa["acceptance_length"] is not None and medusa["draft_vocab"] == 512
+    assert json.loads((tmp_path / "medusa" / "data" / "layers.json").read_text()) == [4]
+    # the MLP speculator reuses those conversations: hidden states recomputed, the same tokens
+    mlp = train(TrainConfig(out=str(tmp_path / "mlp"), head="mlp", data_from=str(tmp_path / "medusa"), **common),
+                progress=_quiet)
+    assert mlp["train_tokens"] == medusa["train_tokens"] and mlp["draft_vocab"] == VOCAB
+    a = torch.load(tmp_path / "medusa" / "data" / "train" / "shard_00000.pt", weights_only=True)
+    b = torch.load(tmp_path / "mlp" / "data" / "train" / "shard_00000.pt", weights_only=True)
+    assert [x["tokens"].tolist() for x in a] == [x["tokens"].tolist() for x in b]
+    torch.testing.assert_close(a[0]["hidden"], b[0]["hidden"])
+    # shards of other layers under --out are refused, not mixed
+    (tmp_path / "e3" / "data").mkdir(parents=True)
+    (tmp_path / "e3" / "data" / "layers.json").write_text("[2, 2, 1]")
+    with pytest.raises(ValueError, match="other target layers"):
+        train(TrainConfig(out=str(tmp_path / "e3"), head="medusa", **common), progress=_quiet)
+    model = load_model(tiny_target)
+    rng = random.Random(1)
+    prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randrange(4, 20))] for i in range(8)}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = Engine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=()).generate(prompts, params)
+    _, lm_head, _ = load_target_parts(tiny_target)
+    for name, cls in (("medusa", MedusaHead), ("mlp", MlpSpeculatorHead)):
+        head = load_spec_head(tmp_path / name, 64, VOCAB, lm_head)
+        assert isinstance(head, cls) and head.n_predict == 3
+        for batch in (1, 8):
+            engine = SpecEngine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=(),
+                                num_speculative_tokens=3, hidden_layers=(4,))
+            proposer = HeadProposer(head, 4)
+            got = {}
+            items = list(prompts.items())
+            for i in range(0, len(items), batch):
+                got.update(run_spec(engine, proposer, dict(items[i : i + batch]), params))
+            assert got == plain
+            assert engine.counters[""].num_drafts > 0
 
 
 def test_targets_it_cannot_train_for_are_one_line_errors(tmp_path, tiny_target):
