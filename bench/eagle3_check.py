@@ -1,10 +1,12 @@
-"""Greedy equality and acceptance of a trained EAGLE-3 head on prompts it was not trained on.
+"""Greedy equality and acceptance of a trained draft head on prompts it was not trained on.
 
-Usage: .venv/bin/python bench/eagle3_check.py HEAD_DIR [--prompts 50] [--max-tokens 48] [--gamma 3]
+Usage: .venv/bin/python bench/eagle3_check.py HEAD_DIR [--prompts 50] [--max-tokens 48] [--gamma 3] [--topk K]
+
+HEAD_DIR: an EAGLE-3 / EAGLE head, Medusa heads or an MLP speculator (``tandem train-draft --head``).
 
 In one process (CPU, float32): the demo target decodes every prompt plainly, then speculates with the
 head at batch 1 and with 8 requests in flight (the target's ``SpecEngine`` and the draft worker's
-``EagleProposer``, exchanging the same typed payloads as over gRPC). Every speculative output must
+``EagleProposer`` or ``HeadProposer``, exchanging the same typed payloads as over gRPC). Every speculative output must
 equal the plain one token for token. Prompts come from the train-draft generator under a seed no
 training run uses, so none is a training conversation. Prints equality, the mean acceptance length
 (vLLM's 1 + accepted / drafts) and the engine-level tokens/s of each run.
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--topk", type=int, default=1, help="draft trees: children per node (1: chains; γ is the node budget)")
     args = ap.parse_args()
 
     import torch
@@ -54,12 +57,25 @@ def main() -> None:
     plain = Engine(model, cfg).generate(prompts, params)
     plain_s = time.perf_counter() - started
     embed, lm_head, target_cfg = load_target_parts(target)
-    head, layers = load_eagle(args.head, embed, lm_head, target_cfg, 2048)
+    from workers.draft.head_proposer import HeadProposer
+    from workers.draft.spec_heads import head_kind, load_spec_head
+
+    if head_kind(args.head):  # Medusa / MLP speculator: the target's last hidden state
+        head = load_spec_head(args.head, target_cfg.hidden_size, target_cfg.vocab_size, lm_head).float()
+        layers = [target_cfg.num_layers]
+
+        def make_proposer():
+            return HeadProposer(head, target_cfg.num_layers, tree_topk=args.topk)
+    else:
+        head, layers = load_eagle(args.head, embed, lm_head, target_cfg, 2048)
+
+        def make_proposer():
+            return EagleProposer(head, layers, num_blocks=2048, block_size=16, tree_topk=args.topk)
     total = sum(len(v) for v in plain.values())
     print(f"plain (batch of 8 in flight): {total / plain_s:.1f} tok/s")
     for batch in (1, 8):
         engine = SpecEngine(model, cfg, num_speculative_tokens=args.gamma, hidden_layers=tuple(layers), adaptive=False)
-        proposer = EagleProposer(head, layers, num_blocks=2048, block_size=16)
+        proposer = make_proposer()
         got, drafts, accepted = {}, 0, 0
         WIRE.update(bytes=0, seconds=0.0, steps=0, step_seconds=0.0)
         items = list(prompts.items())

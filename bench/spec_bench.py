@@ -293,8 +293,17 @@ async def amain(args) -> None:
                 setups = setups + (("EAGLE-3 head trained by `tandem train-draft`",
                                      ["--method", "eagle3", "--eagle-model", args.eagle3, "--target-model",
                                       str(target), *base], None),)
-            keys = ("ngram", "draft_model", "draft_model", "eagle3")
-            setups = tuple(x for key, x in zip(keys, setups) if args.rows is None or key in args.rows)
+            else:
+                setups = setups + (None,)
+            for key, label in (("medusa", "Medusa heads"), ("mlp_speculator", "MLP speculator")):
+                head = getattr(args, key)
+                if head:  # trained by `tandem train-draft --head medusa|mlp`
+                    setups = setups + ((f"{label} trained by `tandem train-draft`",
+                                        ["--method", key, "--head-model", head, "--target-model", str(target)], None),)
+                else:
+                    setups = setups + (None,)
+            keys = ("ngram", "draft_model", "draft_model", "eagle3", "medusa", "mlp_speculator")
+            setups = tuple(x for key, x in zip(keys, setups) if x and (args.rows is None or key in args.rows))
             for label, draft_args, cost in ([] if args.oracle_only else setups):
                 r = await with_draft(rt, env, draft_args, prompts, args.max_tokens, gamma)
                 rows.append((label, r, None if cost is None else ideal_speedup(r["alpha"], gamma, cost)))
@@ -415,8 +424,10 @@ def main() -> None:
                         help="emulated draft cost per token for --costed-sweep, as a fraction of a plain decode step")
     parser.add_argument("--out", default="docs/spec_sweep.svg")
     parser.add_argument("--eagle3", default=None, help="also a row with this EAGLE-3 head directory")
+    parser.add_argument("--medusa", default=None, help="also a row with this Medusa head directory")
+    parser.add_argument("--mlp-speculator", default=None, help="also a row with this MLP speculator directory")
     parser.add_argument("--rows", type=lambda s: set(s.split(",")), default=None,
-                        help="only these draft rows: ngram, draft_model, eagle3 (default: all)")
+                        help="only these draft rows: ngram, draft_model, eagle3, medusa, mlp_speculator (default: all)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
     parser.add_argument("--held-out", action="store_true",
                         help="prompts no train-draft conversation uses (for rows with a trained head)")
