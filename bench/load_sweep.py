@@ -2,14 +2,17 @@
 speculation off, fixed, adaptive (the default) and load-aware, side by side in one run.
 
 Usage: .venv/bin/python bench/load_sweep.py [--concurrency 1,2,4,8,16,32] [--max-tokens 48] [--gamma 4]
-       [--modes off,fixed,adaptive,load_aware] [--draft ngram] [--out docs/load_sweep.svg]
+       [--modes off,fixed,adaptive,load_aware] [--draft ngram|eagle3] [--repeats 1] [--out docs/load_sweep.svg]
 
 The demo target (SmolLM2-135M) and an n-gram draft worker run as real processes over etcd, NATS and
 gRPC, one pair per mode in its own namespace (so every mode has its own warm target): ``fixed`` runs
 ``--no-adaptive-speculation``, ``adaptive`` the default, ``load_aware`` ``--load-aware-speculation``;
 ``off`` is the adaptive target with γ = 0 per request. At each concurrency c every mode in turn serves
 max(2c, 8) chat requests (greedy, ``--max-tokens`` each) with c in flight, so a slow spell of this
-shared machine hits all modes alike. Every output must equal the ``off`` output for the same prompt.
+shared machine hits all modes alike; with ``--repeats R`` each concurrency runs R rounds, the modes in
+a rotated order each round, and a mode's figure is the median of its per-round ratio to ``off`` (the
+min–max beside it shows the noise). Every output must equal the ``off`` output for the same prompt.
+``--draft eagle3`` drafts with the bundled EAGLE-3 head instead of n-grams.
 """
 
 from __future__ import annotations
@@ -76,6 +79,14 @@ async def serve(rt: Runtime, prompts: list[list[int]], concurrency: int, max_tok
             "outputs": outputs}
 
 
+def draft_args(method: str, target: Path) -> list[str]:
+    if method == "eagle3":  # the head that ships with the demo model
+        from workers.demo_model import demo_head_dir
+
+        return ["--method", "eagle3", "--eagle-model", str(demo_head_dir()), "--target-model", str(target)]
+    return ["--method", method]
+
+
 def write_svg(path: Path, levels: list[int], results: dict[str, list[float]]) -> None:
     """tokens/s relative to speculation off, per mode, against concurrency (log scale)."""
     import math
@@ -131,7 +142,8 @@ async def amain(args) -> None:
             procs.append(ManagedProcess("workers.target", [
                 "--model", str(target), "--num-speculative-tokens", str(args.gamma), "--max-num-seqs", "64",
                 *TARGET_FLAGS[kind]], env, name=f"target-{kind}").start())
-            procs.append(ManagedProcess("workers.draft", ["--method", args.draft], env, name=f"draft-{kind}").start())
+            procs.append(ManagedProcess("workers.draft", draft_args(args.draft, target), env,
+                                        name=f"draft-{kind}").start())
             cfg = RuntimeConfig(etcd_url=etcd.url, nats_url=nats_server.url, namespace=f"sweep-{kind}",
                                 handle_signals=False)
             runtimes[kind] = await stack.enter_async_context(Runtime.connect(cfg))
@@ -139,21 +151,31 @@ async def amain(args) -> None:
             await drafts.wait_for_instances(1, timeout=120)
             await serve(runtimes[kind], all_prompts[:2], 2, 8, None)  # warm-up: opens the draft stream
         print(f"{args.draft} draft, γ = {args.gamma}, {args.max_tokens} tokens per request, greedy\n", flush=True)
-        print("| concurrency | mode | tokens/s | vs off | TTFT p50 (s) | ITL p50 (ms) | latency p50 (s) | p99 (s) |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| concurrency | mode | tokens/s | vs off (median of rounds) | min–max over rounds | TTFT p50 (s) | "
+              "ITL p50 (ms) | latency p50 (s) | p99 (s) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         relative: dict[str, list[float]] = {m: [] for m in args.modes}
         for c in args.concurrency:
             n = max(2 * c, 8)
             prompts = [all_prompts[i % len(all_prompts)] for i in range(n)]
-            rows = {}
+            rounds: list[dict[str, dict]] = []
+            for rep in range(args.repeats):
+                rows = {}
+                shift = rep % len(args.modes)
+                for mode in args.modes[shift:] + args.modes[:shift]:  # rotated: no mode always runs first
+                    kind, gamma = MODES[mode]
+                    rows[mode] = await serve(runtimes[kind], prompts, c, args.max_tokens, gamma)
+                base = rows["off"] if "off" in rows else rows[args.modes[0]]
+                for mode, r in rows.items():
+                    assert r["outputs"] == base["outputs"], f"{mode} output differs from speculation off at c={c}"
+                    r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
+                rounds.append(rows)
             for mode in args.modes:
-                kind, gamma = MODES[mode]
-                rows[mode] = await serve(runtimes[kind], prompts, c, args.max_tokens, gamma)
-            base = rows["off"] if "off" in rows else next(iter(rows.values()))
-            for mode, r in rows.items():
-                assert r["outputs"] == base["outputs"], f"{mode} output differs from speculation off at c={c}"
-                relative[mode].append(r["tokens_per_s"] / base["tokens_per_s"])
-                print(f"| {c} | {mode} | {r['tokens_per_s']:.1f} | {relative[mode][-1]:.2f}x | {r['ttft_p50']:.2f} | "
+                ratios = [rows[mode]["ratio"] for rows in rounds]
+                relative[mode].append(statistics.median(ratios))
+                r = rounds[-1][mode]
+                print(f"| {c} | {mode} | {statistics.median(x[mode]['tokens_per_s'] for x in rounds):.1f} | "
+                      f"{relative[mode][-1]:.2f}x | {min(ratios):.2f}–{max(ratios):.2f} | {r['ttft_p50']:.2f} | "
                       f"{r['itl_p50'] * 1000:.0f} | {r['lat_p50']:.2f} | {r['lat_p99']:.2f} |", flush=True)
         if args.out:
             write_svg(Path(args.out), args.concurrency, relative)
@@ -172,7 +194,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "fixed", "adaptive", "load_aware"])
-    ap.add_argument("--draft", default="ngram", help="draft method (ngram: no model on the draft side)")
+    ap.add_argument("--draft", default="ngram",
+                    help="draft method: ngram (no model on the draft side), suffix, or eagle3 (the bundled head)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds per concurrency (median ratio reported)")
     ap.add_argument("--out", default=None, help="SVG: tokens/s relative to speculation off, per mode")
     asyncio.run(amain(ap.parse_args()))
 

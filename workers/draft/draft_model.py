@@ -28,7 +28,8 @@ from ..engine.block_manager import BlockManager
 from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
 from ..speculation.payloads import ROOT
-from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
+from .proposer import (DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft,
+                       sequence_for)
 from .tree_search import DraftTree, frontier_batch, grow, split_batch
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,7 @@ class DraftModelProposer:
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         for item in batch:
-            seq = self._seqs.get(item.seq_id)
-            if seq is None:
-                seq = self._seqs[item.seq_id] = _Seq(sampling=item.sampling)
-                if item.sampling.seed is not None:
-                    seq.generator = torch.Generator().manual_seed(item.sampling.seed)
-            seq.sampling = item.sampling
+            seq = sequence_for(self._seqs, item, _Seq)
             if item.new_tokens:
                 self._rollback(seq, seq.committed)
                 seq.tokens.extend(item.new_tokens)

@@ -34,7 +34,8 @@ from ..speculation.convert import dtype_name
 from .eagle import EagleHead
 from ..speculation.payloads import ROOT
 from .tree_search import DraftTree, frontier_batch, grow, split_batch
-from .proposer import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft
+from .proposer import (DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft,
+                       sequence_for)
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,7 @@ class EagleProposer:
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         chains, trees = split_batch(batch, self.tree_topk, self.tree_depth)
         for item in batch:
-            seq = self._seqs.get(item.seq_id)
-            if seq is None:
-                seq = self._seqs[item.seq_id] = _Seq()
-                if item.sampling.seed is not None:
-                    seq.generator = torch.Generator().manual_seed(item.sampling.seed)
-            seq.sampling = item.sampling
+            seq = sequence_for(self._seqs, item, _Seq)
             if item.new_tokens:
                 self._truncate_tail(seq)
                 first = len(seq.tokens)

@@ -28,7 +28,7 @@ import torch
 
 from ..speculation.convert import dtype_name
 from ..speculation.payloads import ROOT
-from .proposer import DraftInput, DraftOutput, SamplingSpec, VerifyResult, sample_draft
+from .proposer import DraftInput, DraftOutput, SamplingSpec, VerifyResult, sample_draft, sequence_for
 from .spec_heads import SpecHead
 from .tree_search import DraftTree, grow, split_batch
 
@@ -67,12 +67,7 @@ class HeadProposer:
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         for item in batch:
-            seq = self._seqs.get(item.seq_id)
-            if seq is None:
-                seq = self._seqs[item.seq_id] = _Seq()
-                if item.sampling.seed is not None:
-                    seq.generator = torch.Generator().manual_seed(item.sampling.seed)
-            seq.sampling = item.sampling
+            seq = sequence_for(self._seqs, item, _Seq)
             if item.new_tokens:
                 first = seq.last_token < 0
                 self._commit(seq, item.new_tokens, item.hidden_states, len(item.new_tokens) - first)

@@ -13,7 +13,7 @@ import torch
 from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 
 __all__ = ["DraftInput", "DraftOutput", "Proposer", "SamplingSpec", "SparseDist", "VerifyResult", "grow_blocks",
-           "sample_draft"]
+           "sample_draft", "sequence_for"]
 
 
 class Proposer(Protocol):
@@ -49,6 +49,18 @@ def sample_draft(logits: torch.Tensor, sampling: SamplingSpec, generator: torch.
     probs = top_vals.softmax(-1)  # [k]
     choice = int(torch.multinomial(probs, 1, generator=generator))
     return int(top_ids[choice]), SparseDist(top_ids.tolist(), probs.tolist())
+
+
+def sequence_for(seqs: dict, item: DraftInput, make):
+    """A proposer's state for ``item``'s sequence: ``make()`` on first sight (with a generator seeded
+    from the request's seed, if any, in its ``generator``), its ``sampling`` refreshed from ``item``."""
+    seq = seqs.get(item.seq_id)
+    if seq is None:
+        seq = seqs[item.seq_id] = make()
+        if item.sampling.seed is not None:
+            seq.generator = torch.Generator().manual_seed(item.sampling.seed)
+    seq.sampling = item.sampling
+    return seq
 
 
 def grow_blocks(manager, blocks: list[int], num_tokens: int) -> bool:

@@ -298,7 +298,7 @@ def save_spec_head(head: SpecHead, out_dir: str | Path, *, dtype: torch.dtype = 
         if head.shared:
             raise ValueError("a Medusa head with a shared LM head is written with one LM head per block")
         tensors = {name: p for name, p in head.named_parameters()}
-        hidden = head.blocks[0].layers[0].weight.shape[0] if len(head.blocks[0].layers) else head.lm_heads[0].weight.shape[1]
+        hidden = head.lm_heads[0].weight.shape[1]
         config = {"architectures": ["MedusaModel"], "model_type": MEDUSA, "hidden_size": int(hidden),
                   "vocab_size": head.vocab_size, "num_heads": head.n_predict,
                   "num_hidden_layers": len(head.blocks[0].layers), "medusa_fc_bias": any(

@@ -6,8 +6,8 @@ or at ``temperature``); conversations with a follow-up get a second turn after t
 first answer. Then one teacher-forced forward of the whole token sequence through the same model
 returns the hidden states of the layers the head reads (EAGLE-3: low, middle, high; Medusa and MLP:
 the last, after the final norm). A sample is ``tokens [T]`` (long), ``mask [T]`` (bool: tokens the
-target generated, where the loss applies) and ``hidden [T, n·H]`` (float16, n layers). Samples are written in shards of ``shard_size`` conversations
-(``shard_00000.pt``, ...); a shard already on disk is not made again, so an interrupted run resumes.
+target generated, where the loss applies) and ``hidden [T, n·H]`` (float16, n layers). Samples are
+written in shards of ``shard_size`` conversations (``shard_00000.pt``, ...); a shard already on disk is not made again, so an interrupted run resumes.
 """
 
 from __future__ import annotations
