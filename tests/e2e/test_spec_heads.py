@@ -30,8 +30,7 @@ def write_head(kind: str, target_dir, out) -> None:
     if kind == "medusa":
         head = build_medusa(cfg.hidden_size, cfg.vocab_size, 3, 1, lm_head.weight.detach(), torch.arange(200))
     else:
-        head = build_mlp(cfg.hidden_size, cfg.hidden_size, cfg.vocab_size, 3, embed.weight.detach(),
-                         lm_head.weight.detach(), seed=5)
+        head = build_mlp(cfg.hidden_size, cfg.hidden_size, cfg.vocab_size, 3, embed.weight.detach(), seed=5)
     for p in head.parameters():
         p.data.add_(torch.randn(p.shape, generator=gen) * 0.02)
     save_spec_head(head, out, dtype=torch.float32)

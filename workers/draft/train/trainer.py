@@ -244,7 +244,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     elif cfg.head == "medusa":
         head = build_medusa(H, V, cfg.steps, cfg.head_layers, lm_head, draft_ids if len(draft_ids) < V else None)
     else:
-        head = build_mlp(H, cfg.inner_dim or H, V, cfg.steps, embed.weight.detach(), lm_head, cfg.seed)
+        head = build_mlp(H, cfg.inner_dim or H, V, cfg.steps, embed.weight.detach(), cfg.seed)
     device = torch.device(cfg.device)  # the head trains where the data was generated
     head.to(device)
     embed.to(device)

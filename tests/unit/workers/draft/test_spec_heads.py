@@ -175,7 +175,7 @@ def test_written_heads_load_back_identically(tmp_path, kind):
         for p in head.parameters():
             p.data.normal_(0, 0.3, generator=gen)
     else:
-        head = build_mlp(H, H, VOCAB, 3, lm, lm, seed=1)
+        head = build_mlp(H, H, VOCAB, 3, lm, seed=1)
     save_spec_head(head, tmp_path, dtype=torch.float32)
     loaded = load_spec_head(tmp_path, H, VOCAB)
     h, tok = torch.randn(4, H, generator=gen), torch.randint(0, VOCAB, (4,), generator=gen)
@@ -191,7 +191,7 @@ def test_training_steps_equal_the_drafting_path(kind):
     teacher's tokens as drafts."""
     gen = torch.Generator().manual_seed(4)
     lm = torch.randn(VOCAB, H, generator=gen)
-    head = build_medusa(H, VOCAB, 3, 1, lm, None) if kind == "medusa" else build_mlp(H, H, VOCAB, 3, lm, lm, seed=2)
+    head = build_medusa(H, VOCAB, 3, 1, lm, None) if kind == "medusa" else build_mlp(H, H, VOCAB, 3, lm, seed=2)
     for p in head.parameters():
         p.data.add_(torch.randn(p.shape, generator=gen) * 0.05)
     T = 12
@@ -221,7 +221,7 @@ def _random_head(kind: str, target_dir):
     if kind == "medusa":
         head = build_medusa(H, VOCAB, 3, 1, lm_head.weight.detach(), torch.arange(VOCAB - 16))
     else:
-        head = build_mlp(H, H, VOCAB, 3, embed.weight.detach(), lm_head.weight.detach(), seed=3)
+        head = build_mlp(H, H, VOCAB, 3, embed.weight.detach(), seed=3)
     for p in head.parameters():
         p.data.add_(torch.randn(p.shape, generator=gen) * 0.02)
     return head.eval()
