@@ -255,6 +255,9 @@ def load_medusa(path: str | Path, hidden: int, vocab_size: int, target_lm_head: 
         state = {k.removeprefix("blocks."): v for k, v in state.items()}
     else:
         module = head
+        if token_map is not None:  # full-vocabulary LM heads with a map: vLLM keeps the map's rows
+            state = {k: v[token_map] if k.startswith("lm_heads.") and v.shape[0] > token_map.shape[0] else v
+                     for k, v in state.items()}
     _copy(module, state, "Medusa")
     return head.eval()
 

@@ -150,6 +150,41 @@ def test_medusa_layouts_load_and_compute_the_papers_heads(tmp_path):
         load_spec_head(tmp_path / "bad", H, VOCAB)
 
 
+def test_medusa_with_one_shared_lm_head_and_a_map_over_full_rows(tmp_path):
+    """vLLM's original_lm_head (one LM head, written as lm_heads.0 or left to the target's) and a
+    token map over full-vocabulary rows (vLLM keeps the map's rows)."""
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(3, H, generator=gen)
+    state = write_medusa_vllm(tmp_path, heads=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    shared = state["lm_heads.0.weight"]
+    del state["lm_heads.1.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "original_lm_head": True}))
+    head = load_spec_head(tmp_path, H, VOCAB)
+    for i in range(2):
+        x = h + F.silu(h @ state[f"blocks.{i}.layers.0.weight"].T + state[f"blocks.{i}.layers.0.bias"])
+        torch.testing.assert_close(head.step(h, None, i)[1], x @ shared.T)
+    # no LM head in the file: the target's
+    del state["lm_heads.0.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    target_lm = torch.nn.Linear(H, VOCAB, bias=False)
+    head = load_spec_head(tmp_path, H, VOCAB, target_lm)
+    x = h + F.silu(h @ state["blocks.1.layers.0.weight"].T + state["blocks.1.layers.0.bias"])
+    torch.testing.assert_close(head.step(h, None, 1)[1], x @ target_lm.weight.T)
+    with pytest.raises(ValueError, match="target's LM head"):
+        load_spec_head(tmp_path, H, VOCAB)
+    # separate full-vocabulary heads with a token map
+    full = write_medusa_vllm(tmp_path, heads=2)
+    full["token_map"] = torch.arange(0, VOCAB, 4)
+    save_file(full, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "truncated_vocab_size": VOCAB // 4}))
+    logits = load_spec_head(tmp_path, H, VOCAB).step(h, None, 0)[1]
+    x = h + F.silu(h @ full["blocks.0.layers.0.weight"].T + full["blocks.0.layers.0.bias"])
+    torch.testing.assert_close(logits[:, ::4], x @ full["lm_heads.0.weight"][::4].T)
+    assert torch.isinf(logits[:, 1::4]).all()
+
+
 @pytest.mark.parametrize("tie,scale_input", [(True, True), (False, False)])
 def test_mlp_speculator_layout_loads_and_computes_ibms_recurrence(tmp_path, tie, scale_input):
     state = write_mlp_ibm(tmp_path, n_predict=3, inner=48, tie=tie, scale_input=scale_input)
