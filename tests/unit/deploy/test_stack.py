@@ -15,7 +15,8 @@ def ports_for(config: StackConfig, drafts_available: bool = True) -> dict[str, i
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"draft_method": "medusa"}, "draft_method"),
+    ({"draft_method": "lookahead"}, "draft_method"),
+    ({"draft_method": "medusa", "model": "/m"}, "--draft-model PATH \\(a draft head directory\\)"),
     ({"router_mode": "kv2"}, "router_mode"),
     ({"targets": 0}, "targets"),
     ({"drafts": -1}, "drafts"),

@@ -108,7 +108,7 @@ def check_target(path: str | Path, head: str = "eagle3") -> ModelConfig:
     return cfg
 
 
-def head_layers(cfg: TrainConfig, target_cfg: ModelConfig) -> list[int]:
+def layers_read(cfg: TrainConfig, target_cfg: ModelConfig) -> list[int]:
     """The target layers whose hidden states the head reads (L: after the final norm)."""
     return eagle3_layers(target_cfg.num_layers) if cfg.head == "eagle3" else [target_cfg.num_layers]
 
@@ -120,7 +120,7 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
 
     out = Path(cfg.out) / "data"
     target_cfg = check_target(cfg.target, cfg.head)
-    layers = head_layers(cfg, target_cfg)
+    layers = layers_read(cfg, target_cfg)
     _check_layers(out, layers, target_cfg.hidden_size)
     if cfg.data_from is not None:
         source = Path(cfg.data_from) / "data"
@@ -128,7 +128,7 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
                  for split in ("train", "eval")}
         if not pairs["train"]:
             raise ValueError(f"--data-from {cfg.data_from}: no shards in {source / 'train'}")
-        todo = [dst for split in pairs.values() for _, dst in split if not dst.exists()]
+        todo = [(src, dst) for split in pairs.values() for src, dst in split if not dst.exists()]
     else:
         train_convs = [conversation(cfg.seed, i) for i in range(cfg.prompts)] + local_prompts(list(cfg.prompt_files))
         eval_convs = [conversation(cfg.seed + 1_000_003, i) for i in range(cfg.eval_prompts)]
@@ -143,7 +143,7 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
     if cfg.data_from is not None:
         if todo:
             bar = progress(total=len(todo), desc="hidden states", unit="shard")
-            rehidden_shards(maker, [pair for split in pairs.values() for pair in split], bar)
+            rehidden_shards(maker, todo, bar)
             bar.close()
         return [dst for _, dst in pairs["train"]], [dst for _, dst in pairs["eval"]]
     if todo:
