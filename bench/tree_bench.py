@@ -1,12 +1,12 @@
 """Token trees against chains at the same verify budget: accepted length and speed, greedy, in one run.
 
 Usage: .venv/bin/python bench/tree_bench.py HEAD_DIR [--prompts 8] [--max-tokens 48] [--budgets 2,4,6,8,12,16]
-       [--topk 4] [--depth 4] [--ngram] [--batch 1] [--out docs/tree_budget.svg]
+       [--trees 4:4,8:8] [--ngram] [--batch 1] [--out docs/tree_budget.svg]
 
 In one process (CPU, float32): the demo target (SmolLM2-135M) with the trained EAGLE-3 head HEAD_DIR
 (``tandem train-draft``), on held-out prompts (the train-draft generator under a seed no training
 run uses). For every node budget N (draft tokens the target verifies per pass) it runs the chain
-(γ = N, top-k 1) and the tree (top-k ``--topk``, depth ``min(N, --depth)``, the N best nodes), γ fixed
+(γ = N, top-k 1) and a tree per ``--trees`` shape K:D (top-k K, depth ``min(N, D)``, the N best nodes), γ fixed
 (no adaptation), with plain decoding re-measured before every row so each speedup is a side-by-side
 ratio. Every output must equal plain decoding token for token. ``--ngram`` adds prompt-lookup rows
 (chain vs trie of every earlier occurrence). Prints a markdown table; ``--out`` plots accepted length
@@ -53,7 +53,7 @@ def write_svg(path: Path, series: dict[str, list[tuple[int, float]]]) -> None:
     def xy(x: float, y: float) -> tuple[float, float]:
         return pad + (x / x_max) * (width - 2 * pad), height - pad - (y - 1) / (y_max - 1) * (height - 2 * pad)
 
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
              f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>',
@@ -87,8 +87,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 6, 8, 12, 16])
-    ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--trees", default="4:4", help="tree shapes top-k:depth, comma separated")
     ap.add_argument("--ngram", action="store_true", help="also prompt-lookup chains and tries")
     ap.add_argument("--batch", type=int, default=1, help="requests in flight")
     ap.add_argument("--threads", type=int, default=2)
@@ -121,15 +120,19 @@ def main() -> None:
     want, _ = run(Engine(model, cfg), None, prompts, params, args.batch)  # warm-up and the reference
     total = sum(len(v) for v in want.values())
 
+    shapes = [tuple(int(x) for x in shape.split(":")) for shape in args.trees.split(",")]
     setups = []  # (method, shape, budget, proposer factory, hidden layers)
     for n in args.budgets:
         setups.append(("eagle3", "chain", n, lambda: EagleProposer(head, layers, 2048, 16), layers))
-        setups.append(("eagle3", f"tree top-{args.topk}", n,
-                       lambda n=n: EagleProposer(head, layers, 2048, 16, tree_topk=args.topk,
-                                                 tree_depth=min(n, args.depth)), layers))
+        for k, d in shapes:
+            setups.append(("eagle3", f"tree top-{k} depth {d}", n,
+                           lambda n=n, k=k, d=d: EagleProposer(head, layers, 2048, 16, tree_topk=k,
+                                                               tree_depth=min(n, d)), layers))
         if args.ngram:
             setups.append(("ngram", "chain", n, lambda: NgramProposer(1, 4), []))
-            setups.append(("ngram", f"tree top-{args.topk}", n, lambda: NgramProposer(1, 4, tree_topk=args.topk), []))
+            for k, d in shapes:
+                setups.append(("ngram", f"tree top-{k}", n,
+                               lambda k=k: NgramProposer(1, 4, tree_topk=k), []))
     print(f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, {args.batch} in flight, "
           f"{args.threads} threads\n")
     print("| draft | shape | node budget | accepted length | tokens/s | plain tokens/s (just before) | speedup | equal |")

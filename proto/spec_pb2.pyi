@@ -67,7 +67,7 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling", "hidden_states", "tree_topk", "tree_depth")
+    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling", "hidden_states", "tree_topk", "tree_depth", "max_depth")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class ProposeRequest(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -84,7 +85,8 @@ class ProposeRequest(_message.Message):
     hidden_states: _containers.RepeatedCompositeFieldContainer[Tensor]
     tree_topk: int
     tree_depth: int
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., tree_topk: _Optional[int] = ..., tree_depth: _Optional[int] = ...) -> None: ...
+    max_depth: int
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., tree_topk: _Optional[int] = ..., tree_depth: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests",)

@@ -104,7 +104,7 @@ class EagleProposer:
                 out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
                 continue
             seq = self._seqs[item.seq_id]
-            n = min(item.num_tokens, len(seq.tail))
+            n = min(item.chain_length, len(seq.tail))
             dists = [] if seq.sampling.greedy else seq.dists[:n]
             out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists))
         return out

@@ -116,11 +116,11 @@ class NgramProposer:
             if item.num_tokens <= 0:
                 out.append(DraftOutput(item.seq_id, item.round, []))
             elif topk > 1:
-                depth = item.tree_depth or item.num_tokens
+                depth = min(item.tree_depth or item.num_tokens, item.chain_length)
                 tokens, parents = self.lookup_tree(hist, item.num_tokens, topk, depth)
                 out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
             else:
-                out.append(DraftOutput(item.seq_id, item.round, self.lookup(hist.tokens, item.num_tokens, hist)))
+                out.append(DraftOutput(item.seq_id, item.round, self.lookup(hist.tokens, item.chain_length, hist)))
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -78,8 +78,8 @@ class OracleProposer:
         for item in batch:
             self._seqs.setdefault(item.seq_id, [])
             self._commit(item.seq_id, list(item.new_tokens))
-        self._extend({item.seq_id: item.num_tokens for item in batch})
-        return [DraftOutput(item.seq_id, item.round, self._tails[item.seq_id][: item.num_tokens])
+        self._extend({item.seq_id: item.chain_length for item in batch})
+        return [DraftOutput(item.seq_id, item.round, self._tails[item.seq_id][: item.chain_length])
                 for item in batch]
 
     def predraft(self, seq_ids: list[str], num_tokens: int) -> None:

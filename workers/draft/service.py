@@ -11,6 +11,7 @@ proposers run torch there, off the event loop) and routes each proposal back to 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -126,8 +127,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     async def _propose(self, batch: list[tuple[_Stream, DraftInput]]) -> None:
         inputs = [d for _, d in batch]
         if self.overlap:
-            self._ahead.update((d.seq_id, d.num_tokens) for d in inputs
-                               if d.num_tokens > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
+            self._ahead.update((d.seq_id, d.chain_length) for d in inputs
+                               if d.chain_length > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         started = time.perf_counter()
         outputs = await asyncio.to_thread(self.proposer.propose, inputs)
         stats = self.stats
@@ -183,8 +184,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     for r in msg.propose.requests:
                         d = draft_input_from_pb(r)
                         if d.num_tokens > self.max_speculative_tokens:
-                            d = DraftInput(d.seq_id, d.round, d.new_tokens, self.max_speculative_tokens, d.sampling,
-                                           d.hidden_states)
+                            d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
                         seqs.add(d.seq_id)
                         inputs.append(d)
                     self._work.put_nowait(("propose", stream, inputs))

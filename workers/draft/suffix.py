@@ -134,8 +134,9 @@ class SuffixProposer:
                 continue
             shape = tree_shape(item, self.config.tree_topk, self.config.tree_depth)
             context = req.local.tokens(0)
-            own = self._draft(req.local, context, item.num_tokens, shape)
-            other = self._draft(self.cache, context, item.num_tokens, shape) if len(self.cache) else (0.0, [], [])
+            budget = item.num_tokens if shape else item.chain_length
+            own = self._draft(req.local, context, budget, shape)
+            other = self._draft(self.cache, context, budget, shape) if len(self.cache) else (0.0, [], [])
             best = own if own[0] >= other[0] else other  # ties: the request's own history
             if best[1]:
                 self.won["request" if best is own else "global"] += 1

@@ -31,7 +31,7 @@ def tree_shape(item: DraftInput, default_topk: int, default_depth: int) -> tuple
     if topk <= 1 or item.num_tokens <= 1:
         return None
     depth = item.tree_depth or default_depth or item.num_tokens
-    return topk, max(1, min(depth, item.num_tokens))
+    return topk, max(1, min(depth, item.chain_length))
 
 
 def split_batch(batch: list[DraftInput], default_topk: int, default_depth: int
@@ -42,7 +42,7 @@ def split_batch(batch: list[DraftInput], default_topk: int, default_depth: int
     for item in batch:
         shape = tree_shape(item, default_topk, default_depth)
         if shape is None:
-            chains[item.seq_id] = item.num_tokens
+            chains[item.seq_id] = item.chain_length
         else:
             trees[item.seq_id] = (item.num_tokens, *shape)
     return chains, trees

@@ -61,12 +61,13 @@ def draft_input_to_pb(d: DraftInput, hidden_dtype: str = "") -> spec_pb2.Propose
     return spec_pb2.ProposeRequest(seq_id=d.seq_id, round=d.round, new_tokens=d.new_tokens,
                                    num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling),
                                    hidden_states=[tensor_to_pb(h, hidden_dtype) for h in d.hidden_states],
-                                   tree_topk=d.tree_topk, tree_depth=d.tree_depth)
+                                   tree_topk=d.tree_topk, tree_depth=d.tree_depth, max_depth=d.max_depth)
 
 
 def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
     return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_tokens, sampling_from_pb(msg.sampling),
-                      [tensor_from_pb(h) for h in msg.hidden_states], msg.tree_topk, msg.tree_depth)
+                      [tensor_from_pb(h) for h in msg.hidden_states], msg.tree_topk, msg.tree_depth,
+                      msg.max_depth)
 
 
 def draft_output_to_pb(d: DraftOutput) -> spec_pb2.Proposal:

@@ -44,6 +44,12 @@ class DraftInput:
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [rows, hidden], see spec.proto
     tree_topk: int = 0  # children per node and depth (0: the draft worker's setting; 1: a chain)
     tree_depth: int = 0  # draft steps (0: the draft worker's setting)
+    max_depth: int = 0  # deepest a drafted token can sit and still be emitted (0: no bound but num_tokens)
+
+    @property
+    def chain_length(self) -> int:
+        """Tokens a chain drafts: the budget, but none deeper than can be emitted."""
+        return min(self.num_tokens, self.max_depth) if self.max_depth > 0 else self.num_tokens
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class SpecEngine(Engine):
     def draft_inputs(self) -> list[DraftInput]:
         """Proposal requests for every running sequence that decodes next and speculates."""
         caps: dict[str, int] = {}
+        rooms: dict[str, int] = {}  # drafted tokens that can still be emitted
         for seq in self.scheduler.running:
             st = self._spec.get(seq.request_id)
             if st is None or st.gamma <= 0 or seq.num_uncomputed != 1:
@@ -168,9 +169,12 @@ class SpecEngine(Engine):
                     st.pause -= 1
                     continue
                 st.cap = 1
-            k = min(st.cap, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq) - 1)
-            if k > 0:
-                caps[seq.request_id] = k
+            # A chain is no longer than what can still be emitted; a tree keeps its node budget (its
+            # nodes take KV slots, hence max_model_len) and grows no deeper than that (max_depth).
+            room = seq.params.max_tokens - seq.num_generated - 1
+            k = min(st.cap, self.max_model_len - len(seq) - 1)
+            if k > 0 and room > 0:
+                caps[seq.request_id], rooms[seq.request_id] = k, room
         if self.load_aware and caps:
             base = sum(1 for s in self.scheduler.running if s.num_uncomputed == 1)
             planned = plan(caps, {sid: self._spec[sid].acceptance.alpha for sid in caps}, base, self.cost)
@@ -185,11 +189,11 @@ class SpecEngine(Engine):
             k = caps.get(seq.request_id, 0)
             if k <= 0:
                 continue
-            st, p = self._spec[seq.request_id], seq.params
+            st, p, room = self._spec[seq.request_id], seq.params, rooms[seq.request_id]
             hidden = self._hidden_rows(st, max(st.told - 1, 0), len(seq) - 1) if self.hidden_layers else []
             out.append(DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], k,
                                   SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), hidden,
-                                  st.tree_topk, st.tree_depth))
+                                  st.tree_topk, st.tree_depth, max_depth=room if room < k else 0))
             st.told = len(seq)
             st.round += 1
         return out

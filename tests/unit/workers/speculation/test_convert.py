@@ -40,6 +40,6 @@ def test_tree_proposals_and_shapes_round_trip():
     chain = DraftOutput("s", 4, [5, 6], [], [-1, 0])  # a chain travels without parents, as before trees
     assert list(draft_output_to_pb(chain).parents) == []
     assert not draft_output_from_pb(draft_output_to_pb(chain)).is_tree
-    ask = DraftInput("s", 1, [1, 2], 8, tree_topk=4, tree_depth=3)
+    ask = DraftInput("s", 1, [1, 2], 8, tree_topk=4, tree_depth=3, max_depth=2)
     back = draft_input_from_pb(spec_pb2.ProposeRequest.FromString(draft_input_to_pb(ask).SerializeToString()))
-    assert (back.tree_topk, back.tree_depth, back.num_tokens) == (4, 3, 8)
+    assert (back.tree_topk, back.tree_depth, back.num_tokens, back.max_depth, back.chain_length) == (4, 3, 8, 2, 2)

@@ -141,3 +141,38 @@ def test_malformed_trees_are_ignored(target_dir):
 def test_tree_depths():
     assert tree_depths([ROOT, ROOT, 0, 2, 1]) == [1, 1, 2, 3, 2]
     assert valid_parents([], 3) and not valid_parents([0], 1) and not valid_parents([ROOT, 1], 2)
+
+
+def test_trees_near_max_tokens_keep_their_node_budget_and_bound_their_depth(target_dir):
+    """With 3 tokens left to emit (2 drafted and the bonus), a request asks for its whole node budget
+    and a depth of 2: a tree spends the budget on siblings, a chain stops at 2 tokens; either way the
+    output is plain decoding's."""
+    from workers.draft.draft_model import DraftModelProposer
+
+    batch = prompts(4, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    for topk in (4, 1):
+        engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=8, adaptive=False)
+        draft = DraftModelProposer(load_model(target_dir), num_blocks=256, block_size=4, tree_topk=topk)
+        for rid, tokens in batch.items():
+            engine.add_request(rid, tokens, params)
+        got = {rid: [] for rid in batch}
+        for rid, delta in engine.step():  # prefill: one token each, three left
+            got[rid].extend(delta.token_ids)
+        inputs = engine.draft_inputs()
+        assert [(i.num_tokens, i.max_depth, i.chain_length) for i in inputs] == [(8, 2, 2)] * len(batch)
+        proposals = {o.seq_id: o for o in draft.propose(inputs)}
+        for o in proposals.values():
+            if topk > 1:
+                assert o.is_tree and len(o.token_ids) == 8 and max(tree_depths(o.parents)) == 2
+            else:
+                assert not o.is_tree and len(o.token_ids) == 2
+        while proposals or engine.has_work():
+            for rid, delta in engine.step(proposals):
+                got[rid].extend(delta.token_ids)
+            draft.verified(engine.take_verdicts())
+            draft.release(engine.take_released())
+            inputs = engine.draft_inputs()
+            proposals = {o.seq_id: o for o in draft.propose(inputs)} if inputs else {}
+        assert got == want
