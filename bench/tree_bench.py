@@ -1,14 +1,16 @@
 """Token trees against chains at the same verify budget: accepted length and speed, greedy, in one run.
 
 Usage: .venv/bin/python bench/tree_bench.py HEAD_DIR [--prompts 8] [--max-tokens 48] [--budgets 2,4,6,8,12,16]
-       [--trees 4:4,8:8] [--ngram] [--batch 1] [--out docs/tree_budget.svg]
+       [--trees 4:4,8:8] [--ngram] [--batch 1] [--temperature 0] [--out docs/tree_budget.svg]
 
 In one process (CPU, float32): the demo target (SmolLM2-135M) with the trained EAGLE-3 head HEAD_DIR
 (``tandem train-draft``), on held-out prompts (the train-draft generator under a seed no training
 run uses). For every node budget N (draft tokens the target verifies per pass) it runs the chain
 (γ = N, top-k 1) and a tree per ``--trees`` shape K:D (top-k K, depth ``min(N, D)``, the N best nodes), γ fixed
 (no adaptation), with plain decoding re-measured before every row so each speedup is a side-by-side
-ratio. Every output must equal plain decoding token for token. ``--ngram`` adds prompt-lookup rows
+ratio. Every output must equal plain decoding token for token (greedy; ``--temperature T`` samples
+instead, seeded per request, and the equal column counts nothing: sampled outputs agree with plain
+decoding in distribution, which the χ² tests check). ``--ngram`` adds prompt-lookup rows
 (chain vs trie of every earlier occurrence). Prints a markdown table; ``--out`` plots accepted length
 against the node budget.
 """
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--ngram", action="store_true", help="also prompt-lookup chains and tries")
     ap.add_argument("--batch", type=int, default=1, help="requests in flight")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs compared)")
     ap.add_argument("--out", default=None, help="SVG of accepted length against the node budget")
     args = ap.parse_args()
 
@@ -113,7 +116,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(target)
     prompts = held_out_prompts(tok, args.prompts)
     model = load_model(target)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     cfg = EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=max(8, args.batch))
     embed, lm_head, target_cfg = load_target_parts(target)
     head, layers = load_eagle(args.head, embed, lm_head, target_cfg, 2048)
@@ -133,7 +136,8 @@ def main() -> None:
             for k, d in shapes:
                 setups.append(("ngram", f"tree top-{k}", n,
                                lambda k=k: NgramProposer(1, 4, tree_topk=k), []))
-    print(f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, {args.batch} in flight, "
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    print(f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, {mode}, {args.batch} in flight, "
           f"{args.threads} threads\n")
     print("| draft | shape | node budget | accepted length | tokens/s | plain tokens/s (just before) | speedup | equal |")
     print("|---|---|---|---|---|---|---|---|")
@@ -144,7 +148,7 @@ def main() -> None:
         got, seconds = run(engine, factory(), prompts, params, args.batch)
         c = engine.counters.get("")
         length = (mean_accepted_length(c.num_accepted_tokens, c.num_drafts) if c else None) or 1.0
-        same = sum(got[k] == want[k] for k in prompts)
+        same = sum(got[k] == want[k] for k in prompts) if args.temperature == 0 else "-"
         series.setdefault(f"{method} {shape}", []).append((n, length))
         print(f"| {method} | {shape} | {n} | {length:.2f} | {total / seconds:.1f} | {total / plain_s:.1f} | "
               f"{plain_s / seconds:.2f}x | {same}/{len(prompts)} |", flush=True)

@@ -54,7 +54,12 @@ class AttentionMetadata:
     singles: list[tuple[int, int, int, int]] = field(default_factory=list)
     single_blocks: list[torch.Tensor | None] = field(default_factory=list)  # [nb] block ids, None: no prefix
     tensors_only: bool = False  # no host-side lengths (CUDA-graph safe): see :meth:`static`
-    has_tree: bool = False  # some row attends by a tree mask (the torch path only handles it)
+    has_tree: bool = False  # some row attends by a tree mask
+    # Tree masks per token, for kernels that read tensors only (the Triton path): a token sees every
+    # key before tree_base[t] (up to its own position), and key tree_base[t] + j only if bit j % 32
+    # of tree_bits[t, j // 32] is set. Tokens of rows without a tree have tree_base = position + 1.
+    tree_base: torch.Tensor | None = None  # [T] int32
+    tree_bits: torch.Tensor | None = None  # [T, W] int32, W = ceil(longest mask width / 32)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +113,8 @@ class AttentionMetadata:
                 meta.single_blocks.append(tables[b, : -(-c // block_size)].to(device) if from_cache else None)
         if rows:
             meta._build_batched(rows, starts, tables, device, trees)
+        if meta.has_tree:
+            meta.tree_base, meta.tree_bits = tree_bitmasks(query_lens, context_lens, trees, device)
         return meta
 
     @classmethod
@@ -148,6 +155,29 @@ class AttentionMetadata:
                 q, c, m = self.query_lens[b], self.context_lens[b], tree.shape[1]
                 mask[g, :q, c - m : c] = tree
         self.batch_mask = mask[:, None].to(device)
+
+
+def tree_bitmasks(query_lens: list[int], context_lens: list[int], trees: list[torch.Tensor | None],
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (tree_base [T] int32, tree_bits [T, W] int32) for :class:`AttentionMetadata` (see
+    its fields): row b's tree mask [q_b, m] covers its last m keys; rows without a tree get
+    tree_base past their own position, so nothing is masked beyond causal order."""
+    width = max((t.shape[1] for t in trees if t is not None), default=1)
+    words = -(-width // 32)
+    base, bits = [], []
+    for q, c, tree in zip(query_lens, context_lens, trees):
+        if tree is None:
+            base.extend(range(c - q + 1, c + 1))
+            bits.append(torch.zeros(q, words, dtype=torch.int64))
+            continue
+        m = tree.shape[1]
+        base.extend([c - m] * q)
+        padded = torch.zeros(q, words * 32, dtype=torch.int64)
+        padded[:, :m] = tree.to("cpu", torch.int64)
+        packed = (padded.view(q, words, 32) << torch.arange(32)).sum(-1)  # [q, W] in 0 .. 2^32 - 1
+        bits.append(torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed))  # as signed 32-bit words
+    return (torch.tensor(base, dtype=torch.int32, device=device),
+            torch.cat(bits).to(device=device, dtype=torch.int32))
 
 
 def tree_depths(parents: list[int]) -> list[int]:

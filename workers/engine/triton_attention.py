@@ -13,6 +13,12 @@ softmax and two matrix products per tile (FlashAttention):
 
 Because every token carries its own causal limit, the same launch serves a decode step
 (query_len 1), a multi-token verify step (query_len γ+1 at a sequence's end) and prefill chunks.
+
+Token trees (``meta.has_tree``: a verify pass over a draft tree, or a draft growing one) add a
+per-token bitmask over the tree's keys: a token sees every key before its ``tree_base`` and, from
+there up to its own position, only the keys whose bit is set (its ancestors and itself), one bit
+per key in 32-bit words (``tree_bits``). A tile can then be wholly masked, so the online softmax
+guards ``m = -inf`` (no key seen yet) instead of relying on key 0 coming first.
 It reads only tensors (``block_tables``, ``token_seq``, ``token_pos``), never host-side lengths,
 so a launch can be captured in a CUDA graph and replayed for any context lengths.
 
@@ -34,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import AttentionMetadata, paged_attention_torch
+from .attention import AttentionMetadata
 
 MAX_SPLITS = 16
 
@@ -42,10 +48,11 @@ MAX_SPLITS = 16
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, part_ptr, stats_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
-    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    tree_base_ptr, tree_bits_ptr,
+    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tb,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
     TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TREE: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,9 +71,16 @@ def _paged_attention_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     num_tiles = pos // TILE + 1
+    if TREE:
+        tree_base = tl.load(tree_base_ptr + t)
     for tile in range(split, num_tiles, NUM_SPLITS):
         key = tile * TILE + n  # [TILE] key positions
         valid = key <= pos
+        if TREE:  # past tree_base, only the keys whose bit is set
+            rel = key - tree_base
+            in_tree = valid & (rel >= 0)
+            word = tl.load(tree_bits_ptr + t * stride_tb + rel // 32, mask=in_tree, other=0)
+            valid = valid & ((rel < 0) | (((word >> (rel % 32)) & 1) != 0))
         block = tl.load(block_tables_ptr + seq * stride_bt + key // PAGE, mask=valid, other=0).to(tl.int64)
         offs = block[:, None] * stride_kb + (key % PAGE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
@@ -77,6 +91,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GP, TILE]
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if TREE:  # every key so far masked: keep the state at zero (exp(-inf - -inf) would be nan)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -94,7 +110,7 @@ def _paged_attention_kernel(
     else:  # this split's partial result; an empty split leaves m = -inf, l = 0, acc = 0
         part = (t * NUM_HEADS + heads) * NUM_SPLITS + split  # [GP]
         tl.store(part_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
-        tl.store(stats_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(stats_ptr + part * 2, tl.where(l_i > 0, m_i, float("-inf")), mask=g_mask)  # empty: -inf
         tl.store(stats_ptr + part * 2 + 1, l_i, mask=g_mask)
 
 
@@ -111,7 +127,7 @@ def _merge_splits_kernel(
     part = (t * NUM_HEADS + h) * NUM_SPLITS + s  # [SP]
     m = tl.load(stats_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(stats_ptr + part * 2 + 1, mask=s_mask, other=0.0)
-    w = tl.exp(m - tl.max(m, 0))  # [SP]; split 0 always has keys, so the max is finite
+    w = tl.exp(m - tl.max(m, 0))  # [SP]; split 0 always sees key 0 (a tree region starts after it or at its root): finite
     d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)  # [SP, BD]
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
@@ -138,11 +154,8 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Ten
     """q [T, H, D] (any strides with unit last stride); caches [num_blocks, bs, Hkv, D] → [T, H, D].
 
     ``k``/``v`` (this step's keys, already written to the cache) are not read. ``splits`` overrides
-    the split-KV choice (tests). A step verifying token trees (``meta.has_tree``) takes the masked
-    torch path, which reads the cache too.
+    the split-KV choice (tests). Token trees (``meta.has_tree``) apply their per-token bitmasks.
     """
-    if meta.has_tree:
-        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -159,12 +172,14 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Ten
         stats = torch.empty(num_tokens * num_heads * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = stats = out  # not touched
+    tree = meta.tree_bits is not None
+    tree_base, tree_bits = (meta.tree_base, meta.tree_bits) if tree else (meta.token_pos, meta.token_pos[:, None])
     _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
-        out, part, stats, q, k_cache, v_cache, block_tables, meta.token_seq, meta.token_pos, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out, part, stats, q, k_cache, v_cache, block_tables, meta.token_seq, meta.token_pos, tree_base, tree_bits,
+        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), tree_bits.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page, TILE=tile,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, TREE=tree,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

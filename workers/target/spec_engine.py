@@ -80,6 +80,7 @@ class SpecEngine(Engine):
         # Adaptive γ per sequence: +2 after a fully accepted round, −1 otherwise; at 0 the sequence
         # decodes plainly for ``pause_steps`` steps and then tries one draft token again. A draft
         # that keeps missing then costs little; one that hits climbs back to γ within a few rounds.
+        # A tree's node budget halves after a pass that accepts nothing and doubles after any hit.
         self.adaptive = adaptive
         self.pause_steps = pause_steps
         # Load-aware budgets (workers/target/budget.py): each step's γ per sequence, within its cap,
@@ -423,7 +424,11 @@ class SpecEngine(Engine):
         st.acceptance.observe(d.depth, accepted)
         self.acceptance.observe(d.depth, accepted)
         if self.adaptive:
-            st.cap = min(st.gamma, st.cap + 2) if accepted == d.depth else max(0, st.cap - 1)
+            if d.parents:  # a tree: nodes off the accepted path are spent by design, so only a pass that
+                # accepts nothing says the draft is off (the budget halves); any hit doubles it again
+                st.cap = min(st.gamma, max(2 * st.cap, st.cap + 2)) if accepted else st.cap // 2
+            else:
+                st.cap = min(st.gamma, st.cap + 2) if accepted == d.depth else max(0, st.cap - 1)
             if st.cap == 0:
                 st.pause = self.pause_steps
         logprobs = top = None

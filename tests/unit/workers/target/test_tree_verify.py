@@ -38,10 +38,11 @@ class OracleTree:
     hidden_layers: list[int] = []
 
     def __init__(self, truth: dict[str, list[int]], prompts: dict[str, list[int]], seed: int, branching: int = 3,
-                 depth: int = 4, hit: float = 0.8):
+                 depth: int = 4, hit: float = 0.8, deep_hit: float | None = None):
         self.truth, self.prompts = truth, prompts
         self.rng = random.Random(seed)
         self.branching, self.depth, self.hit = branching, depth, hit
+        self.deep_hit = hit if deep_hit is None else deep_hit  # below the first level
         self.tokens: dict[str, list[int]] = {}
         self.trees = 0
 
@@ -55,7 +56,8 @@ class OracleTree:
             tokens, parents = [], []
             on_path = ROOT  # the true-path node whose children come next
             for d in range(self.depth):
-                true_next = future[d] if d < len(future) and self.rng.random() < self.hit else None
+                chance = self.hit if d == 0 else self.deep_hit
+                true_next = future[d] if d < len(future) and self.rng.random() < chance else None
                 kids = [self._wrong(true_next) for _ in range(self.branching)]
                 if true_next is not None:
                     kids[self.rng.randrange(self.branching)] = true_next
@@ -176,3 +178,25 @@ def test_trees_near_max_tokens_keep_their_node_budget_and_bound_their_depth(targ
             inputs = engine.draft_inputs()
             proposals = {o.seq_id: o for o in draft.propose(inputs)} if inputs else {}
         assert got == want
+
+
+def test_adaptive_tree_budgets_keep_a_good_tree_and_back_off_a_missing_one(target_dir):
+    """Adaptive speculation (the target's default) with trees: a tree whose first level always holds
+    the target's token, and nothing deeper, keeps its node budget (γ's chain rule, -1 unless the
+    whole depth is accepted, would shrink it every pass), and one that never hits falls to nothing."""
+    batch = prompts(4, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    for hit in (1.0, 0.0):
+        engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=12, adaptive=True)
+        oracle = OracleTree(want, batch, seed=2, branching=3, depth=4, hit=hit, deep_hit=0.0)
+        asked: list[int] = []
+        propose = oracle.propose
+        oracle.propose = lambda items: asked.extend(i.num_tokens for i in items) or propose(items)
+        assert run_spec(engine, oracle, batch, params) == want
+        c = engine.counters[""]
+        if hit:
+            assert sum(asked) / len(asked) > 11  # of 12
+            assert c.mean_accepted_length == 2  # the first level, and the token after it
+        else:  # halved to 0 within a few passes, then only probed now and then
+            assert c.num_draft_tokens < 0.1 * 12 * 40 * len(batch)
