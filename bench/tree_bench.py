@@ -1,4 +1,4 @@
-"""Token trees against chains at the same verify budget: accepted length and speed, greedy, in one run.
+"""Token trees against chains at the same verify budget: accepted length and speed, in one run.
 
 Usage: .venv/bin/python bench/tree_bench.py HEAD_DIR [--prompts 8] [--max-tokens 48] [--budgets 2,4,6,8,12,16]
        [--trees 4:4,8:8] [--ngram] [--batch 1] [--temperature 0] [--out docs/tree_budget.svg]
@@ -148,10 +148,10 @@ def main() -> None:
         got, seconds = run(engine, factory(), prompts, params, args.batch)
         c = engine.counters.get("")
         length = (mean_accepted_length(c.num_accepted_tokens, c.num_drafts) if c else None) or 1.0
-        same = sum(got[k] == want[k] for k in prompts) if args.temperature == 0 else "-"
+        equal = f"{sum(got[k] == want[k] for k in prompts)}/{len(prompts)}" if args.temperature == 0 else "-"
         series.setdefault(f"{method} {shape}", []).append((n, length))
         print(f"| {method} | {shape} | {n} | {length:.2f} | {total / seconds:.1f} | {total / plain_s:.1f} | "
-              f"{plain_s / seconds:.2f}x | {same}/{len(prompts)} |", flush=True)
+              f"{plain_s / seconds:.2f}x | {equal} |", flush=True)
     if args.out:
         write_svg(Path(args.out), series)
         print(f"\nplot: {args.out}")
