@@ -71,11 +71,7 @@ def test_no_overlap_never_drafts_ahead():
 def test_a_budget_over_the_drafts_maximum_is_cut_keeping_the_tree_shape():
     """Over real gRPC on loopback: a propose request for more nodes than the draft worker's maximum
     reaches the proposer cut to that maximum, with its tree shape and depth bound intact."""
-    import grpc
-
-    from proto import spec_pb2_grpc
-    from runtime.messages import InstanceRecord
-    from workers.target.draft_client import DraftClient
+    from tests.unit.workers.draft.loopback import draft_on_loopback
 
     class Recording(CountingProposer):
         def __init__(self):
@@ -88,24 +84,11 @@ def test_a_budget_over_the_drafts_maximum_is_cut_keeping_the_tree_shape():
 
     async def main():
         proposer = Recording()
-        service = DraftService(proposer, "d1", max_speculative_tokens=6)
-        await service.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        record = InstanceRecord("d1", "ns", "draft", "speculate", "", grpc_address=f"127.0.0.1:{port}")
-        client = DraftClient("t1", "m", 100, record)
-        try:
-            await client.connect()
+        async with draft_on_loopback(DraftService(proposer, "d1", max_speculative_tokens=6)) as client:
             ask = DraftInput("s", 0, [1, 2, 3], 16, tree_topk=4, tree_depth=5, max_depth=3)
             got = await client.propose([ask], timeout=5)
             assert len(got["s"].token_ids) == 6
             seen = proposer.seen[0]
             assert (seen.num_tokens, seen.tree_topk, seen.tree_depth, seen.max_depth) == (6, 4, 5, 3)
-        finally:
-            await client.close()
-            await server.stop(None)
-            await service.stop()
 
     asyncio.run(main())

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
-from proto import spec_pb2_grpc
-from runtime.messages import InstanceRecord
+from tests.unit.workers.draft.loopback import draft_on_loopback
 from workers.draft.proposer import DraftInput, DraftOutput, VerifyResult
 from workers.draft.service import DraftService
-from workers.target.draft_client import DraftClient
 
 pytestmark = pytest.mark.unit
 
@@ -42,16 +39,7 @@ class RecordingProposer:
 def test_hidden_states_are_sent_in_the_drafts_dtype():
     async def main():
         proposer = RecordingProposer()
-        service = DraftService(proposer, "d1")
-        await service.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        record = InstanceRecord("d1", "ns", "draft", "speculate", "", grpc_address=f"127.0.0.1:{port}")
-        client = DraftClient("t1", "m", 100, record, hidden_layers=[1, 2])
-        try:
-            await client.connect()
+        async with draft_on_loopback(DraftService(proposer, "d1"), hidden_layers=[1, 2]) as client:
             assert client.hidden_dtype == "bfloat16" and client.hidden_layers == [1, 2]
             hidden = [torch.randn(3, 8), torch.randn(3, 8)]  # float32 on the target
             got = await client.propose([DraftInput("s", 0, [1, 2, 3], 1, hidden_states=hidden)], timeout=5)
@@ -64,9 +52,5 @@ def test_hidden_states_are_sent_in_the_drafts_dtype():
             assert [t.dtype for t in proposer.seen] == [torch.bfloat16] * 4
             assert torch.equal(proposer.seen[0], hidden[0].to(torch.bfloat16))
             assert client.hidden_bytes == (3 + 3 + 2 + 2) * 8 * 2  # rows × width × 2 bytes
-        finally:
-            await client.close()
-            await server.stop(None)
-            await service.stop()
 
     asyncio.run(main())
