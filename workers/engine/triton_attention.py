@@ -13,14 +13,14 @@ softmax and two matrix products per tile (FlashAttention):
 
 Because every token carries its own causal limit, the same launch serves a decode step
 (query_len 1), a multi-token verify step (query_len γ+1 at a sequence's end) and prefill chunks.
+It reads only tensors (``block_tables``, ``token_seq``, ``token_pos``), never host-side lengths,
+so a launch can be captured in a CUDA graph and replayed for any context lengths.
 
 Token trees (``meta.has_tree``: a verify pass over a draft tree, or a draft growing one) add a
 per-token bitmask over the tree's keys: a token sees every key before its ``tree_base`` and, from
 there up to its own position, only the keys whose bit is set (its ancestors and itself), one bit
 per key in 32-bit words (``tree_bits``). A tile can then be wholly masked, so the online softmax
 guards ``m = -inf`` (no key seen yet) instead of relying on key 0 coming first.
-It reads only tensors (``block_tables``, ``token_seq``, ``token_pos``), never host-side lengths,
-so a launch can be captured in a CUDA graph and replayed for any context lengths.
 
 Split-KV (flash-decoding): when T · num_kv_heads programs would leave most of the GPU idle (small
 decode batches), each (token, head) is split S ways over its key tiles (split s takes tiles s,
@@ -127,7 +127,7 @@ def _merge_splits_kernel(
     part = (t * NUM_HEADS + h) * NUM_SPLITS + s  # [SP]
     m = tl.load(stats_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(stats_ptr + part * 2 + 1, mask=s_mask, other=0.0)
-    w = tl.exp(m - tl.max(m, 0))  # [SP]; split 0 always sees key 0 (a tree region starts after it or at its root): finite
+    w = tl.exp(m - tl.max(m, 0))  # [SP]; split 0 always sees key 0 (trees start after it or at it): finite
     d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)  # [SP, BD]
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
