@@ -1,13 +1,14 @@
 """Token trees against chains at the same verify budget: accepted length and speed, in one run.
 
 Usage: .venv/bin/python bench/tree_bench.py HEAD_DIR [--prompts 8] [--max-tokens 48] [--budgets 2,4,6,8,12,16]
-       [--trees 4:4,8:8] [--ngram] [--batch 1] [--temperature 0] [--out docs/tree_budget.svg]
+       [--trees 4:4,8:8] [--ngram] [--batch 1] [--temperature 0] [--adaptive] [--out docs/tree_budget.svg]
 
 In one process (CPU, float32): the demo target (SmolLM2-135M) with the trained EAGLE-3 head HEAD_DIR
 (``tandem train-draft``), on held-out prompts (the train-draft generator under a seed no training
 run uses). For every node budget N (draft tokens the target verifies per pass) it runs the chain
 (γ = N, top-k 1) and a tree per ``--trees`` shape K:D (top-k K, depth ``min(N, D)``, the N best nodes), γ fixed
-(no adaptation), with plain decoding re-measured before every row so each speedup is a side-by-side
+(no adaptation; ``--adaptive``: the target's default adaptive γ and tree budgets, N the cap), with
+plain decoding re-measured before every row so each speedup is a side-by-side
 ratio. Every output must equal plain decoding token for token (greedy; ``--temperature T`` samples
 instead, seeded per request, and the equal column counts nothing: sampled outputs agree with plain
 decoding in distribution, which the χ² tests check). ``--ngram`` adds prompt-lookup rows
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests in flight")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs compared)")
+    ap.add_argument("--adaptive", action="store_true", help="adaptive γ / node budgets (the target's default)")
     ap.add_argument("--out", default=None, help="SVG of accepted length against the node budget")
     args = ap.parse_args()
 
@@ -144,7 +146,7 @@ def main() -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for method, shape, n, factory, hidden in setups:
         _, plain_s = run(Engine(model, cfg), None, prompts, params, args.batch)
-        engine = SpecEngine(model, cfg, num_speculative_tokens=n, hidden_layers=tuple(hidden), adaptive=False)
+        engine = SpecEngine(model, cfg, num_speculative_tokens=n, hidden_layers=tuple(hidden), adaptive=args.adaptive)
         got, seconds = run(engine, factory(), prompts, params, args.batch)
         c = engine.counters.get("")
         length = (mean_accepted_length(c.num_accepted_tokens, c.num_drafts) if c else None) or 1.0
