@@ -126,6 +126,15 @@ class SamplingParams(_Wire):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
     structured: StructuredOutput | None = None  # None: unconstrained
+    # Logits processors (applied before temperature, in the order below; speculation verifies under
+    # the same pipeline, so it stays exact): OpenAI's additive penalties over the tokens generated so
+    # far, vLLM's multiplicative repetition penalty over prompt and output, a bias per token id, and
+    # min_p (drop tokens whose probability is below min_p × the most likely one's).
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: dict[int, float] = {}  # token id -> bias in [-100, 100]
+    min_p: float = 0.0  # [0, 1]
 
 
 class GenerateRequest(_Wire):

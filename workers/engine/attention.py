@@ -180,29 +180,6 @@ def tree_bitmasks(query_lens: list[int], context_lens: list[int], trees: list[to
             torch.cat(bits).to(device=device, dtype=torch.int32))
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each token: 1 for the root's children."""
-    out: list[int] = []
-    for p in parents:
-        out.append(1 if p < 0 else out[p] + 1)
-    return out
-
-
-def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """[N+1, N+1] bool over nodes (0 = root): row j is True at j and at every ancestor of j.
-
-    It is the attention mask of the tree's queries over the tree's own keys (each query also sees
-    the whole committed context before the root).
-    """
-    n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[0, 0] = True
-    for i, p in enumerate(parents):
-        mask[i + 1] = mask[p + 1]
-        mask[i + 1, i + 1] = True
-    return mask.to(device)
-
-
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k, v) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -203,12 +203,15 @@ class GraphRunner:
             out = self._forward(bucket, q, hidden)
         self.replays += 1
         rows = [b * q + j for b, (tokens, _, _) in enumerate(chunks) for j in range(len(tokens))]
+        slots = self._long[2]
         if rows[-1] == len(rows) - 1:  # every chunk fills its row (decode, full verify): copy a slice
             k = len(rows)
-            return ModelOutput(out.logits[:k].clone(), {layer: h[:k].clone() for layer, h in out.hidden.items()})
+            return ModelOutput(out.logits[:k].clone(), {layer: h[:k].clone() for layer, h in out.hidden.items()},
+                               slots[:k].clone())
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         return ModelOutput(out.logits.index_select(0, index),
-                           {layer: h.index_select(0, index) for layer, h in out.hidden.items()})
+                           {layer: h.index_select(0, index) for layer, h in out.hidden.items()},
+                           slots.index_select(0, index))
 
     def _upload(self, chunks: list[tuple[list[int], int, list[int]]], bucket: int, q: int) -> None:
         """Write the step's padded inputs into the pinned host mirrors and copy them up (two copies)."""

@@ -1,31 +1,51 @@
-"""The engine: requests in, token deltas out, one :meth:`Engine.step` at a time.
+"""The engine: requests in, token deltas out, one :meth:`Engine.step` at a time, plain or speculative.
 
-Synchronous and single-threaded by design: the worker runs it in one dedicated thread so torch
-never blocks the asyncio loop. Each step schedules a batch (continuous batching, chunked
-prefill, preemption), runs one forward pass, registers newly computed full blocks with the
-prefix cache, samples, and returns one :class:`TokenDelta` per request that produced a token or
-finished. The last delta of a request carries ``finish_reason`` and ``usage``.
+Synchronous and single-threaded by design: the worker runs it in one dedicated thread, and nothing
+else touches torch. A step:
+
+1. attaches the proposals a draft worker returned for sequences that decode next, after checking
+   them (:class:`.speculator.Speculator`; none = a plain step);
+2. schedules a batch (continuous batching, chunked prefill, preemption) and runs ONE forward pass
+   over it: a drafted sequence computes its last committed token and every draft node (a chain, or
+   a token tree under a tree attention mask); the hidden states of the offered layers go to the
+   :class:`.hidden.HiddenStore`;
+3. turns every logits row into the request's scores through the one pipeline of :mod:`.logits`
+   (min_tokens, logit_bias, penalties, grammar, temperature, min_p, top-k/top-p), so verification
+   uses exactly the distribution plain sampling would;
+4. samples the plain rows (:mod:`.sampling`) and verifies the drafted ones, all at once
+   (:mod:`.verifier`: lossless rejection sampling), commits the accepted tokens, and moves KV
+   (and hidden rows) of accepted tree paths and copy-on-write blocks in one batched copy each.
+
+It returns one :class:`TokenDelta` per request that produced tokens or finished (the last carries
+``finish_reason`` and ``usage``). Verdicts for the draft worker wait in :meth:`take_verdicts`, and
+the next round's requests come from :meth:`draft_inputs`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from runtime.errors import InvalidRequest
-from runtime.messages import KvEvent, SamplingParams, SpecUsage, TokenDelta, TopLogprob, Usage
+from runtime.messages import KvEvent, SamplingParams, TokenDelta, TopLogprob, Usage
 
+from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, VerifyResult
 from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
 from .model import DecoderModel
 from .model_runner import ModelRunner
-from .sampling import apply_token_bitmask, is_greedy, logprobs_of, mask_tokens, sample
-from .scheduler import Scheduler
+from .hidden import HiddenStore
+from .logits import Row, process
+from .sampling import is_greedy, logprobs_of, sample
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .speculator import Drafted, Speculator
+from .verifier import Candidate, verify
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +82,33 @@ class EngineConfig:
 
 
 class Engine:
-    """Owns the scheduler, block manager and model runner of one model."""
+    """Owns the scheduler, block manager, model runner and speculation state of one model.
+
+    Speculation: ``num_speculative_tokens`` (γ: a chain's length, or a tree's node budget, per
+    request unless it asks otherwise), ``tree_topk``/``tree_depth`` (the tree shape asked of the
+    draft; 0: the draft worker's setting), ``adaptive`` and ``load_aware`` budgets (see
+    :mod:`.speculator`). ``hidden_layers``: the target layers whose hidden states are kept for draft
+    workers that read them (Hugging Face numbering, see :mod:`.model`); fixed for the engine's life.
+    """
 
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
-                 eos_token_ids: tuple[int, ...] | None = None, grammars: GrammarBackend | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, grammars: GrammarBackend | None = None, *,
+                 num_speculative_tokens: int = 4, hidden_layers: tuple[int, ...] = (), adaptive: bool = True,
+                 pause_steps: int = 8, tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False):
         cfg = model.cfg
+        layers = tuple(sorted(set(hidden_layers)))
+        if any(not 0 <= k <= cfg.num_layers for k in layers):
+            raise ValueError(f"hidden layers must be in [0, {cfg.num_layers}], got {list(layers)}")
+        self.spec = Speculator(cfg.vocab_size, num_speculative_tokens, adaptive=adaptive, pause_steps=pause_steps,
+                               tree_topk=tree_topk, tree_depth=tree_depth, load_aware=load_aware)
         max_len = min(config.max_model_len or cfg.max_position_embeddings, model.max_positions)
         if cfg.sliding_window and max_len > cfg.sliding_window:
             log.warning("capping max_model_len to the sliding window (%d)", cfg.sliding_window)
             max_len = cfg.sliding_window
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // ModelRunner.bytes_per_block(model, config.block_size))
+        param = next(model.parameters())
+        slot_bytes = HiddenStore.bytes_per_slot(len(layers), cfg.hidden_size, param.element_size())
+        block_bytes = ModelRunner.bytes_per_block(model, config.block_size) + slot_bytes * config.block_size
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         if num_blocks * config.block_size < max_len:
             if config.max_model_len is not None:
                 raise ValueError(f"{num_blocks} blocks of {config.block_size} cannot hold max_model_len={max_len}")
@@ -79,28 +116,33 @@ class Engine:
         self.config = config
         self.max_model_len = max_len
         self.vocab_size = cfg.vocab_size
+        self.hidden_layers = layers
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len)
+        slots = self.runner.kv_caches[0][0].shape[0] * config.block_size  # the graphs' scratch block too
+        self.hidden = HiddenStore(layers, slots, cfg.hidden_size, param.dtype, param.device) if layers else None
         self.grammars = grammars  # structured outputs (None: requests with a grammar are refused)
         self.seqs: dict[str, Sequence] = {}
         self._immediate: list[tuple[str, TokenDelta]] = []
-        log.info("engine: %d blocks of %d tokens, max_model_len %d", num_blocks, config.block_size, max_len)
+        # verdicts waiting for take_verdicts: (seq, round, accepted, emitted, first hidden-row position)
+        self._verdicts: list[tuple[Sequence, int, int, list[int], int]] = []
+        self.time_steps = True  # the cost model times step(); a serving loop times whole cycles instead
+        self.last_batch: list[str] = []  # request ids of the latest step's batch (what a failure concerns)
+        self.last_step = StepStats()
+        log.info("engine: %d blocks of %d tokens, max_model_len %d, hidden layers %s", num_blocks, config.block_size,
+                 max_len, list(layers) or "none")
 
     def _graph_config(self, model: DecoderModel) -> GraphConfig | None:
-        """CUDA graphs for decode steps where they apply (CUDA, tensor-only attention)."""
+        """CUDA graphs for decode and verify steps (CUDA, tensor-only attention), captured at start-up
+        with the hidden layers the engine keeps, so that no draft worker causes a recapture."""
         cfg = self.config
         if not (cfg.cuda_graphs and next(model.parameters()).is_cuda and model.static_capable):
             return None
-        return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, self._graph_query_lens(),
-                           self._graph_hidden_layers())
-
-    def _graph_query_lens(self) -> tuple[int, ...]:
-        return (1,)
-
-    def _graph_hidden_layers(self) -> tuple[int, ...]:
-        return ()
+        gamma = self.spec.num_speculative_tokens
+        return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, (1, gamma + 1) if gamma else (1,),
+                           self.hidden_layers)
 
     # ------------------------------------------------------------------ requests
 
@@ -139,9 +181,13 @@ class Engine:
                 raise InvalidRequest("min_tokens cannot be combined with structured outputs", field="min_tokens")
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] = (), grammar: Grammar | None = None) -> None:
+                    output_ids: list[int] = (), grammar: Grammar | None = None, *,
+                    num_speculative_tokens: int | None = None, tree_topk: int | None = None,
+                    tree_depth: int | None = None) -> None:
         """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request.
-        ``grammar``: the request's compiled ``params.structured`` (compiled here when not given)."""
+        ``grammar``: the request's compiled ``params.structured`` (compiled here when not given).
+        ``num_speculative_tokens``, ``tree_topk``, ``tree_depth``: this request's speculation (None:
+        the engine's settings)."""
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already running", field="request_id")
         self.validate(token_ids, params, output_ids)
@@ -163,9 +209,11 @@ class Engine:
                        frozenset(t for t in stop if 0 <= t < self.vocab_size), generator, grammar=grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        self.spec.add(request_id, num_speculative_tokens, tree_topk, tree_depth)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is not running here."""
+        self.spec.forget(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -175,25 +223,165 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._immediate) or self.scheduler.has_work()
 
+    # ------------------------------------------------------------------ speculation: the draft worker's side
+
+    @property
+    def counters(self):
+        """Spec-decode counters per draft worker id."""
+        return self.spec.counters
+
+    @property
+    def draft_id(self) -> str:
+        return self.spec.draft_id
+
+    @draft_id.setter
+    def draft_id(self, draft_id: str) -> None:
+        self.spec.draft_id = draft_id
+
+    def reset_drafts(self) -> None:
+        """A new draft worker knows none of our sequences: start every one from scratch."""
+        self.spec.reset()
+        self._verdicts.clear()
+
+    def draft_inputs(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> list[DraftInput]:
+        """Proposal requests for every running sequence that decodes next and speculates, with the
+        hidden states of ``layers`` (offered ones; None: all of them) on the CPU in ``dtype``."""
+        layers = self.hidden_layers if layers is None else tuple(layers)
+        requests = self.spec.requests(self.scheduler.running, self.max_model_len)
+        spans = []  # per request: positions whose hidden rows it carries (those before its new tokens)
+        for r in requests:
+            spans.append((max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0))
+        hidden = self._hidden_rows([r.seq for r in requests], spans, layers, dtype)
+        out = []
+        for r, rows in zip(requests, hidden):
+            st, p = r.state, r.seq.params
+            out.append(DraftInput(r.seq.request_id, st.round, r.seq.token_ids[st.told :], r.num_tokens,
+                                  SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), rows,
+                                  st.tree_topk, st.tree_depth, r.max_depth))
+            st.told = len(r.seq)
+            st.round += 1
+        return out
+
+    def take_verdicts(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> list[VerifyResult]:
+        """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered)."""
+        verdicts, self._verdicts = self._verdicts, []
+        verdicts = [v for v in verdicts if v[0].request_id in self.spec.states]  # finished since: released
+        layers = self.hidden_layers if layers is None else tuple(layers)
+        spans = [(v[4], v[4] + len(v[3])) if layers else (0, 0) for v in verdicts]
+        hidden = self._hidden_rows([v[0] for v in verdicts], spans, layers, dtype)
+        return [VerifyResult(seq.request_id, rnd, accepted, emitted, rows)
+                for (seq, rnd, accepted, emitted, _), rows in zip(verdicts, hidden)]
+
+    def take_released(self) -> list[str]:
+        out, self.spec.released = self.spec.released, []
+        return out
+
+    def _hidden_rows(self, seqs: list[Sequence], spans: list[tuple[int, int]], layers: tuple[int, ...],
+                     dtype: torch.dtype | None) -> list[list[torch.Tensor]]:
+        """Per sequence, per layer, hidden rows [stop - start, hidden] for positions [start, stop), read
+        from the store in one gather per layer."""
+        if not layers or self.hidden is None or not seqs:
+            return [[] for _ in seqs]
+        bs = self.config.block_size
+        slots = []
+        for seq, (start, stop) in zip(seqs, spans):
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, stop))
+        rows = self.hidden.read(torch.tensor(slots, dtype=torch.long, device=self.runner.device), layers, dtype)
+        out, at = [], 0
+        for start, stop in spans:
+            out.append([layer_rows[at : at + stop - start] for layer_rows in rows])
+            at += stop - start
+        return out
+
     # ------------------------------------------------------------------ stepping
 
-    def step(self) -> list[tuple[str, TokenDelta]]:
-        """One scheduling step and forward pass; returns (request id, delta) pairs."""
+    def step(self, proposals: dict[str, DraftOutput] | None = None) -> list[tuple[str, TokenDelta]]:
+        """One scheduling step and forward pass, verifying ``proposals`` (by request id) for the
+        sequences that decode next; returns (request id, delta) pairs."""
+        started = time.perf_counter()
         outputs, self._immediate = self._immediate, []
+        self.last_batch = []
+        self.last_step = StepStats()
+        drafted = self.spec.attach(proposals or {}, self.scheduler.running, self.max_model_len, self.grammars)
         batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
+        self.last_batch = [s.request_id for s in batch.seqs]
+        self._fit_drafts(drafted, batch)
+        if batch:
+            outputs.extend(self._run(batch, drafted))
+        stats = self.last_step
+        if self.time_steps:
+            self.spec.observe_cycle(stats.tokens, stats.verified, stats.decoding, stats.emitted,
+                                    time.perf_counter() - started)
+        return outputs
+
+    def observe_cycle(self, seconds: float) -> None:
+        """Feed the cost model the latest step as part of a serving cycle that took ``seconds``."""
+        s = self.last_step
+        self.spec.observe_cycle(s.tokens, s.verified, s.decoding, s.emitted, seconds)
+
+    @staticmethod
+    def _fit_drafts(drafted: dict[str, Drafted], batch: ScheduledBatch) -> None:
+        """Cut proposals of sequences the scheduler preempted or only partly scheduled to what fits."""
+        scheduled = {s.request_id: n for s, n in zip(batch.seqs, batch.num_tokens)}
+        for rid in list(drafted):
+            d = drafted[rid]
+            n = scheduled.get(rid, 0)
+            if n < len(d.tokens) + 1:
+                keep = max(0, n - 1)
+                del d.seq.token_ids[len(d.seq) - len(d.tokens) + keep :]
+                if keep:
+                    drafted[rid] = d.keep(keep)
+                else:
+                    del drafted[rid]
+
+    def _run(self, batch: ScheduledBatch, drafted: dict[str, Drafted]) -> list[tuple[str, TokenDelta]]:
         bs = self.config.block_size
-        sampling = [s.num_computed + n == len(s) for s, n in zip(batch.seqs, batch.num_tokens)]
-        chunks = [(s.token_ids[s.num_computed : s.num_computed + n], s.num_computed, s.block_table)
-                  for s, n in zip(batch.seqs, batch.num_tokens)]
-        out = self.runner.forward(chunks, [1 if w else 0 for w in sampling])
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += n
-            self._register_blocks(seq, bs)
-        sampled = [s for s, w in zip(batch.seqs, sampling) if w]
-        if sampled:
-            outputs.extend(self._sample(sampled, out.logits))
+        chunks, wants, trees = [], [], []
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            d = drafted.get(s.request_id)
+            chunks.append((s.token_ids[s.num_computed : s.num_computed + n], s.num_computed, s.block_table))
+            wants.append(len(d.tokens) + 1 if d is not None else (1 if s.num_computed + n == len(s) else 0))
+            trees.append(d.parents or None if d is not None else None)
+        out = self.runner.forward(chunks, wants, self.hidden_layers, trees)
+        if self.hidden is not None:
+            self.hidden.write(out.slots, out.hidden)
+        # the cost model learns from decode and verify steps only: prefill chunks cost differently
+        decoding = all(n == 1 or s.request_id in drafted for s, n in zip(batch.seqs, batch.num_tokens))
+        self.last_step = StepStats(sum(batch.num_tokens) if decoding else 0, len(drafted), len(batch.seqs))
+        # one logits row per plain sampling sequence, 1 + k rows per drafted one (root, then nodes)
+        rows: list[Row] = []
+        plain: list[tuple[Sequence, int]] = []  # (sequence, its row)
+        verified: list[tuple[Drafted, int]] = []  # (proposal, its root row)
+        mask_rows, masks = [], []
+        for s, n, want in zip(batch.seqs, batch.num_tokens, wants):
+            s.num_computed += n
+            d = drafted.get(s.request_id)
+            if d is not None:
+                verified.append((d, len(rows)))
+                penalties = _penalised(s)
+                for depth, path in zip([0] + d.depths(), d.ancestors() if penalties else [()] * (len(d.tokens) + 1)):
+                    rows.append(Row(s, depth, path))
+                if d.masks is not None:
+                    mask_rows.extend(range(len(rows) - len(d.tokens) - 1, len(rows)))
+                    masks.append(d.masks)
+            else:
+                self._register_blocks(s, bs)
+                if want:
+                    plain.append((s, len(rows)))
+                    if s.grammar is not None:
+                        m = self.grammars.new_masks(1)
+                        s.grammar.fill(m[0])
+                        mask_rows.append(len(rows))
+                        masks.append(m)
+                    rows.append(Row(s))
+        if not rows:
+            return []
+        scores, greedy = process(out.logits, rows, torch.cat(masks) if masks else None, mask_rows)
+        outputs = self._sample(plain, scores, greedy, out.logits) if plain else []
+        if verified:
+            outputs.extend(self._verify(verified, scores, greedy, out.logits))
+        self.last_step.emitted = sum(len(delta.token_ids) for _, delta in outputs)
         return outputs
 
     def _register_blocks(self, seq: Sequence, bs: int) -> None:
@@ -205,48 +393,121 @@ class Engine:
             self.blocks.register(seq.block_table[start:full], hashes[start:full], parent)
             seq.num_registered = full
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[str, TokenDelta]]:
-        # logits [B, V] float32, one row per sequence
-        params = [s.params for s in seqs]
-        raw = logits
-        banned = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs) if s.num_generated < s.params.min_tokens]
-        if banned:
-            logits = mask_tokens(logits.clone(), [i for i, _ in banned], [ids for _, ids in banned])
-        guided = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if guided:  # structured outputs: each such row keeps only what its grammar allows next
-            masks = self.grammars.new_masks(len(guided))
-            for j, i in enumerate(guided):
-                seqs[i].grammar.fill(masks[j])
-            logits = apply_token_bitmask(logits.clone() if logits is raw else logits, masks,
-                                         None if len(guided) == len(seqs) else guided)
-        if all(is_greedy(p.temperature) for p in params):  # no sampling tensors to send up, one sync
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-            tokens = sample(logits, temperature, top_k, top_p, [s.generator for s in seqs]).tolist()
-        want_lp = [p.logprobs is not None for p in params]
-        lp = None
-        if any(want_lp):
-            k = max(p.logprobs or 0 for p in params)
-            chosen, top_ids, top_vals = logprobs_of(raw, torch.tensor(tokens, device=raw.device), k)
-            lp = (chosen.tolist(), top_ids.tolist(), top_vals.tolist())
-        for i in guided:
-            seqs[i].grammar.accept((tokens[i],))
+    def _sample(self, plain: list[tuple[Sequence, int]], scores: torch.Tensor, greedy: list[bool],
+                logits: torch.Tensor) -> list[tuple[str, TokenDelta]]:
+        seqs = [s for s, _ in plain]
+        index = [r for _, r in plain]
+        every = len(index) == scores.shape[0]  # a decode-only step: no gather
+        picked = scores if every else scores[index]
+        tokens = sample(picked, [greedy[r] for r in index], [s.generator for s in seqs]).tolist()
+        lp = self._logprobs(seqs, logits if every else logits[index], tokens)
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if seq.grammar is not None:
+                seq.grammar.accept((token,))
             seq.token_ids.append(token)
             seq.num_generated += 1
             finish = self._finish_reason(seq, token)
-            logprobs = top = None
-            if lp is not None and want_lp[i]:
-                k = seq.params.logprobs
-                logprobs = [lp[0][i]]
-                top = [[TopLogprob(t, v) for t, v in zip(lp[1][i][:k], lp[2][i][:k])]] if k else None
             usage = self._close(seq) if finish else None
+            logprobs, top = lp[i] if lp is not None else (None, None)
             outputs.append((seq.request_id, TokenDelta([token], logprobs, top, finish, usage)))
         return outputs
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]):
+        """Per sequence, (logprobs, top logprobs) of ``tokens`` (one per row of logits [N, V], the raw
+        model distribution), or None when no sequence asked for them."""
+        want = [s.params.logprobs for s in seqs]
+        if all(k is None for k in want):
+            return None
+        k = max(x or 0 for x in want)
+        chosen, top_ids, top_vals = logprobs_of(logits, torch.tensor(tokens, device=logits.device), k)
+        chosen, top_ids, top_vals = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+        out = []
+        for i, n in enumerate(want):
+            if n is None:
+                out.append((None, None))
+            else:
+                out.append(([chosen[i]], [[TopLogprob(t, v) for t, v in zip(top_ids[i][:n], top_vals[i][:n])]]
+                            if n else None))
+        return out
+
+    def _verify(self, verified: list[tuple[Drafted, int]], scores: torch.Tensor, greedy: list[bool],
+                logits: torch.Tensor) -> list[tuple[str, TokenDelta]]:
+        candidates = [Candidate(d.tokens, d.parents, d.dists, row, greedy[row], d.seq.generator) for d, row in verified]
+        outcomes = verify(scores, candidates)
+        bs = self.config.block_size
+        moves: list[tuple[int, int]] = []  # (src, dst) slots of accepted tree paths, for the whole batch
+        copies: list[tuple[int, int]] = []  # copy-on-write blocks after rollbacks
+        lp_rows: list[int] = []
+        lp_tokens: list[int] = []
+        lp_counts: list[tuple[int, int]] = []  # (top-k asked, rows) per sequence that wants logprobs
+        results = []
+        for (d, root), outcome in zip(verified, outcomes):
+            seq, accepted = d.seq, len(outcome.path)
+            base = len(seq) - len(d.tokens)  # committed length before this round
+            table = seq.block_table
+            for j, i in enumerate(outcome.path):
+                if i != j:  # a tree path: its KV (and hidden rows) move to consecutive positions
+                    src, dst = base + i, base + j
+                    moves.append((table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs))
+            del seq.token_ids[base:]
+            kept, finish = [], None
+            for token in outcome.tokens:
+                kept.append(token)
+                seq.token_ids.append(token)
+                seq.num_generated += 1
+                finish = self._finish_reason(seq, token)
+                if finish:
+                    break
+            if seq.grammar is not None:
+                seq.grammar.accept(kept)
+            seq.num_computed = min(base + accepted, len(seq))
+            copies.extend(self.blocks.truncate(seq.block_table, seq.num_computed))
+            self._register_blocks(seq, bs)
+            st = self.spec.record(d, accepted)
+            if seq.params.logprobs is not None:
+                lp_rows.extend(([root] + [root + 1 + i for i in outcome.path])[: len(kept)])
+                lp_tokens.extend(kept)
+                lp_counts.append((seq.params.logprobs, len(kept)))
+            results.append((d, seq, kept, finish, accepted, base, st))
+        if moves:
+            src = torch.tensor([s for s, _ in moves], device=self.runner.device)
+            dst = torch.tensor([t for _, t in moves], device=self.runner.device)
+            self.runner.copy_slots(src, dst)
+            if self.hidden is not None:
+                self.hidden.copy(src, dst)
+        self.runner.copy_blocks(copies)
+        lp = iter(self._logprobs_flat(logits, lp_rows, lp_tokens, lp_counts))
+        outputs = []
+        for d, seq, kept, finish, accepted, base, st in results:
+            logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
+            usage = None
+            if finish:
+                usage = self._close(seq)
+            else:
+                # verdict: accepted count, emitted tokens, hidden rows of positions base - 1 .. (read later)
+                self._verdicts.append((seq, st.round - 1, accepted, kept, base - 1))
+                st.told = len(seq)
+            outputs.append((seq.request_id, TokenDelta(kept, logprobs, top, finish, usage)))
+        return outputs
+
+    @staticmethod
+    def _logprobs_flat(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[int]):
+        """(logprobs, top logprobs) per verified sequence that asked for them, in order; ``counts[i]``
+        of the concatenated ``rows`` (its root and accepted nodes) and ``tokens`` belong to the i-th."""
+        if not counts:
+            return []
+        k = max(n for n, _ in counts)
+        chosen, top_ids, top_vals = logprobs_of(logits[rows], torch.tensor(tokens, device=logits.device), k)
+        chosen, top_ids, top_vals = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+        out, at = [], 0
+        for n, count in counts:
+            span = range(at, at + count)
+            top = [[TopLogprob(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n])] for j in span] if n else None
+            out.append(([chosen[j] for j in span], top))
+            at += count
+        return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """The one finish rule, checked after each token ``token`` is appended to ``seq``: a stop
@@ -257,8 +518,10 @@ class Engine:
             return "length"
         return None
 
-    def _close(self, seq: Sequence, spec: SpecUsage | None = None) -> Usage:
+    def _close(self, seq: Sequence) -> Usage:
         """Remove a finished sequence (its blocks are freed); returns its usage."""
+        spec = self.spec.usage(seq.request_id)
+        self.spec.forget(seq.request_id)
         self.seqs.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         return Usage(seq.num_prompt_tokens, seq.num_prefilled_outputs + seq.num_generated,
@@ -286,3 +549,19 @@ class Engine:
             for rid, delta in self.step():
                 result[rid].extend(delta.token_ids)
         return result
+
+
+@dataclass
+class StepStats:
+    """What the latest step ran: query tokens of a decode/verify step (0 when it had prefill
+    chunks), sequences verified, sequences in the batch, tokens emitted."""
+
+    tokens: int = 0
+    verified: int = 0
+    decoding: int = 0
+    emitted: int = 0
+
+
+def _penalised(seq: Sequence) -> bool:
+    p = seq.params
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

@@ -36,6 +36,7 @@ _FUSED = {
 class ModelOutput:
     logits: torch.Tensor | None  # [N, vocab] float32 for the requested rows
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden]
+    slots: torch.Tensor | None = None  # [T] long: the cache slot of each row of ``hidden``
 
 
 def _triton_ops():
@@ -182,7 +183,7 @@ class DecoderModel(nn.Module):
         if num_layers in wanted:
             hidden[num_layers] = x
         rows = x if logits_indices is None else x[logits_indices]
-        return ModelOutput(self.lm_head(rows).float(), hidden)
+        return ModelOutput(self.lm_head(rows).float(), hidden, meta.slot_mapping)
 
     def _layers_fused(self, positions, x, meta, kv_caches, wanted, hidden) -> torch.Tensor:
         h, residual = x, None

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, allocate_kv_cache, ancestor_mask, tree_depths
+from ..speculation.tree import ancestor_mask, tree_depths
+from .attention import AttentionMetadata, allocate_kv_cache
 from .cuda_graphs import GraphConfig, GraphRunner
 from .model import DecoderModel, ModelOutput
 
@@ -87,12 +88,9 @@ class ModelRunner:
         return self.model(input_ids, pos, meta, self.kv_caches, index, hidden_layers)
 
     @torch.inference_mode()
-    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy single cache slots src → dst in every layer (an accepted tree path moved into place)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy single cache slots src → dst ([n] long each) in every layer (accepted tree paths moved
+        into place, a whole batch's at once)."""
         for k, v in self.kv_caches:
             flat_k, flat_v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
             flat_k[dst] = flat_k[src]

@@ -15,7 +15,8 @@ import torch
 
 from runtime.messages import is_greedy
 
-__all__ = ["apply_token_bitmask", "apply_top_k_top_p", "is_greedy", "logprobs_of", "mask_tokens", "sample"]
+__all__ = ["apply_token_bitmask", "apply_top_k_top_p", "exponentials", "is_greedy", "logprobs_of", "sample", "temper",
+           "uniforms"]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -35,38 +36,64 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator | None]) -> torch.Tensor:
+def temper(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores of sampled rows: logits / temperature, then min_p, then top-k and top-p (-inf outside).
+
+    logits [S, V] float; temperature [S] (> 0); top_k [S] long (0 = off); top_p [S] in (0, 1];
+    min_p [S] in [0, 1] or None (off). Returns [S, V]; softmax of a row is its distribution.
+    """
+    scores = logits / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        scores = apply_top_k_top_p(scores, top_k, top_p)
+    return scores
+
+
+def exponentials(rows: int, vocab: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """[rows, vocab] Exp(1) draws: seeded rows from their own generator, the rest in one draw."""
+    out = torch.empty(rows, vocab, device=device)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if len(free) == rows:
+        return out.exponential_()
+    if free:
+        out[free] = torch.empty(len(free), vocab, device=device).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            out[i].exponential_(generator=gen)
+    return out
+
+
+def uniforms(rows: int, width: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """[rows, width] U[0, 1) draws: seeded rows from their own generator, the rest in one draw."""
+    out = torch.empty(rows, width, device=device)
+    if all(g is None for g in generators):
+        return out.uniform_()
+    for i, gen in enumerate(generators):
+        out[i].uniform_(generator=gen)
+    return out
+
+
+def sample(scores: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row.
 
-    logits [B, V] float32; temperature [B] (0 = greedy); top_k [B] long; top_p [B];
-    generators: one per row (None = the global RNG). Returns tokens [B] long.
+    scores [B, V] float32 from :func:`workers.engine.logits.process` (or :func:`temper`); greedy: per
+    row, argmax instead of a draw; generators: one per row (None = the global RNG). Returns tokens
+    [B] long.
     """
-    greedy = is_greedy(temperature)  # [B]
-    tokens = logits.argmax(dim=-1)  # [B]
-    if bool(greedy.all()):
+    tokens = scores.argmax(dim=-1)  # [B]
+    rows = [i for i, g in enumerate(greedy) if not g]
+    if not rows:
         return tokens
-    rows = (~greedy).nonzero().flatten().tolist()
-    scaled = logits[rows] / temperature[rows, None]  # [R, V]
-    if bool((top_k[rows] > 0).any()) or bool((top_p[rows] < 1).any()):
-        scaled = apply_top_k_top_p(scaled, top_k[rows], top_p[rows])
-    probs = scaled.softmax(dim=-1)  # [R, V]
-    noise = torch.empty_like(probs)  # [R, V]
-    for i, row in enumerate(rows):
-        noise[i].exponential_(generator=generators[row])
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    probs = (scores if len(rows) == len(greedy) else scores[rows]).softmax(dim=-1)  # [R, V]
+    noise = exponentials(len(rows), scores.shape[-1], [generators[i] for i in rows], scores.device)
+    drawn = (probs / noise).argmax(dim=-1)
+    if len(rows) == len(greedy):
+        return drawn
+    tokens[rows] = drawn
     return tokens
-
-
-def mask_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
-    """Forbid ``token_ids[i]`` in row ``rows[i]`` (e.g. stop tokens before min_tokens), in place.
-
-    logits [B, V]; returns logits.
-    """
-    for row, ids in zip(rows, token_ids):
-        if ids:
-            logits[row, ids] = float("-inf")
-    return logits
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import ancestor_mask, tree_depths
 from .payloads import ROOT
 
-__all__ = ["ROOT", "ancestor_mask", "chain_parents", "children", "parent_nodes", "tree_depths",
-           "valid_parents"]
+__all__ = ["ROOT", "ancestor_mask", "chain_parents", "parent_nodes", "tree_depths", "valid_parents"]
 
 
 def chain_parents(n: int) -> list[int]:
@@ -33,14 +31,6 @@ def valid_parents(parents: list[int], num_tokens: int) -> bool:
     return len(parents) == num_tokens and all(ROOT <= p < i for i, p in enumerate(parents))
 
 
-def children(parents: list[int]) -> list[list[int]]:
-    """Per node (0 = root, i + 1 = token i): its child token indices, in the order tried."""
-    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, p in enumerate(parents):
-        out[p + 1].append(i)
-    return out
-
-
 def parent_nodes(parents: list[list[int]], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, width] long: parent node of node i + 1 for each row's tree (0 = root), -1 past its tokens."""
     out = torch.full((len(parents), width), -1, dtype=torch.long)
@@ -48,3 +38,26 @@ def parent_nodes(parents: list[list[int]], width: int, device: torch.device | st
         if par:
             out[b, : len(par)] = torch.tensor(par, dtype=torch.long) + 1
     return out.to(device)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each token: 1 for the root's children."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[N+1, N+1] bool over nodes (0 = root): row j is True at j and at every ancestor of j.
+
+    It is the attention mask of the tree's queries over the tree's own keys (each query also sees
+    the whole committed context before the root).
+    """
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[0, 0] = True
+    for i, p in enumerate(parents):
+        mask[i + 1] = mask[p + 1]
+        mask[i + 1, i + 1] = True
+    return mask.to(device)

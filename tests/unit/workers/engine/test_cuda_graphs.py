@@ -23,7 +23,6 @@ from workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.model_runner import ModelRunner  # noqa: E402
 from workers.engine.weights import load_model  # noqa: E402
 from workers.speculation.payloads import DraftOutput  # noqa: E402
-from workers.target.spec_engine import SpecEngine  # noqa: E402
 
 pytestmark = pytest.mark.unit
 CUDA = torch.cuda.is_available()
@@ -131,13 +130,11 @@ def test_non_uniform_batches_run_eagerly(model_dir):
 
 
 class _GraphedEngine(Engine):
-    def _graph_config(self, model):
-        return GraphConfig(4, self._graph_query_lens(), capture=CUDA)
+    """Graphs on any device (captured only on CUDA): decode and verify of up to γ drafts."""
 
-
-class _GraphedSpecEngine(SpecEngine):
     def _graph_config(self, model):
-        return GraphConfig(4, self._graph_query_lens(), capture=CUDA)
+        gamma = self.spec.num_speculative_tokens
+        return GraphConfig(4, (1, gamma + 1) if gamma else (1,), self.hidden_layers, capture=CUDA)
 
 
 def _prompts(n: int, seed: int = 0) -> dict[str, list[int]]:
@@ -165,7 +162,7 @@ def test_spec_engine_verify_steps_with_graphs(model_dir):
     cfg = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4)
     prompts = _prompts(3, seed=1)
     plain = Engine(model, cfg, eos_token_ids=()).generate(prompts, GREEDY)
-    engine = _GraphedSpecEngine(model, cfg, eos_token_ids=(), num_speculative_tokens=3, adaptive=False)
+    engine = _GraphedEngine(model, cfg, eos_token_ids=(), num_speculative_tokens=3, adaptive=False)
     got = {rid: [] for rid in prompts}
     for rid, p in prompts.items():
         engine.add_request(rid, p, GREEDY)

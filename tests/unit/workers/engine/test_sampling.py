@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.engine.sampling import apply_top_k_top_p, logprobs_of, mask_tokens, sample
+from workers.engine.sampling import apply_top_k_top_p, logprobs_of, sample, temper
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +28,7 @@ def _expected(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
 
 def test_greedy_is_argmax_and_needs_no_rng():
     logits = torch.randn(5, 50)
-    out = sample(logits, torch.zeros(5), torch.zeros(5, dtype=torch.long), torch.ones(5), [None] * 5)
+    out = sample(logits, [True] * 5, [None] * 5)
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
@@ -44,7 +44,8 @@ def test_sampler_matches_target_distribution_chi_square(temperature, top_k, top_
     n = 20000
     torch.manual_seed(1234)
     logits = LOGITS.repeat(n, 1)
-    tokens = sample(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p), [None] * n)
+    scores = temper(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p))
+    tokens = sample(scores, [False] * n, [None] * n)
     observed = torch.bincount(tokens, minlength=6).double()
     expected = _expected(temperature, top_k, top_p).double() * n
     support = expected > 0
@@ -61,17 +62,22 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
     def run(rows):
         gens = [torch.Generator().manual_seed(7) for _ in rows]
-        return [sample(logits[rows], temp[rows], k[rows], p[rows], gens).tolist() for _ in range(3)]
+        return [sample(temper(logits[rows], temp[rows], k[rows], p[rows]), [False] * len(rows), gens).tolist()
+                for _ in range(3)]
 
     alone = run([2])
     together = run([0, 1, 2, 3])
     assert [draw[0] for draw in alone] == [draw[2] for draw in together]
 
 
-def test_mask_tokens_and_logprobs():
+def test_min_p_keeps_tokens_near_the_top():
+    scores = temper(LOGITS[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.tensor([0.3]))
+    p = LOGITS.softmax(-1)
+    assert torch.isfinite(scores[0]).tolist() == (p >= 0.3 * p.max()).tolist()
+
+
+def test_logprobs():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
     chosen, top_ids, top_vals = logprobs_of(logits, torch.tensor([1]), 2)
     assert chosen.item() == pytest.approx(torch.log(torch.tensor(0.25)).item())
     assert top_ids.tolist()[0][0] == 0 and top_vals.shape == (1, 2)
-    masked = mask_tokens(logits.clone(), [0], [[0]])
-    assert masked.argmax().item() in (1, 2)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from workers.engine.attention import AttentionMetadata, ancestor_mask, paged_attention_torch
+from workers.engine.attention import AttentionMetadata, paged_attention_torch
+from workers.speculation.tree import ancestor_mask
 from workers.engine.model_runner import ModelRunner
 from workers.engine.weights import load_model
 
@@ -81,5 +82,5 @@ def test_copy_slots_moves_single_positions(model_dir):
     runner = ModelRunner(load_model(model_dir), 8, 4)
     k0 = runner.kv_caches[0][0]
     k0.view(-1, *k0.shape[2:])[5] = 1.0
-    runner.copy_slots([(5, 9)])
+    runner.copy_slots(torch.tensor([5]), torch.tensor([9]))
     assert torch.equal(k0.view(-1, *k0.shape[2:])[9], k0.view(-1, *k0.shape[2:])[5])

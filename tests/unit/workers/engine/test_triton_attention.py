@@ -91,7 +91,7 @@ def compare_trees(device: str, head_dim: int, splits: int | None = None, seed: i
     """Max abs difference between the two paths on a batch with token trees: a verify tree of 37
     nodes (two 32-bit mask words, and whole key tiles of non-ancestors), a draft-style row whose
     mask also covers an earlier pass's slots (m > q), a decode row and a chain verify row."""
-    from workers.engine.attention import ancestor_mask
+    from workers.speculation.tree import ancestor_mask
     from workers.engine.triton_attention import paged_attention_triton
 
     g = torch.Generator().manual_seed(seed)

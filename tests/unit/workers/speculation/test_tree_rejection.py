@@ -19,13 +19,21 @@ import torch
 from tests.unit.workers.speculation.test_rejection import chi2_pvalue, random_dists as _random_dists
 from workers.speculation.payloads import PAD
 from workers.speculation.rejection import random_inputs, rejection_sample
-from workers.speculation.tree import children, parent_nodes
+from workers.speculation.tree import parent_nodes
 from workers.speculation.tree_rejection import child_table, tree_rejection_sample
 
 pytestmark = pytest.mark.unit
 
 N = 200_000  # rows (trials) per χ² test
 P_MIN = 1e-3  # seeded, so each test is deterministic; the threshold only sets its strictness
+
+
+def children(parents: list[int]) -> list[list[int]]:
+    """Per node (0 = root, i + 1 = token i): its child token indices, in the order tried."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return out
 
 
 def random_dists(count: int, vocab: int, gen: torch.Generator) -> torch.Tensor:

@@ -90,12 +90,12 @@ async def test_vllm_metric_names_and_its_spec_decode_promql(model):
     from prometheus_client.parser import text_string_to_metric_families
 
     from runtime.spec_stats import SpecCounters
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     async def publish(topic, event):
         pass
 
-    engine = SpecEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4))
     worker = TargetWorker(engine, "w1", publish, "tiny", load_interval=0.05)
     registry = CollectorRegistry()
     registry.register(TargetCollector(worker, "tiny"))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.target.test_spec_engine import run_spec
+from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.demo_model import demo_model_dir
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.draft.ngram import NgramProposer
-from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 
@@ -37,7 +36,7 @@ def test_ngram_speculation_on_smollm2_is_lossless():
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     model = load_model(path)
     want = Engine(model, CFG).generate(prompts, params)
-    engine = SpecEngine(model, CFG, num_speculative_tokens=4)
+    engine = Engine(model, CFG, num_speculative_tokens=4)
     proposer = NgramProposer(1, 4)
     got = {}
     items = list(prompts.items())

@@ -15,14 +15,13 @@ import pytest
 from runtime.errors import InvalidRequest
 from runtime.messages import SamplingParams, StructuredOutput
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.target.test_spec_engine import run_spec
+from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.demo_model import demo_tokenizer_dir
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.grammar import GrammarBackend
 from workers.engine.weights import load_model
-from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +75,7 @@ def test_greedy_speculation_under_a_grammar_equals_plain_decoding(setup, greedy_
                 "draft_model": lambda: DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4),
                 "self_draft_tree": lambda: DraftModelProposer(model, num_blocks=512, block_size=4, tree_topk=3,
                                                               tree_depth=3)}[method]()
-    engine = SpecEngine(model, CFG, eos_token_ids=(EOS,), grammars=grammars, num_speculative_tokens=4)
+    engine = Engine(model, CFG, eos_token_ids=(EOS,), grammars=grammars, num_speculative_tokens=4)
     assert run_spec(engine, proposer, prompts, GREEDY) == greedy_plain
     assert engine.counters[""].num_drafts > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -84,7 +83,7 @@ def test_greedy_speculation_under_a_grammar_equals_plain_decoding(setup, greedy_
 
 def test_sampled_speculation_under_a_grammar_follows_the_schema(setup):
     model, draft_dir, grammars, tok, prompts = setup
-    engine = SpecEngine(model, CFG, eos_token_ids=(EOS,), grammars=grammars, num_speculative_tokens=3)
+    engine = Engine(model, CFG, eos_token_ids=(EOS,), grammars=grammars, num_speculative_tokens=3)
     proposer = DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4)  # samples its drafts
     params = {rid: SamplingParams(temperature=0.7, seed=i, max_tokens=64, structured=STRUCTURED)
               for i, rid in enumerate(prompts)}
@@ -176,7 +175,7 @@ def test_sampled_speculation_under_a_grammar_has_the_masked_target_marginals(tmp
     p2 = sum(p1[x] * masked(rows[i], allowed_ids(grammars, [x])) for i, x in enumerate(first))
 
     cfg = EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
-    engine = SpecEngine(load_model(tmp_path / "t"), cfg, eos_token_ids=(0,), grammars=grammars,
+    engine = Engine(load_model(tmp_path / "t"), cfg, eos_token_ids=(0,), grammars=grammars,
                         num_speculative_tokens=2)
     proposer = DraftModelProposer(load_model(tmp_path / "d"), num_blocks=4096, block_size=4, max_support=16)
     torch.manual_seed(4321)

@@ -14,7 +14,6 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
-from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +41,7 @@ def prompts(n: int, seed: int) -> dict[str, list[int]]:
     return out
 
 
-def run_spec(engine: SpecEngine, proposer, batch: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+def run_spec(engine: Engine, proposer, batch: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
     result = {rid: [] for rid in batch}
     for rid, tokens in batch.items():
         engine.add_request(rid, tokens, params)
@@ -84,7 +83,7 @@ def test_greedy_speculation_equals_plain_decoding(models, method):
     batch = prompts(50, seed=hash(method) % 1000)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = plain(target_dir, batch, params)
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4)
     proposer = make_proposer(method, target_dir, draft_dir)
     got = {}
     items = list(batch.items())
@@ -106,7 +105,7 @@ def test_stop_tokens_max_tokens_and_usage_with_speculation(models):
     batch = prompts(6, seed=5)
     want = plain(target_dir, batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     # Stop at a token that appears in the middle of each continuation.
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=3)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=3)
     proposer = DraftModelProposer(load_model(target_dir), num_blocks=256, block_size=4)
     for rid, toks in batch.items():
         cut = next(i for i in range(4, 12) if want[rid][i] not in want[rid][:i]) + 1
@@ -135,7 +134,7 @@ def test_adaptive_gamma_backs_off_a_missing_draft_and_keeps_a_good_one(models):
     want = plain(target_dir, batch, params)
     refs = [batch[rid] + want[rid] for rid in batch]
     for error_rate, adaptive in ((1.0, True), (1.0, False), (0.0, True)):
-        engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4, adaptive=adaptive)
+        engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4, adaptive=adaptive)
         got = run_spec(engine, OracleProposer(refs, error_rate, VOCAB, seed=3), batch, params)
         assert got == want
         c = engine.counters[""]
@@ -149,18 +148,21 @@ def test_adaptive_gamma_backs_off_a_missing_draft_and_keeps_a_good_one(models):
 
 
 def test_a_draft_reading_hidden_states_gets_them_for_a_prefix_cache_hit_too(models):
-    """A repeated prompt would be a prefix-cache hit whose positions are never computed, leaving an
-    EAGLE draft without their hidden states: while hidden states are wanted, hits are not reused."""
+    """A repeated prompt is a prefix-cache hit whose positions are not computed again; the hidden
+    states live with the KV slots, so an EAGLE draft still gets a row for every position, the same
+    rows an engine without the cache computes."""
     target_dir, _ = models
-    model = load_model(target_dir)
     prompt = list(range(3, 30))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine = SpecEngine(model, CFG, eos_token_ids=())
+    engine = Engine(load_model(target_dir), CFG, eos_token_ids=(), hidden_layers=(1,))
     engine.generate({"first": prompt}, params)  # its prompt blocks are now cached
-    engine.hidden_layers = (1,)  # a draft worker that reads layer 1 connects
     engine.add_request("again", prompt, params)
-    engine.step()  # the prefill
+    engine.step()  # the prefill, mostly a cache hit
+    assert engine.seqs["again"].num_cached_tokens >= len(prompt) - CFG.block_size
     [inp] = engine.draft_inputs()
     assert inp.hidden_states[0].shape[0] == len(prompt)  # a row for every position up to the last token
-    engine.hidden_layers = ()  # no such draft any more: hits are reused again
-    assert engine.scheduler.reuse_cached_prefix
+    fresh = Engine(load_model(target_dir), CFG, eos_token_ids=(), hidden_layers=(1,))
+    fresh.add_request("again", prompt, params)
+    fresh.step()
+    [ref] = fresh.draft_inputs()
+    torch.testing.assert_close(inp.hidden_states[0], ref.hidden_states[0])

@@ -14,11 +14,11 @@ import torch
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.speculation.test_rejection import chi2_pvalue
-from tests.unit.workers.target.test_spec_engine import run_spec
+from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.engine.engine import EngineConfig
 from workers.engine.weights import load_model
 from workers.draft.draft_model import DraftModelProposer
-from workers.target.spec_engine import SpecEngine
+from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def test_first_verified_token_has_the_target_marginal(dirs, temperature):
     target_dir, draft_dir = dirs
     hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
     p1, p2 = exact_marginals(hf, temperature)
-    engine = SpecEngine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256,
+    engine = Engine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256,
                                                             max_num_batched_tokens=4096), num_speculative_tokens=3)
     proposer = DraftModelProposer(load_model(draft_dir), num_blocks=4096, block_size=4, max_support=16)
     torch.manual_seed(1234)
@@ -116,7 +116,7 @@ def test_tree_verification_keeps_the_target_distribution(dirs):
     p4 = torch.einsum("ab,abc,abcd->d", p1[:, None] * p2_given, p3_given, p4_given.view(VOCAB, VOCAB, VOCAB, VOCAB))
     likely = p2.topk(6).indices.tolist()
     proposer = FixedTree(likely[:3], likely[3:5])  # 3 children at depth 1, 2 grandchildren under each
-    engine = SpecEngine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256,
+    engine = Engine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256,
                                                             max_num_batched_tokens=4096),
                         num_speculative_tokens=9, adaptive=False)
     torch.manual_seed(99)

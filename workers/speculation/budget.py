@@ -33,8 +33,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-import torch
-
 MARGIN = 0.03  # speculate only when the plan's expected rate beats plain decoding's by this much
 
 
@@ -78,14 +76,14 @@ class StepCost:
         return self._coef
 
     def _fit(self) -> tuple[float, float, float, float]:
-        xx = torch.tensor(self._xx, dtype=torch.float64)
-        xy = torch.tensor(self._xy, dtype=torch.float64)
+        xx, xy = self._xx, self._xy
         # a little ridge keeps the fit defined before verify steps (or varied batches) were seen
-        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6, 1e-6], dtype=torch.float64)) * float(xx[0, 0])
-        coef = torch.linalg.solve(xx + ridge, xy).clamp(min=0.0)
-        mean = xx[0] / xx[0, 0]  # weighted means of x
-        a = max(float(xy[0] / xx[0, 0]) - float((coef[1:] * mean[1:]).sum()), 0.0)
-        return a, float(coef[1]), float(coef[2]), float(coef[3])
+        ridge = 1e-6 * xx[0][0]
+        system = [[xx[i][j] + (ridge if i == j and i else 0.0) for j in range(4)] + [xy[i]] for i in range(4)]
+        coef = [max(c, 0.0) for c in _solve(system)]
+        mean = [xx[0][j] / xx[0][0] for j in range(4)]  # weighted means of x
+        a = max(xy[0] / xx[0][0] - sum(coef[j] * mean[j] for j in range(1, 4)), 0.0)
+        return a, coef[1], coef[2], coef[3]
 
     def seconds(self, tokens: int, verified: int) -> float:
         """Predicted step seconds with ``tokens`` query tokens of which ``verified`` sequences speculate."""
@@ -110,9 +108,25 @@ class Acceptance:
         return self.accepted / (self.accepted + self.rejected)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verify step emits on average with k chained drafts of per-token acceptance α."""
-    return sum(alpha ** j for j in range(k + 1))
+def _solve(system: list[list[float]]) -> list[float]:
+    """x of the augmented n×(n+1) system [A | y] (A x = y), by Gaussian elimination with partial
+    pivoting: plain floats, so that a metrics scrape or a step never runs a tensor op for a 4×4 fit."""
+    n = len(system)
+    m = [row[:] for row in system]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-300:
+            continue  # a direction never observed: its coefficient stays 0
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        if abs(m[r][r]) >= 1e-300:
+            x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost: StepCost) -> dict[str, int]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.target.test_spec_engine import CFG, plain, prompts, run_spec
-from tests.unit.workers.target.test_tree_verify import target_dir  # noqa: F401 (fixture)
+from tests.unit.workers.engine.test_spec_engine import CFG, plain, prompts, run_spec
+from tests.unit.workers.engine.test_tree_verify import target_dir  # noqa: F401 (fixture)
 from workers.engine.weights import load_model
 from workers.draft.ngram import NgramProposer
-from workers.target.budget import Acceptance, StepCost, expected_tokens, plan
-from workers.target.spec_engine import SpecEngine
+from workers.speculation.budget import Acceptance, StepCost, plan
+from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 
@@ -52,6 +52,11 @@ def test_compute_bound_big_batches_stop_speculating():
     assert not any(plan(caps, dict.fromkeys(caps, 0.3), 32, cost).values())
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verify step emits on average with k chained drafts of per-token acceptance α."""
+    return sum(alpha ** j for j in range(k + 1))
+
+
 def test_budget_goes_to_the_sequences_whose_drafts_hit():
     cost = fitted(0.02, 0.001, wait=0.002)
     caps = {"good": 4, "bad": 4}
@@ -78,7 +83,7 @@ def test_load_aware_engine_is_still_lossless(target_dir):  # noqa: F811
     batch = prompts(16, seed=21)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = plain(target_dir, batch, params)
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4, load_aware=True)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4, load_aware=True)
     got = {}
     items = list(batch.items())
     for start in range(0, len(items), 8):
@@ -88,7 +93,7 @@ def test_load_aware_engine_is_still_lossless(target_dir):  # noqa: F811
 
 
 def test_realized_rates_veto_speculation_that_does_worse():
-    from workers.target.budget import RealizedRates
+    from workers.speculation.budget import RealizedRates
 
     rates = RealizedRates(min_samples=2, explore_every=4)
     for _ in range(3):

@@ -9,11 +9,11 @@ import pytest
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.target.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
+from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.engine.weights import load_model
 from workers.speculation.payloads import ROOT, DraftInput, DraftOutput, VerifyResult
 from workers.speculation.tree import tree_depths, valid_parents
-from workers.target.spec_engine import SpecEngine
+from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 
@@ -101,7 +101,7 @@ def test_greedy_trees_equal_plain_decoding(target_dir, concurrent):
     want = plain(target_dir, batch, params)
     cfg = CFG if concurrent == 8 else CFG.__class__(block_size=4, num_blocks=512, max_num_seqs=1,
                                                     max_num_batched_tokens=256)
-    engine = SpecEngine(load_model(target_dir), cfg, num_speculative_tokens=16, adaptive=False)
+    engine = Engine(load_model(target_dir), cfg, num_speculative_tokens=16, adaptive=False)
     oracle = OracleTree(want, batch, seed=concurrent)
     got = run_spec(engine, oracle, batch, params)
     assert got == want
@@ -116,7 +116,7 @@ def test_tree_paths_respect_max_tokens_and_budget(target_dir):
     batch = prompts(6, seed=3)
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     want = plain(target_dir, batch, params)
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=5, adaptive=False)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=5, adaptive=False)
     oracle = OracleTree(want, batch, seed=5, branching=2, depth=6, hit=1.0)
     got = run_spec(engine, oracle, batch, params)
     assert got == want
@@ -134,7 +134,7 @@ def test_malformed_trees_are_ignored(target_dir):
             return [DraftOutput(o.seq_id, o.round, o.token_ids, [], [len(o.token_ids)] * len(o.token_ids))
                     for o in super().propose(items)]
 
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=8)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=8)
     got = run_spec(engine, Bad(want, batch, seed=1), batch, params)
     assert got == want
     assert engine.counters.get("") is None  # nothing was verified as a draft
@@ -155,7 +155,7 @@ def test_trees_near_max_tokens_keep_their_node_budget_and_bound_their_depth(targ
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     want = plain(target_dir, batch, params)
     for topk in (4, 1):
-        engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=8, adaptive=False)
+        engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=8, adaptive=False)
         draft = DraftModelProposer(load_model(target_dir), num_blocks=256, block_size=4, tree_topk=topk)
         for rid, tokens in batch.items():
             engine.add_request(rid, tokens, params)
@@ -188,7 +188,7 @@ def test_adaptive_tree_budgets_keep_a_good_tree_and_back_off_a_missing_one(targe
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = plain(target_dir, batch, params)
     for hit in (1.0, 0.0):
-        engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=12, adaptive=True)
+        engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=12, adaptive=True)
         oracle = OracleTree(want, batch, seed=2, branching=3, depth=4, hit=hit, deep_hit=0.0)
         asked: list[int] = []
         propose = oracle.propose

@@ -1,0 +1,273 @@
+"""Per-sequence speculation state: what to ask a draft worker for, which proposals to verify, and
+what each verify step teaches (counters, adaptive budgets, load-aware plans).
+
+The engine owns one :class:`Speculator`. Between steps it asks :meth:`Speculator.requests` which
+sequences should draft and how many tokens; at a step it hands over the proposals that came back,
+and :meth:`Speculator.attach` checks each one (:func:`workers.speculation.checks.proposal_problem`:
+a draft worker is untrusted input) and cuts it to what may be verified; after verification
+:meth:`Speculator.record` updates the request's counters and its budget.
+
+Budgets: adaptive γ per sequence, +2 after a fully accepted chain, −1 otherwise; at 0 the sequence
+decodes plainly for ``pause_steps`` steps and then tries one draft token again. A tree's node
+budget halves after a pass that accepts nothing and doubles after any hit. With ``load_aware``,
+each step's budgets come from :func:`workers.speculation.budget.plan` within those caps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from runtime.messages import SpecUsage
+from runtime.spec_stats import SpecCounters
+
+from ..speculation.budget import Acceptance, RealizedRates, StepCost, plan
+from ..speculation.checks import proposal_problem
+from ..speculation.payloads import DraftOutput, SparseDist
+from ..speculation.tree import tree_depths
+from .sequence import Sequence
+
+
+@dataclass
+class SpecState:
+    gamma: int  # the request's chain length or node budget
+    cap: int  # adaptive budget for the next round (≤ gamma); 0: paused
+    tree_topk: int = 0  # tree shape asked of the draft (0: the draft worker's setting)
+    tree_depth: int = 0
+    told: int = 0  # tokens of the sequence the draft worker knows
+    round: int = 0  # rounds asked for so far; the proposal for round r answers the r-th request
+    asked: int = 0  # tokens asked for in the latest round
+    usage: SpecUsage = SpecUsage()
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    pause: int = 0  # plain steps left before drafting is tried again
+
+
+@dataclass
+class Drafted:
+    """A proposal attached to a sequence for this step: its tokens follow the committed ones."""
+
+    seq: Sequence
+    tokens: list[int]
+    dists: list[SparseDist]
+    parents: list[int]  # empty: a chain
+    masks: torch.Tensor | None = None  # [len(tokens) + 1, W] int32: the grammar's mask at each node
+
+    @property
+    def depth(self) -> int:
+        return max(tree_depths(self.parents)) if self.parents else len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each token (1 for the root's children)."""
+        return tree_depths(self.parents) if self.parents else list(range(1, len(self.tokens) + 1))
+
+    def ancestors(self) -> list[tuple[int, ...]]:
+        """Per node (root first): the draft tokens on the path from the root to it."""
+        if not self.parents:
+            return [tuple(self.tokens[:i]) for i in range(len(self.tokens) + 1)]
+        out: list[tuple[int, ...]] = [()]
+        for i, p in enumerate(self.parents):
+            out.append(out[p + 1] + (self.tokens[i],))
+        return out
+
+    def keep(self, n: int) -> Drafted:
+        """The first n tokens (parents precede children, so they still form a tree)."""
+        masks = self.masks[: n + 1] if self.masks is not None else None
+        return Drafted(self.seq, self.tokens[:n], self.dists[:n], self.parents[:n], masks)
+
+    def subset(self, keep: list[int]) -> Drafted:
+        """The tokens ``keep`` (ascending, closed under parents), indices renumbered."""
+        if len(keep) == len(self.tokens):
+            return self
+        if not self.parents:  # a chain keeps a prefix
+            return self.keep(len(keep))
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [self.parents[i] if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep]
+        masks = self.masks[[0] + [i + 1 for i in keep]] if self.masks is not None else None
+        return Drafted(self.seq, [self.tokens[i] for i in keep], [self.dists[i] for i in keep] if self.dists else [],
+                       parents, masks)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A sequence to draft for: ``num_tokens`` (a chain's length or a tree's budget), and the deepest
+    a drafted token may sit and still be emitted (0: no bound but num_tokens)."""
+
+    seq: Sequence
+    state: SpecState
+    num_tokens: int
+    max_depth: int
+
+
+class Speculator:
+    """Speculation state of every request of one engine; plain values in."""
+
+    def __init__(self, vocab_size: int, num_speculative_tokens: int = 4, *, adaptive: bool = True,
+                 pause_steps: int = 8, tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False):
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if tree_topk < 0 or tree_depth < 0:
+            raise ValueError(f"tree_topk and tree_depth must be >= 0, got {tree_topk} and {tree_depth}")
+        self.vocab_size = vocab_size
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tree_topk = tree_topk
+        self.tree_depth = tree_depth
+        self.adaptive = adaptive
+        self.pause_steps = pause_steps
+        self.load_aware = load_aware
+        self.cost = StepCost()
+        self.realized = RealizedRates()  # the check on the cost model: tokens/s achieved, per batch size
+        self.acceptance = Acceptance(decay=0.99)  # engine-wide, the prior of a new sequence's
+        self.states: dict[str, SpecState] = {}
+        self.counters: dict[str, SpecCounters] = {}  # per draft worker
+        self.draft_id = ""  # the draft worker proposing now (set by the worker)
+        self.planned_draft_tokens = 0  # draft tokens asked for in the latest round (a gauge)
+        self.unplanned_steps = 0  # rounds the load-aware plan chose not to speculate although it could
+        self.dropped: dict[str, int] = {}  # proposals refused, by reason
+        self.released: list[str] = []  # sequences the draft worker knew and may forget
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request_id: str, num_speculative_tokens: int | None, tree_topk: int | None,
+            tree_depth: int | None) -> None:
+        gamma = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
+        prior = self.acceptance.alpha
+        self.states[request_id] = SpecState(gamma, gamma, tree_topk or self.tree_topk, tree_depth or self.tree_depth,
+                                            acceptance=Acceptance(2 * prior, 2 * (1 - prior)))
+
+    def forget(self, request_id: str) -> SpecState | None:
+        st = self.states.pop(request_id, None)
+        if st is not None and st.told:
+            self.released.append(request_id)
+        return st
+
+    def reset(self) -> None:
+        """A new draft worker knows none of our sequences: start every one from scratch."""
+        for st in self.states.values():
+            st.told = 0
+        self.released.clear()
+
+    def usage(self, request_id: str) -> SpecUsage | None:
+        st = self.states.get(request_id)
+        return st.usage if st is not None and st.usage.num_drafts else None
+
+    # ------------------------------------------------------------------ asking
+
+    def requests(self, running: list[Sequence], max_model_len: int) -> list[Request]:
+        """The sequences that decode next and should draft this round, with their budgets."""
+        caps: dict[str, int] = {}
+        rooms: dict[str, int] = {}  # drafted tokens that can still be emitted
+        decoding = 0
+        for seq in running:
+            if seq.num_uncomputed != 1:
+                continue
+            decoding += 1
+            st = self.states.get(seq.request_id)
+            if st is None or st.gamma <= 0:
+                continue
+            if st.cap == 0:
+                if st.pause > 0:
+                    st.pause -= 1
+                    continue
+                st.cap = 1
+            # A chain is no longer than what can still be emitted; a tree keeps its node budget (its
+            # nodes take KV slots, hence max_model_len) and grows no deeper than that (max_depth).
+            room = seq.params.max_tokens - seq.num_generated - 1
+            k = min(st.cap, max_model_len - len(seq) - 1)
+            if k > 0 and room > 0:
+                caps[seq.request_id], rooms[seq.request_id] = k, room
+        if self.load_aware and caps:
+            planned = plan(caps, {sid: self.states[sid].acceptance.alpha for sid in caps}, decoding, self.cost)
+            if any(planned.values()) and not self.realized.allow(decoding):
+                planned = {}  # speculating did worse here than the model thinks, or plain is due a measure
+            if not any(planned.values()):
+                self.unplanned_steps += 1
+            caps = {sid: k for sid, k in planned.items() if k > 0}
+        self.planned_draft_tokens = sum(caps.values())
+        out = []
+        for seq in running:
+            k = caps.get(seq.request_id, 0)
+            if k > 0:
+                room = rooms[seq.request_id]
+                st = self.states[seq.request_id]
+                st.asked = k
+                out.append(Request(seq, st, k, room if room < k else 0))
+        return out
+
+    # ------------------------------------------------------------------ verifying
+
+    def attach(self, proposals: dict[str, DraftOutput], running: list[Sequence], max_model_len: int,
+               grammars) -> dict[str, Drafted]:
+        """The proposals to verify this step, checked and cut to what may be emitted; their tokens are
+        appended to their sequences. A proposal for a sequence that does not decode next, for an
+        older round, or that fails :func:`proposal_problem` is dropped (counted in ``dropped``)."""
+        drafted: dict[str, Drafted] = {}
+        if not proposals:
+            return drafted
+        for seq in running:
+            prop = proposals.get(seq.request_id)
+            if prop is None:
+                continue
+            st = self.states.get(seq.request_id)
+            if st is None or seq.num_uncomputed != 1 or prop.round != st.round - 1:
+                self._drop("stale")
+                continue
+            problem = proposal_problem(prop, max(st.asked, 1), self.vocab_size)
+            if problem is not None:
+                self._drop(problem)
+                continue
+            if not prop.token_ids:
+                continue
+            room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
+            k = min(len(prop.token_ids), max(st.cap, 1), max_model_len - len(seq) - 1)
+            d = Drafted(seq, list(prop.token_ids), list(prop.distributions),
+                        list(prop.parents) if prop.is_tree else [])
+            if d.parents:  # nodes within the budget (a prefix), and no deeper than can be emitted
+                d = d.keep(k)
+                depth = tree_depths(d.parents)
+                d = d.subset([i for i in range(len(d.tokens)) if depth[i] <= room])
+            else:
+                d = d.keep(min(k, room))
+            if d.tokens and seq.grammar is not None:
+                # Structured output: the grammar's masks for every node, and nothing below a token it
+                # forbids (that token is rejected for certain; it stays, its rejection uses its q).
+                d.masks = grammars.new_masks(len(d.tokens) + 1)
+                d = d.subset(seq.grammar.fill_draft(d.masks, d.tokens, d.parents))
+            if d.tokens:
+                seq.token_ids.extend(d.tokens)
+                drafted[seq.request_id] = d
+        return drafted
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def record(self, d: Drafted, accepted: int) -> SpecState:
+        """Count one verified proposal of which ``accepted`` tokens were accepted; adapt the budget."""
+        st = self.states[d.seq.request_id]
+        k, depth = len(d.tokens), d.depth
+        u = st.usage
+        per_pos = list(u.accepted_per_pos) + [0] * (depth - len(u.accepted_per_pos))
+        for i in range(accepted):
+            per_pos[i] += 1
+        st.usage = msgspec.structs.replace(u, num_drafts=u.num_drafts + 1, num_draft_tokens=u.num_draft_tokens + k,
+                                           num_accepted_tokens=u.num_accepted_tokens + accepted,
+                                           accepted_per_pos=per_pos)
+        self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, depth)
+        st.acceptance.observe(depth, accepted)
+        self.acceptance.observe(depth, accepted)
+        if self.adaptive:
+            if d.parents:  # a tree: nodes off the accepted path are spent by design, so only a pass that
+                # accepts nothing says the draft is off (the budget halves); any hit doubles it again
+                st.cap = min(st.gamma, max(2 * st.cap, st.cap + 2)) if accepted else st.cap // 2
+            else:
+                st.cap = min(st.gamma, st.cap + 2) if accepted == depth else max(0, st.cap - 1)
+            if st.cap == 0:
+                st.pause = self.pause_steps
+        return st
+
+    def observe_cycle(self, tokens: int, verified: int, decoding: int, emitted: int, seconds: float) -> None:
+        """Feed the cost model one decode/verify step (or a serving cycle around it)."""
+        if tokens:
+            self.cost.observe(tokens, seconds, verified)
+            self.realized.observe(decoding, verified > 0, emitted, seconds)
