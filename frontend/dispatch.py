@@ -3,7 +3,7 @@
 Contract: :meth:`Dispatcher.open` routes the request (raising ``NoInstances`` or
 ``PayloadTooLarge`` before anything is sent) and returns a :class:`Generation`, an async iterator
 of :class:`TokenDelta` that ends after the delta carrying ``finish_reason``. When the worker fails
-mid-request (``InstanceGone``, ``InstanceTimeout``, ``ShuttingDown``) the generation re-selects a
+mid-request (``InstanceGone``, ``InstanceTimeout``, ``ShuttingDown``, ``EngineFailed``) the generation re-selects a
 worker, excluding every one that failed it, and re-sends the prompt with
 ``output_ids`` = the tokens generated so far and the token budget that is left; the caller's
 stream just continues. The router's selection is released exactly once per worker tried, and
@@ -20,13 +20,16 @@ import msgspec
 
 from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, PendingBytes, ResponseStream, ShuttingDown
+from runtime.errors import EngineFailed
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 
 from .protocol import SpeculativeOptions
 
 log = logging.getLogger(__name__)
 
-MIGRATABLE = (InstanceGone, InstanceTimeout, ShuttingDown)
+# A worker that died, stalled, drains, or whose engine failed a step with this request in it: the
+# request continues on another worker (its prompt and the tokens so far), as many times as allowed.
+MIGRATABLE = (InstanceGone, InstanceTimeout, ShuttingDown, EngineFailed)
 END_TIMEOUT = 2.0  # seconds to wait for a worker's END frame after its finish delta
 
 # Closing a worker stream must finish even when the task closing it is being cancelled (a client

@@ -39,18 +39,20 @@ class Hello(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     draft_id: str
     method: str
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     max_speculative_tokens: int
     hidden_dtype: str
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")

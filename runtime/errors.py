@@ -88,6 +88,13 @@ class Overloaded(TandemError):
     kind = "overloaded"
 
 
+class EngineFailed(TandemError):
+    """A worker's engine failed while running the request (a bug or an out-of-memory in a step); the
+    worker keeps serving others, and the request may be retried elsewhere."""
+
+    kind = "engine_failed"
+
+
 class RemoteError(TandemError):
     """A handler failed on the remote side with an error that has no local class."""
 
@@ -97,7 +104,7 @@ class RemoteError(TandemError):
 
 
 _BY_KIND: dict[str, type[TandemError]] = {
-    cls.kind: cls for cls in (ShuttingDown, InvalidRequest, Overloaded)
+    cls.kind: cls for cls in (ShuttingDown, InvalidRequest, Overloaded, EngineFailed)
 }
 
 

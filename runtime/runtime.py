@@ -21,7 +21,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import aetcd
@@ -79,9 +79,6 @@ class EndpointClient:
         expired yet): route around it from now on, not only for the request that found out."""
         self._rt.mark_unreachable(instance_id, self.snapshot.values())
 
-    def instance_ids(self) -> list[str]:
-        return [r.instance_id for r in self.instances()]
-
     async def wait_for_instances(self, count: int = 1, timeout: float = 30.0, model: str | None = None) -> list[InstanceRecord]:
         """Wait until at least ``count`` instances are live; raises :class:`NoInstances` on timeout."""
 
@@ -123,6 +120,7 @@ class Runtime:
         self.unreachable: dict[str, tuple[InstanceRecord | None, float]] = {}
         self.health: HealthServer | None = None
         self._served = 0
+        self._health_checks: list[Callable[[], bool]] = []  # the service's own: all must pass to be ready
         self._shutdown = asyncio.Event()
         self._signals = 0
         self._closed = False
@@ -229,9 +227,15 @@ class Runtime:
             # Deregister at once so that routers stop sending here while we drain.
             asyncio.ensure_future(self._registrar.revoke())
 
+    def add_health_check(self, check: Callable[[], bool]) -> None:
+        """``check()`` must be true for :meth:`ready` (e.g. a worker whose engine keeps failing is not)."""
+        self._health_checks.append(check)
+
     def ready(self) -> bool:
-        """True while this process serves at least one endpoint, is connected and is not draining."""
-        return self._served > 0 and not self._shutdown.is_set() and self.nc is not None and self.nc.is_connected
+        """True while this process serves at least one endpoint, is connected, is not draining and
+        passes its service's health checks."""
+        return (self._served > 0 and not self._shutdown.is_set() and self.nc is not None and self.nc.is_connected
+                and all(check() for check in self._health_checks))
 
     def mark_unreachable(self, instance_id: str, records) -> None:
         """Leave ``instance_id`` out of every endpoint client's instances until its record changes (it

@@ -177,7 +177,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         draft_id=self.draft_id, method=self.proposer.method,
                         hidden_layers=self.proposer.hidden_layers,
                         max_speculative_tokens=self.max_speculative_tokens,
-                        hidden_dtype=getattr(self.proposer, "hidden_dtype", ""))))
+                        hidden_dtype=getattr(self.proposer, "hidden_dtype", ""),
+                        vocab_size=getattr(self.proposer, "vocab_size", 0))))
                 elif body == "propose":
                     self.stats.hidden_bytes += sum(len(t.data) for r in msg.propose.requests for t in r.hidden_states)
                     inputs = []

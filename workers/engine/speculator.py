@@ -142,6 +142,14 @@ class Speculator:
             self.released.append(request_id)
         return st
 
+    def forget_told(self, request_id: str) -> None:
+        """The draft lost track of one sequence (a message to it failed): it forgets the sequence and
+        hears it from the start next round."""
+        st = self.states.get(request_id)
+        if st is not None and st.told:
+            st.told = 0
+            self.released.append(request_id)
+
     def reset(self) -> None:
         """A new draft worker knows none of our sequences: start every one from scratch."""
         for st in self.states.values():

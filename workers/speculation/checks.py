@@ -1,8 +1,12 @@
 """What a target accepts from a draft worker: draft workers are untrusted input.
 
-A proposal is used only if every field is sane for the request it answers; otherwise it is dropped
-whole (the sequence decodes plainly that step) and the reason is counted. The checks are on plain
-Python values, before any tensor is built from them.
+At the handshake (:func:`hello_ack_problem`) a draft is refused unless what it announces fits the
+target: the hidden layers it reads are among those the target offers, its hidden-state dtype is
+one the wire knows, its vocabulary (when it says) is the target's, and its γ is not negative. A
+refused draft changes nothing on the target. Afterwards a proposal is used only if every field is
+sane for the request it answers (:func:`proposal_problem`); otherwise it is dropped whole (the
+sequence decodes plainly that step) and the reason is counted. The checks are on plain Python
+values, before any tensor is built from them.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import math
 
 from .payloads import ROOT, DraftOutput
 
+HIDDEN_DTYPES = ("", "float32", "float16", "bfloat16")  # "" = as the target has them
 PROB_SLACK = 1e-3  # a sparse distribution may sum to 1 + this (float32 rounding on the draft side)
 
 
@@ -43,4 +48,22 @@ def proposal_problem(prop: DraftOutput, asked: int, vocab_size: int) -> str | No
                 return "probabilities"
             if not any(i == token and p > 0 for i, p in zip(dist.ids, dist.probs)):
                 return "probabilities"
+    return None
+
+
+def hello_ack_problem(layers: list[int], dtype: str, vocab_size: int, max_speculative_tokens: int,
+                      offered_layers: tuple[int, ...], target_vocab_size: int) -> tuple[str, str] | None:
+    """Why a draft that announced (``layers``, ``dtype``, ``vocab_size``, ``max_speculative_tokens``)
+    cannot serve a target offering ``offered_layers`` with ``target_vocab_size`` tokens, as (a
+    metric label, a sentence), or None."""
+    missing = sorted(set(layers) - set(offered_layers))
+    if missing:
+        return "hidden_layers", (f"it reads hidden layers {missing} that this target does not offer (offered: "
+                f"{list(offered_layers) or 'none'}; start the target with --hidden-layers to offer them)")
+    if dtype not in HIDDEN_DTYPES:
+        return "hidden_dtype", f"its hidden-state dtype {dtype!r} is not one of {list(HIDDEN_DTYPES[1:])}"
+    if vocab_size and vocab_size != target_vocab_size:
+        return "vocab_size", f"its vocabulary has {vocab_size} tokens, this target's {target_vocab_size}"
+    if max_speculative_tokens < 0:
+        return "gamma", f"it announced max_speculative_tokens={max_speculative_tokens}"
     return None

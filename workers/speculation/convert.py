@@ -12,8 +12,8 @@ from proto import spec_pb2
 
 from .payloads import DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -26,9 +26,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_to_pb(t: torch.Tensor, dtype: str = "") -> spec_pb2.Tensor:
     """``t`` as raw bytes + dtype + shape, cast to ``dtype`` (a wire name) first when given."""
     if dtype:
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise ValueError(f"unsupported hidden-state dtype {dtype!r}")
-        t = t.to(_DTYPES[dtype])
+        t = t.to(DTYPES[dtype])
     t = t.detach().contiguous().cpu()
     if t.dtype not in _NAMES:
         raise ValueError(f"unsupported hidden-state dtype {t.dtype}")
@@ -38,7 +38,7 @@ def tensor_to_pb(t: torch.Tensor, dtype: str = "") -> spec_pb2.Tensor:
 
 
 def tensor_from_pb(msg: spec_pb2.Tensor) -> torch.Tensor:
-    dtype = _DTYPES.get(msg.dtype)
+    dtype = DTYPES.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"unsupported hidden-state dtype {msg.dtype!r}")
     if not msg.data:  # no rows (a proposal request with nothing new): frombuffer refuses empty buffers

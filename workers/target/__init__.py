@@ -1,7 +1,8 @@
 """The target worker: serves ``target.generate`` with the model engine and verifies drafts.
 
-``step_loop`` drives the engine from one asyncio task (proposals awaited with a deadline, the
-engine step in one executor thread); ``spec_engine`` is the engine with draft verification;
-``draft_client`` is the gRPC stream to a draft worker and the pool that picks one; ``worker`` is
-the request handler and the event publishers; ``__main__`` is the service.
+``step_loop`` drives the engine (:mod:`workers.engine`, whose one step serves plain and speculative
+batches) from one asyncio task, every engine call on one executor thread; ``draft_client`` is the
+gRPC stream to a draft worker, its handshake checks, and the pool that picks one; ``draft_watch``
+decides how long to wait for proposals and when to back a draft off; ``worker`` is the request
+handler and the event publishers; ``metrics`` its Prometheus collector; ``__main__`` the service.
 """

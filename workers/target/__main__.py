@@ -56,6 +56,7 @@ class TargetConfig:
     tree_topk: int = 0  # 0: the draft worker's setting
     tree_depth: int = 0
     load_aware: bool = False
+    hidden_layers: str = "auto"  # offered to draft workers: auto, none, or a comma list
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -78,6 +79,12 @@ class TargetConfig:
             raise ValueError("--num-speculative-tokens must be >= 0 and --propose-timeout positive")
         if self.tree_topk < 0 or self.tree_depth < 0:
             raise ValueError("--speculative-eagle-topk and --speculative-num-steps must be >= 0")
+        if self.hidden_layers not in ("auto", "none"):
+            try:
+                [int(x) for x in self.hidden_layers.split(",")]
+            except ValueError:
+                raise ValueError(f"--hidden-layers must be auto, none or a comma list of layers, "
+                                 f"got {self.hidden_layers!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-adaptive-speculation", action="store_true",
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
-                        help="seconds to wait for a draft worker's proposals before decoding plainly")
+                        help="the most seconds to wait for a draft worker's proposals before decoding plainly (the "
+                             "wait is twice this worker's own step time, within this bound)")
+    parser.add_argument("--hidden-layers", default="auto",
+                        help="hidden-state layers offered to draft workers that read them (EAGLE, Medusa, MLP), kept "
+                             "per KV slot: a comma list (0 = embeddings, L = after the final norm), none, or auto = "
+                             "EAGLE-3's default layers (2, L/2, L-3) and L")
     parser.add_argument("--draft-tls-ca", default=None,
                         help="reach draft workers over TLS, trusting this CA (PEM; 'system' for the system roots)")
     parser.add_argument("--draft-tls-cert", default=None, help="mutual TLS: this target's certificate (PEM)")
@@ -136,7 +148,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
-                        args.load_aware_speculation)
+                        args.load_aware_speculation, args.hidden_layers)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -158,7 +170,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     from workers.engine.engine import EngineConfig
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,13 +188,27 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
-    engine = SpecEngine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
-                        adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
-                        load_aware=cfg.load_aware)
+    engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
+                    hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
+                    adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
+                    load_aware=cfg.load_aware)
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
                                                    engine.vocab_size, sorted(engine.eos_token_ids))
     return engine
+
+
+def offered_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """The hidden layers a target offers draft workers, from ``--hidden-layers``."""
+    if spec == "none":
+        return ()
+    if spec == "auto":
+        eagle3 = (2, num_layers // 2, num_layers - 3) if num_layers >= 4 else ()
+        return tuple(sorted({*eagle3, num_layers}))
+    layers = tuple(sorted({int(x) for x in spec.split(",")}))
+    if any(not 0 <= k <= num_layers for k in layers):
+        raise ValueError(f"--hidden-layers must be in [0, {num_layers}], got {list(layers)}")
+    return layers
 
 
 def client_tls(args: argparse.Namespace):
@@ -214,10 +240,11 @@ async def amain(args: argparse.Namespace) -> None:
         engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
         drafts = await rt.client("draft", "speculate")
         pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
-                         tls=client_tls(args))
+                         hidden_layers=engine.hidden_layers, tls=client_tls(args))
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
                               pool=pool, propose_timeout=cfg.propose_timeout, epoch=rt.started_at)
         await worker.start()
+        rt.add_health_check(lambda: worker.healthy)
         REGISTRY.register(TargetCollector(worker, cfg.served_model_name))
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path

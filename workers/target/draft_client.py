@@ -1,11 +1,16 @@
 """The target worker's side of the draft stream: one gRPC stream to one draft worker.
 
-:class:`DraftClient` sends batched proposal requests and verdicts and matches proposals to requests
-by (sequence id, round). Any stream failure marks the client broken; every pending and later
-``propose`` then returns no proposals at once, so the target keeps decoding plainly. A
+:class:`DraftClient` opens the stream and checks the draft's handshake against what this target
+offers (:func:`workers.speculation.checks.hello_ack_problem`): an incompatible draft is refused
+(:class:`IncompatibleDraft`) before anything of the target changes. It then sends batched proposal
+requests and verdicts, already converted to protobuf on the engine's thread, and matches
+proposals to requests by (sequence id, round); a proposal for anything else is counted
+(``stray``) and ignored. Any stream failure marks the client broken; every pending and later
+round then returns no proposals at once, so the target keeps decoding plainly. A
 :class:`DraftPool` picks a live draft worker from discovery and opens a new client when the old one
 broke or a draft worker (re)appears; a draft worker that failed is retried after a backoff (2 s,
-doubling, at most 30 s), and the target's step loop never waits for a stream to open (``poll``).
+doubling, at most 30 s; a refused one after 30 s), and the target's step loop never waits for a
+stream to open (``poll``).
 """
 
 from __future__ import annotations
@@ -20,14 +25,23 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 from runtime.messages import InstanceRecord
 
-from ..speculation.convert import draft_input_to_pb, draft_output_from_pb, verify_to_pb
-from ..speculation.payloads import DraftInput, DraftOutput, VerifyResult
+from ..speculation.checks import hello_ack_problem
+from ..speculation.convert import draft_input_to_pb, draft_output_from_pb
+from ..speculation.payloads import DraftInput, DraftOutput
 from ..speculation.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
 RETRY_BASE_S = 2.0  # a draft worker that failed is skipped this long, doubling per failure in a row
 RETRY_MAX_S = 30.0
+
+
+class IncompatibleDraft(ConnectionError):
+    """The draft worker announced something this target cannot serve; ``reason`` says what."""
+
+    def __init__(self, draft_id: str, label: str, reason: str):
+        self.draft_id, self.label, self.reason = draft_id, label, reason
+        super().__init__(f"draft worker {draft_id} refused: {reason}")
 
 
 class DraftClient:
@@ -51,6 +65,7 @@ class DraftClient:
         self._pending: dict[tuple[str, int], asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self.broken = False
+        self.stray = 0  # proposals for no pending (sequence, round): unknown, stale or from the future
 
     async def connect(self, timeout: float = 5.0) -> None:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -65,9 +80,14 @@ class DraftClient:
         first = await asyncio.wait_for(self._call.read(), timeout)
         if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
-        self.method = first.hello_ack.method
-        self.hidden_layers = list(first.hello_ack.hidden_layers)
-        self.hidden_dtype = first.hello_ack.hidden_dtype
+        ack = first.hello_ack
+        problem = hello_ack_problem(list(ack.hidden_layers), ack.hidden_dtype, ack.vocab_size,
+                                    ack.max_speculative_tokens, tuple(self._offered_layers), self.vocab_size)
+        if problem is not None:
+            raise IncompatibleDraft(self.draft_id, *problem)
+        self.method = ack.method
+        self.hidden_layers = list(ack.hidden_layers)
+        self.hidden_dtype = ack.hidden_dtype
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
         log.info("speculating with draft worker %s (%s) at %s", self.draft_id, self.method, self.instance.grpc_address)
 
@@ -85,7 +105,9 @@ class DraftClient:
                     continue
                 for proposal in msg.proposals.proposals:
                     fut = self._pending.pop((proposal.seq_id, proposal.round), None)
-                    if fut is not None and not fut.done():
+                    if fut is None or fut.done():
+                        self.stray += 1
+                    else:
                         fut.set_result(draft_output_from_pb(proposal))
         except asyncio.CancelledError:
             raise
@@ -101,30 +123,46 @@ class DraftClient:
                 fut.set_result(None)
         self._pending.clear()
 
-    async def propose(self, inputs: list[DraftInput], timeout: float) -> dict[str, DraftOutput]:
-        """Proposals by sequence id; sequences whose proposal did not come in time are missing."""
-        if self.broken or not inputs:
+    def send(self, requests: list[spec_pb2.ProposeRequest]) -> dict[str, asyncio.Future]:
+        """Ask for proposals (requests already converted); returns a future per sequence id, which
+        resolves to its :class:`DraftOutput` (or None: the stream broke)."""
+        if self.broken or not requests:
             return {}
         loop = asyncio.get_running_loop()
         futures = {}
-        for d in inputs:
-            futures[d.seq_id] = self._pending[(d.seq_id, d.round)] = loop.create_future()
+        for r in requests:
+            futures[r.seq_id] = self._pending[(r.seq_id, r.round)] = loop.create_future()
         self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
-            requests=[self._counted(draft_input_to_pb(d, self.hidden_dtype)) for d in inputs])))
-        done, _ = await asyncio.wait(futures.values(), timeout=timeout)
+            requests=[self._counted(r) for r in requests])))
+        return futures
+
+    async def collect(self, futures: dict[str, asyncio.Future], timeout: float) -> dict[str, DraftOutput]:
+        """The proposals of :meth:`send` that came within ``timeout`` seconds, by sequence id; the rest
+        are given up (a late answer is then stray)."""
+        if not futures:
+            return {}
+        pending = [f for f in futures.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
         out = {}
-        for d in inputs:
-            fut = futures[d.seq_id]
-            if fut in done and fut.result() is not None:
-                out[d.seq_id] = fut.result()
+        for seq_id, fut in futures.items():
+            if fut.done() and fut.result() is not None:
+                out[seq_id] = fut.result()
             else:
-                self._pending.pop((d.seq_id, d.round), None)
+                fut.cancel()
+                for key in [k for k, f in self._pending.items() if f is fut]:
+                    del self._pending[key]
         return out
 
-    def verified(self, results: list[VerifyResult]) -> None:
-        if results and not self.broken:
+    async def propose(self, inputs: list[DraftInput], timeout: float) -> dict[str, DraftOutput]:
+        """Proposals by sequence id for ``inputs``; sequences whose proposal did not come in time are missing."""
+        return await self.collect(self.send([draft_input_to_pb(d, self.hidden_dtype) for d in inputs]), timeout)
+
+    def verified(self, outcomes: list[spec_pb2.VerifyOutcome]) -> None:
+        """Send verdicts (already converted, see :func:`workers.speculation.convert.verify_to_pb`)."""
+        if outcomes and not self.broken:
             self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(
-                outcomes=[self._counted(verify_to_pb(r, self.hidden_dtype)) for r in results])))
+                outcomes=[self._counted(o) for o in outcomes])))
 
     def release(self, seq_ids: list[str]) -> None:
         if seq_ids and not self.broken:
@@ -159,6 +197,7 @@ class DraftPool:
         self.client: DraftClient | None = None
         self._failed: dict[str, tuple[float, int]] = {}  # draft id -> (when it last failed, failures in a row)
         self._connecting: asyncio.Task | None = None  # a background get() started by poll()
+        self.refused: dict[str, int] = {}  # drafts refused at the handshake, by reason
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
         # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
@@ -223,6 +262,12 @@ class DraftPool:
         client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls)
         try:
             await client.connect()
+        except IncompatibleDraft as exc:
+            self.refused[exc.label] = self.refused.get(exc.label, 0) + 1
+            self._failed[choice.instance_id] = (asyncio.get_running_loop().time(), 99)  # the longest backoff
+            log.error("%s; not speculating with it (trying again in %.0f s)", exc, RETRY_MAX_S)
+            await client.close()
+            return current
         except Exception as exc:
             wait = self._mark_failed(choice.instance_id)
             log.warning("could not open a stream to draft worker %s (trying again in %.0f s): %r",

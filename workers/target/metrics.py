@@ -112,17 +112,42 @@ class TargetCollector(Collector):
         yield counter("preemptions", "Requests preempted (recomputed) for lack of blocks.",
                       engine.scheduler.num_preemptions)
         yield counter("engine_steps", "Engine forward steps.", w.loop.steps)
-        if hasattr(engine, "cost"):  # speculation budgets and the step-cost model behind load-aware ones
-            fixed, per_token, per_seq, speculating = engine.cost.coefficients()
-            yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.",
-                        engine.planned_draft_tokens)
-            yield counter("spec_unplanned_steps", "Steps load-aware speculation chose to run without drafts.",
-                          engine.unplanned_steps)
-            yield gauge("step_cost_fixed_seconds", "Fitted seconds per step (a in a + b*tokens + c*verified + d*[verified]).", fixed)
-            yield gauge("step_cost_per_token_seconds", "Fitted seconds per query token (b).", per_token)
-            yield gauge("step_cost_per_verify_seconds", "Fitted seconds per sequence verifying drafts (c).", per_seq)
-            yield gauge("step_cost_speculating_seconds", "Fitted seconds a step pays for speculating at all (d).",
-                        speculating)
+        spec = engine.spec  # speculation budgets and the step-cost model behind load-aware ones
+        fixed, per_token, per_seq, speculating = spec.cost.coefficients()
+        yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.", spec.planned_draft_tokens)
+        yield counter("spec_unplanned_steps", "Steps load-aware speculation chose to run without drafts.",
+                      spec.unplanned_steps)
+        yield gauge("step_cost_fixed_seconds", "Fitted seconds per step (a in a + b*tokens + c*verified + d*[verified]).", fixed)
+        yield gauge("step_cost_per_token_seconds", "Fitted seconds per query token (b).", per_token)
+        yield gauge("step_cost_per_verify_seconds", "Fitted seconds per sequence verifying drafts (c).", per_seq)
+        yield gauge("step_cost_speculating_seconds", "Fitted seconds a step pays for speculating at all (d).",
+                    speculating)
+        loop = w.loop
+        yield counter("engine_step_failures", "Engine steps that raised (their requests failed or moved).",
+                      loop.step_failures)
+        yield counter("step_loop_errors", "Step-loop iterations that failed outside the engine step.", loop.loop_errors)
+        yield gauge("engine_broken", "1 while engine steps keep failing (the worker reports unhealthy).",
+                    1 if loop.broken else 0)
+        dropped = CounterMetricFamily("tandem_target_draft_proposals_dropped",
+                                      "Draft proposals refused before verification, by reason.", labels=["model", "reason"])
+        for reason, count in sorted(dict(spec.dropped).items()):
+            dropped.add_metric([self.model, reason], count)
+        yield dropped
+        watch = loop.watch
+        yield counter("draft_rounds_late", "Proposal rounds most of whose proposals missed the deadline.",
+                      watch.late_rounds)
+        yield counter("draft_backoffs", "Times the draft was put on a backoff (slow, silent or malformed).",
+                      watch.backoffs_total)
+        yield gauge("draft_backed_off", "1 while the draft worker is backed off (decoding plainly).",
+                    1 if watch.backed_off else 0)
+        yield gauge("draft_deadline_seconds", "How long a round of proposals is waited for.", watch.deadline())
+        if loop.pool is not None:
+            refused = CounterMetricFamily("tandem_target_draft_refused",
+                                          "Draft workers refused at the handshake, by what did not match.",
+                                          labels=["model", "reason"])
+            for reason, count in sorted(dict(loop.pool.refused).items()):
+                refused.add_metric([self.model, reason], count)
+            yield refused
         finished = CounterMetricFamily("tandem_target_requests_finished", "Requests ended, by finish reason.",
                                        labels=["model", "reason"])
         for reason, count in sorted(w.stats.finished.items()):
@@ -154,7 +179,7 @@ class TargetCollector(Collector):
             h.add_metric(values, hist.buckets(), hist.total)
             yield h
         spec = SpecCounters()
-        for counters in list(getattr(engine, "counters", {}).values()):
+        for counters in list(engine.counters.values()):
             spec = spec.add(counters)
         yield family(CounterMetricFamily, "spec_decode_num_drafts", "Verify steps that had a draft.", spec.num_drafts)
         yield family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)

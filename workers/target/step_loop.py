@@ -1,21 +1,26 @@
 """The target worker's step loop: one asyncio task drives the engine, one step at a time.
 
-Each iteration of :meth:`StepLoop._run`:
+Only the engine's thread touches torch or the engine. Each iteration of :meth:`StepLoop._run`:
 
-1. applies the commands queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`,
-   :class:`EngineCall`) — only between steps, so nothing else ever touches the engine;
-2. asks the draft worker for proposals for every sequence that decodes next and *awaits* them with
-   a deadline (``propose_timeout``); the event loop keeps serving meanwhile. The draft stream comes
-   from :meth:`DraftPool.poll`, which never waits for a stream to open;
-3. runs the engine step in the loop's one executor thread (torch never runs on the event loop,
-   where NATS heartbeats and etcd lease refreshes live; one thread, so CUDA and torch thread state
-   stay put);
-4. delivers token deltas to the requests' queues, KV events to their publisher, and the verdicts
-   and released sequences to the draft stream that proposed.
+1. waits (bounded by :class:`.draft_watch.DraftWatch`'s deadline, judged from the target's own step
+   time) for the proposals asked for at the end of the previous cycle; the event loop keeps
+   serving meanwhile. The draft stream comes from :meth:`DraftPool.poll`, which never waits for a
+   stream to open;
+2. runs one *cycle* in the loop's one executor thread (:meth:`StepLoop._cycle`): the commands
+   queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`, :class:`EngineCall`),
+   the engine step, the verdicts and the next round's proposal requests, already converted to
+   protobuf, and the KV events;
+3. on the event loop again: delivers token deltas to the requests' queues, KV events to their
+   publisher, verdicts and released sequences to the draft stream, and sends the next round's
+   requests so that the draft works while the loop delivers.
 
-Without a draft worker (none registered, its stream broke, or the engine does not speculate) step
-2 yields nothing and the engine decodes plainly. An engine step that raises fails the requests it
-was running with :class:`EngineFailed`; the worker keeps serving.
+Without a draft worker (none registered, its stream broke, it is backed off, or speculation is
+off) nothing is asked and the engine decodes plainly. Nothing that goes wrong ends the loop: an
+engine step that raises fails the requests of its batch with :class:`runtime.errors.EngineFailed`
+(the frontend moves them to another target); a failed verdict conversion restarts the draft's view
+of that sequence; anything else fails what it concerns, is logged, and the loop goes on. Only
+steps that keep failing mark the engine broken (:attr:`StepLoop.healthy`), which turns the
+worker's health check unhealthy.
 """
 
 from __future__ import annotations
@@ -28,20 +33,19 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from runtime.errors import EngineFailed
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import KvEvent, SamplingParams, TokenDelta
 
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar
-from ..speculation.payloads import DraftOutput
+from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
 from .draft_client import DraftClient, DraftPool
-from .spec_engine import SpecEngine
+from .draft_watch import DraftWatch
 
 log = logging.getLogger(__name__)
 
-
-class EngineFailed(RuntimeError):
-    """The engine raised during a step; the requests it was running are failed with this."""
+BROKEN_AFTER = 3  # engine steps failing in a row (each on a fresh batch) mark the engine broken
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class EngineCall:
-    """Run ``fn(engine)`` between steps; its result (or exception) goes to ``future``."""
+    """Run ``fn(engine)`` on the engine's thread between steps; its result (or exception) goes to ``future``."""
 
     fn: Callable[[Engine], object]
     future: asyncio.Future
@@ -71,19 +75,48 @@ class EngineCall:
 Command = AddRequest | AbortRequest | EngineCall
 
 
+@dataclass(frozen=True)
+class DraftContext:
+    """What a cycle needs of the current draft stream: its id (a change resets the engine's drafts),
+    the hidden layers it reads and the dtype it takes them in, and whether to ask it this round."""
+
+    draft_id: str
+    layers: tuple[int, ...]
+    dtype: str
+    ask: bool
+
+
+@dataclass
+class Cycle:
+    """What one cycle on the engine's thread produced."""
+
+    results: list[tuple[Command, object, BaseException | None]] = field(default_factory=list)
+    outputs: list[tuple[str, TokenDelta]] = field(default_factory=list)
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # requests to fail, and why
+    step_failed: bool = False
+    stepped: bool = False
+    decode_seconds: float = 0.0  # the step, when it was a decode/verify step (the draft's pace)
+    verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome
+    released: list[str] = field(default_factory=list)
+    requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
+    dropped: int = 0  # proposals the engine refused this step
+    kv_events: list[KvEvent] = field(default_factory=list)
+    has_work: bool = False
+
+
 class StepLoop:
     """Drives ``engine`` from one asyncio task; speculates through ``pool`` when given one."""
 
     def __init__(self, engine: Engine, pool: DraftPool | None = None, target_id: str = "", *,
                  propose_timeout: float = 2.0, on_kv_events: Callable[[list[KvEvent]], None] | None = None,
                  publish: Callable[[str, object], Awaitable[None]] | None = None, epoch: float = 0.0,
-                 stats_interval: float = 0.5):
+                 stats_interval: float = 0.5, watch: DraftWatch | None = None):
         self.engine = engine
-        self.pool = pool if isinstance(engine, SpecEngine) else None
+        self.pool = pool
         if self.pool is not None:
             engine.time_steps = False  # the loop times whole cycles for the cost model (see _run)
         self.target_id = target_id
-        self.propose_timeout = propose_timeout
+        self.watch = watch or DraftWatch(propose_timeout)
         self._on_kv_events = on_kv_events
         self._publish = publish
         self._epoch = epoch
@@ -94,10 +127,19 @@ class StepLoop:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._client: DraftClient | None = None  # the stream this step's proposals came from
+        self._has_work = False
+        self._client: DraftClient | None = None  # the stream the pending round went to
+        self._pending: dict[str, asyncio.Future] = {}  # the round of proposals asked for
+        self._asked = self._arrived = 0  # the latest collected round: sequences asked, proposals in time
         self._draft_id = ""
         self._method = ""
+        self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
+        self._failures_in_a_row = 0
+        self.broken = False  # the engine keeps failing: unhealthy
         self.steps = 0
+        self.step_failures = 0
+        self.loop_errors = 0
+        self.proposals_dropped = 0
 
     # ------------------------------------------------------------------ handlers' side
 
@@ -105,6 +147,11 @@ class StepLoop:
         self._tasks.append(asyncio.create_task(self._run(), name="target-step-loop"))
         if self.pool is not None:
             self._tasks.append(asyncio.create_task(self._housekeeping(), name="target-spec-stats"))
+
+    @property
+    def healthy(self) -> bool:
+        """False when the loop's task ended or the engine keeps failing."""
+        return bool(self._tasks) and not self._tasks[0].done() and not self.broken
 
     async def stop(self) -> None:
         self._stopping = True
@@ -141,7 +188,7 @@ class StepLoop:
             self._push(AbortRequest(request_id))
 
     async def call(self, fn: Callable[[Engine], object]):
-        """Run ``fn(engine)`` between steps and return its result."""
+        """Run ``fn(engine)`` on the engine's thread between steps and return its result."""
         future = asyncio.get_running_loop().create_future()
         self._push(EngineCall(fn, future))
         return await future
@@ -157,53 +204,145 @@ class StepLoop:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
-        engine = self.engine
-        loop = asyncio.get_running_loop()
         while not self._stopping:
-            self._apply_commands()
-            self._flush_kv_events()
-            if not engine.has_work():
-                self._wake.clear()
-                if not self._commands:
-                    await self._wake.wait()
-                continue
-            cycle_started = time.perf_counter()
-            proposals = await self._proposals()
             try:
-                outputs = await loop.run_in_executor(self._executor, engine.step, proposals) if proposals \
-                    else await loop.run_in_executor(self._executor, engine.step)
-            except Exception as exc:  # a bug or OOM in a step: fail what is running, keep serving
-                log.exception("engine step failed")
-                self._fail_all(EngineFailed(f"engine step failed: {exc!r}"))
-                continue
-            self.steps += 1
-            self._deliver(outputs)
-            self._send_verdicts()
-            if self.pool is not None:  # load-aware budgets learn what a whole cycle costs
-                engine.observe_cycle(time.perf_counter() - cycle_started)
+                await self._iteration()
+            except Exception as exc:  # a bug outside the engine step: fail what is open, keep serving
+                self.loop_errors += 1
+                log.exception("target step loop: iteration failed; failing its open requests")
+                self._pending = {}
+                for rid in list(self._queues):
+                    self._fail(rid, EngineFailed(f"target step loop failed: {exc!r}"))
+                    self._commands.append(AbortRequest(rid))
 
-    def _apply_commands(self) -> None:
-        while self._commands:
-            cmd = self._commands.popleft()
+    async def _iteration(self) -> None:
+        if not self._commands and not self._has_work:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        started = time.perf_counter()
+        proposals = await self._collect()
+        context = await self._draft_context()
+        commands = list(self._commands)
+        self._commands.clear()
+        loop = asyncio.get_running_loop()
+        cycle = await loop.run_in_executor(self._executor, self._cycle, commands, proposals, context,
+                                           self._last_cycle)
+        self._has_work = cycle.has_work
+        for cmd, result, error in cycle.results:
+            self._resolve(cmd, result, error)
+        self._deliver(cycle.outputs)
+        for rid, error in cycle.failed:
+            self._fail(rid, error)
+        if cycle.kv_events and self._on_kv_events is not None:
+            self._on_kv_events(cycle.kv_events)
+        if cycle.stepped:
+            self.steps += 1
+        self._observe_step(cycle)
+        self._talk_to_draft(cycle)
+        self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
+
+    def _cycle(self, commands: list[Command], proposals: dict, context: DraftContext | None,
+               last_cycle: float) -> Cycle:
+        """Everything that touches the engine, on its thread."""
+        engine, out = self.engine, Cycle()
+        if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
+            engine.observe_cycle(last_cycle)
+        draft_id = context.draft_id if context is not None else ""
+        if draft_id != engine.draft_id:
+            engine.reset_drafts()  # a new draft worker (or none) knows none of our sequences
+            engine.draft_id = draft_id
+            proposals = {}
+        for cmd in commands:
+            out.results.append(self._apply(cmd))
+        dropped = sum(engine.spec.dropped.values())
+        if engine.has_work():
+            started = time.perf_counter()
+            try:
+                out.outputs = engine.step(proposals)
+                self._failures_in_a_row = 0
+                if engine.last_step.tokens:
+                    out.decode_seconds = time.perf_counter() - started
+            except Exception as exc:
+                out.failed = self._step_failed(exc)
+            out.stepped = True
+        out.dropped = sum(engine.spec.dropped.values()) - dropped
+        if context is not None:
+            self._draft_messages(out, context)
+        else:
+            engine.take_verdicts(())
+            engine.take_released()
+        out.kv_events = engine.drain_kv_events()
+        out.has_work = engine.has_work()
+        return out
+
+    def _apply(self, cmd: Command) -> tuple[Command, object, BaseException | None]:
+        engine = self.engine
+        try:
             if isinstance(cmd, AddRequest):
+                top_k, depth = cmd.tree
+                engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids, cmd.grammar,
+                                   num_speculative_tokens=cmd.num_speculative_tokens, tree_topk=top_k,
+                                   tree_depth=depth)
+                return cmd, None, None
+            if isinstance(cmd, AbortRequest):
+                engine.abort(cmd.request_id)
+                return cmd, None, None
+            return cmd, cmd.fn(engine), None
+        except Exception as exc:
+            return cmd, None, exc
+
+    def _step_failed(self, exc: Exception) -> list[tuple[str, BaseException]]:
+        """An engine step raised: the requests of its batch fail (and leave the engine); the others
+        go on. Steps failing ``BROKEN_AFTER`` times in a row mark the engine broken."""
+        engine = self.engine
+        self.step_failures += 1
+        self._failures_in_a_row += 1
+        batch = list(engine.last_batch) or list(engine.seqs)
+        log.error("engine step failed (%d in a row), failing %d request(s): %r", self._failures_in_a_row,
+                  len(batch), exc, exc_info=exc)
+        if self._failures_in_a_row >= BROKEN_AFTER and not self.broken:
+            self.broken = True
+            log.error("engine failed %d steps in a row: reporting unhealthy", self._failures_in_a_row)
+        for rid in batch:
+            engine.abort(rid)
+        engine.reset_drafts()  # verdicts of the failed step, if any, are unsafe to send
+        error = EngineFailed(f"engine step failed: {exc!r}")
+        return [(rid, error) for rid in batch]
+
+    def _draft_messages(self, out: Cycle, context: DraftContext) -> None:
+        """Verdicts, released sequences and the next round's requests, converted for the wire."""
+        engine = self.engine
+        dtype = DTYPES.get(context.dtype)
+        for verdict in engine.take_verdicts(context.layers, dtype):
+            try:
+                out.verdicts.append(verify_to_pb(verdict, context.dtype))
+            except Exception as exc:  # the draft's view of this sequence is lost: start it afresh
+                log.warning("request %s: verdict not sent (%r); the draft starts it again", verdict.seq_id, exc)
+                engine.spec.forget_told(verdict.seq_id)
+        out.released = engine.take_released()
+        if context.ask:
+            for request in engine.draft_inputs(context.layers, dtype):
                 try:
-                    if isinstance(self.engine, SpecEngine):
-                        self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids,
-                                                cmd.num_speculative_tokens, *cmd.tree, grammar=cmd.grammar)
-                    else:
-                        self.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids,
-                                                cmd.grammar)
+                    out.requests.append(draft_input_to_pb(request, context.dtype))
                 except Exception as exc:
-                    queue = self._queues.pop(cmd.request_id, None)
-                    if queue is not None:
-                        queue.put_nowait(exc)
-            elif isinstance(cmd, AbortRequest):
-                self.engine.abort(cmd.request_id)
-            elif not cmd.future.done():
-                try:
-                    cmd.future.set_result(cmd.fn(self.engine))
-                except Exception as exc:
-                    cmd.future.set_exception(exc)
+                    log.warning("request %s: proposal not asked (%r)", request.seq_id, exc)
+                    engine.spec.forget_told(request.seq_id)
+
+    def _resolve(self, cmd: Command, result: object, error: BaseException | None) -> None:
+        if isinstance(cmd, AddRequest):
+            if error is not None:
+                queue = self._queues.pop(cmd.request_id, None)
+                if queue is not None:
+                    queue.put_nowait(error)
+        elif isinstance(cmd, AbortRequest):
+            if error is not None:
+                log.warning("request %s: abort failed: %r", cmd.request_id, error)
+        elif not cmd.future.done():
+            if error is not None:
+                cmd.future.set_exception(error)
+            else:
+                cmd.future.set_result(result)
 
     def _deliver(self, outputs: list[tuple[str, TokenDelta]]) -> None:
         for rid, delta in outputs:
@@ -212,27 +351,18 @@ class StepLoop:
                 queue.put_nowait(delta)
                 if delta.finish_reason:
                     del self._queues[rid]
-        self._flush_kv_events()
 
-    def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.seqs):
-            self.engine.abort(rid)
-        for rid in list(self._queues):
-            self._queues.pop(rid).put_nowait(error)
-        self._flush_kv_events()
-
-    def _flush_kv_events(self) -> None:
-        events = self.engine.drain_kv_events()
-        if events and self._on_kv_events is not None:
-            self._on_kv_events(events)
+    def _fail(self, rid: str, error: BaseException) -> None:
+        queue = self._queues.pop(rid, None)
+        if queue is not None:
+            queue.put_nowait(error)
 
     # ------------------------------------------------------------------ speculation
 
-    async def _proposals(self) -> dict[str, DraftOutput]:
-        """This step's proposals: {} without a draft stream, or when it fails or misses the deadline."""
+    async def _draft_context(self) -> DraftContext | None:
+        """The draft stream to use this cycle (None: decode plainly), from the pool without waiting."""
         if self.pool is None:
-            return {}
-        engine: SpecEngine = self.engine
+            return None
         try:
             client = await self.pool.poll()
         except Exception as exc:
@@ -241,35 +371,47 @@ class StepLoop:
         draft_id = client.draft_id if client is not None else ""
         if draft_id != self._draft_id:
             if draft_id:
-                engine.reset_drafts()  # a new draft worker knows none of our sequences
-                engine.hidden_layers = tuple(client.hidden_layers)
                 self._method = client.method
                 log.info("speculating with draft worker %s (%s)", draft_id, client.method)
             else:
                 log.warning("no draft worker reachable: plain decoding until one appears")
             self._draft_id = draft_id
-            engine.draft_id = draft_id
+            self.watch.reset()
         self._client = client
         if client is None:
-            return {}
-        inputs = engine.draft_inputs()
-        if not inputs:
+            return None
+        return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed())
+
+    async def _collect(self) -> dict:
+        """The proposals asked for last cycle that arrive by the deadline ({} without any)."""
+        pending, self._pending = self._pending, {}
+        client = self._client
+        if not pending or client is None:
             return {}
         try:
-            return await client.propose(inputs, self.propose_timeout)
+            got = await client.collect(pending, self.watch.deadline())
         except Exception as exc:  # speculation is optional: decode plainly this step
             log.warning("draft proposals failed: %r", exc)
-            return {}
+            got = {}
+        self._asked, self._arrived = len(pending), len(got)
+        return got
 
-    def _send_verdicts(self) -> None:
-        if self.pool is None:
-            return
-        engine: SpecEngine = self.engine
-        verdicts, released = engine.take_verdicts(), engine.take_released()
+    def _observe_step(self, cycle: Cycle) -> None:
+        if cycle.decode_seconds:
+            self.watch.observe_step(cycle.decode_seconds)
+        if self._asked:
+            self.watch.observe_round(self._asked, self._arrived, cycle.dropped)
+            self._asked = 0
+        self.proposals_dropped += cycle.dropped
+
+    def _talk_to_draft(self, cycle: Cycle) -> None:
         client = self._client
-        if client is not None and (verdicts or released):
-            client.verified(verdicts)
-            client.release(released)
+        if client is None or client.broken:
+            return
+        client.verified(cycle.verdicts)
+        client.release(cycle.released)
+        if cycle.requests:
+            self._pending = client.send(cycle.requests)
 
     async def _housekeeping(self) -> None:
         """Publish the spec-decode counters per draft worker (cumulative, when they changed, and every
@@ -279,7 +421,10 @@ class StepLoop:
         while True:
             await asyncio.sleep(self._stats_interval)
             ticks += 1
-            await self.pool.prune()
+            try:
+                await self.pool.prune()
+            except Exception as exc:
+                log.warning("pruning draft streams failed: %r", exc)
             if self._publish is None:
                 continue
             for draft_id, counters in list(self.engine.counters.items()):
@@ -291,3 +436,4 @@ class StepLoop:
                                                                          self._method))
                 except Exception as exc:
                     log.debug("spec stats not published: %r", exc)
+

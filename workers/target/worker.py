@@ -39,7 +39,7 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
 
 class TargetWorker:
     """Serves ``generate`` from an :class:`Engine` driven by a :class:`StepLoop`; speculates through
-    ``pool`` (a :class:`DraftPool`) when the engine is a ``SpecEngine``."""
+    ``pool`` (a :class:`DraftPool`) when given one."""
 
     def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
                  load_interval: float = 0.5, *, pool: DraftPool | None = None, propose_timeout: float = 2.0,
@@ -113,6 +113,11 @@ class TargetWorker:
         finally:
             if not finished:
                 self.loop.abort(rid)
+
+    @property
+    def healthy(self) -> bool:
+        """False when the step loop ended or the engine keeps failing (the health check's answer)."""
+        return self.loop.healthy
 
     async def on_dump_request(self, _request: KvDumpRequest) -> None:
         events = await self.loop.call(lambda engine: engine.blocks.dump())

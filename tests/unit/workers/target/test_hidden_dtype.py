@@ -11,6 +11,7 @@ import torch
 from tests.unit.workers.draft.loopback import draft_on_loopback
 from workers.draft.proposer import DraftInput, DraftOutput, VerifyResult
 from workers.draft.service import DraftService
+from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +45,9 @@ def test_hidden_states_are_sent_in_the_drafts_dtype():
             hidden = [torch.randn(3, 8), torch.randn(3, 8)]  # float32 on the target
             got = await client.propose([DraftInput("s", 0, [1, 2, 3], 1, hidden_states=hidden)], timeout=5)
             assert got["s"].token_ids == [7]
-            client.verified([VerifyResult("s", 0, 1, [7, 8], [torch.randn(2, 8), torch.randn(2, 8)])])
+            # verdicts travel converted (the target converts them on its engine thread)
+            client.verified([verify_to_pb(VerifyResult("s", 0, 1, [7, 8], [torch.randn(2, 8), torch.randn(2, 8)]),
+                                          client.hidden_dtype)])
             for _ in range(100):
                 if len(proposer.seen) == 4:
                     break

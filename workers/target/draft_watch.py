@@ -1,0 +1,98 @@
+"""How long a target waits for its draft worker, and when it stops asking: judged from its own steps.
+
+A proposal is worth waiting for only while it arrives in about the time a step takes: a draft that
+needs longer costs more than speculation can win back. So the deadline for a round of proposals is
+``factor`` × the target's recent decode step time (an exponential average of its own step
+durations), at least ``min_wait`` and at most ``max_wait`` (``--propose-timeout``). Sequences whose
+proposal misses it decode plainly that step.
+
+A round *fails* when most of its proposals missed the deadline, or when the target dropped any of
+them as malformed (:mod:`workers.speculation.checks`). After ``strikes`` failed rounds in a row the
+draft is put on a backoff: no proposals are asked for (everything decodes plainly) for
+``backoff_base`` seconds, doubling with every backoff in a row up to ``backoff_max``; then one
+round probes it again. A good round clears the strikes and the backoff. So a slow, silent or
+garbage-sending draft costs a few deadlines now and then, not a timeout per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+class DraftWatch:
+    """Deadline and backoff for one target's draft stream; plain values in."""
+
+    def __init__(self, max_wait: float = 2.0, *, min_wait: float = 0.005, factor: float = 2.0,
+                 first_wait: float = 0.25, strikes: int = 3, backoff_base: float = 0.5, backoff_max: float = 30.0,
+                 clock=time.monotonic):
+        if max_wait <= 0 or min_wait <= 0 or factor <= 0 or strikes <= 0:
+            raise ValueError("max_wait, min_wait, factor and strikes must be positive")
+        self.max_wait = max_wait
+        self.min_wait = min(min_wait, max_wait)
+        self.factor = factor
+        self.first_wait = min(first_wait, max_wait)
+        self.strikes = strikes
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self._clock = clock
+        self.step_seconds: float | None = None  # exponential average of decode/verify steps
+        self._failed_rounds = 0
+        self._backoffs = 0  # backoffs in a row
+        self._until = 0.0  # no proposals before this time
+        # counters (metrics)
+        self.rounds = 0
+        self.late_rounds = 0
+        self.bad_rounds = 0
+        self.backoffs_total = 0
+
+    def observe_step(self, seconds: float) -> None:
+        """One decode/verify step of the target took ``seconds`` (prefill steps are not the pace)."""
+        self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+
+    def deadline(self) -> float:
+        """Seconds to wait for a round of proposals."""
+        if self.step_seconds is None:
+            return self.first_wait
+        return min(self.max_wait, max(self.min_wait, self.factor * self.step_seconds))
+
+    def allowed(self) -> bool:
+        """Whether to ask for proposals now (False while the draft is backed off)."""
+        return self._clock() >= self._until
+
+    @property
+    def backed_off(self) -> bool:
+        return not self.allowed()
+
+    def observe_round(self, asked: int, arrived: int, dropped: int) -> None:
+        """A round asked ``asked`` sequences; ``arrived`` proposals came by the deadline, of which the
+        target dropped ``dropped`` as malformed."""
+        if asked <= 0:
+            return
+        self.rounds += 1
+        late = 2 * arrived < asked
+        if late:
+            self.late_rounds += 1
+        if dropped:
+            self.bad_rounds += 1
+        if not late and not dropped:
+            self._failed_rounds = 0
+            self._backoffs = 0
+            return
+        self._failed_rounds += 1
+        if self._failed_rounds >= self.strikes:
+            self._failed_rounds = 0
+            wait = min(self.backoff_base * 2 ** self._backoffs, self.backoff_max)
+            self._backoffs += 1
+            self.backoffs_total += 1
+            self._until = self._clock() + wait
+            log.warning("draft worker %s: decoding plainly for %.1f s (step %.1f ms, deadline %.1f ms)",
+                        "too slow or silent" if late else "sends malformed proposals", wait,
+                        1e3 * (self.step_seconds or 0.0), 1e3 * self.deadline())
+
+    def reset(self) -> None:
+        """A different draft worker: no strikes, no backoff."""
+        self._failed_rounds = self._backoffs = 0
+        self._until = 0.0
