@@ -14,8 +14,9 @@ parameter it came from, and a :class:`ToolCalls` when the output is a tool call;
 
 ``tool_choice`` ``"auto"`` (OpenAI's default when ``tools`` are given) needs a parser for the
 model's own tool-call format and is refused; ``"none"`` ignores ``tools``. Every schema is compiled
-here once (llguidance, the engine the workers use, without the tokenizer) so a schema the engine
-cannot handle is a 400 naming its field, not a failed stream.
+here once, as the workers compile it (:mod:`runtime.structured`: llguidance, the same JSON options;
+only without the tokenizer), so a schema the engine cannot handle is a 400 naming its field, not a
+failed stream.
 """
 
 from __future__ import annotations
@@ -30,55 +31,49 @@ import msgspec
 
 from runtime import InvalidRequest
 from runtime.messages import StructuredOutput
+from runtime.structured import grammar_kind, grammar_text
 
 from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
 
 JSON_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or choice list larger than this is refused
-
-
 CACHED_GRAMMAR_CHARS = 1 << 16  # verdicts on grammars up to this size are remembered (256 of them)
 
 
-def _grammar_error(kind: str, text: str) -> str:
-    """llguidance's complaint about a grammar ("" when it compiles); milliseconds for a large schema."""
-    return _cached_grammar_error(kind, text) if len(text) <= CACHED_GRAMMAR_CHARS else _compile_error(kind, text)
+def _grammar_error(spec: StructuredOutput) -> str:
+    """llguidance's complaint about the grammar the workers would compile ("" when it compiles);
+    milliseconds for a large schema."""
+    key = (spec.json_schema, spec.regex, tuple(spec.choice))
+    return _cached_grammar_error(*key) if _size(spec) <= CACHED_GRAMMAR_CHARS else _compile_error(*key)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_grammar_error(kind: str, text: str) -> str:
-    return _compile_error(kind, text)
+def _cached_grammar_error(json_schema: str, regex: str, choice: tuple[str, ...]) -> str:
+    return _compile_error(json_schema, regex, choice)
 
 
-def _compile_error(kind: str, text: str) -> str:
+def _compile_error(json_schema: str, regex: str, choice: tuple[str, ...]) -> str:
     from llguidance import LLMatcher
 
     try:
-        if kind == "json_schema":
-            grammar = LLMatcher.grammar_from_json_schema(text)
-        elif kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(text)
-        else:
-            grammar = LLMatcher.grammar_from_lark(text)
+        grammar = grammar_text(StructuredOutput(json_schema, regex, list(choice)))
     except ValueError as exc:
         return str(exc)
     return LLMatcher.validate_grammar(grammar)
 
 
+def _size(spec: StructuredOutput) -> int:
+    return len(spec.json_schema) + len(spec.regex) + sum(len(c) + 3 for c in spec.choice)
+
+
 def _checked(spec: StructuredOutput, field: str) -> StructuredOutput:
-    if spec.json_schema:
-        kind, text = "json_schema", spec.json_schema
-    elif spec.regex:
-        kind, text = "regex", spec.regex
-    else:
-        kind, text = "choice", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise InvalidRequest(f"the grammar is {len(text)} characters long; at most {MAX_GRAMMAR_CHARS} are allowed",
-                             field)
-    error = _grammar_error(kind, text)
+    size = _size(spec)
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"the grammar is {size} characters long; at most {MAX_GRAMMAR_CHARS} are allowed", field)
+    error = _grammar_error(spec)
     if error:
-        raise InvalidRequest(f"this {kind.replace('_', ' ')} is not supported: {error.strip()}", field)
+        raise InvalidRequest(f"this {grammar_kind(spec).replace('_', ' ')} is not supported: {error.strip()}", field)
     return spec
 
 

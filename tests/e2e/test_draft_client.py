@@ -11,6 +11,7 @@ import pytest
 from runtime.messages import InstanceRecord
 from workers.target.draft_client import DraftPool
 from workers.draft.proposer import DraftInput, VerifyResult
+from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +26,7 @@ async def test_pool_proposes_falls_back_when_the_draft_dies_and_resumes(rt, spaw
         assert client is not None and client.method == "ngram"
         got = await client.propose([DraftInput("s", 0, [5, 6, 7, 5, 6], 2)], timeout=5)
         assert got["s"].token_ids == [7, 5]
-        client.verified([VerifyResult("s", 0, 2, [7, 5, 6])])
+        client.verified([verify_to_pb(VerifyResult("s", 0, 2, [7, 5, 6]))])
         got = await client.propose([DraftInput("s", 1, [], 2)], timeout=5)
         assert got["s"].token_ids == [7, 5]
 

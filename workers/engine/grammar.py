@@ -21,7 +21,6 @@ touch the request's own matcher; :meth:`Grammar.accept` advances it by the token
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -30,35 +29,23 @@ from pathlib import Path
 
 import torch
 
+from runtime import structured
 from runtime.errors import InvalidRequest
 from runtime.messages import StructuredOutput
 
 log = logging.getLogger(__name__)
 
-# JSON without free whitespace, separated like json.dumps: a small model cannot pad the output with
-# endless newlines, and a schema may still opt in with {"x-guidance": {"whitespace_flexible": true}}.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept per worker (most traffic repeats a few schemas)
 FIELD = "response_format"  # the parameter an invalid grammar is reported against
 
 
 def grammar_text(spec: StructuredOutput) -> str:
-    """The llguidance grammar of ``spec``; raises :class:`InvalidRequest` unless exactly one field is set."""
-    from llguidance import LLMatcher
-
-    kinds = [name for name, value in (("json_schema", spec.json_schema), ("regex", spec.regex),
-                                      ("choice", spec.choice)) if value]
-    if len(kinds) != 1:
-        raise InvalidRequest(f"a structured output needs exactly one of json_schema, regex, choice; got {kinds}",
-                             field=FIELD)
-    if spec.json_schema:
-        try:
-            return LLMatcher.grammar_from_json_schema(spec.json_schema, defaults=JSON_OPTIONS)
-        except ValueError as exc:
-            raise InvalidRequest(f"invalid JSON schema: {exc}", field=FIELD) from None
-    if spec.regex:
-        return LLMatcher.grammar_from_regex(spec.regex)
-    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+    """The llguidance grammar of ``spec`` (:func:`runtime.structured.grammar_text`, the frontend's recipe
+    too); raises :class:`InvalidRequest` for a spec without exactly one field or a refused schema."""
+    try:
+        return structured.grammar_text(spec)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid structured output: {exc}", field=FIELD) from None
 
 
 class GrammarBackend:
@@ -194,8 +181,3 @@ class Grammar:
                 log.warning("grammar refused committed token %d: %s", t, self._matcher.get_error())
                 return False
         return True
-
-    @property
-    def is_accepting(self) -> bool:
-        """The output so far is complete under the grammar."""
-        return self._matcher.is_accepting()

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
                         help="the most seconds to wait for a draft worker's proposals before decoding plainly (the "
-                             "wait is twice this worker's own step time, within this bound)")
+                             "wait is three times this worker's own step time, at least 20 ms, within this bound)")
     parser.add_argument("--hidden-layers", default="auto",
                         help="hidden-state layers offered to draft workers that read them (EAGLE, Medusa, MLP), kept "
                              "per KV slot: a comma list (0 = embeddings, L = after the final norm), none, or auto = "

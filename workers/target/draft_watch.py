@@ -1,10 +1,11 @@
 """How long a target waits for its draft worker, and when it stops asking: judged from its own steps.
 
-A proposal is worth waiting for only while it arrives in about the time a step takes: a draft that
+A proposal is worth waiting for only while it arrives in about the time a few steps take: waiting
+w for a round that saves at most γ steps pays only if w is well under γ steps, and a draft that
 needs longer costs more than speculation can win back. So the deadline for a round of proposals is
-``factor`` × the target's recent decode step time (an exponential average of its own step
-durations), at least ``min_wait`` and at most ``max_wait`` (``--propose-timeout``). Sequences whose
-proposal misses it decode plainly that step.
+``factor`` (3) × the target's recent decode step time (an exponential average of its own step
+durations), at least ``min_wait`` (20 ms: a loopback gRPC round trip on a busy host) and at most
+``max_wait`` (``--propose-timeout``). Sequences whose proposal misses it decode plainly that step.
 
 A round *fails* when most of its proposals missed the deadline, or when the target dropped any of
 them as malformed (:mod:`workers.speculation.checks`). After ``strikes`` failed rounds in a row the
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 class DraftWatch:
     """Deadline and backoff for one target's draft stream; plain values in."""
 
-    def __init__(self, max_wait: float = 2.0, *, min_wait: float = 0.005, factor: float = 2.0,
+    def __init__(self, max_wait: float = 2.0, *, min_wait: float = 0.02, factor: float = 3.0,
                  first_wait: float = 0.25, strikes: int = 3, backoff_base: float = 0.5, backoff_max: float = 30.0,
                  clock=time.monotonic):
         if max_wait <= 0 or min_wait <= 0 or factor <= 0 or strikes <= 0:

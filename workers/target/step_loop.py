@@ -135,7 +135,6 @@ class StepLoop:
         self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
         self._failures_in_a_row = 0
-        self.broken = False  # the engine keeps failing: unhealthy
         self.steps = 0
         self.step_failures = 0
         self.loop_errors = 0
@@ -147,6 +146,11 @@ class StepLoop:
         self._tasks.append(asyncio.create_task(self._run(), name="target-step-loop"))
         if self.pool is not None:
             self._tasks.append(asyncio.create_task(self._housekeeping(), name="target-spec-stats"))
+
+    @property
+    def broken(self) -> bool:
+        """The engine's latest ``BROKEN_AFTER`` steps all failed (a step that succeeds clears it)."""
+        return self._failures_in_a_row >= BROKEN_AFTER
 
     @property
     def healthy(self) -> bool:
@@ -301,8 +305,7 @@ class StepLoop:
         batch = list(engine.last_batch) or list(engine.seqs)
         log.error("engine step failed (%d in a row), failing %d request(s): %r", self._failures_in_a_row,
                   len(batch), exc, exc_info=exc)
-        if self._failures_in_a_row >= BROKEN_AFTER and not self.broken:
-            self.broken = True
+        if self._failures_in_a_row == BROKEN_AFTER:
             log.error("engine failed %d steps in a row: reporting unhealthy", self._failures_in_a_row)
         for rid in batch:
             engine.abort(rid)

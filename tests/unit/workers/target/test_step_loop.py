@@ -1,0 +1,209 @@
+"""The target's step loop under failure: every path fails only what it concerns and the loop goes on
+(a real tiny engine; faults injected into the engine step, delivery, commands and the draft's wire)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.errors import EngineFailed, InvalidRequest
+from runtime.messages import SamplingParams
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
+from workers.speculation.payloads import DraftOutput
+from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
+
+pytestmark = pytest.mark.unit
+
+CFG = EngineConfig(num_blocks=64, block_size=4)
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = list(range(10, 22))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_hf_model("llama", path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return Engine(model, CFG).generate({"a": PROMPT}, PARAMS)["a"]
+
+
+async def drain(queue: asyncio.Queue, timeout: float = 10.0) -> list[int] | BaseException:
+    """A request's tokens, or the exception that ended it."""
+    tokens = []
+    while True:
+        item = await asyncio.wait_for(queue.get(), timeout)
+        if isinstance(item, BaseException):
+            return item
+        tokens.extend(item.token_ids)
+        if item.finish_reason:
+            return tokens
+
+
+async def test_a_failing_step_fails_its_batch_and_the_loop_serves_on(model, expected):
+    engine = Engine(model, CFG)
+    real_step = engine.step
+    failures = {"left": 1}
+
+    def flaky_step(proposals=None):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("injected: CUDA error")
+        return real_step(proposals)
+
+    engine.step = flaky_step
+    loop = StepLoop(engine)
+    loop.start()
+    try:
+        failed = await drain(loop.submit("a", PROMPT, PARAMS))
+        assert isinstance(failed, EngineFailed) and "injected" in str(failed)
+        assert not engine.seqs and engine.blocks.num_free_blocks == CFG.num_blocks  # nothing left behind
+        assert await drain(loop.submit("b", PROMPT, PARAMS)) == expected
+        assert loop.healthy and loop.step_failures == 1
+    finally:
+        await loop.stop()
+
+
+async def test_steps_that_keep_failing_mark_the_loop_unhealthy_until_one_succeeds(model, expected):
+    engine = Engine(model, CFG)
+    real_step = engine.step
+    broken = {"on": True}
+
+    def step(proposals=None):
+        if broken["on"]:
+            raise MemoryError("injected")
+        return real_step(proposals)
+
+    engine.step = step
+    loop = StepLoop(engine)
+    loop.start()
+    try:
+        for i in range(BROKEN_AFTER):
+            assert isinstance(await drain(loop.submit(f"r{i}", PROMPT, PARAMS)), EngineFailed)
+        assert not loop.healthy
+        broken["on"] = False
+        assert await drain(loop.submit("ok", PROMPT, PARAMS)) == expected
+        assert loop.healthy
+    finally:
+        await loop.stop()
+
+
+async def test_an_error_outside_the_step_fails_open_requests_and_the_loop_goes_on(model, expected):
+    engine = Engine(model, CFG)
+    loop = StepLoop(engine)
+    real_deliver = loop._deliver
+    failures = {"left": 1}
+
+    def deliver(outputs):
+        if failures["left"] and outputs:
+            failures["left"] -= 1
+            raise RuntimeError("injected: delivery")
+        real_deliver(outputs)
+
+    loop._deliver = deliver
+    loop.start()
+    try:
+        failed = await drain(loop.submit("a", PROMPT, PARAMS))
+        assert isinstance(failed, EngineFailed) and loop.loop_errors == 1
+        assert await drain(loop.submit("b", PROMPT, PARAMS)) == expected
+        await asyncio.sleep(0.05)
+        assert not engine.seqs  # the failed request was aborted in the engine too
+        assert loop.healthy
+    finally:
+        await loop.stop()
+
+
+async def test_failing_commands_reach_their_callers_only(model, expected):
+    engine = Engine(model, CFG)
+    loop = StepLoop(engine)
+    loop.start()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            await loop.call(lambda e: 1 / 0)
+        other = loop.submit("b", PROMPT, PARAMS)
+        dup = loop.submit("b2", PROMPT, PARAMS)
+        loop._queues["b2-again"] = dup_again = asyncio.Queue()
+        loop._push(AddRequest("b2-again", [], PARAMS))  # an empty prompt the engine refuses (skipping submit's check)
+        assert isinstance(await drain(dup_again), InvalidRequest)
+        assert await drain(other) == expected and await drain(dup) == expected
+    finally:
+        await loop.stop()
+
+
+class _Client:
+    """A draft stream stand-in that answers every round with the target's own next token."""
+
+    def __init__(self, expected):
+        self.draft_id, self.method, self.hidden_layers, self.hidden_dtype = "d", "oracle", [1], "float32"
+        self.broken, self.expected, self.released, self.verdicts = False, expected, [], []
+        self.told: dict[str, int] = {}
+
+    def send(self, requests):
+        loop = asyncio.get_running_loop()
+        out = {}
+        for r in requests:
+            told = self.told[r.seq_id] = self.told.get(r.seq_id, 0) + len(r.new_tokens)
+            fut = out[r.seq_id] = loop.create_future()
+            fut.set_result(DraftOutput(r.seq_id, r.round, self.expected[told - len(PROMPT) : told - len(PROMPT) + 1]))
+        return out
+
+    async def collect(self, futures, timeout):
+        return {k: f.result() for k, f in futures.items() if f.result() is not None}
+
+    def verified(self, outcomes):
+        self.verdicts.extend(outcomes)
+
+    def release(self, ids):
+        self.released.extend(ids)
+
+
+class _Pool:
+    def __init__(self, client):
+        self.client, self.refused = client, {}
+
+    async def poll(self):
+        return self.client
+
+    async def prune(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def test_a_verdict_that_cannot_be_converted_restarts_the_drafts_view(model, expected, monkeypatch):
+    def broken_convert(verdict, dtype=""):
+        raise ValueError("injected: cannot serialise")
+
+    monkeypatch.setattr("workers.target.step_loop.verify_to_pb", broken_convert)
+    engine = Engine(model, CFG, hidden_layers=(1,), num_speculative_tokens=1, adaptive=False)
+    client = _Client(expected)
+    loop = StepLoop(engine, _Pool(client))
+    loop.start()
+    try:
+        assert await drain(loop.submit("a", PROMPT, PARAMS)) == expected
+        assert engine.counters["d"].num_accepted_tokens >= 1  # proposals were verified (and accepted)
+        assert "a" in client.released and not client.verdicts  # no verdict went out; the draft forgets it
+        assert loop.healthy
+    finally:
+        await loop.stop()
+
+
+async def test_a_request_that_cannot_be_converted_decodes_plainly(model, expected):
+    engine = Engine(model, CFG, hidden_layers=(1,), num_speculative_tokens=1, adaptive=False)
+    client = _Client(expected)
+    client.hidden_dtype = "float99"  # the handshake refuses this; here it reaches the loop anyway
+    loop = StepLoop(engine, _Pool(client))
+    loop.start()
+    try:
+        assert await drain(loop.submit("a", PROMPT, PARAMS)) == expected
+        assert not engine.counters.get("d") or engine.counters["d"].num_drafts == 0
+        assert loop.healthy
+    finally:
+        await loop.stop()
