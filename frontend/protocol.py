@@ -4,8 +4,9 @@ Contract: :func:`parse` turns a raw JSON body into a validated request or raises
 :class:`runtime.InvalidRequest` whose ``field`` names the offending parameter (``messages[0].role``).
 Validation is strict: wrong JSON types are rejected rather than coerced, unknown fields are
 rejected (nothing is silently ignored), and parameters we know but do not support are rejected by
-:func:`check_supported` unless they carry their neutral value (``presence_penalty: 0``,
-``logit_bias: {}``, ...). Structured outputs and tools are checked further in :mod:`.structured`.
+:func:`check_supported` unless they carry their neutral value (``echo: false``, ``suffix: ""``, ...).
+Structured outputs and tools are checked further in :mod:`.structured`; the ranges of the sampling
+parameters once, for the frontend and the workers alike, in :func:`runtime.validation.validate_request`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime import InvalidRequest
+from runtime.validation import MAX_LOGPROBS
 
 MAX_INT64 = 2**63 - 1
 MAX_TOKENS_LIMIT = 1 << 24  # far above any context length; keeps integers sane on the wire
@@ -23,7 +25,6 @@ MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 4096  # chat messages per request
 MAX_PROMPTS = 1024  # prompts (strings or token-id lists) per completion request
 MAX_STOP_TOKEN_IDS = 1024
-MAX_TOP_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 64
 
 R = TypeVar("R", bound=BaseModel)
@@ -135,12 +136,14 @@ class _Sampling(_Strict):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(None, min_length=1)
     guided_choice: list[str] | None = Field(None, min_length=1)
-    # Known but unsupported: accepted only with their neutral value (see check_supported).
+    # Logits processors (ranges checked by runtime.validation): OpenAI's penalties and logit_bias
+    # (token ids as JSON object keys), vLLM's repetition_penalty and min_p.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
     min_p: float | None = None
+    # Known but unsupported: accepted only with their neutral value (see check_supported).
     echo: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -150,7 +153,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: list[str] | None = None
     store: bool | None = None
     tools: list[ToolDefinition] | None = None
@@ -160,18 +163,13 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
 
-# name -> (is the value neutral?, what to tell the user)
+# name -> whether a value is the parameter's neutral one
 _NEUTRAL = {
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
-    "logit_bias": lambda v: not v,
-    "min_p": lambda v: v in (None, 0),
     "echo": lambda v: not v,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -181,8 +179,13 @@ _NEUTRAL = {
 }
 
 
+_MAPS = frozenset({"logit_bias"})  # object parameters whose keys are data (token ids), not field names
+
+
 def _param(loc: tuple) -> str:
     """``("messages", 0, "content")`` -> ``messages[0].content``; drops union-member tags."""
+    if loc and loc[0] in _MAPS:
+        return loc[0]
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -249,6 +252,9 @@ def check_supported(req: _Sampling) -> None:
         raise InvalidRequest("stop strings must not be empty", "stop")
     if req.stop_token_ids and any(not 0 <= t <= MAX_INT64 for t in req.stop_token_ids):
         raise InvalidRequest("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    bad = next((k for k in req.logit_bias or () if not _is_token_id(k)), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias keys are token ids (non-negative integers), got {bad!r}", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req)
     else:
@@ -285,6 +291,15 @@ def _check_completion(req: CompletionRequest) -> None:
         raise InvalidRequest("'prompt' must not be empty", "prompt")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("'best_of' other than 'n' is not supported", "best_of")
+
+
+def _is_token_id(key: str) -> bool:
+    return key.isascii() and key.isdigit() and len(key) <= len(str(MAX_INT64))
+
+
+def logit_bias(req: _Sampling) -> dict[int, float]:
+    """The request's ``logit_bias`` with integer token ids (keys checked by :func:`check_supported`)."""
+    return {int(k): v for k, v in (req.logit_bias or {}).items()}
 
 
 def stop_strings(req: _Sampling) -> tuple[str, ...]:

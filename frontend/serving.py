@@ -15,16 +15,19 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from runtime import InvalidRequest, PendingBytes, TandemError
 from runtime.messages import SamplingParams, TokenDelta
+from runtime.validation import validate_request
 
 from .dispatch import Dispatcher, Generation
 from .errors import to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
-from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, message_dicts, prompts_of,
-                       stop_strings)
+from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, logit_bias, message_dicts,
+                       prompts_of, stop_strings)
 from .responses import DONE, ResponseBuilder, error_event, usage
 from .streaming import merge
 from .structured import asks_for_grammar, structured_output
@@ -86,8 +89,6 @@ class CompletionService:
             raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
         # compiling a schema to check it takes milliseconds (a large one 100 ms): off the event loop
         grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
-        if grammar is not None and not model.card.structured_outputs:
-            raise InvalidRequest("this model's workers do not support structured outputs", grammar.field)
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
         if chat:
             messages = message_dicts(req)
@@ -99,45 +100,40 @@ class CompletionService:
             prompts = [await self._maybe_thread(size, functools.partial(tok.encode_chat, tools=tools), messages)]
             field, max_tokens = "messages", req.max_completion_tokens or req.max_tokens
         else:
-            prompts = []
-            for p in prompts_of(req):
-                if isinstance(p, str):
-                    prompts.append(await self._maybe_thread(len(p), tok.encode, p))
-                else:
-                    tok.check_ids(p, "prompt")
-                    prompts.append(list(p))
+            prompts = [await self._maybe_thread(len(p), tok.encode, p) if isinstance(p, str) else list(p)
+                       for p in prompts_of(req)]
             field, max_tokens = "prompt", req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         context = model.card.context_length
         longest = max(len(p) for p in prompts)
-        if not all(prompts):
-            raise InvalidRequest("the prompt has no tokens", field)
-        if longest >= context:
-            raise InvalidRequest(f"the prompt has {longest} tokens; the model's context length is {context}", field)
         if max_tokens is None:
-            max_tokens = context - longest
-        elif longest + max_tokens > context:
-            name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-            raise InvalidRequest(f"the prompt ({longest} tokens) plus {name} ({max_tokens}) exceeds the model's "
-                                 f"context length of {context}", name)
-        if req.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
-        stop_ids = list(req.stop_token_ids or ())
-        tok.check_ids(stop_ids, "stop_token_ids")
+            max_tokens = max(0, context - longest)  # the rest of the context
         top = (req.top_logprobs or 0) if chat and req.logprobs else (None if chat else req.logprobs)
         if top is not None and not model.card.supports_logprobs:
             raise InvalidRequest("this model's workers do not return logprobs", "top_logprobs" if chat and req.top_logprobs else "logprobs")
+        stop_ids = list(req.stop_token_ids or ())
+        sampling = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=top,
+            structured=grammar.spec if grammar else None,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias(req), min_p=req.min_p or 0.0)
+        # the request's own names for what validation reports against
+        names = {"prompt": field, "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"}
+        if grammar is not None:
+            names["structured"] = grammar.field
+        for prompt in prompts:
+            validate_request(prompt, sampling, vocab_size=tok.vocab_size, max_model_len=context,
+                             structured_outputs=model.card.structured_outputs, names=names)
         samplings, prompt_of = [], []
         for p in range(len(prompts)):
             for i in range(req.n):
                 seed = req.seed
                 if seed is not None and req.n > 1:  # n equal seeds would give n equal choices
                     seed = (seed + i + MAX_INT64 + 1) % (2 * MAX_INT64 + 2) - MAX_INT64 - 1
-                samplings.append(SamplingParams(
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=max(0, req.top_k or 0), seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                    stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=top,
-                    structured=grammar.spec if grammar else None))
+                samplings.append(sampling if seed == req.seed else msgspec.structs.replace(sampling, seed=seed))
                 prompt_of.append(p)
         hidden = set(stop_ids) | (set() if req.ignore_eos else set(model.card.eos_token_ids or tok.eos_token_ids))
         stream = req.stream

@@ -16,7 +16,8 @@ parameter it came from, and a :class:`ToolCalls` when the output is a tool call;
 model's own tool-call format and is refused; ``"none"`` ignores ``tools``. Every schema is compiled
 here once, as the workers compile it (:mod:`runtime.structured`: llguidance, the same JSON options;
 only without the tokenizer), so a schema the engine cannot handle is a 400 naming its field, not a
-failed stream.
+failed stream. Whether the rest of the request goes with a grammar (``ignore_eos``, ``min_tokens``)
+is :func:`runtime.validation.validate_request`'s to say.
 """
 
 from __future__ import annotations
@@ -201,8 +202,4 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> OutputG
     if not found:
         return None
     field, spec = found[0]
-    if req.ignore_eos:  # a finished grammar allows only EOS, which must end the output
-        raise InvalidRequest(f"'ignore_eos' cannot be combined with '{field}'", "ignore_eos")
-    if req.min_tokens:
-        raise InvalidRequest(f"'min_tokens' cannot be combined with '{field}'", "min_tokens")
     return OutputGrammar(spec, field, tools if field == "tool_choice" else None)

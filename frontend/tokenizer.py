@@ -82,8 +82,3 @@ class Tokenizer:
         # The template already writes the special tokens (BOS, role markers) it wants.
         return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
-    def check_ids(self, token_ids: Sequence[int], field: str) -> None:
-        """Raise :class:`InvalidRequest` when a token id is outside the vocabulary."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", field)

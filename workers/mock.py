@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from runtime import InvalidRequest, Runtime
+from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
 from runtime.kv_hash import ROOT_HASH, block_hashes, stored_events
@@ -45,6 +45,7 @@ from runtime.messages import (
 )
 from runtime.service import run_service
 from runtime.spec_stats import SpecCounters
+from runtime.validation import validate_request
 
 log = logging.getLogger(__name__)
 
@@ -231,26 +232,12 @@ class MockWorker:
             except Exception as exc:  # NATS reconnecting: try again next tick
                 log.debug("mock publish failed: %r", exc)
 
-    def _validate(self, req: GenerateRequest) -> None:
-        sp = req.sampling
-        if not req.token_ids:
-            raise InvalidRequest("the prompt has no tokens", field="prompt")
-        if sp.max_tokens < 0:
-            raise InvalidRequest(f"max_tokens must be >= 0, got {sp.max_tokens}", field="max_tokens")
-        if len(req.token_ids) + len(req.output_ids) + sp.max_tokens > self.context_length:
-            raise InvalidRequest(
-                f"prompt ({len(req.token_ids)} tokens) plus max_tokens ({sp.max_tokens}) exceeds the context "
-                f"length of {self.context_length}", field="max_tokens")
-        if sp.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {sp.temperature}", field="temperature")
-        if not 0 < sp.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {sp.top_p}", field="top_p")
-        if sp.structured is not None:  # echoing the prompt cannot follow a grammar
-            raise InvalidRequest("the mock worker does not support structured outputs", field="response_format")
-
     async def generate(self, req: GenerateRequest, ctx):
-        """Token ids in, token deltas out; the last delta has the finish reason and usage."""
-        self._validate(req)
+        """Token ids in, token deltas out; the last delta has the finish reason and usage. Every sampling
+        parameter is validated like a real worker's; the logits processors have nothing to act on here,
+        and a grammar is refused (echoing the prompt cannot follow one)."""
+        validate_request(req.token_ids, req.sampling, req.output_ids, vocab_size=None,
+                         max_model_len=self.context_length)
         sp = req.sampling
         prompt = list(req.token_ids) + list(req.output_ids)
         hashes = block_hashes(prompt, self.cache.block_size)

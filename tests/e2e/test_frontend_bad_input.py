@@ -92,6 +92,36 @@ def test_chat_field_errors_name_the_field(http, patch, param):
 
 
 @pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"presence_penalty": 2.01}, "presence_penalty"),
+        ({"presence_penalty": "0.5"}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.01}, "min_p"),
+        ({"min_p": -1}, "min_p"),
+        ({"logit_bias": {"12": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"12": "up"}}, "logit_bias"),
+        ({"logit_bias": {"twelve": 1}}, "logit_bias"),
+        ({"logit_bias": {"-12": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"logit_bias": [12, 1]}, "logit_bias"),
+    ],
+)
+def test_logits_processor_errors_name_the_field(http, patch, param):
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        assert_error(post(http, path, {**base, **patch}), 400, param)
+
+
+def test_logits_processors_in_range_are_served(http):
+    patch = {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1.5, "min_p": 1,
+             "logit_bias": {"12": -100, "13": 100}}
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        resp = post(http, path, {**base, **patch})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4, resp.text
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [({"prompt": "x"}, "model"), ({"model": "mock"}, "prompt"), ({"model": "mock", "messages": []}, "messages")],
 )
@@ -137,7 +167,8 @@ JSON_VALUES = st.recursive(
 )
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "logit_bias",
-          "user", "min_tokens", "ignore_eos", "stop_token_ids", "echo", "presence_penalty", "response_format"]
+          "user", "min_tokens", "ignore_eos", "stop_token_ids", "echo", "presence_penalty", "response_format",
+          "frequency_penalty", "repetition_penalty", "min_p"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"])},
                                 optional={"content": JSON_VALUES | st.text(max_size=20), "name": JSON_VALUES})
 

@@ -277,6 +277,17 @@ def test_accepted_harmless_parameters(client):
     assert r.usage.completion_tokens == 2
 
 
+def test_logits_processors_are_accepted(client):
+    """Penalties, logit_bias and min_p reach the worker (the mock validates them and ignores them)."""
+    extra = {"repetition_penalty": 1.2, "min_p": 0.1}
+    r = chat(client, max_tokens=3, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={"42": 10, "7": -100},
+             extra_body=extra)
+    assert r.usage.completion_tokens == 3
+    r = client.completions.create(model="mock", prompt=WORDS, max_tokens=3, presence_penalty=2, logit_bias={"5": 1},
+                                  extra_body=extra)
+    assert r.usage.completion_tokens == 3
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
@@ -285,11 +296,14 @@ def test_accepted_harmless_parameters(client):
         ({"tool_choice": "required"}, "tool_choice"),
         # the mock worker cannot follow a grammar (its model card says so)
         ({"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
-        ({"logit_bias": {"42": 10}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
+        ({"logit_bias": {"forty-two": 1}}, "logit_bias"),
+        ({"logit_bias": {"10000000": 1}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"extra_body": {"min_p": 0.1}}, "min_p"),
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"extra_body": {"best_of_luck": 1}}, "best_of_luck"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 100000}, "max_tokens"),

@@ -89,6 +89,38 @@ async def test_context_and_vocabulary_limits(service, body, param):
     assert info.value.field == param
 
 
+@pytest.mark.parametrize("chat", [True, False])
+async def test_logits_processors_reach_the_sampling_params(service, chat):
+    body = {**(CHAT if chat else {"model": "m", "prompt": "Once upon"}), "presence_penalty": 0.5,
+            "frequency_penalty": -1.5, "repetition_penalty": 1.3, "logit_bias": {"42": 10, "7": -100}, "min_p": 0.05}
+    [sp] = (await prepare(service, body, chat)).samplings
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p) == (0.5, -1.5, 1.3, 0.05)
+    assert sp.logit_bias == {42: 10.0, 7: -100.0}
+    [plain] = (await prepare(service, CHAT if chat else {"model": "m", "prompt": "Once upon"}, chat)).samplings
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.repetition_penalty, plain.logit_bias, plain.min_p) \
+        == (0.0, 0.0, 1.0, {}, 0.0)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"logit_bias": {"42": 101}}, "logit_bias"),
+    ({"logit_bias": {"42": -100.5}}, "logit_bias"),
+    ({"logit_bias": {"1000000": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+])
+async def test_logits_processors_out_of_range_are_400s_naming_them(service, chat, extra, param):
+    body = {**(CHAT if chat else {"model": "m", "prompt": "Once upon"}), **extra}
+    with pytest.raises(InvalidRequest) as info:
+        await prepare(service, body, chat)
+    assert info.value.field == param and param in str(info.value)
+
+
 async def test_token_prompts_are_checked_against_the_vocabulary(service):
     with pytest.raises(InvalidRequest) as info:
         await prepare(service, {"model": "m", "prompt": [1, 2, 999999]}, chat=False)

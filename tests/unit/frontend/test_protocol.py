@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, check_supported, message_dicts, parse, prompts_of
+from frontend.protocol import (ChatCompletionRequest, CompletionRequest, check_supported, logit_bias, message_dicts, parse,
+                               prompts_of)
 from runtime import InvalidRequest
 
 pytestmark = pytest.mark.unit
@@ -51,10 +52,14 @@ def test_valid_requests_parse():
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"min_p": 0.1}, "min_p"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"logit_bias": {"1.5": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": "a lot"}}, "logit_bias"),
+        ({"logit_bias": [1, 5]}, "logit_bias"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),
+        ({"min_p": "0.1"}, "min_p"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
         ({"guided_choice": []}, "guided_choice"),
@@ -108,9 +113,20 @@ def test_missing_fields_and_bad_json():
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted():
-    body = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [],
-            "tool_choice": "none", "response_format": {"type": "text"}, "min_p": 0, "echo": False}
+    body = {**CHAT, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "echo": False,
+            "modalities": ["text"], "store": False}
     check_supported(parse(ChatCompletionRequest, json.dumps(body).encode()))
+
+
+@pytest.mark.parametrize("schema,base", [(ChatCompletionRequest, CHAT), (CompletionRequest, TEXT)])
+def test_logits_processors_parse_with_token_ids_as_keys(schema, base):
+    """Their ranges are runtime.validation's to check (tests/unit/frontend/test_prepare.py)."""
+    body = {**base, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+            "logit_bias": {"42": 10, "7": -100.0}}
+    req = parse(schema, json.dumps(body).encode())
+    check_supported(req)
+    assert logit_bias(req) == {42: 10.0, 7: -100.0}
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.min_p) == (0.5, -1, 1.2, 0.1)
 
 
 JSON_VALUES = st.recursive(

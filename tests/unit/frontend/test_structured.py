@@ -73,8 +73,6 @@ def test_vllm_guided_extensions():
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "combined"),
     ({"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"}, "tool_choice",
      "combined"),
-    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response_format"),
-    ({"guided_choice": ["a"], "min_tokens": 1}, "min_tokens", "guided_choice"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": [WEATHER]}, "tool_choice", "'auto' is not supported"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "'auto' is not supported"),
@@ -207,6 +205,18 @@ async def test_the_grammar_reaches_the_sampling_params_and_tools_the_template(to
     with pytest.raises(InvalidRequest) as info:
         await service(tokenizer, False).prepare(request({"guided_regex": "a+"}), "r")
     assert info.value.field == "guided_regex" and "do not support" in str(info.value)
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response_format"),
+    ({"guided_choice": ["a"], "min_tokens": 1}, "min_tokens", "guided_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos", "tool_choice"),
+])
+async def test_a_grammar_must_end_the_output(tokenizer, extra, param, words):
+    """A finished grammar allows only EOS: nothing may ban it or run past it."""
+    with pytest.raises(InvalidRequest) as info:
+        await service(tokenizer, True).prepare(request(extra), "r")
+    assert info.value.field == param and words in str(info.value), str(info.value)
 
 
 def test_tools_and_tool_turns_reach_the_chat_template(tokenizer):
