@@ -16,7 +16,7 @@ from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.service import run_service
 
-from .app import Frontend, RouterUnavailable
+from .app import Frontend
 from .auth import read_keys
 from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER_BYTES, FrontendConfig
 from .server import HttpServer
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
         sys.exit(f"python -m frontend: {exc}")
     try:
         run_service(lambda: amain(args), args.log_level)
-    except (RouterUnavailable, OSError) as exc:
+    except OSError as exc:  # e.g. the HTTP port is taken
         logging.getLogger("frontend").error("%s", exc)
         sys.exit(1)
 

@@ -21,7 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
-from router.base import Router, create_router
+from router import Router, create_router
 from runtime import EndpointClient, InvalidRequest, Overloaded, PendingBytes, Runtime
 
 from .auth import ApiKeyAuth
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 
 JSON = "application/json"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
-class RouterUnavailable(RuntimeError):
-    """The requested router mode cannot be started (e.g. ``kv`` before the KV router exists)."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -154,10 +150,7 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def start(cls, rt: Runtime, config: FrontendConfig) -> AsyncIterator[Frontend]:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
-        try:
-            router = await create_router(rt, config.router_mode, remote=config.remote_router)
-        except ImportError as exc:
-            raise RouterUnavailable(f"router mode {config.router_mode!r} is not available in this build: {exc}") from exc
+        router = await create_router(rt, config.router_mode, remote=config.remote_router)
         registry = ModelRegistry()
         try:
             client = await rt.client("target", "generate")

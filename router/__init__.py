@@ -12,13 +12,15 @@ in-flight accounting for all of them)::
 
     router = await create_router(rt, "kv", remote=True)   # a RemoteRouter: same select/release
 
-Modules: :mod:`router.base` (interface, load-blind modes), :mod:`router.kv_router` (KV-aware mode),
+Modules: :mod:`router.base` (interface, load-blind modes), :mod:`router.factory` (``create_router``),
+:mod:`router.kv_router` (KV-aware mode),
 :mod:`router.indexer` (block index), :mod:`router.cost` (cost and choice, ``KvRouterConfig``),
 :mod:`router.load` (load tracking), :mod:`router.spec_stats` (spec-decode aggregates),
 :mod:`router.metrics` (Prometheus and JSON sinks), :mod:`router.remote` (service and client).
 See docs/router.md.
 """
 
-from .base import ROUTER_MODES, Router, Selection, create_router
+from .base import ROUTER_MODES, Router, Selection
+from .factory import create_router
 
 __all__ = ["ROUTER_MODES", "Router", "Selection", "create_router"]

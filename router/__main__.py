@@ -24,7 +24,8 @@ from runtime.config import add_runtime_args, apply_env_defaults, config_from_arg
 from runtime.messages import RouteRelease, RouteRequest
 from runtime.service import run_service
 
-from .base import ROUTER_MODES, create_router
+from .base import ROUTER_MODES
+from .factory import create_router
 from .cost import KvRouterConfig
 from .metrics import KvRouterCollector, SpecDecodeCollector, spec_stats_json
 from .remote import COMPONENT, ENDPOINT, TOPIC_ROUTE_RELEASE, RouterService

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from runtime import NoInstances, Runtime
+from runtime import NoInstances
 from runtime.messages import InstanceRecord
 
 ROUTER_MODES = ("kv", "round_robin", "random")
@@ -86,33 +86,3 @@ class RandomRouter(Router):
 
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
         return self._selected(self._rng.choice(self.candidates(model, exclude)).instance_id, 0, request_id)
-
-
-async def create_router(rt: Runtime, mode: str = "round_robin", *, remote: bool = False, **options) -> Router:
-    """A started router of ``mode`` over the runtime's live target instances.
-
-    ``remote=True`` returns a :class:`router.remote.RemoteRouter` that asks the shared
-    ``python -m router`` service instead (the service's own ``--mode`` decides; ``mode`` is only checked).
-    ``options`` for ``kv`` are the fields of :class:`router.cost.KvRouterConfig`; ``seed`` for the others.
-    """
-    if mode not in ROUTER_MODES:
-        raise ValueError(f"router mode must be one of {ROUTER_MODES}, got {mode!r}")
-    if remote:
-        from .remote import RemoteRouter
-
-        router: Router = await RemoteRouter.create(rt, **options)
-        await router.start()
-        return router
-    if mode != "kv" and set(options) - {"seed"}:
-        raise ValueError(f"router mode {mode!r} takes only the option 'seed', got {sorted(options)}")
-    client = await rt.client("target", "generate")
-    if mode == "round_robin":
-        router = RoundRobinRouter(client.instances, options.get("seed"))
-    elif mode == "random":
-        router = RandomRouter(client.instances, options.get("seed"))
-    else:
-        from .kv_router import KvRouter
-
-        router = await KvRouter.create(rt, client, **options)
-    await router.start()
-    return router

@@ -1,0 +1,39 @@
+"""Building a router by mode name: the one place that knows every kind of router.
+
+Kept apart from :mod:`router.base` (the interface) so the abstract module imports none of its
+subclasses.
+"""
+
+from __future__ import annotations
+
+from runtime import Runtime
+
+from .base import ROUTER_MODES, RandomRouter, RoundRobinRouter, Router
+from .kv_router import KvRouter
+from .remote import RemoteRouter
+
+
+async def create_router(rt: Runtime, mode: str = "round_robin", *, remote: bool = False, **options) -> Router:
+    """A started router of ``mode`` over the runtime's live target instances.
+
+    ``remote=True`` returns a :class:`router.remote.RemoteRouter` that asks the shared
+    ``python -m router`` service instead (the service's own ``--mode`` decides; ``mode`` is only checked).
+    ``options`` for ``kv`` are the fields of :class:`router.cost.KvRouterConfig`; ``seed`` for the others.
+    """
+    if mode not in ROUTER_MODES:
+        raise ValueError(f"router mode must be one of {ROUTER_MODES}, got {mode!r}")
+    if remote:
+        router: Router = await RemoteRouter.create(rt, **options)
+        await router.start()
+        return router
+    if mode != "kv" and set(options) - {"seed"}:
+        raise ValueError(f"router mode {mode!r} takes only the option 'seed', got {sorted(options)}")
+    client = await rt.client("target", "generate")
+    if mode == "round_robin":
+        router = RoundRobinRouter(client.instances, options.get("seed"))
+    elif mode == "random":
+        router = RandomRouter(client.instances, options.get("seed"))
+    else:
+        router = await KvRouter.create(rt, client, **options)
+    await router.start()
+    return router
