@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import subprocess
@@ -169,6 +168,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    from runtime.config import child_env
+
     rows = []
     for name in args.models.split(","):
         model_dir(name)  # build / convert once, outside the timed children
@@ -177,7 +178,7 @@ def main() -> None:
             for impl in IMPLS:
                 cmd = [sys.executable, __file__, "--child", impl, "--model", name,
                        "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-                env = dict(os.environ, TANDEM_CPU_LINEAR="torch" if impl == "ours-torch" else "onednn")
+                env = child_env(TANDEM_CPU_LINEAR="torch" if impl == "ours-torch" else "onednn")
                 done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
                 res = json.loads(done.stdout.strip().splitlines()[-1])
                 prev = best.setdefault(impl, res)

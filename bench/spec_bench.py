@@ -92,9 +92,9 @@ def build_draft(target: Path, layers: int) -> Path:
     """The target truncated to its first ``layers`` layers, as a model directory (cached)."""
     from safetensors.torch import load_file, save_file
 
-    from workers.demo_model import cache_root
+    from runtime.config import cache_dir
 
-    out = cache_root() / f"smollm2-135m-first{layers}"
+    out = cache_dir() / f"smollm2-135m-first{layers}"
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)

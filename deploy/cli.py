@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from deploy.stack import DRAFT_METHODS, ROUTER_MODES, StackConfig
-from runtime.config import apply_env_defaults
+from runtime.config import DEFAULT_NAMESPACE, apply_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         targets=args.targets, drafts=args.drafts, router_mode=args.router_mode,
         standalone_router=args.standalone_router, http_port=args.http_port, host=args.host, mock=args.mock,
         mock_token_latency_ms=args.mock_token_latency_ms,
-        namespace=args.namespace or os.environ.get("TANDEM_NAMESPACE", "tandem"),
+        namespace=args.namespace or DEFAULT_NAMESPACE,
         drain_timeout=args.drain_timeout,
     )
 

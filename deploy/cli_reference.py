@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
+
+from runtime.config import without_tandem_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
@@ -54,20 +55,14 @@ def _row(action: argparse.Action) -> str | None:
 
 def render() -> str:
     """The reference as the parsers build it with no ``TANDEM_*`` variable set (defaults some read)."""
-    return _clean_env(_render)
+    with without_tandem_env():
+        return _render()
 
 
 def render_configuration() -> str:
     """docs/configuration.md: every ``TANDEM_*`` variable, its flag, who reads it and their defaults."""
-    return _clean_env(_render_configuration)
-
-
-def _clean_env(fn):
-    saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("TANDEM_")]}
-    try:
-        return fn()
-    finally:
-        os.environ.update(saved)
+    with without_tandem_env():
+        return _render_configuration()
 
 
 def _render() -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from deploy.binaries import free_port, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.stack import Component, StackConfig, component_names, filter_flags, module_flags, plan
-from runtime.config import redact_url
+from runtime.config import child_env, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +142,8 @@ class Launcher:
         ports["frontend"] = cfg.http_port or free_port()
         components = plan(cfg, model_path, ports, drafts_available=drafts_ok)
         self._components = [self._fit_flags(c) for c in components]
-        env = dict(os.environ, TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
-                   PYTHONUNBUFFERED="1")
+        env = child_env(TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
+                        PYTHONUNBUFFERED="1")
         for comp in self._components:
             self._check_stop()
             self._children[comp.name] = Child(comp.name, comp.argv(), env=env, cwd=str(REPO_ROOT)).start()
@@ -161,7 +160,7 @@ class Launcher:
         return filter_flags(comp, module_flags(comp.module))
 
     def _start_infra(self) -> tuple[str, str]:
-        opts, env = self.options, dict(os.environ)
+        opts, env = self.options, child_env()
         etcd_url, nats_url = opts.etcd_url, opts.nats_url
         if etcd_url is None:
             port = opts.etcd_port or free_port()

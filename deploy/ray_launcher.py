@@ -62,12 +62,12 @@ class ComponentActor:
         return ray.util.get_node_ip_address()
 
     def start(self, module: str, args: list[str], env: dict[str, str]) -> int:
-        import os
         import sys
 
         from deploy.children import Child
+        from runtime.config import child_env
 
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+        full_env = child_env(PYTHONUNBUFFERED="1", **env)
         self.child = Child(self.name, [sys.executable, "-m", module, *args], env=full_env).start()
         return self.child.pid
 

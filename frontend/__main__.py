@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from router.base import ROUTER_MODES
@@ -69,8 +68,7 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           max_inflight=args.max_inflight, body_timeout_s=args.body_timeout,
                           write_timeout_s=args.write_timeout, header_timeout_s=args.header_timeout,
                           idle_timeout_s=args.idle_timeout, max_stream_buffer_bytes=args.max_stream_buffer_bytes,
-                          api_keys=read_keys(args.api_key if args.api_key is not None
-                                             else [os.environ.get("TANDEM_API_KEY", "")]),
+                          api_keys=read_keys(args.api_key or ()),
                           metrics_require_key=args.metrics_require_key)
 
 

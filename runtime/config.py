@@ -1,10 +1,16 @@
-"""Runtime configuration. Environment variables are read here and nowhere else."""
+"""Runtime configuration. Environment variables are read here and nowhere else: every flag's
+``TANDEM_<FLAG>`` (:func:`apply_env_defaults`), the runtime's addresses (:meth:`RuntimeConfig.from_env`),
+and the few variables that are not flags (the functions at the end of this module).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 DEFAULT_ETCD = "http://127.0.0.1:2379"
@@ -264,3 +270,45 @@ def _read_at_file(value: str | None) -> str | None:
         return value
     with open(value[1:]) as f:
         return f.readline().rstrip("\r\n")
+
+
+# --------------------------------------------------------------------------- variables that are not flags
+
+
+def default_log_level() -> str:
+    """``TANDEM_LOG_LEVEL``, else ``INFO``: the level of a process started without ``--log-level``."""
+    return os.environ.get("TANDEM_LOG_LEVEL") or "INFO"
+
+
+def cache_dir() -> Path:
+    """Where downloads (the demo model, its tokenizer) are kept: ``$TANDEM_CACHE``, else
+    ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    if os.environ.get("TANDEM_CACHE"):
+        return Path(os.environ["TANDEM_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem"
+
+
+def cpu_linear() -> str:
+    """``TANDEM_CPU_LINEAR``: ``onednn`` (the default: oneDNN's packed linear kernels on CPU) or
+    anything else, usually ``torch``, to turn them off for comparisons."""
+    return os.environ.get("TANDEM_CPU_LINEAR") or "onednn"
+
+
+def triton_interpret() -> bool:
+    """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``; Triton reads it too)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment a launched child process gets: this process's, with ``extra`` set."""
+    return {**os.environ, **extra}
+
+
+@contextlib.contextmanager
+def without_tandem_env() -> Iterator[None]:
+    """Unset every ``TANDEM_*`` variable for the block (parsers then show their own defaults)."""
+    saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith(ENV_PREFIX)]}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Awaitable, Callable
+
+from .config import default_log_level
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(level: str | None = None) -> None:
-    logging.basicConfig(level=(level or os.environ.get("TANDEM_LOG_LEVEL", "INFO")).upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=(level or default_log_level()).upper(), format=LOG_FORMAT)
 
 
 def run_service(main: Callable[[], Awaitable[None]], log_level: str | None = None) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from runtime.config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +26,6 @@ DEMO_NAME = "SmolLM2-135M-Instruct"
 # The EAGLE-3 head shipped for it (fp16, speculators layout; its README says how it was made)
 DEMO_HEAD = Path(__file__).resolve().parent / "draft" / "heads" / "smollm2-135m-instruct-eagle3"
 _FORMAT = "1"  # bump when the cached layout changes
-
-
-def cache_root() -> Path:
-    """``$TANDEM_CACHE``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
-    if os.environ.get("TANDEM_CACHE"):
-        return Path(os.environ["TANDEM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem"
 
 
 def demo_head_dir() -> Path:
@@ -74,7 +67,7 @@ def _ready(path: Path) -> bool:
 
 def demo_tokenizer_dir() -> Path:
     """A directory with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json, ...)."""
-    final = cache_root() / "smollm2-135m-instruct-tokenizer"
+    final = cache_dir() / "smollm2-135m-instruct-tokenizer"
     if _ready(final):
         return final
     from transformers import AutoTokenizer
@@ -91,7 +84,7 @@ def demo_tokenizer_dir() -> Path:
 
 def demo_model_dir() -> Path:
     """A Hugging Face directory with SmolLM2-135M-Instruct in float32 plus its tokenizer."""
-    final = cache_root() / "smollm2-135m-instruct"
+    final = cache_dir() / "smollm2-135m-instruct"
     if _ready(final):
         return final
     import torch

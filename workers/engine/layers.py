@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime.config import cpu_linear
 
 from .config import RopeConfig
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def _onednn_usable() -> bool:
-    if os.environ.get("TANDEM_CPU_LINEAR", "onednn") != "onednn":
+    if cpu_linear() != "onednn":
         return False
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
