@@ -9,7 +9,6 @@ prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children i
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shutil
 import signal
@@ -26,7 +25,7 @@ from pathlib import Path
 from deploy.binaries import free_port, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
-from deploy.stack import Component, StackConfig, component_names, filter_flags, module_flags, plan
+from deploy.stack import Component, StackConfig, component_names, plan
 from runtime.config import child_env, redact_url
 
 log = logging.getLogger(__name__)
@@ -65,13 +64,6 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return exc.code
     except (urllib.error.URLError, OSError):
         return None
-
-
-def module_available(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def resolve_demo_model() -> str:
@@ -124,24 +116,17 @@ class Launcher:
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
         model_path = None
         if not cfg.mock:
-            if not module_available("workers.target"):
-                raise LaunchError("python -m workers.target is not available in this checkout; try `tandem up --mock`")
             if cfg.model and not Path(cfg.model).exists():
                 raise LaunchError(f"--model {cfg.model} does not exist")
             if cfg.draft_model and cfg.num_drafts and not Path(cfg.draft_model).exists():
                 raise LaunchError(f"--draft-model {cfg.draft_model} does not exist")
             model_path = cfg.model or resolve_demo_model()
         self._model_path = model_path
-        drafts_ok = module_available("workers.draft")
-        if cfg.num_drafts and not drafts_ok:
-            log.warning("draft workers are not available yet (no workers.draft module): "
-                        "starting %d target(s) with no drafts (plain decoding)", cfg.targets)
         self._check_stop()
         etcd_url, nats_url = self._start_infra()
-        ports = {name: free_port() for name in component_names(cfg, drafts_ok)}
+        ports = {name: free_port() for name in component_names(cfg)}
         ports["frontend"] = cfg.http_port or free_port()
-        components = plan(cfg, model_path, ports, drafts_available=drafts_ok)
-        self._components = [self._fit_flags(c) for c in components]
+        self._components = plan(cfg, model_path, ports)
         env = child_env(TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
                         PYTHONUNBUFFERED="1")
         for comp in self._components:
@@ -153,11 +138,6 @@ class Launcher:
         # Every component ready, the frontend last (its /health needs a registered target).
         urls = [f"http://127.0.0.1:{c.health_port}/health" for c in self._components if c.kind != "frontend"]
         self._wait_healthy([*urls, f"{self.url}/health"])
-
-    def _fit_flags(self, comp: Component) -> Component:
-        if not set(comp.optional_flags) & set(comp.args):
-            return comp
-        return filter_flags(comp, module_flags(comp.module))
 
     def _start_infra(self) -> tuple[str, str]:
         opts, env = self.options, child_env()

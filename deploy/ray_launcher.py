@@ -136,26 +136,21 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
     except ImportError:
         raise SystemExit("tandem ray up needs Ray: pip install 'tandem[ray]'") from None
 
-    from deploy.launcher import module_available
-
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ray.init(address=options.address, log_to_driver=True)
     remote_cls = ray.remote(ComponentActor)
-    drafts_ok = module_available("workers.draft")
-    if config.num_drafts and not drafts_ok:
-        log.warning("draft workers are not available yet (no workers.draft module): running with none")
     # No --model: each target resolves the bundled demo model on its own node.
     model_path = None if config.mock else config.model
-    names = component_names(config, drafts_ok)
+    names = component_names(config)
     actors = {n: remote_cls.options(**_actor_options(n.split("-")[0], config, options)).remote(n) for n in names}
     started: list[str] = []
     wait = options.startup_timeout
     try:
         ports = dict(zip(names, _get([actors[n].free_port.remote() for n in names], stop, wait, "placing actors")))
         ports["frontend"] = config.http_port or ports["frontend"]
-        components = plan(config, model_path, ports, drafts_available=drafts_ok)
+        components = plan(config, model_path, ports)
         if config.model is None:
             # Model cards name a local tokenizer path, which the frontend reads on its own node:
             # prepare the demo files there too (targets and mock workers do it on theirs).

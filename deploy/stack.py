@@ -3,26 +3,17 @@
 Shared by the local launcher (``tandem up``) and the Ray launcher (``tandem ray up``): :func:`plan`,
 a pure function, turns a :class:`StackConfig` plus the ports chosen for each component into
 :class:`Component` specs (a name, a ``python -m`` module, its flags, whether it needs a GPU).
-Optional flags a module does not declare (read from its ``--help`` by :func:`module_flags`) are
-dropped with a warning by :func:`filter_flags`, so the launcher keeps working while the workers'
-CLIs evolve.
+``tests/unit/deploy/test_command_lines.py`` checks that every module accepts the flags planned for it.
 """
 
 from __future__ import annotations
 
-import logging
-import re
-import subprocess
 import sys
 from dataclasses import dataclass, replace
-from functools import lru_cache
-from pathlib import Path
 
-log = logging.getLogger(__name__)
+from workers.draft.methods import HEAD_METHODS, METHODS
 
-DRAFT_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "medusa", "mlp_speculator", "none")
-# draft heads on the target's hidden states: --draft-model is the head
-HEAD_METHODS = ("eagle3", "eagle", "medusa", "mlp_speculator")
+DRAFT_METHODS = (*METHODS, "none")  # none: no draft workers (the targets decode plainly)
 ROUTER_MODES = ("kv", "round_robin", "random")
 MOCK_MODEL_NAME = "mock"
 
@@ -120,44 +111,12 @@ class Component:
     args: tuple[str, ...] = ()
     health_port: int | None = None  # where /health answers (the HTTP port for frontend and router)
     gpu: bool = False
-    optional_flags: tuple[str, ...] = ()  # flags dropped when the module lacks them
 
     def argv(self, python: str = sys.executable) -> list[str]:
         return [python, "-m", self.module, *self.args]
 
 
-@lru_cache(maxsize=None)
-def module_flags(module: str, python: str = sys.executable) -> frozenset[str]:
-    """The ``--flags`` a ``python -m module`` accepts, read from its ``--help``."""
-    try:
-        out = subprocess.run([python, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("could not read the flags of %s: %s", module, exc)
-        return frozenset()
-    return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", out.stdout))
-
-
-def filter_flags(component: Component, known: frozenset[str]) -> Component:
-    """Drop the optional flags (and their values) that ``known`` lacks, with a warning each."""
-    if not known or not component.optional_flags:
-        return component
-    args, i = [], 0
-    src = component.args
-    while i < len(src):
-        flag = src[i]
-        takes_value = i + 1 < len(src) and not src[i + 1].startswith("--")
-        if flag in component.optional_flags and flag not in known:
-            log.warning("%s: python -m %s has no %s flag yet; not passing it", component.name, component.module, flag)
-            i += 2 if takes_value else 1
-            continue
-        args.append(flag)
-        if takes_value:
-            args.append(src[i + 1])
-        i += 2 if takes_value else 1
-    return replace(component, args=tuple(args))
-
-
-def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], drafts_available: bool = True) -> list[Component]:
+def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> list[Component]:
     """The components in start order: router (if standalone), drafts, targets, frontend.
 
     Drafts start before the targets that stream to them and (stopping in reverse) end after them,
@@ -171,24 +130,21 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
         out.append(Component("router", "router", "router",
                              ("--http-port", str(ports["router"]), "--router-mode", config.router_mode),
                              ports["router"]))
-    if drafts_available:
-        for i in range(config.num_drafts):
-            cname = f"draft-{i}"
-            args = ["--draft-method", config.draft_method, "--served-model-name", name,
-                    "--health-port", str(ports[cname])]
-            if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
-                args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
-            elif config.draft_model:
-                args += ["--draft-model", config.draft_model]
-            if config.num_speculative_tokens is not None:
-                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-            if config.speculative_eagle_topk is not None:
-                args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
-            if config.speculative_num_steps is not None:
-                args += ["--speculative-num-steps", str(config.speculative_num_steps)]
-            out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True,
-                                 optional_flags=("--num-speculative-tokens", "--speculative-eagle-topk",
-                                                 "--speculative-num-steps")))
+    for i in range(config.num_drafts):
+        cname = f"draft-{i}"
+        args = ["--draft-method", config.draft_method, "--served-model-name", name,
+                "--health-port", str(ports[cname])]
+        if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
+            args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
+        elif config.draft_model:
+            args += ["--draft-model", config.draft_model]
+        if config.num_speculative_tokens is not None:
+            args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+        if config.speculative_eagle_topk is not None:
+            args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
+        if config.speculative_num_steps is not None:
+            args += ["--speculative-num-steps", str(config.speculative_num_steps)]
+        out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True))
     for i in range(config.targets):
         cname = f"target-{i}"
         if config.mock:
@@ -203,8 +159,7 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
             args += ["--served-model-name", name, "--health-port", str(ports[cname])]
             if config.num_speculative_tokens is not None:
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-            out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True,
-                                 optional_flags=("--num-speculative-tokens",)))
+            out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True))
     frontend = ["--http-port", str(ports["frontend"]), "--host", config.host, "--router-mode", config.router_mode]
     if config.standalone_router:  # route through the shared router service, not an embedded router
         frontend.append("--remote-router")
@@ -213,10 +168,9 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int], dra
     return [replace(c, args=c.args + drain) for c in out]
 
 
-def component_names(config: StackConfig, drafts_available: bool = True) -> list[str]:
+def component_names(config: StackConfig) -> list[str]:
     """Names of the components :func:`plan` will return (to choose their ports first)."""
     names = ["router"] if config.standalone_router else []
-    if drafts_available:
-        names += [f"draft-{i}" for i in range(config.num_drafts)]
+    names += [f"draft-{i}" for i in range(config.num_drafts)]
     names += [f"target-{i}" for i in range(config.targets)]
     return names + ["frontend"]

@@ -22,6 +22,7 @@ from runtime.config import add_runtime_args, apply_env_defaults, config_from_arg
 from runtime.messages import ModelCard
 from runtime.service import run_service
 
+from .methods import BENCH_METHODS, METHODS
 from .metrics import DraftCollector
 from .ngram import NgramProposer
 from ..speculation.tls import ServerTls
@@ -29,13 +30,12 @@ from .service import DraftService
 
 log = logging.getLogger("workers.draft")
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle3", "eagle", "medusa", "mlp_speculator", "oracle")
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.draft", description="Tandem draft worker")
     add_runtime_args(parser)
-    parser.add_argument("--draft-method", "--method", dest="method", choices=METHODS, default="ngram", help="draft method")
+    parser.add_argument("--draft-method", "--method", dest="method", choices=(*METHODS, *BENCH_METHODS), default="ngram",
+                        help="draft method")
     parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="",
                         help="served model name of the targets this draft serves ('' = any)")
     parser.add_argument("--grpc-host", default="127.0.0.1", help="address the gRPC server binds")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from deploy.cli import build_parser, stack_config
-from deploy.stack import Component, StackConfig, component_names, filter_flags, plan
+from deploy.stack import StackConfig, component_names, plan
 
 pytestmark = pytest.mark.unit
 
 
-def ports_for(config: StackConfig, drafts_available: bool = True) -> dict[str, int]:
-    return {name: 9000 + i for i, name in enumerate(component_names(config, drafts_available))}
+def ports_for(config: StackConfig) -> dict[str, int]:
+    return {name: 9000 + i for i, name in enumerate(component_names(config))}
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -117,20 +117,6 @@ def test_head_methods_get_the_head_and_the_target(method):
     assert args[args.index("--draft-method") + 1] == method
     assert args[args.index("--eagle-model") + 1] == "/h" and args[args.index("--target-model") + 1] == "/m/target"
     assert "--draft-model" not in args
-
-
-def test_no_drafts_when_the_module_is_missing():
-    cfg = StackConfig(model="/m")
-    assert [c.name for c in plan(cfg, "/m", ports_for(cfg, False), drafts_available=False)] == ["target-0", "frontend"]
-
-
-def test_filter_flags_drops_only_unknown_optional_flags_with_their_values():
-    comp = Component("draft-0", "draft", "workers.draft",
-                     ("--method", "ngram", "--served-model-name", "m", "--verbose", "--model", "/m"),
-                     optional_flags=("--served-model-name", "--verbose", "--model"))
-    got = filter_flags(comp, frozenset({"--method", "--model"}))
-    assert got.args == ("--method", "ngram", "--model", "/m")
-    assert filter_flags(comp, frozenset()) is comp  # unknown help output: pass everything
 
 
 def test_cli_flags_and_defaults():
