@@ -270,15 +270,53 @@ def _random_head(kind: str, target_dir):
     return head.eval()
 
 
+GREEDY_SEEDS = (71, 73)  # the prompt seeds of the greedy test (70 + topk)
+
+
+@pytest.fixture(scope="module")
+def distilled_heads(target_dir) -> dict:
+    """Medusa and MLP heads fitted to the target's own greedy replies to the greedy test's prompts (what
+    train-draft does, on 2k tokens for a second): drafts the target accepts, so verification is tested
+    on accepted tokens and not only on rejected ones."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens, mask, hidden = [], [], []
+    for seed in GREEDY_SEEDS:
+        batch = prompts(32, seed=seed)  # the 16-prompt batch of a seed is its first half
+        replies = plain(target_dir, batch, params)
+        for rid, prompt in batch.items():
+            seq = prompt + replies[rid]
+            tokens += seq
+            mask += [False] * len(prompt) + [True] * len(replies[rid])
+            with torch.no_grad():  # the last hidden state after the final norm, as the proposer gets it
+                hidden.append(hf(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0])
+    # All replies as one sequence: a chain of 3 steps never reaches the next reply across its prompt.
+    tokens, mask, hidden = torch.tensor(tokens), torch.tensor(mask), torch.cat(hidden)
+    to_draft = torch.full((VOCAB,), -1, dtype=torch.long)
+    to_draft[: VOCAB - 16] = torch.arange(VOCAB - 16)  # _random_head's Medusa drafts from a reduced vocabulary
+    heads = {}
+    for kind in ("medusa", "mlp"):
+        head = _random_head(kind, target_dir).train()
+        opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+        for _ in range(100):
+            opt.zero_grad()
+            spec_head_forward(head, tokens, hidden, mask, to_draft if kind == "medusa" else None, 3).loss.backward()
+            opt.step()
+        heads[kind] = head.eval()
+    return heads
+
+
 @pytest.mark.parametrize("kind", ["medusa", "mlp"])
 @pytest.mark.parametrize("concurrent,topk", [(1, 1), (8, 1), (8, 3)])
-def test_greedy_speculation_with_heads_equals_plain_decoding(target_dir, kind, concurrent, topk):
+def test_greedy_speculation_with_heads_equals_plain_decoding(target_dir, distilled_heads, kind, concurrent, topk):
     batch = prompts(16 if concurrent == 1 else 32, seed=70 + topk)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = plain(target_dir, batch, params)
     engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=3 if topk == 1 else 8,
                         hidden_layers=(2,))
-    proposer = HeadProposer(_random_head(kind, target_dir), 2, tree_topk=topk, tree_depth=3)
+    proposer = HeadProposer(distilled_heads[kind], 2, tree_topk=topk, tree_depth=3)
     assert proposer.hidden_layers == [2]
     got = {}
     items = list(batch.items())
@@ -287,6 +325,8 @@ def test_greedy_speculation_with_heads_equals_plain_decoding(target_dir, kind, c
     assert got == want
     counters = engine.counters[""]
     assert counters.num_drafts > 0 and proposer.forward_calls > 0
+    # lossless with drafts accepted: on average at least one per verify step (mean accepted length >= 2)
+    assert counters.num_accepted_tokens >= counters.num_drafts, counters
     assert not any(s.broken for s in proposer._seqs.values()) and len(proposer) == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
