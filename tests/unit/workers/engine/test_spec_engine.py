@@ -166,3 +166,33 @@ def test_a_draft_reading_hidden_states_gets_them_for_a_prefix_cache_hit_too(mode
     fresh.step()
     [ref] = fresh.draft_inputs()
     torch.testing.assert_close(inp.hidden_states[0], ref.hidden_states[0])
+
+
+PROCESSORS = {
+    "presence": dict(presence_penalty=1.5),
+    "frequency": dict(frequency_penalty=0.8),
+    "repetition": dict(repetition_penalty=1.7),
+    "logit_bias": dict(logit_bias={5: 4.0, 17: -100.0, 40: 2.5}),
+    "all": dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={5: 3.0}),
+}
+
+
+@pytest.mark.parametrize("processor", sorted(PROCESSORS))
+@pytest.mark.parametrize("method", ["self_draft", "self_draft_tree", "ngram"])
+def test_greedy_speculation_equals_plain_under_each_logits_processor(models, processor, method):
+    """Penalties see the drafted tokens before each node as generated, so every verified row is the
+    distribution plain decoding would sample from at that point: outputs stay equal, token for token.
+    The target's own weights as a draft propose what the target would choose *without* the
+    processor, so drafts are both accepted and rejected."""
+    target_dir, draft_dir = models
+    batch = prompts(12, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PROCESSORS[processor])
+    want = plain(target_dir, batch, params)
+    assert want != plain(target_dir, batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4)
+    got = run_spec(engine, make_proposer(method, target_dir, draft_dir), batch, params)
+    assert got == want
+    counters = engine.counters[""]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0
+    if processor == "logit_bias":
+        assert all(17 not in tokens for tokens in got.values())  # -100: never chosen

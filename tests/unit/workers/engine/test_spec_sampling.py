@@ -132,3 +132,63 @@ def test_tree_verification_keeps_the_target_distribution(dirs):
     assert chi2_pvalue(torch.bincount(torch.tensor(seconds), minlength=VOCAB), p2) > 1e-4
     assert chi2_pvalue(torch.bincount(torch.tensor(thirds), minlength=VOCAB), p3) > 1e-4
     assert chi2_pvalue(torch.bincount(torch.tensor(fourths), minlength=VOCAB), p4) > 1e-4
+
+
+PROCESSED = dict(presence_penalty=2.0, frequency_penalty=1.0, repetition_penalty=1.4, logit_bias={2: 1.5, 7: -2.0},
+                 min_p=0.05)
+
+
+def processed_probs(logits: torch.Tensor, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """The target's distribution after ``prompt`` + ``output`` under PROCESSED, written out from the
+    definitions (OpenAI's penalties, vLLM's repetition penalty and min_p), not from the engine."""
+    x = logits.double().clone()
+    for token, bias in PROCESSED["logit_bias"].items():
+        x[token] += bias
+    r = PROCESSED["repetition_penalty"]
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / r if x[token] > 0 else x[token] * r
+    for token in set(output):
+        x[token] -= PROCESSED["frequency_penalty"] * output.count(token) + PROCESSED["presence_penalty"]
+    p = (x / temperature).softmax(-1)
+    p = torch.where(p >= PROCESSED["min_p"] * p.max(), p, 0.0)
+    return p / p.sum()
+
+
+@torch.inference_mode()
+def test_sampling_under_penalties_bias_and_min_p_keeps_the_target_distribution(dirs):
+    """Tokens 2 and 3 (emitted by verify steps: the root row and a row one draft token deep, whose
+    penalties count that draft token) follow the processed target distribution exactly."""
+    import transformers
+
+    target_dir, draft_dir = dirs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    t = 0.9
+    p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1], PROMPT, [], t)
+    ctx2 = hf(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1]
+    p2_given = torch.stack([processed_probs(ctx2[a], PROMPT, [a], t) for a in range(VOCAB)])  # [x1, x2]
+    ctx3 = hf(torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])).logits[:, -1]
+    p3_given = torch.stack([processed_probs(ctx3[a * VOCAB + b], PROMPT, [a, b], t)
+                            for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
+    p2 = (p1[:, None] * p2_given).sum(0)
+    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    engine = Engine(load_model(target_dir), EngineConfig(block_size=4, num_blocks=4096, max_num_seqs=256,
+                                                            max_num_batched_tokens=4096), num_speculative_tokens=3)
+    proposer = DraftModelProposer(load_model(draft_dir), num_blocks=4096, block_size=4, max_support=16)
+    torch.manual_seed(4321)
+    seconds, thirds = [], []
+    params = SamplingParams(temperature=t, max_tokens=4, ignore_eos=True, **PROCESSED)
+    for start in range(0, N, 250):
+        out = run_spec(engine, proposer, {str(i): PROMPT for i in range(start, start + 250)}, params)
+        seconds += [x[1] for x in out.values()]
+        thirds += [x[2] for x in out.values()]
+    counters = engine.counters[""]
+    assert counters.num_drafts >= N and 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert counters.accepted_per_pos[0] > 0.1 * N  # the third token often comes from a depth-1 row
+    assert all(p2[x] > 0 for x in seconds) and all(p3[x] > 0 for x in thirds)  # nothing min_p removed
+    # The penalties' own effect: how often the third token repeats the second (a draft token the
+    # depth-1 row must count as generated), against its exact probability; a binomial z-test.
+    repeat = float(torch.einsum("a,ab,abb->", p1, p2_given, p3_given))
+    seen = sum(b == c for b, c in zip(seconds, thirds)) / len(thirds)
+    assert abs(seen - repeat) <= 4 * (repeat * (1 - repeat) / len(thirds)) ** 0.5, (seen, repeat)
+    assert chi2_pvalue(torch.bincount(torch.tensor(seconds), minlength=VOCAB), p2) > 1e-4
+    assert chi2_pvalue(torch.bincount(torch.tensor(thirds), minlength=VOCAB), p3) > 1e-4
