@@ -5,7 +5,7 @@ Usage: .venv/bin/python bench/eagle3_check.py HEAD_DIR [--prompts 50] [--max-tok
 HEAD_DIR: an EAGLE-3 / EAGLE head, Medusa heads or an MLP speculator (``tandem train-draft --head``).
 
 In one process (CPU, float32): the demo target decodes every prompt plainly, then speculates with the
-head at batch 1 and with 8 requests in flight (the target's ``SpecEngine`` and the draft worker's
+head at batch 1 and with 8 requests in flight (the target's ``Engine`` and the draft worker's
 ``EagleProposer`` or ``HeadProposer``, exchanging the same typed payloads as over gRPC). Every speculative output must
 equal the plain one token for token. Prompts come from the train-draft generator under a seed no
 training run uses, so none is a training conversation. Prints equality, the mean acceptance length
@@ -44,7 +44,7 @@ def main() -> None:
     from workers.draft.train.prompts import held_out_prompts
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.weights import load_model
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     torch.set_num_threads(args.threads)
     target = demo_model_dir()
@@ -74,7 +74,7 @@ def main() -> None:
     total = sum(len(v) for v in plain.values())
     print(f"plain (batch of 8 in flight): {total / plain_s:.1f} tok/s")
     for batch in (1, 8):
-        engine = SpecEngine(model, cfg, num_speculative_tokens=args.gamma, hidden_layers=tuple(layers), adaptive=False)
+        engine = Engine(model, cfg, num_speculative_tokens=args.gamma, hidden_layers=tuple(layers), adaptive=False)
         proposer = make_proposer()
         got, drafts, accepted = {}, 0, 0
         WIRE.update(bytes=0, seconds=0.0, steps=0, step_seconds=0.0)

@@ -365,7 +365,7 @@ def main() -> None:
     import transformers
 
     from workers.engine.engine import EngineConfig
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -385,7 +385,7 @@ def main() -> None:
     model = random_model(cfg, max_positions=4096)
     res["weight_gb"] = weight_bytes(model) / 1e9
     started = time.perf_counter()
-    engine = SpecEngine(model, EngineConfig(block_size=16, max_num_seqs=max(batches), max_num_batched_tokens=8192,
+    engine = Engine(model, EngineConfig(block_size=16, max_num_seqs=max(batches), max_num_batched_tokens=8192,
                                             max_model_len=2048, kv_cache_bytes=6 << 30),
                         eos_token_ids=(), num_speculative_tokens=GAMMA)
     res["capture_s"] = time.perf_counter() - started

@@ -6,7 +6,7 @@ A target engine loop (the one the target worker runs) on a tiny random Llama (so
 step is short and the loop's own cost shows), speculating with a real n-gram draft service on
 gRPC in a child process. For batch 1 and 8 (greedy, ``--tokens`` tokens each, repetitive prompts
 so that the n-gram draft proposes), it measures wall time from submitting the requests to the
-last token, and the time spent inside ``SpecEngine.step``; the difference divided by the number
+last token, and the time spent inside ``Engine.step``; the difference divided by the number
 of steps is the loop's overhead per step. The best of ``--repeats`` runs is reported.
 """
 
@@ -47,7 +47,7 @@ def tiny_engine():
     from workers.engine.config import ModelConfig
     from workers.engine.engine import EngineConfig
     from workers.engine.model import DecoderModel
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -58,7 +58,7 @@ def tiny_engine():
         for p in model.parameters():
             p.normal_(0, 0.2)
     model.reset_buffers()
-    return SpecEngine(model.eval(), EngineConfig(num_blocks=512, block_size=16), eos_token_ids=(),
+    return Engine(model.eval(), EngineConfig(num_blocks=512, block_size=16), eos_token_ids=(),
                       num_speculative_tokens=4)
 
 

@@ -111,7 +111,7 @@ def main() -> None:
     from workers.draft.train.prompts import held_out_prompts
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.weights import load_model
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     torch.set_num_threads(args.threads)
     target = demo_model_dir()
@@ -146,7 +146,7 @@ def main() -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for method, shape, n, factory, hidden in setups:
         _, plain_s = run(Engine(model, cfg), None, prompts, params, args.batch)
-        engine = SpecEngine(model, cfg, num_speculative_tokens=n, hidden_layers=tuple(hidden), adaptive=args.adaptive)
+        engine = Engine(model, cfg, num_speculative_tokens=n, hidden_layers=tuple(hidden), adaptive=args.adaptive)
         got, seconds = run(engine, factory(), prompts, params, args.batch)
         c = engine.counters.get("")
         length = (mean_accepted_length(c.num_accepted_tokens, c.num_drafts) if c else None) or 1.0

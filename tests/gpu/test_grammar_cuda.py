@@ -11,7 +11,7 @@ import torch
 
 from runtime.messages import SamplingParams, StructuredOutput
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.target.test_spec_engine import run_spec
+from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sampling import apply_token_bitmask
 
@@ -41,7 +41,7 @@ def test_greedy_speculation_under_a_grammar_on_cuda(tmp_path):
     from workers.draft.draft_model import DraftModelProposer
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
-    from workers.target.spec_engine import SpecEngine
+    from workers.engine.engine import Engine
 
     try:
         tokenizer_file = demo_tokenizer_dir() / "tokenizer.json"
@@ -59,7 +59,7 @@ def test_greedy_speculation_under_a_grammar_on_cuda(tmp_path):
     for ids in want.values():
         assert ids[-1] == 2 and json.loads(tok.decode(ids[:-1]))
     for tree in (0, 3):  # chains (the Triton sampler), then trees
-        engine = SpecEngine(model, cfg, eos_token_ids=(2,), grammars=grammars, num_speculative_tokens=4)
+        engine = Engine(model, cfg, eos_token_ids=(2,), grammars=grammars, num_speculative_tokens=4)
         draft = load_model(tmp_path / "d", device="cuda", dtype=torch.float32, fused=True)
         proposer = DraftModelProposer(draft, num_blocks=256, block_size=16, tree_topk=tree or 1, tree_depth=tree or 0)
         assert run_spec(engine, proposer, prompts, params) == want

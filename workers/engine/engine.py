@@ -24,7 +24,6 @@ the next round's requests come from :meth:`draft_inputs`.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.messages import KvEvent, SamplingParams, TokenDelta, TopLogprob, Usage
+from runtime.validation import validate_request
 
 from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, VerifyResult
 from .block_manager import BlockManager
@@ -48,8 +48,6 @@ from .speculator import Drafted, Speculator
 from .verifier import Candidate, verify
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -148,37 +146,8 @@ class Engine:
 
     def validate(self, token_ids: list[int], params: SamplingParams, output_ids: list[int] = ()) -> None:
         """Raise :class:`InvalidRequest` (naming the field) for a request the engine cannot serve."""
-        if not token_ids:
-            raise InvalidRequest("the prompt has no tokens", field="prompt")
-        if any(not 0 <= t < self.vocab_size for t in token_ids) or any(not 0 <= t < self.vocab_size for t in output_ids):
-            raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", field="prompt")
-        length = len(token_ids) + len(output_ids)
-        if length >= self.max_model_len:
-            raise InvalidRequest(f"the prompt ({length} tokens) does not fit the context length of "
-                                 f"{self.max_model_len}", field="prompt")
-        if params.max_tokens < 0:
-            raise InvalidRequest(f"max_tokens must be >= 0, got {params.max_tokens}", field="max_tokens")
-        if length + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(f"prompt ({length} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                                 f"context length of {self.max_model_len}", field="max_tokens")
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {params.temperature}", field="temperature")
-        if not 0 < params.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p}", field="top_p")
-        if params.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, got {params.top_k}", field="top_k")
-        if not 0 <= params.min_tokens <= params.max_tokens:
-            raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {params.min_tokens}", field="min_tokens")
-        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", field="logprobs")
-        if params.structured is not None:
-            if self.grammars is None:
-                raise InvalidRequest("this worker does not support structured outputs", field="response_format")
-            # a finished grammar allows only EOS: it must end the output, and may not be banned
-            if params.ignore_eos:
-                raise InvalidRequest("ignore_eos cannot be combined with structured outputs", field="ignore_eos")
-            if params.min_tokens:
-                raise InvalidRequest("min_tokens cannot be combined with structured outputs", field="min_tokens")
+        validate_request(token_ids, params, output_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                         structured_outputs=self.grammars is not None)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     output_ids: list[int] = (), grammar: Grammar | None = None, *,

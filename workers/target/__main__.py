@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
 from runtime.events import TOPIC_KV_DUMP
 from runtime.messages import GenerateRequest, KvDumpRequest, ModelCard
 from runtime.service import run_service
@@ -69,7 +69,7 @@ class TargetConfig:
             raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device}")
         if self.attention not in ("auto", "torch", "triton"):
             raise ValueError(f"--attention must be auto, torch or triton, got {self.attention}")
-        if self.attention == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.attention == "triton" and self.device == "cpu" and not triton_interpret():
             raise ValueError("--attention triton needs --device cuda (or TRITON_INTERPRET=1 to run it slowly on CPU)")
         if self.kv_cache_gb <= 0 or self.load_interval <= 0:
             raise ValueError("--kv-cache-gb and --load-interval must be positive")

@@ -10,11 +10,11 @@ from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.target.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
+from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.engine.weights import load_model
 from workers.draft.eagle import Eagle1Head, Eagle3Head, load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
-from workers.target.spec_engine import SpecEngine
+from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +99,7 @@ def test_greedy_speculation_with_eagle_equals_plain_decoding(target_dir, tmp_pat
     batch = prompts(50, seed=40 + version)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = plain(target_dir, batch, params)
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=3 if topk == 1 else 8,
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=3 if topk == 1 else 8,
                         hidden_layers=tuple(layers))
     proposer = EagleProposer(head, layers, num_blocks=512, block_size=4, tree_topk=topk, tree_depth=3)
     got = {}

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.target.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
+from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.draft.eagle import load_target_parts
 from workers.draft.head_proposer import HeadProposer
 from workers.draft.spec_heads import (MEDUSA, MLP, MedusaHead, MlpSpeculatorHead, head_kind, load_spec_head,
@@ -22,7 +22,7 @@ from workers.draft.spec_heads import (MEDUSA, MLP, MedusaHead, MlpSpeculatorHead
 from workers.draft.train.spec_heads import build_medusa, build_mlp, spec_head_forward
 from workers.engine.weights import load_model
 from workers.speculation.payloads import ROOT, DraftInput, SamplingSpec
-from workers.target.spec_engine import SpecEngine
+from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 
@@ -314,7 +314,7 @@ def test_greedy_speculation_with_heads_equals_plain_decoding(target_dir, distill
     batch = prompts(16 if concurrent == 1 else 32, seed=70 + topk)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = plain(target_dir, batch, params)
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=3 if topk == 1 else 8,
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=3 if topk == 1 else 8,
                         hidden_layers=(2,))
     proposer = HeadProposer(distilled_heads[kind], 2, tree_topk=topk, tree_depth=3)
     assert proposer.hidden_layers == [2]

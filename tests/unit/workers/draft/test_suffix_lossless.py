@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.target.test_spec_engine import CFG, models, plain, prompts, run_spec  # noqa: F401 (fixture)
+from tests.unit.workers.engine.test_spec_engine import CFG, models, plain, prompts, run_spec  # noqa: F401 (fixture)
 from workers.draft.suffix import SuffixConfig, SuffixProposer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
-from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 
 
-def serve(engine: SpecEngine, proposer, batch: dict[str, list[int]], params: SamplingParams, per_step: int
+def serve(engine: Engine, proposer, batch: dict[str, list[int]], params: SamplingParams, per_step: int
           ) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {}
     items = list(batch.items())
@@ -32,7 +31,7 @@ def test_greedy_suffix_speculation_equals_plain_decoding(models, concurrent, top
     batch = prompts(24 if concurrent == 1 else 48, seed=31 + topk)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = plain(target_dir, batch, params)
-    engine = SpecEngine(load_model(target_dir), CFG, num_speculative_tokens=4)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4)
     proposer = SuffixProposer(SuffixConfig(tree_topk=topk))
     assert serve(engine, proposer, batch, params, concurrent) == want
     first = engine.counters[""]
@@ -70,7 +69,7 @@ def test_suffix_speculation_on_smollm2_tool_calls_is_lossless():
     cfg = EngineConfig(block_size=16, num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=2048)
     model = load_model(path)
     want = Engine(model, cfg).generate(prompts, params)
-    engine = SpecEngine(model, cfg, num_speculative_tokens=4)
+    engine = Engine(model, cfg, num_speculative_tokens=4)
     proposer = SuffixProposer()
     assert serve(engine, proposer, prompts, params, 8) == want
     counters = engine.counters[""]

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.target.test_spec_engine import run_spec
+from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.demo_model import demo_tokenizer_dir
 from workers.draft.eagle import Eagle3Head, load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
@@ -26,7 +26,6 @@ from workers.engine.attention import AttentionMetadata, allocate_kv_cache
 from workers.engine.config import ModelConfig
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
-from workers.target.spec_engine import SpecEngine
 
 pytestmark = pytest.mark.unit
 
@@ -173,7 +172,7 @@ def test_tiny_training_run_writes_a_head_that_speculates_losslessly(tiny_target,
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = Engine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=()).generate(prompts, params)
     for batch in (1, 8):
-        engine = SpecEngine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=(),
+        engine = Engine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=(),
                             num_speculative_tokens=3, hidden_layers=tuple(layers))
         proposer = EagleProposer(head, layers, num_blocks=256, block_size=4)
         got = {}
@@ -216,7 +215,7 @@ def test_medusa_and_mlp_heads_train_reuse_conversations_and_speculate_losslessly
         head = load_spec_head(tmp_path / name, 64, VOCAB, lm_head)
         assert isinstance(head, cls) and head.n_predict == 3
         for batch in (1, 8):
-            engine = SpecEngine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=(),
+            engine = Engine(model, EngineConfig(num_blocks=256, block_size=4), eos_token_ids=(),
                                 num_speculative_tokens=3, hidden_layers=(4,))
             proposer = HeadProposer(head, 4)
             got = {}

@@ -89,7 +89,7 @@ def test_load_aware_engine_is_still_lossless(target_dir):  # noqa: F811
     for start in range(0, len(items), 8):
         got.update(run_spec(engine, NgramProposer(1, 3), dict(items[start : start + 8]), params))
     assert got == want
-    assert engine.cost.ready and engine.cost.samples > 0
+    assert engine.spec.cost.ready and engine.spec.cost.samples > 0
 
 
 def test_realized_rates_veto_speculation_that_does_worse():
