@@ -250,6 +250,12 @@ class Speculator:
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
+    @property
+    def num_bad_proposals(self) -> int:
+        """Proposals dropped as malformed so far (not those that merely arrived for a sequence that no
+        longer decodes next, which is no fault of the draft)."""
+        return sum(n for reason, n in self.dropped.items() if reason != "stale")
+
     def record(self, d: Drafted, accepted: int) -> SpecState:
         """Count one verified proposal of which ``accepted`` tokens were accepted; adapt the budget."""
         st = self.states[d.seq.request_id]

@@ -99,7 +99,7 @@ class Cycle:
     verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome
     released: list[str] = field(default_factory=list)
     requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
-    dropped: int = 0  # proposals the engine refused this step
+    dropped: int = 0  # proposals the engine refused as malformed this step
     kv_events: list[KvEvent] = field(default_factory=list)
     has_work: bool = False
 
@@ -221,6 +221,7 @@ class StepLoop:
 
     async def _iteration(self) -> None:
         if not self._commands and not self._has_work:
+            self._pending = {}  # proposals for sequences that are gone: not worth waiting for
             self._wake.clear()
             await self._wake.wait()
             return
@@ -259,7 +260,7 @@ class StepLoop:
             proposals = {}
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        dropped = sum(engine.spec.dropped.values())
+        dropped = engine.spec.num_bad_proposals
         if engine.has_work():
             started = time.perf_counter()
             try:
@@ -270,7 +271,7 @@ class StepLoop:
             except Exception as exc:
                 out.failed = self._step_failed(exc)
             out.stepped = True
-        out.dropped = sum(engine.spec.dropped.values()) - dropped
+        out.dropped = engine.spec.num_bad_proposals - dropped
         if context is not None:
             self._draft_messages(out, context)
         else:
