@@ -119,11 +119,14 @@ class AttentionMetadata:
 
     @classmethod
     def static(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor,
-               token_pos: torch.Tensor, block_size: int) -> AttentionMetadata:
+               token_pos: torch.Tensor, block_size: int, tree_base: torch.Tensor | None = None,
+               tree_bits: torch.Tensor | None = None) -> AttentionMetadata:
         """Metadata from tensors only (slot_mapping [T] long, block_tables [B, max_blocks] int32,
-        token_seq / token_pos [T] int32), valid for any lengths they describe: CUDA-graph safe."""
+        token_seq / token_pos [T] int32; for token trees tree_base [T] and tree_bits [T, W] int32, see
+        the fields), valid for any lengths they describe: CUDA-graph safe."""
         return cls(block_size=block_size, query_lens=[], context_lens=[], slot_mapping=slot_mapping,
-                   block_tables=block_tables, token_seq=token_seq, token_pos=token_pos, tensors_only=True)
+                   block_tables=block_tables, token_seq=token_seq, token_pos=token_pos, tensors_only=True,
+                   has_tree=tree_bits is not None, tree_base=tree_base, tree_bits=tree_bits)
 
     def _build_batched(self, rows: list[int], starts: list[int], tables: torch.Tensor, device,
                        trees: list[torch.Tensor | None]) -> None:

@@ -17,6 +17,13 @@ Only uniform steps are graphed: every sequence wants logits for all of its new t
 1 of 1; verify: q_b of q_b). Prefill chunks and mixed batches run eagerly. Graphs share one
 memory pool, captured largest first; outputs are copied out before the next replay.
 
+Token trees (``GraphConfig.trees``): a verify step in which some sequence's draft is a tree runs a
+second graph per (bucket, Q) whose attention also reads static per-token tree masks (``tree_base``
+and packed ``tree_bits``, see :class:`~workers.engine.attention.AttentionMetadata`). A tree's tokens
+sit in consecutive cache slots but are rotated to their depth, so that graph's positions (rotary)
+and token positions (slots, causal limit) are uploaded separately; chains in the same batch attend
+causally (tree base past their own position).
+
 Without CUDA (tests), ``capture=False`` runs the same static, padded forward eagerly: the
 bucketing and padding logic is then checked on CPU.
 """
@@ -28,8 +35,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..speculation.tree import ancestor_mask, tree_depths
 from .attention import AttentionMetadata
 from .model import DecoderModel, ModelOutput
 
@@ -58,6 +67,7 @@ class GraphConfig:
     query_lens: tuple[int, ...] = (1,)
     hidden_layers: tuple[int, ...] = ()
     capture: bool = True  # False: run the static forward eagerly (CPU tests)
+    trees: bool = False  # also graphs for verify steps with token trees (query lengths > 1)
 
     def __post_init__(self):
         if self.max_batch <= 0:
@@ -110,36 +120,47 @@ class GraphRunner:
         self.input_ids, self.positions, self.slot_mapping = self._long[0], self._long[1], self._long[2]
         self.token_seq, self.token_pos = self._int[:n], self._int[n : 2 * n]
         self.block_tables = self._int[2 * n :].view(self.buckets[-1], self.max_blocks)
+        # token trees: int32 [tree base (n) | tree bits (n × words)], its own pinned mirror and copy
+        self.tree_words = -(-self.query_lens[-1] // 32)
+        self._tree = torch.zeros(n * (1 + self.tree_words), dtype=torch.int32, device=device)
+        self._host_tree = torch.zeros(self._tree.shape, dtype=torch.int32, pin_memory=cuda)
+        self._host_tree_np = self._host_tree.numpy()
+        self.tree_base = self._tree[:n]
+        self.tree_bits = self._tree[n:].view(n, self.tree_words)
         self._table_width = [0] * self.buckets[-1]  # columns of each host table row not holding the scratch block
         self._uploaded = torch.cuda.Event() if cuda else None  # the host mirrors are free once it has passed
-        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        self.graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
         self._pool = None
         self.replays = 0
 
     # ------------------------------------------------------------------ capture
 
     def capture_all(self) -> None:
-        """Capture every bucket × query length for the configured hidden layers, largest first."""
+        """Capture every bucket × query length (and tree variant) for the configured hidden layers,
+        largest first."""
         started = time.perf_counter()
         hidden = tuple(sorted(set(self.config.hidden_layers)))
         for q in reversed(self.query_lens):
-            for bucket in reversed(self.buckets):
-                self._graph(bucket, q, hidden)
+            for tree in ((False, True) if self.config.trees and q > 1 else (False,)):
+                for bucket in reversed(self.buckets):
+                    self._graph(bucket, q, hidden, tree)
         if self.config.capture:
-            log.info("captured %d CUDA graphs (batch ≤ %d, query lengths %s) in %.1fs", len(self.graphs),
-                     self.buckets[-1], self.query_lens, time.perf_counter() - started)
+            log.info("captured %d CUDA graphs (batch ≤ %d, query lengths %s, trees %s) in %.1fs", len(self.graphs),
+                     self.buckets[-1], self.query_lens, self.config.trees, time.perf_counter() - started)
 
-    def _meta(self, bucket: int, q: int) -> AttentionMetadata:
+    def _meta(self, bucket: int, q: int, tree: bool) -> AttentionMetadata:
         n = bucket * q
+        trees = (self.tree_base[:n], self.tree_bits[:n, : -(-q // 32)]) if tree else (None, None)
         return AttentionMetadata.static(self.slot_mapping[:n], self.block_tables[:bucket], self.token_seq[:n],
-                                        self.token_pos[:n], self.block_size)
+                                        self.token_pos[:n], self.block_size, *trees)
 
-    def _forward(self, bucket: int, q: int, hidden: tuple[int, ...]) -> ModelOutput:
+    def _forward(self, bucket: int, q: int, hidden: tuple[int, ...], tree: bool) -> ModelOutput:
         n = bucket * q
-        return self.model(self.input_ids[:n], self.positions[:n], self._meta(bucket, q), self.kv_caches, None, hidden)
+        return self.model(self.input_ids[:n], self.positions[:n], self._meta(bucket, q, tree), self.kv_caches, None,
+                          hidden)
 
-    def _graph(self, bucket: int, q: int, hidden: tuple[int, ...]) -> _Graph:
-        key = (bucket, q, hidden)
+    def _graph(self, bucket: int, q: int, hidden: tuple[int, ...], tree: bool = False) -> _Graph:
+        key = (bucket, q, hidden, tree)
         found = self.graphs.get(key)
         if found is not None:
             return found
@@ -152,11 +173,11 @@ class GraphRunner:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):  # compile the Triton kernels and warm up cuBLAS outside capture
                     for _ in range(2):
-                        self._forward(bucket, q, hidden)
+                        self._forward(bucket, q, hidden, tree)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    output = self._forward(bucket, q, hidden)
+                    output = self._forward(bucket, q, hidden, tree)
             self._pool = graph.pool()
             entry = _Graph(graph, output)
         self.graphs[key] = entry
@@ -171,13 +192,20 @@ class GraphRunner:
         self.token_seq[:n].zero_()
         self.token_pos[:n].zero_()
         self.block_tables[:bucket].fill_(self.scratch_block)
+        self.tree_base[:n].fill_(1)
+        self.tree_bits[:n].zero_()
 
     # ------------------------------------------------------------------ running
 
     def shape_for(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
-                  hidden_layers: Iterable[int]) -> tuple[int, int, tuple[int, ...]] | None:
-        """The (bucket, Q, hidden) graph that serves this batch, or None if it must run eagerly."""
+                  hidden_layers: Iterable[int], trees: list[list[int] | None] | None = None
+                  ) -> tuple[int, int, tuple[int, ...], bool] | None:
+        """The (bucket, Q, hidden, tree) graph that serves this batch, or None if it must run eagerly.
+        ``trees[b]``: the parents of chunk b's draft tokens (a token tree), or None."""
         if not chunks or len(chunks) > self.buckets[-1]:
+            return None
+        tree = trees is not None and any(t is not None for t in trees)
+        if tree and not self.config.trees:
             return None
         longest = 0
         for (tokens, _, _), want in zip(chunks, logits_last):
@@ -185,22 +213,23 @@ class GraphRunner:
                 return None
             longest = max(longest, want)
         q = next((x for x in self.query_lens if x >= longest), None)
-        if q is None:
+        if q is None or (tree and q == 1):
             return None
         bucket = next(b for b in self.buckets if b >= len(chunks))
-        return bucket, q, tuple(sorted(set(hidden_layers)))
+        return bucket, q, tuple(sorted(set(hidden_layers))), tree
 
     @torch.inference_mode()
-    def run(self, chunks: list[tuple[list[int], int, list[int]]], shape: tuple[int, int, tuple[int, ...]]) -> ModelOutput:
+    def run(self, chunks: list[tuple[list[int], int, list[int]]], shape: tuple[int, int, tuple[int, ...], bool],
+            trees: list[list[int] | None] | None = None) -> ModelOutput:
         """Run a batch :meth:`shape_for` accepted; output rows are the chunks' tokens in order."""
-        bucket, q, hidden = shape
-        entry = self._graph(bucket, q, hidden)  # captures on first use of a new shape
-        self._upload(chunks, bucket, q)
+        bucket, q, hidden, tree = shape
+        entry = self._graph(bucket, q, hidden, tree)  # captures on first use of a new shape
+        self._upload(chunks, bucket, q, trees if tree else None)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output
         else:
-            out = self._forward(bucket, q, hidden)
+            out = self._forward(bucket, q, hidden, tree)
         self.replays += 1
         rows = [b * q + j for b, (tokens, _, _) in enumerate(chunks) for j in range(len(tokens))]
         slots = self._long[2]
@@ -213,13 +242,15 @@ class GraphRunner:
                            {layer: h.index_select(0, index) for layer, h in out.hidden.items()},
                            slots.index_select(0, index))
 
-    def _upload(self, chunks: list[tuple[list[int], int, list[int]]], bucket: int, q: int) -> None:
-        """Write the step's padded inputs into the pinned host mirrors and copy them up (two copies)."""
+    def _upload(self, chunks: list[tuple[list[int], int, list[int]]], bucket: int, q: int,
+                trees: list[list[int] | None] | None = None) -> None:
+        """Write the step's padded inputs into the pinned host mirrors and copy them up (two copies; a
+        tree step a third, its masks)."""
         n, bs, size = bucket * q, self.block_size, self.max_tokens
         scratch_slot = self.scratch_block * bs
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have read the mirrors
-        ids, pos, slots = [0] * n, [0] * n, [scratch_slot] * n
+        ids, pos, slots, tpos = [0] * n, [0] * n, [scratch_slot] * n, [0] * n
         seq_of = [b for b in range(bucket) for _ in range(q)]
         tables = self._host_int_np[2 * size :].reshape(-1, self.max_blocks)
         width = self._table_width
@@ -227,7 +258,7 @@ class GraphRunner:
             base = b * q
             for j, token in enumerate(tokens):
                 p = start + j
-                ids[base + j], pos[base + j] = token, p
+                ids[base + j], pos[base + j], tpos[base + j] = token, p, p
                 slots[base + j] = table[p // bs] * bs + p % bs
             tables[b, : len(table)] = table
             if width[b] > len(table):
@@ -237,11 +268,39 @@ class GraphRunner:
             if width[b]:
                 tables[b, : width[b]] = self.scratch_block
                 width[b] = 0
+        if trees is not None:
+            self._upload_trees(chunks, trees, q, n, pos, tpos)
         host_long, host_int = self._host_long_np, self._host_int_np
         host_long[0, :n], host_long[1, :n], host_long[2, :n] = ids, pos, slots
-        host_int[:n], host_int[size : size + n] = seq_of, pos
+        host_int[:n], host_int[size : size + n] = seq_of, tpos
         self._long.copy_(self._host_long, non_blocking=True)
         used = 2 * size + bucket * self.max_blocks
         self._int[:used].copy_(self._host_int[:used], non_blocking=True)
+        if trees is not None:
+            self._tree.copy_(self._host_tree, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
+
+    def _upload_trees(self, chunks, trees: list[list[int] | None], q: int, n: int, pos: list[int],
+                      tpos: list[int]) -> None:
+        """Tree masks and depth positions of a tree step into the host mirror: a tree chunk's tokens
+        see every key before its root and, from the root on, only their ancestors (and themselves);
+        every other token (chains, padding) attends causally (tree base past its own position)."""
+        words = self.tree_words
+        base = self._host_tree_np[: self.max_tokens]
+        bits = self._host_tree_np[self.max_tokens :].reshape(self.max_tokens, words)
+        base[:n] = [p + 1 for p in tpos]
+        bits[:n] = 0
+        for b, ((tokens, start, _), parents) in enumerate(zip(chunks, trees)):
+            if parents is None:
+                continue
+            row = b * q
+            for i, depth in enumerate(tree_depths(parents)):
+                pos[row + 1 + i] = start + depth  # rotated to its depth, stored in the next slot
+            mask = ancestor_mask(parents).numpy()  # [k+1, k+1] bool over the chunk's own keys
+            k1 = mask.shape[0]
+            padded = np.zeros((k1, words * 32), dtype=np.uint8)
+            padded[:, :k1] = mask
+            packed = np.packbits(padded, axis=-1, bitorder="little").view(np.int32)  # [k+1, words]
+            base[row : row + k1] = start
+            bits[row : row + k1] = packed

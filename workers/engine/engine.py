@@ -140,7 +140,7 @@ class Engine:
             return None
         gamma = self.spec.num_speculative_tokens
         return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, (1, gamma + 1) if gamma else (1,),
-                           self.hidden_layers)
+                           self.hidden_layers, trees=gamma > 1)
 
     # ------------------------------------------------------------------ requests
 

@@ -58,10 +58,10 @@ class ModelRunner:
         """Run all chunks in one forward pass; logits rows come in chunk order."""
         trees = trees or [None] * len(chunks)
         has_tree = any(t is not None for t in trees)
-        if self.graphs is not None and not has_tree:
-            shape = self.graphs.shape_for(chunks, logits_last, hidden_layers)
+        if self.graphs is not None:
+            shape = self.graphs.shape_for(chunks, logits_last, hidden_layers, trees if has_tree else None)
             if shape is not None:
-                return self.graphs.run(chunks, shape)
+                return self.graphs.run(chunks, shape, trees)
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []

@@ -80,7 +80,7 @@ def test_padded_static_forward_equals_eager(model_dir, fused):
         chunks = [([rng.randrange(256) for _ in range(n)], lens[rid], tables[rid]) for rid, n in new.items()]
         wants = [len(c[0]) for c in chunks]
         shape = graphed.graphs.shape_for(chunks, wants, (1,))
-        assert shape == (4, max(wants), (1,))
+        assert shape == (4, max(wants), (1,), False)
         ref = eager.forward(chunks, wants, (1,))
         got = graphed.forward(chunks, wants, (1,))
         assert got.logits.shape == ref.logits.shape
@@ -126,7 +126,8 @@ def test_non_uniform_batches_run_eagerly(model_dir):
     assert shape([([1, 2, 3], 0, [0])], [1], ()) is None  # prefill chunk
     assert shape([([1], 4, [0, 1])] * 3, [1] * 3, ()) is None  # more sequences than the largest bucket
     assert shape([([1] * 4, 4, [0, 1, 2])], [4], ()) is None  # longer than the longest captured query
-    assert shape([([1, 2], 4, [0, 1])], [2], (2,)) == (1, 3, (2,))  # new hidden layers: captured on first use
+    assert shape([([1, 2], 4, [0, 1])], [2], (2,)) == (1, 3, (2,), False)  # new hidden layers: captured on first use
+    assert shape([([1, 2, 3], 4, [0, 1])], [3], (), [[-1, -1]]) is None  # a tree, and no tree graphs configured
 
 
 class _GraphedEngine(Engine):
@@ -134,7 +135,7 @@ class _GraphedEngine(Engine):
 
     def _graph_config(self, model):
         gamma = self.spec.num_speculative_tokens
-        return GraphConfig(4, (1, gamma + 1) if gamma else (1,), self.hidden_layers, capture=CUDA)
+        return GraphConfig(4, (1, gamma + 1) if gamma else (1,), self.hidden_layers, capture=CUDA, trees=gamma > 1)
 
 
 def _prompts(n: int, seed: int = 0) -> dict[str, list[int]]:
@@ -180,7 +181,37 @@ def test_spec_engine_verify_steps_with_graphs(model_dir):
         step += 1
     assert got == plain
     assert engine.runner.graphs.replays > 0
-    assert {q for _, q, _ in engine.runner.graphs.graphs} == {1, 4}
+    assert {key[1] for key in engine.runner.graphs.graphs} == {1, 4}
+
+
+def test_tree_verify_steps_with_graphs(model_dir):
+    """Token trees in the graphed verify step (the correct path among wrong siblings, chains beside
+    them in the same batch): output equals plain decoding, and tree graphs were replayed."""
+    model = load_model(model_dir, device=DEVICE, fused=True)
+    cfg = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4)
+    prompts = _prompts(3, seed=2)
+    plain = Engine(model, cfg, eos_token_ids=()).generate(prompts, GREEDY)
+    engine = _GraphedEngine(model, cfg, eos_token_ids=(), num_speculative_tokens=5, adaptive=False)
+    got = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, GREEDY)
+    while engine.has_work():
+        proposals = {}
+        for i, inp in enumerate(engine.draft_inputs()):
+            done = len(got[inp.seq_id])
+            f = plain[inp.seq_id][done : done + 3]
+            if i == 0 or len(f) < 3:  # a chain
+                proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, f[: inp.num_tokens])
+                continue
+            wrong = [(t + 7) % 256 for t in f]
+            # root → {f0, w0}; f0 → {w1, f1}; f1 → f2: the accepted path is nodes 0, 3, 4
+            proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, [f[0], wrong[0], wrong[1], f[1], f[2]], [],
+                                                [-1, -1, 0, 0, 3])
+        for rid, delta in engine.step(proposals):
+            got[rid].extend(delta.token_ids)
+    assert got == plain
+    assert any(key[3] for key in engine.runner.graphs.graphs)  # a tree graph ran
+    assert engine.counters[""].accepted_per_pos[2] > 0  # three-deep paths were accepted
 
 
 @pytest.mark.gpu
@@ -200,5 +231,5 @@ def test_graph_replay_equals_eager_static_forward(model_dir, dtype):
     for runner, tables in runners:
         chunks = [([7, 8][: 1 + i % 2], len(prompts[rid]), tables[rid]) for i, rid in enumerate(prompts)]
         outs.append(runner.forward(chunks, [len(c[0]) for c in chunks]).logits)
-    assert runners[0][0].graphs.graphs[(4, 4, ())].graph is not None
+    assert runners[0][0].graphs.graphs[(4, 4, (), False)].graph is not None
     assert torch.equal(outs[0], outs[1])
