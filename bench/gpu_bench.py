@@ -191,10 +191,10 @@ def eagle3_step(target_cfg: ModelConfig, batch: int, context: int, iters: int = 
     """One EAGLE-3 drafting step (midlayer + draft LM head → target-vocab logits), eager and graphed."""
     from dataclasses import replace
 
+    from workers.draft.eagle import Eagle3Head
     from workers.engine.attention import AttentionMetadata, allocate_kv_cache
     from workers.engine.layers import RotaryEmbedding
     from workers.engine.triton_attention import paged_attention_triton
-    from workers.draft.eagle import Eagle3Head
 
     cfg = replace(target_cfg, num_layers=1)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -361,11 +361,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA GPU")
-    import triton
     import transformers
+    import triton
 
-    from workers.engine.engine import EngineConfig
-    from workers.engine.engine import Engine
+    from workers.engine.engine import Engine, EngineConfig
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

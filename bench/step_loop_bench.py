@@ -28,8 +28,8 @@ async def serve_draft() -> None:
     import grpc
 
     from proto import spec_pb2_grpc
-    from workers.draft.service import DraftService
     from workers.draft.ngram import NgramProposer
+    from workers.draft.service import DraftService
 
     service = DraftService(NgramProposer(1, 3), "bench-draft")
     await service.start()
@@ -45,9 +45,8 @@ def tiny_engine():
     import torch
 
     from workers.engine.config import ModelConfig
-    from workers.engine.engine import EngineConfig
+    from workers.engine.engine import Engine, EngineConfig
     from workers.engine.model import DecoderModel
-    from workers.engine.engine import Engine
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

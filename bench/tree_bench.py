@@ -111,7 +111,6 @@ def main() -> None:
     from workers.draft.train.prompts import held_out_prompts
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.weights import load_model
-    from workers.engine.engine import Engine
 
     torch.set_num_threads(args.threads)
     target = demo_model_dir()

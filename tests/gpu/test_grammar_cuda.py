@@ -12,7 +12,7 @@ import torch
 from runtime.messages import SamplingParams, StructuredOutput
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import run_spec
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine import EngineConfig
 from workers.engine.sampling import apply_token_bitmask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
@@ -39,9 +39,9 @@ def test_greedy_speculation_under_a_grammar_on_cuda(tmp_path):
 
     from workers.demo_model import demo_tokenizer_dir
     from workers.draft.draft_model import DraftModelProposer
+    from workers.engine.engine import Engine
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
-    from workers.engine.engine import Engine
 
     try:
         tokenizer_file = demo_tokenizer_dir() / "tokenizer.json"

@@ -37,10 +37,10 @@ from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, Verify
 from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
-from .model import DecoderModel
-from .model_runner import ModelRunner
 from .hidden import HiddenStore
 from .logits import Row, process
+from .model import DecoderModel
+from .model_runner import ModelRunner
 from .sampling import is_greedy, logprobs_of, sample
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence

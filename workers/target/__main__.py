@@ -167,10 +167,9 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     """Load the model and build the engine (blocking: call off the event loop)."""
     import torch
 
-    from workers.engine.engine import EngineConfig
+    from workers.engine.engine import Engine, EngineConfig
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
-    from workers.engine.engine import Engine
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

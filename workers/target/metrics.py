@@ -19,10 +19,9 @@ counters ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tok
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-
-import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector

@@ -93,7 +93,6 @@ class Cycle:
     results: list[tuple[Command, object, BaseException | None]] = field(default_factory=list)
     outputs: list[tuple[str, TokenDelta]] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # requests to fail, and why
-    step_failed: bool = False
     stepped: bool = False
     decode_seconds: float = 0.0  # the step, when it was a decode/verify step (the draft's pace)
     verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome

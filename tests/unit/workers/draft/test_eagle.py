@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
-from workers.engine.weights import load_model
 from workers.draft.eagle import Eagle1Head, Eagle3Head, load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
 from workers.engine.engine import Engine
+from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
 

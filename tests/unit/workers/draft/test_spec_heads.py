@@ -17,12 +17,19 @@ from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.draft.eagle import load_target_parts
 from workers.draft.head_proposer import HeadProposer
-from workers.draft.spec_heads import (MEDUSA, MLP, MedusaHead, MlpSpeculatorHead, head_kind, load_spec_head,
-                                      save_spec_head)
+from workers.draft.spec_heads import (
+    MEDUSA,
+    MLP,
+    MedusaHead,
+    MlpSpeculatorHead,
+    head_kind,
+    load_spec_head,
+    save_spec_head,
+)
 from workers.draft.train.spec_heads import build_medusa, build_mlp, spec_head_forward
+from workers.engine.engine import Engine
 from workers.engine.weights import load_model
 from workers.speculation.payloads import ROOT, DraftInput, SamplingSpec
-from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 

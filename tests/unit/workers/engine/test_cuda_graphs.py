@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from runtime.messages import SamplingParams  # noqa: E402
 from tests.unit.workers.engine.helpers import tiny_hf_model  # noqa: E402
-from workers.engine.cuda_graphs import GraphConfig, GraphRunner, batch_buckets  # noqa: E402
+from workers.engine.cuda_graphs import GraphConfig, batch_buckets  # noqa: E402
 from workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.model_runner import ModelRunner  # noqa: E402
 from workers.engine.weights import load_model  # noqa: E402

@@ -10,10 +10,10 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from workers.engine.engine import Engine, EngineConfig
-from workers.engine.weights import load_model
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
 

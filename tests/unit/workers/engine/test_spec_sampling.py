@@ -13,12 +13,11 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
-from tests.unit.workers.speculation.test_rejection import chi2_pvalue
 from tests.unit.workers.engine.test_spec_engine import run_spec
-from workers.engine.engine import EngineConfig
-from workers.engine.weights import load_model
+from tests.unit.workers.speculation.test_rejection import chi2_pvalue
 from workers.draft.draft_model import DraftModelProposer
-from workers.engine.engine import Engine
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
 

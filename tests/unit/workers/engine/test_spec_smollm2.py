@@ -7,9 +7,9 @@ import pytest
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.demo_model import demo_model_dir
+from workers.draft.ngram import NgramProposer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
-from workers.draft.ngram import NgramProposer
 
 pytestmark = pytest.mark.unit
 

@@ -10,10 +10,10 @@ import pytest
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
+from workers.engine.engine import Engine
 from workers.engine.weights import load_model
 from workers.speculation.payloads import ROOT, DraftInput, DraftOutput, VerifyResult
 from workers.speculation.tree import tree_depths, valid_parents
-from workers.engine.engine import Engine
 
 pytestmark = pytest.mark.unit
 

@@ -8,10 +8,10 @@ import pytest
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.test_spec_engine import CFG, plain, prompts, run_spec
 from tests.unit.workers.engine.test_tree_verify import target_dir  # noqa: F401 (fixture)
-from workers.engine.weights import load_model
 from workers.draft.ngram import NgramProposer
-from workers.speculation.budget import Acceptance, StepCost, plan
 from workers.engine.engine import Engine
+from workers.engine.weights import load_model
+from workers.speculation.budget import Acceptance, StepCost, plan
 
 pytestmark = pytest.mark.unit
 
