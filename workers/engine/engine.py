@@ -94,7 +94,7 @@ class Engine:
                  num_speculative_tokens: int = 4, hidden_layers: tuple[int, ...] = (), adaptive: bool = True,
                  pause_steps: int = 8, tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False):
         cfg = model.cfg
-        layers = tuple(sorted(set(hidden_layers)))
+        layers = tuple(sorted(set(hidden_layers)))  # what the store keeps
         if any(not 0 <= k <= cfg.num_layers for k in layers):
             raise ValueError(f"hidden layers must be in [0, {cfg.num_layers}], got {list(layers)}")
         self.spec = Speculator(cfg.vocab_size, num_speculative_tokens, adaptive=adaptive, pause_steps=pause_steps,
@@ -114,7 +114,9 @@ class Engine:
         self.config = config
         self.max_model_len = max_len
         self.vocab_size = cfg.vocab_size
-        self.hidden_layers = layers
+        # as given: a draft reads its layers in its own order, repeats included (EAGLE-3 on a 4-layer
+        # target reads [2, 2, 1]); draft_inputs and take_verdicts default to this list
+        self.hidden_layers = tuple(hidden_layers)
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -140,7 +142,7 @@ class Engine:
             return None
         gamma = self.spec.num_speculative_tokens
         return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, (1, gamma + 1) if gamma else (1,),
-                           self.hidden_layers, trees=gamma > 1)
+                           tuple(sorted(set(self.hidden_layers))), trees=gamma > 1)
 
     # ------------------------------------------------------------------ requests
 
@@ -312,7 +314,7 @@ class Engine:
             chunks.append((s.token_ids[s.num_computed : s.num_computed + n], s.num_computed, s.block_table))
             wants.append(len(d.tokens) + 1 if d is not None else (1 if s.num_computed + n == len(s) else 0))
             trees.append(d.parents or None if d is not None else None)
-        out = self.runner.forward(chunks, wants, self.hidden_layers, trees)
+        out = self.runner.forward(chunks, wants, self.hidden.layers if self.hidden is not None else (), trees)
         if self.hidden is not None:
             self.hidden.write(out.slots, out.hidden)
         # the cost model learns from decode and verify steps only: prefill chunks cost differently

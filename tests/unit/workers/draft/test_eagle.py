@@ -108,6 +108,8 @@ def test_greedy_speculation_with_eagle_equals_plain_decoding(target_dir, tmp_pat
         got.update(run_spec(engine, proposer, dict(items[start : start + 8]), params))
     assert got == want
     assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0
+    # a random head still hits now and then (seeded: 2-5 tokens here), so the accept path runs too
+    assert engine.counters[""].num_accepted_tokens > 0
     assert not any(s.broken for s in proposer._seqs.values())
     assert len(proposer) == 0 and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 

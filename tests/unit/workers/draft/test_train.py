@@ -180,6 +180,7 @@ def test_tiny_training_run_writes_a_head_that_speculates_losslessly(tiny_target,
         for i in range(0, len(items), batch):
             got.update(run_spec(engine, proposer, dict(items[i : i + batch]), params))
         assert got == plain
+        assert engine.counters[""].num_drafts > 0  # the trained head drafted and was verified
 
 
 def test_medusa_and_mlp_heads_train_reuse_conversations_and_speculate_losslessly(tiny_target, tmp_path):
