@@ -120,6 +120,9 @@ class HttpServer:
         if self.port:  # a taken port is one line, not uvicorn's log and a traceback
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
             with socket.socket(family, socket.SOCK_STREAM) as probe:
+                # as uvicorn binds: connections of an earlier process left in TIME_WAIT do not take the
+                # port, a listener does
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     probe.bind((self.host, self.port))
                 except OSError as exc:
