@@ -104,10 +104,9 @@ def process(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = 
     params = [rows[i].seq.params for i in sampled]
     index = None if len(sampled) == len(rows) else torch.tensor(sampled, device=device)
     part = scores if index is None else scores[index]  # [S, V] (a gather copies)
-    part = temper(part, torch.tensor([p.temperature for p in params], device=device),
-                  torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-                  torch.tensor([p.top_p for p in params], device=device),
-                  torch.tensor([p.min_p for p in params], device=device) if any(p.min_p > 0 for p in params) else None)
+    part = temper(part, torch.tensor([p.temperature for p in params]),  # host tensors: temper moves them
+                  torch.tensor([p.top_k for p in params], dtype=torch.long), torch.tensor([p.top_p for p in params]),
+                  torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None)
     if index is None:
         return part, greedy
     out = writable()
@@ -135,8 +134,8 @@ def _apply_penalties(scores: torch.Tensor, rows: list[Row], at: list[int]) -> No
                           torch.ones(len(out_r), device=device), accumulate=True)
     index = torch.tensor(at, device=device)
     part = scores[index]  # [P, V]
-    rep = torch.tensor([r.seq.params.repetition_penalty for r in rows], device=device)[:, None]
-    if bool((rep != 1).any()):
+    if any(r.seq.params.repetition_penalty != 1 for r in rows):  # decided on the host: no device sync
+        rep = torch.tensor([r.seq.params.repetition_penalty for r in rows], device=device)[:, None]
         seen = counts > 0
         if prompt_r:
             seen[torch.tensor(prompt_r, device=device), torch.tensor(prompt_t, device=device)] = True

@@ -41,14 +41,20 @@ def temper(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """Scores of sampled rows: logits / temperature, then min_p, then top-k and top-p (-inf outside).
 
     logits [S, V] float; temperature [S] (> 0); top_k [S] long (0 = off); top_p [S] in (0, 1];
-    min_p [S] in [0, 1] or None (off). Returns [S, V]; softmax of a row is its distribution.
+    min_p [S] in [0, 1] or None (off). Returns [S, V]; softmax of a row is its distribution. The
+    parameters may be CPU tensors for device logits: which steps run is decided on the host (no
+    device sync), then they move to the logits' device.
     """
-    scores = logits / temperature[:, None]
-    if min_p is not None and bool((min_p > 0).any()):
+    device = logits.device
+    use_min_p = min_p is not None and bool((min_p > 0).any())
+    truncate = bool((top_k > 0).any()) or bool((top_p < 1).any())
+    scores = logits / temperature.to(device, non_blocking=True)[:, None]
+    if use_min_p:
         probs = scores.softmax(-1)
-        scores = scores.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        scores = apply_top_k_top_p(scores, top_k, top_p)
+        floor = min_p.to(device, non_blocking=True)[:, None] * probs.amax(-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    if truncate:
+        scores = apply_top_k_top_p(scores, top_k.to(device, non_blocking=True), top_p.to(device, non_blocking=True))
     return scores
 
 
