@@ -109,6 +109,35 @@ def test_overlays_contain_what_they_promise():
                           ("HorizontalPodAutoscaler", "tandem-draft"), ("PersistentVolumeClaim", "tandem-models")}
 
 
+# Kinds that live outside any namespace; every other object must carry the overlay's namespace, or
+# `kubectl apply` puts it in the caller's current one (a PVC no pod finds, an HPA scaling nothing).
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass",
+                  "CustomResourceDefinition", "PriorityClass"}
+
+
+def test_every_namespaced_object_of_every_overlay_has_the_tandem_namespace(built):
+    overlay, objs = built
+    [namespace] = [o["metadata"]["name"] for o in objs if o["kind"] == "Namespace"]
+    missing = [(o["kind"], o["metadata"]["name"]) for o in objs
+               if o["kind"] not in CLUSTER_SCOPED and o["metadata"].get("namespace") != namespace]
+    assert not missing, f"{overlay}: not in namespace {namespace}: {missing}"
+
+
+def test_hpas_and_monitors_find_their_targets_in_their_own_namespace(built):
+    overlay, objs = built
+    present = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objs}
+    for hpa in (o for o in objs if o["kind"] == "HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert ref["apiVersion"] == "apps/v1", (overlay, hpa["metadata"]["name"])
+        assert (ref["kind"], hpa["metadata"].get("namespace"), ref["name"]) in present, (overlay, hpa["metadata"]["name"])
+    services = [o for o in objs if o["kind"] == "Service"]
+    for monitor in (o for o in objs if o["kind"] == "ServiceMonitor"):
+        assert "namespaceSelector" not in monitor["spec"]  # its own namespace only
+        matched = [s for s in services if _selects(monitor["spec"]["selector"], s["metadata"]["labels"])
+                   and s["metadata"].get("namespace") == monitor["metadata"].get("namespace")]
+        assert matched, (overlay, monitor["metadata"]["name"])
+
+
 def test_tandem_pods_probe_health_and_live_and_terminate_gracefully(built):
     _, objs = built
     drain = RuntimeConfig().drain_timeout
