@@ -78,6 +78,7 @@ async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(r
     start_draft(spawn, target_dir)
     drafts = await rt.client("draft", "speculate")
     [draft] = await drafts.wait_for_instances(1, timeout=90)
+    await until_speculating(client, inst)  # the target opens its stream in the background: wait for it
 
     streams = [await client.call(inst.instance_id, GenerateRequest(p, greedy), TokenDelta) for p in PROMPTS]
     results = await asyncio.gather(*(collect(s) for s in streams))
@@ -118,6 +119,27 @@ async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(r
     assert values["tandem_draft_propose_calls_total"] == values["tandem_draft_batch_size_count"] == \
         values["tandem_draft_proposal_seconds_count"] > 0
     assert values["tandem_draft_hidden_state_bytes_total"] == 0  # a draft model reads no hidden states
+
+
+async def test_served_speculation_is_exact_under_penalties_bias_and_min_p(rt, spawn, target_dir):
+    """Penalties and logit_bias through the served path: a target and a draft worker as processes,
+    greedy requests, equal to the target alone with the same parameters (the drafts, the target's own
+    weights without the processors, are both accepted and rejected)."""
+    extra = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={7: 3.0, 12: -100.0})
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **extra)
+    want = expected(target_dir, greedy)
+    assert want != expected(target_dir, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    _, client, inst = await start_target(rt, spawn, target_dir)
+    start_draft(spawn, target_dir)
+    drafts = await rt.client("draft", "speculate")
+    await drafts.wait_for_instances(1, timeout=90)
+    await until_speculating(client, inst)
+    streams = [await client.call(inst.instance_id, GenerateRequest(p, greedy), TokenDelta) for p in PROMPTS]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for i, deltas in enumerate(results):
+        assert tokens(deltas) == want[str(i)]
+        assert 12 not in tokens(deltas)
+    assert sum(r[-1].usage.spec.num_accepted_tokens for r in results if r[-1].usage.spec) > 0
 
 
 async def test_killing_the_draft_mid_request_falls_back_and_restarting_resumes(rt, spawn, target_dir):
