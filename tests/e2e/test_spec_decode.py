@@ -121,7 +121,7 @@ async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(r
     assert values["tandem_draft_hidden_state_bytes_total"] == 0  # a draft model reads no hidden states
 
 
-async def test_served_speculation_is_exact_under_penalties_bias_and_min_p(rt, spawn, target_dir):
+async def test_served_speculation_is_exact_under_penalties_and_logit_bias(rt, spawn, target_dir):
     """Penalties and logit_bias through the served path: a target and a draft worker as processes,
     greedy requests, equal to the target alone with the same parameters (the drafts, the target's own
     weights without the processors, are both accepted and rejected)."""
