@@ -72,9 +72,17 @@ def test_infra_is_pinned_healthchecked_and_persistent(compose):
         assert image and tag and tag != "latest", name
         assert svc["healthcheck"]["test"], name
         assert "profiles" not in svc, f"{name} belongs to the default (infra) stack"
-    assert "--jetstream" in services["nats"]["command"]
-    for name in ("etcd", "nats", "prometheus", "grafana"):
+    for name in ("etcd", "prometheus", "grafana"):
         assert any(v.split(":")[0] in compose["volumes"] for v in services[name]["volumes"]), name
+
+
+def test_nats_is_core_nats_without_jetstream(compose):
+    # No Tandem code uses JetStream (request/reply and pub/sub only): nothing to persist.
+    nats = compose["services"]["nats"]
+    words = " ".join(nats["command"]).split()
+    assert not {"--jetstream", "-js", "--js"} & set(words) and not any("store_dir" in w for w in words)
+    assert "js-enabled" not in " ".join(nats["healthcheck"]["test"])
+    assert "volumes" not in nats and "nats-data" not in compose["volumes"]
 
 
 def test_tandem_services_are_profiled_built_from_the_dockerfile_and_gpu_where_needed(compose):

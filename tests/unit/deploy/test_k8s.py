@@ -75,6 +75,15 @@ def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
 
 
+TANDEM_COMPONENTS = ("frontend", "router", "target", "draft")
+
+
+def tandem_deployments(objs: list[dict]) -> dict[str, dict]:
+    """The Deployments that run a Tandem process (not the infra: NATS)."""
+    return {n: d for n, d in by_kind(objs, "Deployment").items()
+            if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") in TANDEM_COMPONENTS}
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_object_is_valid_against_the_kubernetes_schema(built, version):
     _, objs = built
@@ -99,11 +108,12 @@ def test_schema_validation_rejects_a_broken_object():
 
 def test_overlays_contain_what_they_promise():
     base, cpu, gpu = ({(o["kind"], o["metadata"]["name"]) for o in build(K8S / overlay)} for overlay in OVERLAYS)
-    for name in ("tandem-frontend", "tandem-router", "tandem-target", "tandem-draft"):
+    for name in ("tandem-frontend", "tandem-router", "tandem-target", "tandem-draft", "tandem-nats"):
         assert ("Deployment", name) in base
-        assert ("PodDisruptionBudget", name) in base
-    assert {("StatefulSet", "tandem-etcd"), ("StatefulSet", "tandem-nats"), ("Service", "tandem-frontend")} <= base
-    assert cpu == base  # the demo only patches
+    assert {("StatefulSet", "tandem-etcd"), ("Service", "tandem-frontend"), ("Service", "tandem-etcd")} <= base
+    assert {("PodDisruptionBudget", n) for n in ("tandem-frontend", "tandem-router", "tandem-etcd")} <= base
+    # the demo only patches (and drops the budgets of what it runs once)
+    assert cpu == base - {("PodDisruptionBudget", "tandem-frontend"), ("PodDisruptionBudget", "tandem-router")}
     assert gpu - base == {("ServiceMonitor", "tandem-http"), ("ServiceMonitor", "tandem-workers"),
                           ("HorizontalPodAutoscaler", "tandem-frontend"), ("HorizontalPodAutoscaler", "tandem-target"),
                           ("HorizontalPodAutoscaler", "tandem-draft"), ("PersistentVolumeClaim", "tandem-models")}
@@ -141,7 +151,7 @@ def test_hpas_and_monitors_find_their_targets_in_their_own_namespace(built):
 def test_tandem_pods_probe_health_and_live_and_terminate_gracefully(built):
     _, objs = built
     drain = RuntimeConfig().drain_timeout
-    for name, dep in by_kind(objs, "Deployment").items():
+    for name, dep in tandem_deployments(objs).items():
         spec = dep["spec"]["template"]["spec"]
         [container] = spec["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -259,3 +269,91 @@ def test_drafts_register_a_grpc_address_other_pods_can_dial(built):
     assert "--grpc-host=$(POD_IP)" in container["args"]
     [pod_ip] = [e for e in container["env"] if e["name"] == "POD_IP"]
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def _flag(args: list[str], name: str) -> str:
+    [value] = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    return value
+
+
+def _min_replicas(objs: list[dict], workload: dict) -> int:
+    """The fewest pods ``workload`` runs: its HPA's minReplicas when one scales it, else its replicas."""
+    for hpa in by_kind(objs, "HorizontalPodAutoscaler").values():
+        ref = hpa["spec"]["scaleTargetRef"]
+        if (ref["kind"], ref["name"]) == (workload["kind"], workload["metadata"]["name"]):
+            return hpa["spec"].get("minReplicas", 1)
+    return workload["spec"].get("replicas", 1)
+
+
+def test_etcd_members_form_one_cluster(built):
+    # Every member's --initial-cluster must list all members by the names the peer Service gives
+    # them; a list of only the pod itself makes `replicas` separate one-member clusters.
+    overlay, objs = built
+    sts = by_kind(objs, "StatefulSet")["tandem-etcd"]
+    replicas = sts["spec"]["replicas"]
+    peer = by_kind(objs, "Service")[sts["spec"]["serviceName"]]
+    assert peer["spec"]["clusterIP"] == "None" and peer["spec"]["publishNotReadyAddresses"] is True, overlay
+    assert {p["name"]: p["port"] for p in peer["spec"]["ports"]}["peer"] == 2380
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    args = container["command"]
+    members = dict(m.split("=", 1) for m in _flag(args, "initial-cluster").split(","))
+    service = sts["spec"]["serviceName"]
+    assert members == {f"tandem-etcd-{i}": f"http://tandem-etcd-{i}.{service}:2380" for i in range(replicas)}, overlay
+    assert _flag(args, "name") == "$(POD_NAME)"
+    assert _flag(args, "initial-advertise-peer-urls") == f"http://$(POD_NAME).{service}:2380"
+    assert _flag(args, "initial-cluster-state") == "new" and _flag(args, "initial-cluster-token")
+    if replicas > 1:
+        # OrderedReady would wait for member 0 to be ready, which it never is without a quorum.
+        assert sts["spec"]["podManagementPolicy"] == "Parallel", overlay
+        assert replicas % 2 == 1, "an even member count adds no fault tolerance"
+    # Clients go through a Service that lists ready members only.
+    [etcd_url] = {c["data"]["TANDEM_ETCD"] for c in by_kind(objs, "ConfigMap").values() if "TANDEM_ETCD" in c["data"]}
+    client = by_kind(objs, "Service")[etcd_url.split("//")[1].split(":")[0]]
+    assert client["spec"].get("clusterIP") != "None" and not client["spec"].get("publishNotReadyAddresses")
+    assert _selects({"matchLabels": client["spec"]["selector"]}, sts["spec"]["template"]["metadata"]["labels"])
+
+
+def test_etcd_check_catches_members_that_list_only_themselves():
+    objs = build(K8S / "base")
+    [container] = by_kind(objs, "StatefulSet")["tandem-etcd"]["spec"]["template"]["spec"]["containers"]
+    container["command"] = [a if not a.startswith("--initial-cluster=") else
+                            "--initial-cluster=$(POD_NAME)=http://$(POD_NAME).tandem-etcd-peer:2380"
+                            for a in container["command"]]
+    with pytest.raises(AssertionError):
+        test_etcd_members_form_one_cluster(("base", objs))
+
+
+def test_nats_runs_without_jetstream_and_without_state(built):
+    # No Tandem code uses JetStream: core request/reply and pub/sub only.
+    overlay, objs = built
+    nats = [o for o in objs if o["metadata"]["name"] == "tandem-nats" and o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(nats) == 1, overlay
+    spec = nats[0]["spec"]
+    [container] = spec["template"]["spec"]["containers"]
+    words = " ".join(container.get("command", []) + container.get("args", []))
+    assert "jetstream" not in words and "-js" not in words.split() and "store_dir" not in words, overlay
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "js-" not in container[probe]["httpGet"]["path"], overlay
+    assert not spec.get("volumeClaimTemplates") and not container.get("volumeMounts"), overlay
+
+
+def test_disruption_budgets_protect_replicated_workloads_and_never_block_a_drain(built):
+    overlay, objs = built
+    workloads = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    budgets = by_kind(objs, "PodDisruptionBudget")
+    covered = set()
+    for name, pdb in budgets.items():
+        [workload] = [w for w in workloads if _selects(pdb["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        covered.add(workload["metadata"]["name"])
+        pods = _min_replicas(objs, workload)
+        assert pods >= 2, f"{overlay}: {name} guards a one-replica {workload['kind']}: it protects nothing"
+        if "maxUnavailable" in pdb["spec"]:
+            allowed = pdb["spec"]["maxUnavailable"]
+        else:
+            allowed = pods - pdb["spec"]["minAvailable"]
+        assert isinstance(allowed, int) and allowed >= 1, f"{overlay}: {name} blocks every node drain"
+        if workload["metadata"]["name"] == "tandem-etcd":
+            assert pods - allowed > pods // 2, f"{overlay}: {name} lets etcd lose its quorum"
+    for workload in workloads:
+        if _min_replicas(objs, workload) >= 2:
+            assert workload["metadata"]["name"] in covered, f"{overlay}: {workload['metadata']['name']} has no budget"
