@@ -4,8 +4,9 @@
 # GPU (default):  docker build -t tandem .
 # CPU variant:    docker build -t tandem:cpu --build-arg BASE_IMAGE=ubuntu:24.04 \
 #                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-# Run:            docker run --rm tandem frontend --http-port 8000 --host 0.0.0.0
-#                 docker run --rm --gpus all tandem target --model /models/m --health-port 9100
+# Run:            docker run --rm -p 8000:8000 tandem:cpu up --mock --host 0.0.0.0   (all in one container)
+#                 docker run --rm tandem frontend --etcd http://ETCD:2379 --nats nats://NATS:4222 --host 0.0.0.0
+#                 docker run --rm --gpus all tandem target --model /models/m --health-port 9100 (+ --etcd, --nats)
 #
 # Both bases are Ubuntu 24.04 (Python 3.12), so the virtual environment built in the first stage
 # runs unchanged in the second.
@@ -52,12 +53,12 @@ RUN apt-get update \
     && groupadd --gid 10001 tandem \
     && useradd --uid 10001 --gid tandem --create-home --home-dir /home/tandem --shell /usr/sbin/nologin tandem
 COPY --from=build /opt/tandem /opt/tandem
+# No TANDEM_ETCD / TANDEM_NATS here: `up` starts its own etcd and nats-server unless told otherwise,
+# so addresses baked in would send the one-container demo to servers that do not exist. Compose
+# (x-tandem-env) and Kubernetes (the tandem-config ConfigMap) set them for each deployment.
 ENV PATH=/opt/tandem/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    TANDEM_CACHE=/home/tandem/.cache/tandem \
-    TANDEM_ETCD=http://etcd:2379 \
-    TANDEM_NATS=nats://nats:4222 \
-    TANDEM_NAMESPACE=tandem
+    TANDEM_CACHE=/home/tandem/.cache/tandem
 USER 10001:10001
 WORKDIR /home/tandem
 # 8000: frontend HTTP; 9100: the health/metrics port by convention in compose and k8s.
