@@ -9,12 +9,18 @@ Contract:
   starts right after the read's revision. After any watch failure it marks itself not ``ready``,
   re-reads the whole prefix (replacing, not merging, so deletes missed meanwhile are seen) and
   watches again. While etcd is unreachable it keeps the last snapshot.
+- etcd that comes back without its data (killed, data directory lost, started again: its revision
+  went back) has lost every live process's registration, not only dead ones'. Entries missing from
+  that first read are then held for ``hold`` seconds, or until their key is written or deleted again:
+  the processes behind them re-register at their next lease refresh, and meanwhile stay routable.
+  (A process that died in the outage is found by the request plane: NATS has no responders for it.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -28,6 +34,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRY_MIN, RETRY_MAX = 0.2, 2.0
+# How long entries etcd lost with its data stay in a snapshot unless written again: longer than a
+# process takes to notice that its lease is gone (a third of a default 10 s TTL) and register again.
+DATA_LOSS_HOLD_S = 30.0
 
 
 def lease_gone(exc: BaseException) -> bool:
@@ -119,11 +128,16 @@ class Registrar:
 class Snapshot(Generic[T]):
     """A live, decoded view of one etcd prefix."""
 
-    def __init__(self, client: aetcd.Client, prefix: str, type_: type[T]):
+    def __init__(self, client: aetcd.Client, prefix: str, type_: type[T], hold: float = DATA_LOSS_HOLD_S):
         self._client = client
         self._prefix = prefix
         self._type = type_
+        self._hold = hold
         self._items: dict[str, T] = {}
+        self._held: dict[str, float] = {}  # key -> when it expires (monotonic): kept across an etcd data loss
+        self._expiry: asyncio.TimerHandle | None = None
+        self._revision = 0  # the newest etcd revision seen; a read below it means etcd lost its data
+        self._term = 0
         self._task: asyncio.Task | None = None
         self._watch = None
         self._changed = asyncio.Condition()
@@ -142,6 +156,10 @@ class Snapshot(Generic[T]):
     def values(self) -> list[T]:
         return list(self._items.values())
 
+    def held(self) -> list[str]:
+        """Keys kept from before etcd lost its data that have not been written again yet."""
+        return list(self._held)
+
     def add_listener(self, callback: Callable[[dict[str, T]], None]) -> None:
         """Call ``callback(items)`` after every change (synchronously, on the event loop)."""
         self._listeners.append(callback)
@@ -151,6 +169,8 @@ class Snapshot(Generic[T]):
         await asyncio.wait_for(self.ready.wait(), timeout)
 
     async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -199,12 +219,18 @@ class Snapshot(Generic[T]):
 
     async def _sync_and_watch(self) -> None:
         result = await self._client.get_prefix(self._prefix.encode())
-        revision = result.header.revision
+        revision, term = result.header.revision, result.header.raft_term
         items = {}
         for kv in result:
             value = self._decode(kv.key, kv.value)
             if value is not None:
                 items[kv.key.decode()] = value
+        data_lost = revision < self._revision or term < self._term
+        kept = self._carry_held(items, data_lost)
+        if kept:
+            log.warning("etcd came back without its data (revision %d, was %d): keeping %d entries under %s for up "
+                        "to %.0fs while they register again", revision, self._revision, kept, self._prefix, self._hold)
+        self._revision, self._term = revision, term
         self._items = items
         self.syncs += 1
         self.ready.set()
@@ -212,6 +238,8 @@ class Snapshot(Generic[T]):
         self._watch = await self._client.watch_prefix(self._prefix.encode(), start_revision=revision + 1)
         async for event in self._watch:
             key = event.kv.key.decode()
+            self._revision = max(self._revision, event.kv.mod_revision)
+            self._held.pop(key, None)  # written or deleted since: etcd knows about it again
             if event.kind == aetcd.EventKind.PUT:
                 value = self._decode(event.kv.key, event.kv.value)
                 if value is None:
@@ -221,3 +249,40 @@ class Snapshot(Generic[T]):
                 self._items.pop(key, None)
             await self._notify()
         raise ConnectionError("etcd watch ended")
+
+    def _carry_held(self, items: dict[str, T], data_lost: bool) -> int:
+        """Add to a fresh read ``items`` the entries held across a data loss (new ones when
+        ``data_lost``: every entry the read lacks), dropping those expired or read again; returns
+        how many were newly held."""
+        now = time.monotonic()
+        missing = [k for k in self._items if k not in items and k not in self._held] if data_lost else []
+        for key in missing:
+            self._held[key] = now + self._hold
+        for key, until in list(self._held.items()):
+            if key in items or until <= now or key not in self._items:
+                del self._held[key]
+            else:
+                items[key] = self._items[key]
+        self._schedule_expiry()
+        return len(missing)
+
+    def _schedule_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if self._held:
+            delay = max(0.0, min(self._held.values()) - time.monotonic()) + 0.01
+            self._expiry = asyncio.get_running_loop().call_later(delay, self._expire_held)
+
+    def _expire_held(self) -> None:
+        self._expiry = None
+        now = time.monotonic()
+        expired = [k for k, until in self._held.items() if until <= now]
+        for key in expired:
+            del self._held[key]
+            self._items.pop(key, None)
+        if expired:
+            log.info("%d entries under %s held since etcd lost its data did not register again: dropped",
+                     len(expired), self._prefix)
+            asyncio.ensure_future(self._notify())
+        self._schedule_expiry()

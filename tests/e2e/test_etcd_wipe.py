@@ -1,0 +1,79 @@
+"""Discovery outages do not take live workers out of routing: etcd killed, its data wiped and started
+again empty, under load, with every worker alive and reachable over NATS the whole time. The frontend
+answers every request with a 200 while the workers register again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from tests.support.procs import ManagedProcess
+from tests.support.servers import EtcdServer, env_for, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+async def _load(url: str, statuses: Counter, stop: asyncio.Event) -> None:
+    body = {"model": "mock", "prompt": "across an etcd wipe", "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            try:
+                r = await client.post("/v1/completions", json=body)
+                statuses[r.status_code] += 1
+            except httpx.HTTPError as exc:
+                statuses[type(exc).__name__] += 1
+            await asyncio.sleep(0.01)
+
+
+async def test_an_etcd_wipe_under_load_answers_every_request(nats_server, namespace):
+    etcd = EtcdServer()
+    etcd.start()
+    env = env_for(etcd, nats_server, namespace)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = [ManagedProcess("workers.mock", ["--lease-ttl", "12", "--token-latency-ms", "2",
+                                             "--num-speculative-tokens", "0"], env, f"mock{i}").start()
+             for i in range(2)]
+    frontend = ManagedProcess("frontend", ["--http-port", str(port), "--lease-ttl", "3"], env, "frontend").start()
+    procs.append(frontend)
+    try:
+        frontend.wait_for_log("frontend ready", timeout=60)
+        deadline = time.monotonic() + 60
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            while True:
+                models = (await client.get("/v1/models")).json()["data"]
+                if models and models[0]["instances"] == 2:
+                    break
+                assert time.monotonic() < deadline, "workers never registered"
+                await asyncio.sleep(0.1)
+            assert (await client.post("/v1/completions", json={"model": "mock", "prompt": "hi",
+                                                               "max_tokens": 2})).status_code == 200
+        statuses: Counter = Counter()
+        stop = asyncio.Event()
+        load = [asyncio.create_task(_load(url, statuses, stop)) for _ in range(4)]
+        await asyncio.sleep(1)
+        before = sum(statuses.values())
+        await asyncio.to_thread(etcd.stop, True)
+        etcd.wipe()
+        await asyncio.sleep(1.5)  # etcd is gone: the last snapshot keeps serving
+        await asyncio.to_thread(etcd.start)
+        # The workers notice that their lease is gone at their next refresh (every 4 s) and register
+        # again; the frontend reads the empty prefix well before that.
+        deadline = time.monotonic() + 20
+        while not all("registering again" in proc.logs() for proc in procs[:2]):
+            assert time.monotonic() < deadline, "the workers did not register again"
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1)
+        stop.set()
+        await asyncio.gather(*load)
+        assert sum(statuses.values()) - before > 50, statuses
+        assert set(statuses) == {200}, f"non-200 answers across the etcd wipe: {dict(statuses)}"
+        assert "etcd came back without its data" in frontend.logs()
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout=10)
+        etcd.cleanup()
