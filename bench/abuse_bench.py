@@ -10,6 +10,8 @@ gap between consecutive chunks, other clients send, all at once:
   3. 8 uploads that trickle a byte a second (held open past the body timeout);
   4. 3 streaming requests (n = 8, 2,000 tokens, logprobs 20) whose client never reads;
   5. ``--fuzz`` random and mutated request bodies.
+Then (case ``wipe``) etcd is killed, its data deleted and started again empty, while plain requests keep
+coming; every worker stays alive, so every answer must be a 200 while the workers register again.
 Reports the longest gap a well-behaved stream saw beyond its token interval (target < 250 ms), the
 frontend's RSS before and after, and the status codes (target: no 5xx).
 """
@@ -117,6 +119,38 @@ def fuzz_bodies(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
     return out
 
 
+async def etcd_wipe(url: str, etcd, worker: ManagedProcess) -> Counter:
+    """Kill etcd, delete its data, start it again; the statuses of plain requests sent meanwhile
+    until the worker has registered again (and a second more)."""
+    statuses: Counter = Counter()
+    stop = asyncio.Event()
+
+    async def requests() -> None:
+        body = {"model": "mock", "prompt": "across an etcd wipe", "max_tokens": 4}
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            while not stop.is_set():
+                try:
+                    statuses[(await client.post("/v1/completions", json=body)).status_code] += 1
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1
+                await asyncio.sleep(0.01)
+
+    load = [asyncio.create_task(requests()) for _ in range(4)]
+    await asyncio.sleep(0.5)
+    registered = worker.logs().count("registering again")
+    await asyncio.to_thread(etcd.stop, True)
+    etcd.wipe()
+    await asyncio.sleep(1.0)
+    await asyncio.to_thread(etcd.start)
+    deadline = time.monotonic() + 30
+    while worker.logs().count("registering again") == registered and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.gather(*load)
+    return statuses
+
+
 async def amain(args) -> None:
     etcd, nats_server = start_servers()
     env = env_for(etcd, nats_server, "abuse")
@@ -174,6 +208,7 @@ async def amain(args) -> None:
             for sock in readers:
                 sock.close()
         abuse_s = time.perf_counter() - started
+        wipe = await etcd_wipe(url, etcd, worker) if "wipe" in args.cases else None
         stop.set()
         streams = sum(await asyncio.gather(*good))
         rss_after = rss_mb(frontend.pid)
@@ -187,6 +222,10 @@ async def amain(args) -> None:
               f"(token interval {TOKEN_MS} ms; p99 {1e3 * sorted(gaps)[int(0.99 * len(gaps))]:.0f} ms)")
         print(f"frontend RSS {rss_before:.0f} MB before, {rss_after:.0f} MB after")
         print(f"client-side statuses: {dict(sorted(statuses.items(), key=str))}; frontend-counted 5xx: {server_5xx:.0f}")
+        if wipe is not None:
+            print(f"etcd wipe under load: {dict(wipe)} ({sum(v for k, v in wipe.items() if k != 200)} non-200)")
+            if set(wipe) != {200}:
+                sys.exit("non-200 answers across the etcd wipe")
         if any(isinstance(k, int) and k >= 500 for k in statuses) or server_5xx:
             sys.exit("5xx answers seen")
     finally:
@@ -200,8 +239,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--fuzz", type=int, default=1000)
-    ap.add_argument("--cases", type=lambda v: set(v.split(",")), default={"bodies", "uploads", "readers", "fuzz"},
-                    help="which abuse to send: bodies, uploads, readers, fuzz (default all)")
+    ap.add_argument("--cases", type=lambda v: set(v.split(",")), default={"bodies", "uploads", "readers", "fuzz", "wipe"},
+                    help="which abuse to send: bodies, uploads, readers, fuzz, wipe (default all)")
     asyncio.run(amain(ap.parse_args()))
 
 
