@@ -3,6 +3,8 @@ Kubernetes schemas, and the wiring between objects holds."""
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 import jsonschema
@@ -10,8 +12,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from runtime.config import RuntimeConfig
+from runtime.config import RuntimeConfig, config_from_args
 from tests.unit.deploy.kustomize import KustomizeError, build, pod_specs
+from tests.unit.deploy.test_command_lines import MODULES
 
 pytestmark = pytest.mark.unit
 
@@ -357,3 +360,65 @@ def test_disruption_budgets_protect_replicated_workloads_and_never_block_a_drain
     for workload in workloads:
         if _min_replicas(objs, workload) >= 2:
             assert workload["metadata"]["name"] in covered, f"{overlay}: {workload['metadata']['name']} has no budget"
+
+
+def test_every_pod_is_locked_down(built):
+    # Pod Security "restricted": non-root, RuntimeDefault seccomp, no privilege escalation, no
+    # capabilities; plus a read-only root filesystem, with emptyDir volumes where a process writes.
+    overlay, objs = built
+    for obj in objs:
+        for spec in pod_specs(obj):
+            where = f"{overlay}: {obj['kind']}/{obj['metadata']['name']}"
+            pod = spec.get("securityContext", {})
+            assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0, where
+            for container in spec["containers"] + spec.get("initContainers", []):
+                sc = container.get("securityContext", {})
+                seccomp = sc.get("seccompProfile", pod.get("seccompProfile", {}))
+                assert seccomp.get("type") == "RuntimeDefault", (where, container["name"])
+                assert sc.get("allowPrivilegeEscalation") is False, (where, container["name"])
+                assert sc.get("readOnlyRootFilesystem") is True, (where, container["name"])
+                assert sc.get("capabilities", {}).get("drop") == ["ALL"], (where, container["name"])
+                if container.get("image", "").split("/")[-1].startswith("tandem"):
+                    # Python, torch and Triton write to /tmp and the home directory.
+                    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+                    volumes = {v["name"]: v for v in spec["volumes"]}
+                    for path in ("/tmp",) + (("/home/tandem",) if container in spec["containers"] else ()):
+                        assert path in mounts and "emptyDir" in volumes[mounts[path]], (where, container["name"], path)
+
+
+SECRET_ENV = {"TANDEM_NATS": "nats-url", "TANDEM_ETCD_USER": "etcd-user", "TANDEM_ETCD_PASSWORD": "etcd-password"}
+
+
+def _secret_refs(container: dict) -> dict[str, dict]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def test_credentials_come_from_the_secret_and_each_component_reads_them(built, monkeypatch):
+    overlay, objs = built
+    assert not [o for o in objs if o["kind"] == "Secret"], "secrets are created by the operator, not committed"
+    sample = {"TANDEM_NATS": "nats://token@tandem-nats:4222", "TANDEM_ETCD_USER": "tandem",
+              "TANDEM_ETCD_PASSWORD": "pw", "TANDEM_API_KEY": "k1,k2"}
+    for name, dep in tandem_deployments(objs).items():
+        [container] = dep["spec"]["template"]["spec"]["containers"]
+        refs = _secret_refs(container)
+        want = dict(SECRET_ENV, **({"TANDEM_API_KEY": "api-key"} if container["args"][0] == "frontend" else {}))
+        assert {k: v["key"] for k, v in refs.items()} == want, (overlay, name)
+        assert {v["name"] for v in refs.values()} == {"tandem-secrets"}
+        for ref_name, ref in refs.items():
+            # Optional, so a cluster without the key runs without that setting; the API key is required
+            # in the production (gpu) overlay.
+            assert ref["optional"] is (not (overlay == "overlays/gpu" and ref_name == "TANDEM_API_KEY")), (overlay, name, ref_name)
+        words = " ".join(container["args"])
+        assert "--api-key" not in words and "--etcd-password" not in words  # flags show in ps
+        # The component reads every variable it is given.
+        for var in [v for v in os.environ if v.startswith("TANDEM_")]:
+            monkeypatch.delenv(var)
+        for var in refs:
+            monkeypatch.setenv(var, sample[var])
+        module = importlib.import_module(MODULES[container["args"][0]])
+        args = module.parse_args(container["args"][1:])
+        config = config_from_args(args)
+        assert config.nats_url == sample["TANDEM_NATS"] and config.etcd_credentials == ("tandem", "pw"), name
+        if "TANDEM_API_KEY" in refs:
+            assert args.api_key == ["k1", "k2"]
