@@ -422,3 +422,86 @@ def test_credentials_come_from_the_secret_and_each_component_reads_them(built, m
         assert config.nats_url == sample["TANDEM_NATS"] and config.etcd_credentials == ("tandem", "pw"), name
         if "TANDEM_API_KEY" in refs:
             assert args.api_key == ["k1", "k2"]
+
+
+# ------------------------------------------------------------------ NetworkPolicy, evaluated as the CNI would
+
+
+def _pods(objs: list[dict]) -> dict[str, tuple[dict, dict]]:
+    """workload name -> (pod labels, {port name or number: port number}) of its pods."""
+    out = {}
+    for obj in objs:
+        for spec in pod_specs(obj):
+            ports = {}
+            for c in spec["containers"]:
+                for p in c.get("ports", []):
+                    ports[p["containerPort"]] = p["containerPort"]
+                    if "name" in p:
+                        ports[p["name"]] = p["containerPort"]
+            out[obj["metadata"]["name"]] = (obj["spec"]["template"]["metadata"]["labels"], ports)
+    return out
+
+
+def _peer_matches(peer: dict, namespace: str, src_ns: dict, src_pod: dict) -> bool:
+    if "ipBlock" in peer:
+        return False
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], src_ns):
+            return False
+    elif src_ns.get("kubernetes.io/metadata.name") != namespace:
+        return False  # a podSelector alone means pods of the policy's own namespace
+    return _selects(peer.get("podSelector", {}), src_pod)
+
+
+def ingress_allowed(objs: list[dict], src: tuple[dict, dict], dst: str, port: int) -> bool:
+    """Whether NetworkPolicy lets a pod with (namespace labels, pod labels) ``src`` reach ``port`` on
+    the pods of workload ``dst``."""
+    labels, ports = _pods(objs)[dst]
+    policies = [p for p in objs if p["kind"] == "NetworkPolicy" and "Ingress" in p["spec"]["policyTypes"]
+                and _selects(p["spec"]["podSelector"], labels)]
+    if not policies:
+        return True
+    for policy in policies:
+        namespace = policy["metadata"]["namespace"]
+        for rule in policy["spec"].get("ingress", []):
+            peers_ok = "from" not in rule or any(_peer_matches(peer, namespace, *src) for peer in rule["from"])
+            ports_ok = "ports" not in rule or any(ports.get(p["port"]) == port for p in rule["ports"])
+            if peers_ok and ports_ok:
+                return True
+    return False
+
+
+def test_network_policy_allows_what_tandem_needs_and_nothing_else(built):
+    overlay, objs = built
+    [namespace] = [o["metadata"]["name"] for o in objs if o["kind"] == "Namespace"]
+    here = {"kubernetes.io/metadata.name": namespace}
+    pods = _pods(objs)
+    src = {name: (here, labels) for name, (labels, _) in pods.items()}
+    outside = ({"kubernetes.io/metadata.name": "default"}, {"app": "client"})
+    monitoring = ({"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "prometheus"})
+    config = next(o for o in objs if o["kind"] == "ConfigMap")["data"]
+    etcd_port, nats_port = (int(config[k].rsplit(":", 1)[1]) for k in ("TANDEM_ETCD", "TANDEM_NATS"))
+    tandem = list(tandem_deployments(objs))
+    [draft] = by_kind(objs, "Deployment")["tandem-draft"]["spec"]["template"]["spec"]["containers"]
+    grpc = int(_flag(draft["args"], "grpc-port"))
+    assert grpc != 0, "a free gRPC port cannot be opened by a policy"
+    for name in tandem:
+        assert ingress_allowed(objs, src[name], "tandem-etcd", etcd_port), (overlay, name)
+        assert ingress_allowed(objs, src[name], "tandem-nats", nats_port), (overlay, name)
+    assert ingress_allowed(objs, src["tandem-etcd"], "tandem-etcd", 2380)
+    assert ingress_allowed(objs, src["tandem-target"], "tandem-draft", grpc)
+    assert ingress_allowed(objs, outside, "tandem-frontend", pods["tandem-frontend"][1]["http"])
+    for monitor in by_kind(objs, "ServiceMonitor").values():
+        for svc in by_kind(objs, "Service").values():
+            if _selects(monitor["spec"]["selector"], svc["metadata"]["labels"]):
+                [workload] = [n for n, (labels, _) in pods.items() if _selects({"matchLabels": svc["spec"]["selector"]}, labels)]
+                for ep in monitor["spec"]["endpoints"]:
+                    port = pods[workload][1][ep["port"]]
+                    assert ingress_allowed(objs, monitoring, workload, port), (overlay, workload, ep["port"])
+    # and nothing else: no client reaches the infra or the workers, no other pod the draft's gRPC
+    for dst, port in (("tandem-etcd", etcd_port), ("tandem-etcd", 2380), ("tandem-nats", nats_port),
+                      ("tandem-draft", grpc), ("tandem-target", 9100), ("tandem-router", 8001)):
+        assert not ingress_allowed(objs, outside, dst, port), (overlay, dst, port)
+    for name in ("tandem-frontend", "tandem-router", "tandem-draft"):
+        assert not ingress_allowed(objs, src[name], "tandem-draft", grpc), (overlay, name)
+    assert not ingress_allowed(objs, src["tandem-frontend"], "tandem-etcd", 2380)
