@@ -505,3 +505,60 @@ def test_network_policy_allows_what_tandem_needs_and_nothing_else(built):
     for name in ("tandem-frontend", "tandem-router", "tandem-draft"):
         assert not ingress_allowed(objs, src[name], "tandem-draft", grpc), (overlay, name)
     assert not ingress_allowed(objs, src["tandem-frontend"], "tandem-etcd", 2380)
+
+
+# --------------------------------------------------------------------------------------- autoscaling
+
+ROOT = K8S.parent
+# Where each role's metrics are defined, and how a stem becomes the exported series name.
+EXPORTERS = {"tandem-frontend": ("frontend/metrics.py", "tandem_frontend_"),
+             "tandem-target": ("workers/target/metrics.py", "vllm:"),
+             "tandem-draft": ("workers/draft/metrics.py", "tandem_draft_")}
+
+
+def _adapter_rules() -> dict[str, str]:
+    """prometheus-adapter: the metric name the HPA asks for -> the Prometheus series it reads."""
+    values = yaml.safe_load((K8S / "components/autoscaling/prometheus-adapter-values.yaml").read_text())
+    out = {}
+    for kind in ("custom", "external"):
+        for rule in values["rules"].get(kind, []):
+            query = rule["seriesQuery"]
+            name = query.split('__name__="')[1].split('"')[0] if "__name__" in query else query.split("{")[0]
+            out[rule["name"]["as"]] = name.removesuffix("_count")
+    return out
+
+
+def test_each_role_scales_on_its_own_load():
+    # Targets on their queue and KV cache use, drafts on their own load: not the frontends' in-flight
+    # requests, which say nothing about which pool is short.
+    gpu = build(K8S / "overlays/gpu")
+    rules = _adapter_rules()
+    hpas = by_kind(gpu, "HorizontalPodAutoscaler")
+    assert set(hpas) == set(EXPORTERS)
+    for name, hpa in hpas.items():
+        source, prefix = EXPORTERS[name]
+        text = (ROOT / source).read_text()
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["type"] == "Pods", (name, metric)  # the scaled pods' own series
+            series = rules[metric["pods"]["metric"]["name"]]
+            assert series.startswith(prefix), (name, series)
+            assert f'"{series.removeprefix(prefix)}"' in text, f"{name}: {series} is not exported by {source}"
+    target = {rules[m["pods"]["metric"]["name"]] for m in hpas["tandem-target"]["spec"]["metrics"]}
+    assert target == {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    usage = next(m for m in hpas["tandem-target"]["spec"]["metrics"]
+                 if rules[m["pods"]["metric"]["name"]] == "vllm:kv_cache_usage_perc")
+    assert usage["pods"]["target"]["averageValue"].endswith("m")  # a fraction of 1 (the gauge is 0-1)
+
+
+def test_gpu_targets_size_their_kv_cache_for_a_gpu():
+    # The target's default (--kv-cache-gb 1) is for the CPU demo; a GPU target left on it serves a
+    # handful of sequences from a GPU with tens of GiB free.
+    import workers.target.__main__ as target_main
+
+    default = target_main.parse_args([]).kv_cache_gb
+    for name, dep in by_kind(build(K8S / "overlays/gpu"), "Deployment").items():
+        [container] = dep["spec"]["template"]["spec"]["containers"]
+        if container.get("args", [None])[0] != "target":
+            continue
+        args = target_main.parse_args(container["args"][1:])
+        assert args.num_blocks is not None or args.kv_cache_gb > 4 * default, (name, args.kv_cache_gb)
