@@ -2,13 +2,15 @@
 
 Start order: etcd, nats-server (unless external URLs are given), the standalone router (if asked),
 draft workers, target workers, the frontend. Each child runs in its own process group and its
-output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200,
+output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200
+and lists a model (readiness alone says only that the frontend takes traffic),
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -64,6 +66,15 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return exc.code
     except (urllib.error.URLError, OSError):
         return None
+
+
+def serves_a_model(url: str, timeout: float = 2.0) -> bool:
+    """True when the frontend readiness probe at ``url`` is 200 and lists a served model."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200 and bool(json.loads(resp.read()).get("models"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def resolve_demo_model() -> str:
@@ -135,7 +146,7 @@ class Launcher:
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
         self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
-        # Every component ready, the frontend last (its /health needs a registered target).
+        # Every component ready, the frontend last, once it sees a target serving the model.
         urls = [f"http://127.0.0.1:{c.health_port}/health" for c in self._components if c.kind != "frontend"]
         self._wait_healthy([*urls, f"{self.url}/health"])
 
@@ -174,7 +185,8 @@ class Launcher:
                 if not child.alive():
                     raise LaunchError(f"{child.name} exited with {child.returncode} during startup; "
                                       f"its last lines:\n{child.recent_output()}")
-            while pending and http_status(pending[0]) == 200:
+            while pending and (serves_a_model(pending[0]) if pending[0] == f"{self.url}/health"
+                               else http_status(pending[0]) == 200):
                 pending.pop(0)
             if not pending:
                 return

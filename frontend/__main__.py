@@ -16,7 +16,7 @@ from runtime.config import add_runtime_args, apply_env_defaults, config_from_arg
 from runtime.service import run_service
 
 from .app import Frontend
-from .auth import read_keys
+from .auth import ApiKeyAuth, read_keys
 from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER_BYTES, FrontendConfig
 from .server import HttpServer
 
@@ -75,9 +75,12 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
 async def amain(args: argparse.Namespace) -> None:
     config = build_config(args)
     async with Runtime.connect(config_from_args(args, drain_timeout=args.drain_timeout)) as rt:
+        if rt.health is not None:  # the health port guards /metrics as the main port does
+            rt.health.protect(lambda app: ApiKeyAuth(app, config.api_keys, config.metrics_require_key))
         async with Frontend.start(rt, config) as frontend:
             server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout,
                                       idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s).start()
+            rt.mark_serving()
             log.info("frontend ready on %s (router %s)", server.url, config.router_mode)
             await rt.wait_for_shutdown()
             log.info("shutting down: finishing open requests")

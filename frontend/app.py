@@ -1,7 +1,8 @@
 """The HTTP routes of the frontend and the object that wires them to the runtime.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (200 only while a target worker serves a model), ``GET /live``, ``GET /metrics``,
+``GET /health`` (readiness: 200 while this frontend takes traffic, listing the models live target
+workers serve; with none, requests get a 503 and Retry-After), ``GET /live``, ``GET /metrics``,
 and FastAPI's ``/openapi.json`` and ``/docs``. Request bodies are read by hand, so that the size
 limit (413) applies before parsing and parsing errors keep OpenAI's error format.
 """
@@ -22,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from router import Router, create_router
-from runtime import EndpointClient, InvalidRequest, Overloaded, PendingBytes, Runtime
+from runtime import EndpointClient, InvalidRequest, NoInstances, Overloaded, PendingBytes, Runtime
 
 from .auth import ApiKeyAuth
 from .config import FrontendConfig
@@ -141,6 +142,7 @@ class Frontend:
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
+        self.ready: Callable[[], bool] = lambda: True  # the runtime's readiness (connected, not draining)
         self.app = ApiKeyAuth(FastPath(self.fastapi, {
             "/v1/chat/completions": lambda request: self.complete(request, chat=True),
             "/v1/completions": lambda request: self.complete(request, chat=False),
@@ -157,16 +159,17 @@ class Frontend:
             cards = await rt.models()
             cards.add_listener(registry.update)
             registry.update(cards.items())
-            yield cls(config, router, client, registry)
+            frontend = cls(config, router, client, registry)
+            frontend.ready = rt.ready
+            yield frontend
         finally:
             await router.stop()
             await registry.close()
 
-    def healthy(self) -> tuple[bool, list[str]]:
-        """Ready when some target instance serves a model whose card we know."""
+    def served_models(self) -> list[str]:
+        """The models whose card we know that some live target instance serves."""
         served = {r.model for r in self.client.instances()}
-        models = [m.name for m in self.registry.list() if m.name in served]
-        return bool(models), models
+        return [m.name for m in self.registry.list() if m.name in served]
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """Serve one chat or text completion request, streaming or not."""
@@ -234,6 +237,9 @@ class Frontend:
             log.info("request %s: client disconnected", request_id)
             return Response(status_code=status)
         except Exception as exc:
+            if isinstance(exc, UnknownModel) and not self.client.instances():
+                # no target at all (a rollout, a restart): the model may well come back
+                exc = NoInstances("target", "generate", exc.name)
             err = to_http(exc, self.config.retry_after_s)
             status = err.status
             if status == 500:
@@ -314,9 +320,11 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health", tags=["ops"])
     async def health() -> Response:
-        """200 while some target worker serves a model, else 503."""
-        ok, names = frontend.healthy()
-        body = {"status": "healthy" if ok else "unhealthy", "models": names}
+        """Readiness: 200 while this frontend can take traffic (connected, serving, not draining), with
+        the models live target workers serve; none is still 200 (requests then get a 503 with
+        Retry-After, so a target rollout does not take frontends out of their Service). Else 503."""
+        ok = frontend.ready()
+        body = {"status": "healthy" if ok else "unhealthy", "models": frontend.served_models()}
         return Response(encode_json(body), 200 if ok else 503, media_type=JSON)
 
     @app.get("/live", tags=["ops"])

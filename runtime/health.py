@@ -57,6 +57,7 @@ class HealthServer:
         self._ready = ready
         self._metrics = make_asgi_app(registry)
         self._extra = dict(extra or {})
+        self._entry = self._app  # the ASGI app uvicorn calls: _app behind whatever protect() added
         self._server: UvicornServer | None = None
         self._task: asyncio.Task | None = None
 
@@ -67,6 +68,11 @@ class HealthServer:
     def add_route(self, path: str, handler: Callable[[], object]) -> None:
         """Serve ``handler()`` as JSON on ``GET path``."""
         self._extra[path] = handler
+
+    def protect(self, middleware: Callable[[Callable], Callable]) -> None:
+        """Put ``middleware`` (an ASGI app wrapping an ASGI app) in front of every route, e.g. the
+        frontend's API-key check, so that this port gives away nothing its main port guards."""
+        self._entry = middleware(self._entry)
 
     async def start(self, timeout: float = 10.0) -> None:
         # Bind here: a taken port is one line (StartupError), and port 0 is known before serving.
@@ -79,7 +85,7 @@ class HealthServer:
             raise StartupError(f"cannot serve health on {self.host}:{self.port}: {exc.strerror or exc}") from None
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app, interface="asgi3", loop="none", lifespan="off", access_log=False,
+        config = uvicorn.Config(self._serve, interface="asgi3", loop="none", lifespan="off", access_log=False,
                                 log_level="warning", timeout_graceful_shutdown=1)
         self._server = UvicornServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="health-http")
@@ -96,6 +102,9 @@ class HealthServer:
             return
         await stop_server(self._server, self._task, "health server")
         self._task = self._server = None
+
+    async def _serve(self, scope, receive, send) -> None:
+        await self._entry(scope, receive, send)
 
     async def _app(self, scope, receive, send) -> None:
         method, path = scope["method"], scope["path"]

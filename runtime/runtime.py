@@ -227,6 +227,11 @@ class Runtime:
             # Deregister at once so that routers stop sending here while we drain.
             asyncio.ensure_future(self._registrar.revoke())
 
+    def mark_serving(self) -> None:
+        """Count a service this process offers outside the request plane (the frontend's HTTP API)
+        as served, for :meth:`ready`."""
+        self._served += 1
+
     def add_health_check(self, check: Callable[[], bool]) -> None:
         """``check()`` must be true for :meth:`ready` (e.g. a worker whose engine keeps failing is not)."""
         self._health_checks.append(check)
