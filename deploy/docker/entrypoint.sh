@@ -1,5 +1,6 @@
 #!/bin/sh
-# Container entrypoint: run any Tandem component by name.
+# Container entrypoint: run any Tandem component by name. The image names no etcd or NATS: give a
+# component --etcd/--nats (or TANDEM_ETCD/TANDEM_NATS, as compose and k8s do); `up` starts its own.
 #   docker run tandem frontend --http-port 8000 --host 0.0.0.0
 #   docker run tandem target --model /models/llama --health-port 9100
 #   docker run tandem draft --draft-method ngram --health-port 9100
