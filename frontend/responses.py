@@ -5,8 +5,10 @@ Shapes follow OpenAI's API reference: ``chat.completion`` / ``chat.completion.ch
 worker found in its prefix cache) and, for a speculated request, ``spec_decode`` with the counters,
 ``acceptance_rate`` and ``mean_accepted_length`` as defined in :mod:`runtime.spec_stats` (vLLM's:
 ``1 + accepted_tokens / num_drafts``, the tokens emitted per target forward pass), and
-``accepted_per_pos`` (verify steps whose accepted path reached position, or tree depth, i + 1); a
-rate that is undefined (no drafts yet) is left out. A forced tool call answers ``message.tool_calls``
+``accepted_per_pos`` (verify steps whose accepted path reached position, or tree depth, i + 1), and
+``plain_steps`` (decode steps that ran without a draft, by why: no draft worker, draft backed off,
+late, malformed or empty, paused by acceptance, by load, no room); a rate that is undefined (no
+drafts yet) is left out. A forced tool call answers ``message.tool_calls``
 (streamed as ``delta.tool_calls``) with ``finish_reason: "tool_calls"``.
 """
 
@@ -50,6 +52,12 @@ def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> dict:
         per_pos = [sum(s.accepted_per_pos[i] for s in specs if i < len(s.accepted_per_pos)) for i in range(depth)]
         spec = {"num_drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
                 "accepted_per_pos": per_pos}
+        plain: dict[str, int] = {}
+        for s in specs:
+            for why, n in s.plain_steps.items():
+                plain[why] = plain.get(why, 0) + n
+        if plain:  # decode steps that ran without a draft, by why (runtime.messages.PLAIN_STEP_REASONS)
+            spec["plain_steps"] = plain
         rates = {"acceptance_rate": acceptance_rate(accepted, draft_tokens),
                  "mean_accepted_length": mean_accepted_length(accepted, drafts)}
         spec.update((k, v) for k, v in rates.items() if v is not None)

@@ -156,6 +156,21 @@ class SpecUsage(_Wire):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = []  # [i]: verify steps whose accepted path reached depth i + 1
+    # decode steps of the request that ran without a draft, by why (see PLAIN_STEP_REASONS)
+    plain_steps: dict[str, int] = {}
+
+
+# Why a speculating request decoded a step plainly (SpecUsage.plain_steps and the target's metrics):
+PLAIN_STEP_REASONS = {
+    "no_draft": "no draft worker is connected",
+    "draft_backoff": "the draft worker is backed off (too slow, silent, or sending malformed proposals)",
+    "draft_late": "the proposal missed the step's deadline",
+    "draft_invalid": "the proposal was malformed and dropped",
+    "draft_empty": "the draft had nothing to propose (e.g. no n-gram match)",
+    "paused": "adaptive speculation paused drafting after rejected drafts",
+    "load": "load-aware speculation judged drafting not worth it at this load",
+    "no_room": "max_tokens or the context length leaves no room for drafts",
+}
 
 
 class Usage(_Wire):

@@ -339,6 +339,8 @@ class Engine:
             else:
                 self._register_blocks(s, bs)
                 if want:
+                    if n == 1:  # a decode step without a draft (prefill's first token is no such step)
+                        self.spec.count_plain(s)
                     plain.append((s, len(rows)))
                     if s.grammar is not None:
                         m = self.grammars.new_masks(1)

@@ -42,6 +42,8 @@ class SpecState:
     usage: SpecUsage = SpecUsage()
     acceptance: Acceptance = field(default_factory=Acceptance)
     pause: int = 0  # plain steps left before drafting is tried again
+    why_plain: str = ""  # why the sequence's next step runs without a draft ("": it was asked for one)
+    plain_steps: dict[str, int] = field(default_factory=dict)  # decode steps without a draft, by why
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Speculator:
         self.planned_draft_tokens = 0  # draft tokens asked for in the latest round (a gauge)
         self.unplanned_steps = 0  # rounds the load-aware plan chose not to speculate although it could
         self.dropped: dict[str, int] = {}  # proposals refused, by reason
+        self.plain_steps: dict[str, int] = {}  # decode steps of speculating requests without a draft, by why
         self.released: list[str] = []  # sequences the draft worker knew and may forget
 
     # ------------------------------------------------------------------ requests
@@ -157,8 +160,11 @@ class Speculator:
         self.released.clear()
 
     def usage(self, request_id: str) -> SpecUsage | None:
+        """The request's counters, with its plain steps by why; None when it never speculated."""
         st = self.states.get(request_id)
-        return st.usage if st is not None and st.usage.num_drafts else None
+        if st is None or not (st.usage.num_drafts or st.plain_steps):
+            return None
+        return msgspec.structs.replace(st.usage, plain_steps=dict(st.plain_steps))
 
     # ------------------------------------------------------------------ asking
 
@@ -177,6 +183,7 @@ class Speculator:
             if st.cap == 0:
                 if st.pause > 0:
                     st.pause -= 1
+                    st.why_plain = "paused"
                     continue
                 st.cap = 1
             # A chain is no longer than what can still be emitted; a tree keeps its node budget (its
@@ -185,12 +192,18 @@ class Speculator:
             k = min(st.cap, max_model_len - len(seq) - 1)
             if k > 0 and room > 0:
                 caps[seq.request_id], rooms[seq.request_id] = k, room
+                st.why_plain = "draft_late"  # until its proposal arrives
+            else:
+                st.why_plain = "no_room"
         if self.load_aware and caps:
             planned = plan(caps, {sid: self.states[sid].acceptance.alpha for sid in caps}, decoding, self.cost)
             if any(planned.values()) and not self.realized.allow(decoding):
                 planned = {}  # speculating did worse here than the model thinks, or plain is due a measure
             if not any(planned.values()):
                 self.unplanned_steps += 1
+            for sid, k in planned.items():
+                if k <= 0:
+                    self.states[sid].why_plain = "load"
             caps = {sid: k for sid, k in planned.items() if k > 0}
         self.planned_draft_tokens = sum(caps.values())
         out = []
@@ -224,7 +237,9 @@ class Speculator:
             problem = proposal_problem(prop, max(st.asked, 1), self.vocab_size)
             if problem is not None:
                 self._drop(problem)
+                st.why_plain = "draft_invalid"
                 continue
+            st.why_plain = "draft_empty"  # unless something of it is verified below
             if not prop.token_ids:
                 continue
             room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
@@ -245,7 +260,25 @@ class Speculator:
             if d.tokens:
                 seq.token_ids.extend(d.tokens)
                 drafted[seq.request_id] = d
+                st.why_plain = ""
         return drafted
+
+    def unasked(self, running: list[Sequence], why: str) -> None:
+        """No proposals are asked for this round (``why``: no draft worker, or it is backed off)."""
+        for seq in running:
+            st = self.states.get(seq.request_id)
+            if st is not None and st.gamma > 0 and seq.num_uncomputed == 1:
+                st.why_plain = why
+
+    def count_plain(self, seq: Sequence) -> None:
+        """``seq`` (speculating) decoded this step without a draft: count why."""
+        st = self.states.get(seq.request_id)
+        if st is None or st.gamma <= 0 or not st.why_plain:  # nobody decided about drafting: plain by design
+            return
+        why = st.why_plain
+        st.plain_steps[why] = st.plain_steps.get(why, 0) + 1
+        self.plain_steps[why] = self.plain_steps.get(why, 0) + 1
+        st.why_plain = ""
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

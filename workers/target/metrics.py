@@ -127,6 +127,12 @@ class TargetCollector(Collector):
         yield counter("step_loop_errors", "Step-loop iterations that failed outside the engine step.", loop.loop_errors)
         yield gauge("engine_broken", "1 while engine steps keep failing (the worker reports unhealthy).",
                     1 if loop.broken else 0)
+        plain = CounterMetricFamily("tandem_target_spec_plain_steps",
+                                    "Decode steps of speculating requests that ran without a draft, by why "
+                                    "(runtime.messages.PLAIN_STEP_REASONS).", labels=["model", "reason"])
+        for reason, count in sorted(dict(spec.plain_steps).items()):
+            plain.add_metric([self.model, reason], count)
+        yield plain
         dropped = CounterMetricFamily("tandem_target_draft_proposals_dropped",
                                       "Draft proposals refused before verification, by reason.", labels=["model", "reason"])
         for reason, count in sorted(dict(spec.dropped).items()):

@@ -276,6 +276,7 @@ class StepLoop:
         else:
             engine.take_verdicts(())
             engine.take_released()
+            engine.spec.unasked(engine.scheduler.running, "no_draft")  # why the next step decodes plainly
         out.kv_events = engine.drain_kv_events()
         out.has_work = engine.has_work()
         return out
@@ -324,7 +325,9 @@ class StepLoop:
                 log.warning("request %s: verdict not sent (%r); the draft starts it again", verdict.seq_id, exc)
                 engine.spec.forget_told(verdict.seq_id)
         out.released = engine.take_released()
-        if context.ask:
+        if not context.ask:
+            engine.spec.unasked(engine.scheduler.running, "draft_backoff")  # why the next step decodes plainly
+        else:
             for request in engine.draft_inputs(context.layers, dtype):
                 try:
                     out.requests.append(draft_input_to_pb(request, context.dtype))

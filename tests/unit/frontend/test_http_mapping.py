@@ -98,3 +98,10 @@ def test_stop_token_text_is_hidden_but_counted():
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         FrontendConfig(**kwargs)
+
+
+def test_usage_says_why_steps_did_not_speculate():
+    u = usage(10, [_choice(SpecUsage(2, 8, 3, [2, 1], plain_steps={"paused": 5, "draft_late": 1}), 12),
+                   _choice(SpecUsage(plain_steps={"no_draft": 4, "paused": 1}), 4)])
+    assert u["spec_decode"]["plain_steps"] == {"paused": 6, "draft_late": 1, "no_draft": 4}
+    assert "plain_steps" not in usage(10, [_choice(SpecUsage(1, 4, 4), 5)])["spec_decode"]

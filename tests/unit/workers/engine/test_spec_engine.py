@@ -196,3 +196,41 @@ def test_greedy_speculation_equals_plain_under_each_logits_processor(models, pro
     assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0
     if processor == "logit_bias":
         assert all(17 not in tokens for tokens in got.values())  # -100: never chosen
+
+
+def test_usage_says_why_steps_did_not_speculate(models):
+    """Every decode step after the first token is a verify step or a plain one with a reason, so
+    1 + drafts + accepted + plain steps = completion tokens; a draft that always misses pauses, a
+    perfect one leaves no plain step."""
+    from workers.draft.oracle import OracleProposer
+
+    target_dir, _ = models
+    batch = prompts(4, seed=19)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    refs = [batch[rid] + want[rid] for rid in batch]
+    for error_rate, expect in ((1.0, "paused"), (0.0, None)):
+        engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4)
+        proposer = OracleProposer(refs, error_rate, VOCAB, seed=3)
+        usages = {}
+        for rid, tokens in batch.items():
+            engine.add_request(rid, tokens, params)
+        while engine.has_work():
+            inputs = engine.draft_inputs()
+            for rid, delta in engine.step({o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}):
+                if delta.finish_reason:
+                    usages[rid] = delta.usage
+            proposer.verified(engine.take_verdicts())
+            proposer.release(engine.take_released())
+        for u in usages.values():
+            spec = u.spec
+            assert 1 + spec.num_drafts + spec.num_accepted_tokens + sum(spec.plain_steps.values()) == u.completion_tokens
+            assert (expect in spec.plain_steps) if expect else not spec.plain_steps, spec
+        assert engine.spec.plain_steps.get(expect, 0) > 0 if expect else not engine.spec.plain_steps
+    # an engine nobody asks for drafts decodes plainly by design: no counters at all
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4)
+    engine.add_request("x", batch["r0"], params)
+    out = []
+    while engine.has_work():
+        out.extend(d for _, d in engine.step())
+    assert out[-1].usage.spec is None

@@ -13,6 +13,8 @@ from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.speculation.payloads import DraftOutput
+from workers.target.draft_watch import DraftWatch
+from workers.target.metrics import RequestStats, TargetCollector
 from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
 
 pytestmark = pytest.mark.unit
@@ -205,5 +207,40 @@ async def test_a_request_that_cannot_be_converted_decodes_plainly(model, expecte
         assert await drain(loop.submit("a", PROMPT, PARAMS)) == expected
         assert not engine.counters.get("d") or engine.counters["d"].num_drafts == 0
         assert loop.healthy
+    finally:
+        await loop.stop()
+
+
+class _NoDraftPool(_Pool):
+    def __init__(self):
+        super().__init__(None)
+
+
+class _BackedOff(DraftWatch):
+    def allowed(self) -> bool:
+        return False
+
+
+async def run_one(loop: StepLoop, rid: str) -> list:
+    queue = loop.submit(rid, PROMPT, PARAMS)
+    deltas = []
+    while not deltas or not deltas[-1].finish_reason:
+        deltas.append(await asyncio.wait_for(queue.get(), 10))
+    return deltas
+
+
+@pytest.mark.parametrize("pool, watch, why", [(_NoDraftPool, DraftWatch, "no_draft"),
+                                              (lambda: _Pool(_Client([])), _BackedOff, "draft_backoff")])
+async def test_plain_steps_say_no_draft_and_draft_backoff(model, expected, pool, watch, why):
+    loop = StepLoop(Engine(model, CFG, num_speculative_tokens=2), pool(), watch=watch())
+    loop.start()
+    try:
+        deltas = await run_one(loop, "a")
+        assert [t for d in deltas for t in d.token_ids] == expected
+        assert deltas[-1].usage.spec.plain_steps == {why: PARAMS.max_tokens - 1}
+        worker = type("W", (), {"loop": loop, "engine": loop.engine, "stats": RequestStats()})()
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for m in TargetCollector(worker, "m").collect() for x in m.samples}
+        assert samples[("tandem_target_spec_plain_steps_total", (("model", "m"), ("reason", why)))] == 7
     finally:
         await loop.stop()
