@@ -24,8 +24,9 @@ def etcd_argv(client_port: int, peer_port: int, data_dir: Path, host: str = "127
     ]
 
 
-def nats_argv(port: int, data_dir: Path, host: str = "127.0.0.1") -> list[str]:
-    return [find_binary("nats-server"), "-a", host, "-p", str(port), "-js", "-sd", str(data_dir / "jetstream")]
+def nats_argv(port: int, host: str = "127.0.0.1") -> list[str]:
+    """Core NATS, no JetStream: no Tandem code uses it (subjects and inboxes only)."""
+    return [find_binary("nats-server"), "-a", host, "-p", str(port)]
 
 
 def etcd_child(client_port: int, peer_port: int, data_dir: Path, env: dict[str, str] | None = None) -> Child:
@@ -33,4 +34,4 @@ def etcd_child(client_port: int, peer_port: int, data_dir: Path, env: dict[str, 
 
 
 def nats_child(port: int, data_dir: Path, env: dict[str, str] | None = None) -> Child:
-    return Child("nats", nats_argv(port, data_dir), env=env, cwd=str(data_dir))
+    return Child("nats", nats_argv(port), env=env, cwd=str(data_dir))

@@ -139,11 +139,13 @@ def test_tandem_up_mock_serves_and_ctrl_c_leaves_no_process(launcher):
     models = httpx.get(f"{up.url}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["mock"]
 
-    # Every metric the Grafana dashboard plots and the k8s HPAs scale on is served by the frontend
-    # or the router.
+    # Every metric the Grafana dashboard plots, and every frontend metric the k8s HPAs scale on, is
+    # served by the frontend or the router (the targets' and drafts' HPA metrics come from those
+    # workers: tests/unit/deploy/test_k8s.py ties each to the component that exports it).
     [router_port] = re.findall(r"router +pid \d+ +health http://127.0.0.1:(\d+)/health", up.logs())
     wanted = set(re.findall(r"tandem_[a-z_]+", (ROOT / "deploy/grafana/dashboards/tandem.json").read_text()))
-    hpa_metrics = set(re.findall(r"name: (tandem_[a-z_]+)", (ROOT / "k8s/components/autoscaling/hpa.yaml").read_text()))
+    hpa_metrics = set(re.findall(r"name: (tandem_frontend_[a-z_]+)",
+                                 (ROOT / "k8s/components/autoscaling/hpa.yaml").read_text()))
     assert hpa_metrics
     wanted |= hpa_metrics
     deadline = time.monotonic() + 10

@@ -122,7 +122,7 @@ def cmdlines(pids: list[int]) -> list[str]:
 
 def test_tandem_ray_up_mock_serves_a_request(netns):
     netns.start("etcd", *etcd_argv(ETCD_PORT, ETCD_PORT + 1, netns.workdir))
-    netns.start("nats", *nats_argv(NATS_PORT, netns.workdir))
+    netns.start("nats", *nats_argv(NATS_PORT))
     netns.start("ray", str(BIN / "ray"), "start", "--head", "--block", f"--port={RAY_PORT}", "--num-cpus=8",
                 "--num-gpus=0", f"--temp-dir={netns.workdir / 'ray'}", "--disable-usage-stats",
                 "--include-dashboard=false")
