@@ -13,7 +13,7 @@ import sys
 from router.base import ROUTER_MODES
 from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
-from runtime.service import run_service
+from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .app import Frontend
 from .auth import ApiKeyAuth, read_keys
@@ -89,11 +89,8 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        build_config(args)
-        config_from_args(args, drain_timeout=args.drain_timeout)
-    except ValueError as exc:
-        sys.exit(f"python -m frontend: {exc}")
+    exit_on_bad_config("python -m frontend", lambda: build_config(args), lambda: check_log_level(args.log_level),
+                       lambda: config_from_args(args, drain_timeout=args.drain_timeout))
     try:
         run_service(lambda: amain(args), args.log_level)
     except OSError as exc:  # e.g. the HTTP port is taken

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import RouteRelease, RouteRequest
-from runtime.service import run_service
+from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .base import ROUTER_MODES
 from .factory import create_router
@@ -119,10 +119,8 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        service_config(args)
-    except ValueError as exc:
-        raise SystemExit(f"python -m router: {exc}") from None
+    exit_on_bad_config("python -m router", lambda: service_config(args), lambda: check_log_level(args.log_level),
+                       lambda: config_from_args(args, drain_timeout=args.drain_timeout))
     run_service(lambda: amain(args), args.log_level)
 
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+# gRPC's C core logs every failed TLS handshake at INFO on stderr, beside (and before) our own one
+# line about it; its errors it still logs. An operator's GRPC_VERBOSITY wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 DEFAULT_ETCD = "http://127.0.0.1:2379"
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 DEFAULT_NAMESPACE = "tandem"
@@ -177,6 +181,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
                        prefix: str = ENV_PREFIX) -> argparse.ArgumentParser:
     """Give every option of ``parser`` (and of its sub-commands) a ``TANDEM_<FLAG>`` fallback.
 
+    Errors (a bad flag or value) are one line that points at ``--help``, not the usage block first.
     A set variable becomes the option's default (converted with the option's type, checked against
     its choices; a switch reads 1/true/yes/on or 0/false/no/off), so a flag on the command line still
     wins. A bad value exits through ``parser.error`` naming the variable. Each option's help gains
@@ -185,6 +190,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
     the services' flags of the same name (``tandem train-draft``: ``TANDEM_TRAIN_``).
     """
     environ = os.environ if environ is None else environ
+    parser.error = _one_line_error(parser)
     seen: set[int] = set()
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -205,6 +211,15 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
         action.env_var, action.plain_help = name, action.help or ""
         action.help = _help_with_env(action, name)
     return parser
+
+
+def _one_line_error(parser: argparse.ArgumentParser):
+    """``parser.error`` without the usage block first: one line, and where the usage is."""
+
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+
+    return error
 
 
 def _from_env(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str):

@@ -47,6 +47,43 @@ def _refused(exc: Exception) -> bool:
             or "permission denied" in str(exc))
 
 
+def final_cause(exc: BaseException) -> str | None:
+    """Why NATS or etcd cannot be reached, when waiting will not change it (nothing listens on the port,
+    its TLS certificate is not trusted or ours is refused, our credentials are wrong); None for what
+    may pass (a timeout, a name that does not resolve yet, a server still starting)."""
+    import ssl
+
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port)"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed ({exc.verify_message or exc.reason})"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed ({exc.reason or exc})"
+    text = str(exc)
+    lowered = text.lower()
+    if "authorization violation" in lowered:
+        return "authorization violation (check the token, user, password or credentials)"
+    if "tls required" in lowered or "secure connection" in lowered:
+        return "the server requires TLS (give its CA)"
+    # etcd, through gRPC: the message of the last connection attempt
+    if "connection refused" in lowered:
+        return "connection refused (nothing listens on that port)"
+    if "certificate_verify_failed" in lowered or "certificate verify failed" in lowered:
+        return "TLS certificate verification failed (is the right CA given?)"
+    if "handshake failed" in lowered or "wrong_version_number" in lowered:
+        return "TLS handshake failed" + (" (is the server plaintext?)" if "wrong_version_number" in lowered else "")
+    return None
+
+
+def gave_up(seconds: float, errors: list[BaseException]) -> str:
+    """``gave up after Ns`` with the last error seen, for causes that were worth waiting for."""
+    if not errors:
+        return f"gave up after {seconds:g}s (no answer)"
+    exc = errors[-1]
+    text = str(exc).strip()
+    return f"gave up after {seconds:g}s: {type(exc).__name__}" + (f": {text[:200]}" if text else "")
+
+
 UNREACHABLE_HOLD_S = 30.0  # how long an instance NATS found unreachable stays out of routing
 
 T = TypeVar("T")
@@ -124,6 +161,7 @@ class Runtime:
         self._shutdown = asyncio.Event()
         self._signals = 0
         self._closed = False
+        self._opened = False  # _open finished: _close has something to report
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -141,10 +179,18 @@ class Runtime:
     async def _open(self) -> None:
         cfg = self.config
         connected = False
+        final: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        last_error: list[BaseException] = []
 
         async def on_error(exc: Exception) -> None:
-            if connected:  # before the first connection, the start-up deadline speaks for the failures
+            if connected:
                 log.warning("nats: %r", exc)
+                return
+            # Before the first connection: a final cause ends the wait at once, others are retried
+            last_error[:] = [exc]
+            cause = final_cause(exc)
+            if cause is not None and not final.done():
+                final.set_result(cause)
 
         async def on_disconnect() -> None:
             if not self._closed:
@@ -153,27 +199,36 @@ class Runtime:
         async def on_reconnect() -> None:
             log.info("nats: reconnected to %s", redact_url(cfg.nats_url))
 
+        connecting = asyncio.ensure_future(nats.connect(
+            cfg.nats_url,
+            name=f"tandem-{self.instance_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            allow_reconnect=True,
+            connect_timeout=min(2.0, cfg.connect_timeout),
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            **cfg.nats_options(),
+        ))
+        await asyncio.wait((connecting, final), timeout=cfg.connect_timeout, return_when=asyncio.FIRST_COMPLETED)
+        where = f"NATS at {redact_url(cfg.nats_url)}"
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            if final.done():
+                raise StartupError(f"cannot reach {where}: {final.result()}")
+            raise StartupError(f"cannot reach {where}: {gave_up(cfg.connect_timeout, last_error)}")
         try:
-            self.nc = await asyncio.wait_for(nats.connect(
-                cfg.nats_url,
-                name=f"tandem-{self.instance_id}",
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
-                allow_reconnect=True,
-                connect_timeout=min(2.0, cfg.connect_timeout),
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                **cfg.nats_options(),
-            ), cfg.connect_timeout)
+            self.nc = connecting.result()
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-            raise StartupError(f"cannot reach NATS at {redact_url(cfg.nats_url)} (gave up after "
-                               f"{cfg.connect_timeout:g}s: {type(exc).__name__})") from None
+            cause = final_cause(exc) or gave_up(cfg.connect_timeout, [*last_error, exc][-1:])
+            raise StartupError(f"cannot reach {where}: {cause}") from None
         connected = True
         host, port = cfg.etcd_host_port
         security = cfg.etcd_security()
         deadline = time.monotonic() + cfg.connect_timeout
-        while True:  # etcd: retry until the deadline, then one line
+        while True:  # etcd: retry until the deadline unless the cause is final, then one line
             try:
                 self.etcd = EtcdClient(host, port, security, timeout=min(5.0, cfg.connect_timeout))
                 await self.etcd.connect()
@@ -187,9 +242,12 @@ class Runtime:
                 if _refused(exc):  # wrong user or password, auth required, no permission: retrying will not help
                     who = f" as {security.user}" if security.user else ""
                     raise StartupError(f"etcd at {redact_url(cfg.etcd_url)} refused us{who}: {exc}") from None
+                where = f"etcd at {redact_url(cfg.etcd_url)}"
+                cause = final_cause(exc)
+                if cause is not None:
+                    raise StartupError(f"cannot reach {where}: {cause}") from None
                 if time.monotonic() >= deadline:
-                    raise StartupError(f"cannot reach etcd at {redact_url(cfg.etcd_url)} (gave up after "
-                                       f"{cfg.connect_timeout:g}s: {type(exc).__name__})") from None
+                    raise StartupError(f"cannot reach {where}: {gave_up(cfg.connect_timeout, [exc])}") from None
                 await asyncio.sleep(0.5)
         self.events = EventPlane(self.nc, self.namespace)
         self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)
@@ -203,6 +261,7 @@ class Runtime:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
+        self._opened = True
         log.info("runtime %s connected (namespace %s, pid %d)", self.instance_id, self.namespace, os.getpid())
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -301,7 +360,8 @@ class Runtime:
                 await self.nc.close()
         if self.etcd is not None:
             await self.etcd.close()
-        log.info("runtime %s closed", self.instance_id)
+        if self._opened:  # a start-up failure is its own one line
+            log.info("runtime %s closed", self.instance_id)
 
     # ------------------------------------------------------------------ serving
 

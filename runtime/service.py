@@ -12,8 +12,30 @@ from .config import default_log_level
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def check_log_level(level: str | None = None) -> str:
+    """``level`` (else ``TANDEM_LOG_LEVEL``, else INFO) upper-cased; ``ValueError`` for an unknown one."""
+    value = (level or default_log_level()).upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"unknown log level {(level or default_log_level())!r} (--log-level or TANDEM_LOG_LEVEL): "
+                         f"choose {', '.join(LOG_LEVELS)}")
+    return value
+
+
 def setup_logging(level: str | None = None) -> None:
-    logging.basicConfig(level=(level or default_log_level()).upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=check_log_level(level), format=LOG_FORMAT)
+
+
+def exit_on_bad_config(prog: str, *checks: Callable[[], object]) -> None:
+    """Run ``checks`` (config builders, path checks, the log level) before anything starts: a
+    ``ValueError`` or ``OSError`` from one is one line on stderr and exit status 1."""
+    for check in checks:
+        try:
+            check()
+        except (ValueError, OSError) as exc:
+            sys.exit(f"{prog}: {exc}")
 
 
 def run_service(main: Callable[[], Awaitable[None]], log_level: str | None = None) -> None:
@@ -21,7 +43,10 @@ def run_service(main: Callable[[], Awaitable[None]], log_level: str | None = Non
     line on stderr when the service cannot start (:class:`runtime.errors.StartupError`)."""
     from .errors import StartupError
 
-    setup_logging(log_level)
+    try:
+        setup_logging(log_level)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
     try:
         try:
             import uvloop

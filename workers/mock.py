@@ -43,7 +43,7 @@ from runtime.messages import (
     Usage,
     is_greedy,
 )
-from runtime.service import run_service
+from runtime.service import check_log_level, exit_on_bad_config, run_service
 from runtime.spec_stats import SpecCounters
 from runtime.validation import validate_request
 
@@ -368,6 +368,13 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+
+    def tokenizer() -> None:
+        if args.tokenizer and not Path(args.tokenizer).exists():
+            raise ValueError(f"--tokenizer {args.tokenizer} does not exist")
+
+    exit_on_bad_config("python -m workers.mock", tokenizer, lambda: check_log_level(args.log_level),
+                       lambda: config_from_args(args, drain_timeout=args.drain_timeout))
     run_service(lambda: amain(args), args.log_level)
 
 

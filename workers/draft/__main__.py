@@ -20,7 +20,8 @@ from proto import spec_pb2_grpc
 from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import ModelCard
-from runtime.service import run_service
+from runtime.errors import StartupError
+from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .methods import BENCH_METHODS, METHODS
 from .metrics import DraftCollector
@@ -149,6 +150,14 @@ def make_proposer(args: argparse.Namespace):
     raise ValueError(f"unknown draft method {args.method!r}")
 
 
+def model_paths(args: argparse.Namespace) -> None:
+    """``ValueError`` for a model, head or file flag naming a path that does not exist."""
+    for flag, path in (("--draft-model", args.draft_model), ("--eagle-model", args.eagle_model),
+                       ("--target-model", args.target_model), ("--oracle-file", args.oracle_file)):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{flag} {path} does not exist")
+
+
 def server_tls(args: argparse.Namespace) -> ServerTls | None:
     """TLS for the gRPC server from the flags (None: plaintext); ValueError for a half-given pair."""
     if not (args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca):
@@ -162,7 +171,10 @@ def server_tls(args: argparse.Namespace) -> ServerTls | None:
 
 async def amain(args: argparse.Namespace) -> None:
     tls = server_tls(args)
-    proposer = make_proposer(args)
+    try:
+        proposer = make_proposer(args)
+    except (ValueError, OSError) as exc:  # a checkpoint that does not load: one line, not a traceback
+        raise StartupError(f"--method {args.method}: cannot load the draft: {exc}") from None
     config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(config) as rt:
         service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
@@ -193,10 +205,9 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        server_tls(args)
-    except ValueError as exc:
-        raise SystemExit(f"python -m workers.draft: {exc}") from None
+    exit_on_bad_config("python -m workers.draft", lambda: server_tls(args), lambda: model_paths(args),
+                       lambda: check_log_level(args.log_level),
+                       lambda: config_from_args(args, drain_timeout=args.drain_timeout))
     run_service(lambda: amain(args), args.log_level)
 
 

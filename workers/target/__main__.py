@@ -25,7 +25,7 @@ from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
 from runtime.events import TOPIC_KV_DUMP
 from runtime.messages import GenerateRequest, KvDumpRequest, ModelCard
-from runtime.service import run_service
+from runtime.service import check_log_level, exit_on_bad_config, run_service
 from workers.target.metrics import TargetCollector
 
 log = logging.getLogger("workers.target")
@@ -269,10 +269,11 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        client_tls(args)
-    except ValueError as exc:
-        raise SystemExit(f"python -m workers.target: {exc}") from None
+    checks = [lambda: client_tls(args), lambda: check_log_level(args.log_level),
+              lambda: config_from_args(args, drain_timeout=args.drain_timeout)]
+    if args.model:  # the demo model is fetched later, in the service
+        checks.append(lambda: target_config(args, Path(args.model)))
+    exit_on_bad_config("python -m workers.target", *checks)
     run_service(lambda: amain(args), args.log_level)
 
 

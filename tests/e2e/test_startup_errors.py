@@ -1,0 +1,108 @@
+"""Start-up failures of every service are one line, exit non-zero and, where waiting cannot help (a
+missing path, a bad value, a refused connection, an untrusted certificate), come within 5 s. Real
+processes, real etcd and nats-server (TLS ones with certificates made here by openssl)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.servers import EtcdServer, NatsServer, env_for, free_port
+from tests.unit.workers.target.test_draft_tls import make_pki
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(module: str, *args: str, env: dict) -> tuple[int, list[str], float]:
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return done.returncode, lines, time.monotonic() - began
+
+
+def one_line_quick(result: tuple[int, list[str], float], *expected: str) -> str:
+    code, lines, seconds = result
+    assert code != 0, lines
+    assert len(lines) == 1, "\n".join(lines)
+    assert "Traceback" not in lines[0] and "usage:" not in lines[0]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert seconds < 5, f"{seconds:.1f}s: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture
+def env(servers):
+    return env_for(*servers, "startup")
+
+
+@pytest.mark.parametrize("module, args, expected", [
+    ("workers.target", ["--model", "/nonexistent/model"], "--model /nonexistent/model does not exist"),
+    ("workers.draft", ["--method", "draft_model", "--draft-model", "/nonexistent/draft"],
+     "--draft-model /nonexistent/draft does not exist"),
+    ("workers.draft", ["--method", "eagle3", "--eagle-model", "/nonexistent/head", "--target-model", "/nonexistent/t"],
+     "/nonexistent/head does not exist"),
+    ("workers.mock", ["--lease-ttl", "-1"], "lease_ttl must be at least 2 seconds"),
+    ("frontend", ["--lease-ttl", "-1", "--http-port", "0"], "lease_ttl must be at least 2 seconds"),
+    ("router", ["--lease-ttl", "-1"], "lease_ttl must be at least 2 seconds"),
+    ("workers.target", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
+    ("workers.draft", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
+    ("workers.mock", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    ("frontend", ["--router-mode", "nope"], "invalid choice: 'nope'"),
+])
+def test_bad_start_up_values_are_one_line(env, module, args, expected):
+    one_line_quick(start(module, *args, env=env), expected)
+
+
+@pytest.mark.parametrize("module", ["workers.mock", "frontend", "router", "workers.draft"])
+def test_an_unknown_tandem_log_level_is_one_line(env, module):
+    one_line_quick(start(module, env={**env, "TANDEM_LOG_LEVEL": "LOUD"}), "unknown log level 'LOUD'")
+
+
+@pytest.mark.parametrize("missing", ["nats", "etcd"])
+def test_a_refused_connection_is_said_at_once(env, missing):
+    dead = free_port()
+    if missing == "nats":
+        env = {**env, "TANDEM_NATS": f"nats://127.0.0.1:{dead}"}
+    else:
+        env = {**env, "TANDEM_ETCD": f"http://127.0.0.1:{dead}"}
+    line = one_line_quick(start("workers.mock", env=env), "connection refused", f"127.0.0.1:{dead}")
+    assert ("NATS" if missing == "nats" else "etcd") in line and "TimeoutError" not in line
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")
+def test_an_untrusted_certificate_is_said_at_once(servers, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pki, other = make_pki(tmp_path / "a"), make_pki(tmp_path / "b")
+    etcd_server, nats_server = servers
+    nats_tls = NatsServer("--tls", "--tlscert", pki["server_cert"], "--tlskey", pki["server_key"])
+    etcd_tls = EtcdServer("--cert-file", pki["server_cert"], "--key-file", pki["server_key"], scheme="https")
+    nats_tls.start()
+    etcd_tls.start()
+    try:
+        env = env_for(etcd_server, nats_tls, "startup")
+        line = one_line_quick(start("workers.mock", "--nats-tls-ca", other["ca"], env=env), "NATS", "certificate")
+        assert "TimeoutError" not in line
+        env = env_for(etcd_tls, nats_server, "startup")
+        line = one_line_quick(start("workers.mock", "--etcd-tls-ca", other["ca"], env=env), "etcd", "certificate")
+        assert "TimeoutError" not in line
+    finally:
+        nats_tls.cleanup()
+        etcd_tls.cleanup()
+
+
+def test_a_server_that_may_still_come_is_waited_for(env):
+    """A timeout is no final cause: the service keeps trying until --connect-timeout, then says so."""
+    code, lines, seconds = start("workers.mock", "--connect-timeout", "2",
+                                 env={**env, "TANDEM_NATS": "nats://10.255.255.1:4222"})  # unroutable: no answer
+    assert code == 1 and len(lines) == 1 and "cannot reach NATS" in lines[0] and "gave up after 2s" in lines[0], lines
+    assert 1.5 < seconds < 15
