@@ -81,7 +81,7 @@ class ChoiceOutput:
                 self.completion_tokens += 1
                 if i < shown:
                     parts.append(self._stops.feed(self._detok.add((token,))))
-                if with_logprobs:
+                if with_logprobs and i < shown:  # a hidden stop token has no entry: entries join to the text
                     piece.logprobs.append(LogprobEntry(token, delta.logprobs[i], list(tops[i][: self._top])))
                 if self._stops.stopped:
                     break

@@ -65,15 +65,21 @@ def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> dict:
     return out
 
 
-def _token_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _token_entry(text: str, logprob: float, raw: bytes | None = None) -> dict:
+    """One logprobs entry; ``raw``: the token's own bytes (a piece of a multi-byte character has no
+    text of its own, only bytes), its text's UTF-8 when not given."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode() if raw is None else raw)}
 
 
-def chat_logprobs(entries: Sequence[LogprobEntry], token_text: Callable[[int], str]) -> dict:
+def chat_logprobs(entries: Sequence[LogprobEntry], token_text: Callable[[int], str],
+                  token_bytes: Callable[[int], bytes] | None = None) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        return _token_entry(token_text(token_id), logprob, token_bytes(token_id) if token_bytes else None)
+
     content = []
     for e in entries:
-        item = _token_entry(token_text(e.token_id), e.logprob)
-        item["top_logprobs"] = [_token_entry(token_text(t.token_id), t.logprob) for t in e.top]
+        item = entry(e.token_id, e.logprob)
+        item["top_logprobs"] = [entry(t.token_id, t.logprob) for t in e.top]
         content.append(item)
     return {"content": content}
 
@@ -109,7 +115,7 @@ class ResponseBuilder:
     sent whole when it is complete."""
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], with_logprobs: bool,
-                 tools: ToolCalls | None = None):
+                 tools: ToolCalls | None = None, token_bytes: Callable[[int], bytes] | None = None):
         self.chat = chat
         self.tools = tools if chat else None
         self._tool_streams: dict[int, _ToolStream] = {}
@@ -117,6 +123,7 @@ class ResponseBuilder:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._token_text = token_text
+        self._token_bytes = token_bytes
         self._with_logprobs = with_logprobs
         self._object = "chat.completion.chunk" if chat else "text_completion"
         self._offsets: dict[int, int] = {}
@@ -127,7 +134,7 @@ class ResponseBuilder:
         if not self._with_logprobs:
             return None
         if self.chat:
-            return chat_logprobs(entries, self._token_text)
+            return chat_logprobs(entries, self._token_text, self._token_bytes)
         offset = self._offsets.get(index, 0)
         out = completion_logprobs(entries, self._token_text, offset)
         self._offsets[index] = offset + sum(len(t) for t in out["tokens"])

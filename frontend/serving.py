@@ -140,7 +140,7 @@ class CompletionService:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None,
-                                  grammar.tools if grammar else None)
+                                  grammar.tools if grammar else None, tok.token_bytes)
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
                    stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
                    req.speculative)

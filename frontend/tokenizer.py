@@ -7,6 +7,7 @@ frontend's per-request overhead small.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ class Tokenizer:
         if not eos and getattr(hf_tokenizer, "eos_token_id", None) is not None:
             eos = [hf_tokenizer.eos_token_id]
         self.eos_token_ids = tuple(eos)
+        self._byte_decoder: dict[str, int] | None = None  # byte-level BPE's alphabet, built on first use
 
     @classmethod
     def load(cls, path: str, chat_template: str = "", eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -65,6 +67,38 @@ class Tokenizer:
             return self._fast.decode([token_id], skip_special_tokens=False)
         return self._hf.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (logprobs' ``bytes``): a byte-level BPE token maps back through
+        its byte alphabet, a SentencePiece byte-fallback token ``<0xAB>`` is that byte, ``▁`` a
+        space. A token that is part of a multi-byte character gives that part, so the bytes of a
+        reply's tokens join to its UTF-8 text even where one token's text alone is ``'�'``."""
+        if self._byte_decoder is None:
+            self._byte_decoder = _byte_level_decoder() if self._byte_level() else {}
+        piece = self._hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_ids:
+            return piece.encode()
+        if self._byte_decoder and all(ch in self._byte_decoder for ch in piece):
+            return bytes(self._byte_decoder[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
+    def _byte_level(self) -> bool:
+        """Whether the fast tokenizer decodes byte-level BPE (GPT-2's byte alphabet)."""
+        if self._fast is None:
+            return False
+        try:
+            decoder = json.loads(self._fast.to_str()).get("decoder") or {}
+        except Exception:
+            return False
+        kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", []) or []]
+        return "ByteLevel" in kinds
+
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The chat template applied to ``messages`` with the assistant's turn opened; ``tools``
         (OpenAI's function definitions) go to templates that render them."""
@@ -82,3 +116,16 @@ class Tokenizer:
         # The template already writes the special tokens (BOS, role markers) it wants.
         return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars

@@ -45,3 +45,11 @@ def test_without_stops_or_logprobs_whole_deltas_are_decoded():
     assert out.add(TokenDelta([7, 8])).text == "hi"
     piece = out.add(TokenDelta([25], finish_reason="stop"))  # the stop token's text is hidden
     assert piece.text == "" and piece.finish_reason == "stop" and out.completion_tokens == 3
+
+
+def test_a_hidden_stop_token_has_no_logprob_entry():
+    out = ChoiceOutput(0, decode, [], stop_token_ids=frozenset({9}), top_logprobs=0)
+    out.add(TokenDelta([1, 2], logprobs=[-0.1, -0.2], top_logprobs=[[], []]))
+    piece = out.add(TokenDelta([3, 9], logprobs=[-0.3, -0.4], top_logprobs=[[], []], finish_reason="stop"))
+    assert [e.token_id for e in out.logprobs] == [1, 2, 3] and [e.token_id for e in piece.logprobs] == [3]
+    assert out.completion_tokens == 4  # still counted

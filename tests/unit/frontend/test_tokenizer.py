@@ -1,0 +1,32 @@
+"""The frontend's tokenizer: a token's raw bytes rebuild the text even where one token is half a character."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.responses import chat_logprobs
+from frontend.output import LogprobEntry
+from frontend.tokenizer import Tokenizer
+from workers.demo_model import demo_tokenizer_dir
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.load(str(demo_tokenizer_dir()))
+
+
+@pytest.mark.parametrize("text", ["I 🙂 it", "ᚠᛇᚻ 𝔘𝔫𝔦 🦜🪿 日本語のテキスト", "tabs\tand\nnewlines, ASCII"])
+def test_token_bytes_join_to_the_utf8_text(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_logprobs_bytes_rebuild_split_characters(tok):
+    text = "🦜🪿 日本語"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.token_text(i) == "\ufffd" for i in ids)  # some token is only part of a character
+    content = chat_logprobs([LogprobEntry(i, -1.0, []) for i in ids], tok.token_text, tok.token_bytes)["content"]
+    assert bytes(b for e in content for b in e["bytes"]).decode() == text
+    assert tok.token_bytes(tok.eos_token_ids[0]) == b"<|im_end|>"
