@@ -17,23 +17,27 @@ async def create_router(rt: Runtime, mode: str = "round_robin", *, remote: bool 
     """A started router of ``mode`` over the runtime's live target instances.
 
     ``remote=True`` returns a :class:`router.remote.RemoteRouter` that asks the shared
-    ``python -m router`` service instead (the service's own ``--mode`` decides; ``mode`` is only checked).
+    ``python -m router`` service instead (the service's own ``--mode`` decides), with a router of
+    ``mode`` in this process as its fallback while the service is unreachable.
     ``options`` for ``kv`` are the fields of :class:`router.cost.KvRouterConfig`; ``seed`` for the others.
     """
     if mode not in ROUTER_MODES:
         raise ValueError(f"router mode must be one of {ROUTER_MODES}, got {mode!r}")
     if remote:
-        router: Router = await RemoteRouter.create(rt, **options)
-        await router.start()
-        return router
+        router: Router = await RemoteRouter.create(rt, fallback=await _local(rt, mode, {}), **options)
+    else:
+        router = await _local(rt, mode, options)
+    await router.start()
+    return router
+
+
+async def _local(rt: Runtime, mode: str, options: dict) -> Router:
+    """A router of ``mode`` in this process, not started."""
     if mode != "kv" and set(options) - {"seed"}:
         raise ValueError(f"router mode {mode!r} takes only the option 'seed', got {sorted(options)}")
     client = await rt.client("target", "generate")
     if mode == "round_robin":
-        router = RoundRobinRouter(client.instances, options.get("seed"))
-    elif mode == "random":
-        router = RandomRouter(client.instances, options.get("seed"))
-    else:
-        router = await KvRouter.create(rt, client, **options)
-    await router.start()
-    return router
+        return RoundRobinRouter(client.instances, options.get("seed"))
+    if mode == "random":
+        return RandomRouter(client.instances, options.get("seed"))
+    return await KvRouter.create(rt, client, **options)

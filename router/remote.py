@@ -8,7 +8,9 @@ Contract:
   event topic :data:`TOPIC_ROUTE_RELEASE`; the service that made it releases it in its router, so the
   in-flight accounting covers every frontend. Selections never released expire after ``ttl``.
 - :class:`RemoteRouter` is the client with the :class:`router.base.Router` interface; releases are
-  batched, one message per router instance per event-loop turn.
+  batched, one message per router instance per event-loop turn. With a ``fallback`` router it never
+  depends on the service alone: when no router instance is registered, or none answers (gone, stuck,
+  all recently failed), the fallback routes in this process until a router instance answers again.
 """
 
 from __future__ import annotations
@@ -82,12 +84,16 @@ class RemoteRouter(Router):
     mode = "remote"
 
     def __init__(self, client, publish: Callable[[str, object], Awaitable[None]], timeout: float = 2.0,
-                 suspect_for: float = 10.0):
+                 suspect_for: float = 10.0, fallback: Router | None = None):
         """``timeout``: seconds to wait for one router instance's answer before asking the next;
-        an instance that failed is asked last for ``suspect_for`` seconds."""
+        an instance that failed is asked last for ``suspect_for`` seconds, and not at all while a
+        ``fallback`` (an in-process router) can answer instead."""
         if timeout <= 0 or suspect_for < 0:
             raise ValueError("timeout must be > 0 and suspect_for >= 0")
         super().__init__(lambda model: [])
+        self.fallback = fallback
+        self.fallbacks = 0  # selections the fallback made
+        self._falling_back = False
         self._client = client
         self._publish = publish
         self.timeout = timeout
@@ -99,21 +105,38 @@ class RemoteRouter(Router):
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    async def create(cls, rt, **options) -> RemoteRouter:
+    async def create(cls, rt, fallback: Router | None = None, **options) -> RemoteRouter:
         if options:
             raise ValueError(f"a remote router takes no options (the service has them), got {sorted(options)}")
-        return cls(await rt.client(COMPONENT, ENDPOINT), rt.publish)
+        return cls(await rt.client(COMPONENT, ENDPOINT), rt.publish, fallback=fallback)
 
     def _order(self) -> list[str]:
-        """Live router instances, round robin, recently failed ones last."""
+        """Live router instances, round robin, recently failed ones last (left out when a fallback
+        can answer instead)."""
         ids = [r.instance_id for r in self._client.instances()]
-        if not ids:
-            raise NoInstances(COMPONENT, ENDPOINT)
-        start = next(self._next) % len(ids)
+        start = next(self._next) % len(ids) if ids else 0
         ids = ids[start:] + ids[:start]
         now = time.monotonic()
         self._suspects = {i: t for i, t in self._suspects.items() if now - t < self.suspect_for}
+        if self.fallback is not None:
+            ids = [i for i in ids if i not in self._suspects]
+        if not ids and self.fallback is None:
+            raise NoInstances(COMPONENT, ENDPOINT)
         return sorted(ids, key=lambda i: i in self._suspects)
+
+    async def start(self) -> None:
+        if self.fallback is not None:
+            await self.fallback.start()
+
+    async def _fall_back(self, model: str, token_ids: Sequence[int], exclude, request_id: str,
+                         why: str) -> Selection:
+        if not self._falling_back:
+            self._falling_back = True
+            log.warning("the router service is unreachable (%s): routing in this process (%s) until it answers",
+                        why, self.fallback.mode)
+        self.fallbacks += 1
+        selection = await self.fallback.select(model, token_ids, exclude, request_id)
+        return selection  # router_id "": released in the fallback
 
     async def _ask(self, instance_id: str, request: RouteRequest) -> RouteResponse:
         stream = await self._client.call(instance_id, request, RouteResponse)
@@ -127,7 +150,10 @@ class RemoteRouter(Router):
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
         request = RouteRequest(model, list(token_ids), sorted(exclude), request_id)
         error: Exception | None = None
-        for instance_id in self._order():  # a router instance that is gone or stuck: ask the next one
+        order = self._order()
+        if not order:
+            return await self._fall_back(model, token_ids, exclude, request_id, "no router instance")
+        for instance_id in order:  # a router instance that is gone or stuck: ask the next one
             try:
                 response = await self._ask(instance_id, request)
                 break
@@ -140,11 +166,19 @@ class RemoteRouter(Router):
                     raise NoInstances("target", "generate", model) from None
                 raise
         else:
+            if self.fallback is not None:
+                return await self._fall_back(model, token_ids, exclude, request_id, str(error))
             raise error
+        if self._falling_back:
+            self._falling_back = False
+            log.info("the router service answers again: routing through it")
         self.in_flight[response.instance_id] = self.in_flight.get(response.instance_id, 0) + 1
         return Selection(response.instance_id, response.overlap_blocks, request_id, response.ticket, response.router_id)
 
     def release(self, selection: Selection) -> None:
+        if not selection.router_id and self.fallback is not None:  # made in this process
+            self.fallback.release(selection)
+            return
         super().release(selection)
         self._pending.setdefault(selection.router_id, []).append(selection.ticket)
         if self._flush_handle is None:
@@ -170,3 +204,5 @@ class RemoteRouter(Router):
             self._flush()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.fallback is not None:
+            await self.fallback.stop()

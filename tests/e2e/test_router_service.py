@@ -107,11 +107,18 @@ async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime
     assert await asyncio.to_thread(service.wait, 20) == 0
 
 
-async def test_remote_router_without_a_service_raises_no_instances(rt):
+async def test_remote_router_without_a_service_routes_in_process(rt, spawn):
     router = await create_router(rt, "kv", remote=True)
-    with pytest.raises(NoInstances) as err:
+    with pytest.raises(NoInstances) as err:  # no router service and no target either
         await router.select("mock", [1, 2, 3])
-    assert err.value.component == "router"
+    assert err.value.component == "target"
+    spawn("workers.mock", "--lease-ttl", "3", "--token-latency-ms", "0", name="mock")
+    [target] = await (await rt.client("target", "generate")).wait_for_instances(1, timeout=60)
+    selection = await router.select("mock", [1, 2, 3])
+    assert selection.instance_id == target.instance_id and selection.router_id == "" and router.fallbacks == 2
+    router.release(selection)
+    assert router.fallback.in_flight == {}
+    await router.stop()
     with pytest.raises(ValueError):
         await create_router(rt, "kv", remote=True, overlap_weight=3.0)
     # Work around a runtime bug: Snapshot.stop() can hang in the etcd watch's cancel() when the

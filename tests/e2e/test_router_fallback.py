@@ -1,0 +1,95 @@
+"""The standalone router is no single point of failure: a frontend started with --remote-router routes
+in its own process while no router instance answers, and through the service again once one does;
+under ``tandem up --standalone-router`` a killed router leaves the stack serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from tests.e2e.test_deploy_up import MOCK, ask, launcher  # noqa: F401 (fixture)
+from tests.support.servers import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+async def _load(url: str, statuses: Counter, stop: asyncio.Event) -> None:
+    body = {"model": "mock", "prompt": "route me", "max_tokens": 3}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            try:
+                statuses[(await client.post("/v1/completions", json=body)).status_code] += 1
+            except httpx.HTTPError as exc:
+                statuses[type(exc).__name__] += 1
+            await asyncio.sleep(0.01)
+
+
+def _decisions(router_url: str) -> float:
+    text = httpx.get(router_url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tandem_router_decisions_total"))
+
+
+async def test_a_killed_router_service_is_routed_around_in_process(spawn):
+    router_port, port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = spawn("router", "--lease-ttl", "10", "--mode", "kv", "--http-port", str(router_port), name="router")
+    spawn("workers.mock", "--lease-ttl", "3", "--token-latency-ms", "1", "--num-speculative-tokens", "0", name="mock")
+    frontend = spawn("frontend", "--http-port", str(port), "--remote-router", "--lease-ttl", "3", name="frontend")
+    frontend.wait_for_log("frontend ready", timeout=60)
+    router.wait_for_log("router", timeout=60)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        deadline = time.monotonic() + 60
+        while not (await client.get("/health")).json()["models"]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        body = {"model": "mock", "prompt": "hi", "max_tokens": 2}
+        deadline = time.monotonic() + 30
+        while True:  # the router service may register after the frontend started routing in-process
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            if _decisions(f"http://127.0.0.1:{router_port}") >= 1:
+                break  # routed through the service
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+
+    statuses: Counter = Counter()
+    stop = asyncio.Event()
+    load = [asyncio.create_task(_load(url, statuses, stop)) for _ in range(3)]
+    await asyncio.sleep(0.5)
+    router.kill()  # SIGKILL: its registration outlives it for the 10 s lease
+    await asyncio.sleep(3)
+    stop.set()
+    await asyncio.gather(*load)
+    assert sum(statuses.values()) > 30 and set(statuses) == {200}, dict(statuses)
+    assert "routing in this process" in frontend.logs().split("answers again")[-1]
+
+    # a router instance again: the frontend goes back to it
+    again = spawn("router", "--lease-ttl", "10", "--mode", "kv", "--http-port", str(free_port()), name="router2")
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while "answers again" not in frontend.logs():
+            assert time.monotonic() < deadline, frontend.logs()[-2000:]
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            await asyncio.sleep(0.2)
+    assert again.alive()
+
+
+def test_tandem_up_survives_a_killed_router(launcher):  # noqa: F811
+    up = launcher(*MOCK, "--standalone-router")
+    up.wait_ready()
+    pids = {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", up.logs())}
+    os.kill(pids["router"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "router exited with -9; the rest of the stack keeps serving" not in up.logs():
+        assert time.monotonic() < deadline, up.logs()[-3000:]
+        time.sleep(0.1)
+    for _ in range(5):
+        assert ask(up.url, max_tokens=3)["usage"]["completion_tokens"] == 3
+    assert up.proc.poll() is None
