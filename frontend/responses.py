@@ -105,6 +105,7 @@ class _ToolStream:
 
     text: str = ""
     call_id: str = ""  # set once the call's first delta went out (named function)
+    sent: int = 0  # characters of text already sent as content (tool_choice "auto")
     logprobs: list[LogprobEntry] = field(default_factory=list)  # held back with the text (tool_choice required)
 
 
@@ -147,9 +148,9 @@ class ResponseBuilder:
             item = {"index": c.index}
             finish = c.finish_reason
             if self.chat:
-                calls = self._calls(c.text, finish)
+                content, calls = self._split(c.text, finish)
                 if calls:
-                    item["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls"
                 else:
                     item["message"] = {"role": "assistant", "content": c.text}
@@ -168,15 +169,19 @@ class ResponseBuilder:
             chunk["usage"] = usage_ if usage_ is not None or self.running_usage is None else self.running_usage()
         return b"data: " + encode_json(chunk) + b"\n\n"
 
-    def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
-        """The tool calls of a chat choice that ended normally (None: answer with content)."""
+    def _split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None]:
+        """(content, tool calls) of a chat choice: calls only for one that ended normally (None:
+        answer with the whole text as content)."""
         if self.tools is None or finish_reason != "stop":
-            return None
-        return self.tools.parse(text)
+            return text, None
+        return self.tools.split(text)
+
+    def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
+        return self._split(text, finish_reason)[1]
 
     def role_chunk(self, index: int, with_usage: bool) -> bytes:
         """The first chunk of a chat choice: the assistant role, no content yet."""
-        content = None if self.tools is not None else ""
+        content = None if self.tools is not None and self.tools.parser is None else ""
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                              "finish_reason": None}], None, with_usage)
 
@@ -203,6 +208,8 @@ class ResponseBuilder:
         return self._chunk([choice], None, with_usage)
 
     def _tool_chunks(self, index: int, piece: Piece, with_usage: bool) -> bytes | None:
+        if self.tools.parser is not None:
+            return self._auto_tool_chunks(index, piece, with_usage)
         st = self._tool_streams.setdefault(index, _ToolStream())
         st.text += piece.text
         out = b""
@@ -228,6 +235,34 @@ class ResponseBuilder:
                 logprobs = self._logprobs(index, st.logprobs) if st.logprobs else None
                 out += self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
                                    None, with_usage)
+        finish = "tool_calls" if calls else piece.finish_reason
+        return out + self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}], None,
+                                 with_usage)
+
+    def _auto_tool_chunks(self, index: int, piece: Piece, with_usage: bool) -> bytes | None:
+        """tool_choice "auto": content streams until a tool call may begin (the parser's safe prefix);
+        what follows is held and, when the choice ends, sent as tool calls (or as content after all)."""
+        st = self._tool_streams.setdefault(index, _ToolStream())
+        st.text += piece.text
+        st.logprobs.extend(piece.logprobs)
+        out = b""
+        release = len(st.text) if piece.finish_reason is not None else self.tools.parser.safe_prefix(st.text)
+        calls = None
+        if piece.finish_reason is not None:
+            content, calls = self._split(st.text, piece.finish_reason)
+            release = len(content or "") if calls else len(st.text)
+        fresh = st.text[st.sent : release]
+        if fresh or (st.logprobs and (release == len(st.text) or calls)):
+            logprobs = self._logprobs(index, st.logprobs) if st.logprobs else None
+            st.logprobs = []
+            out += self._chunk([{"index": index, "delta": {"content": fresh}, "logprobs": logprobs,
+                                 "finish_reason": None}], None, with_usage)
+            st.sent = max(st.sent, release)
+        if piece.finish_reason is None:
+            return out or None
+        if calls:
+            out += self._chunk([{"index": index, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
+                                 "logprobs": None, "finish_reason": None}], None, with_usage)
         finish = "tool_calls" if calls else piece.finish_reason
         return out + self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}], None,
                                  with_usage)

@@ -90,6 +90,7 @@ class CompletionService:
         # compiling a schema to check it takes milliseconds (a large one 100 ms): off the event loop
         grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
+        tool_calls = grammar.tools.for_template(tok.chat_template) if grammar and grammar.tools else None
         if chat:
             messages = message_dicts(req)
             tools = None
@@ -139,8 +140,7 @@ class CompletionService:
         stream = req.stream
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
-        builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None,
-                                  grammar.tools if grammar else None, tok.token_bytes)
+        builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None, tool_calls, tok.token_bytes)
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
                    stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
                    req.speculative)

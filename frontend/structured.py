@@ -12,8 +12,9 @@ parameter it came from, and a :class:`ToolCalls` when the output is a tool call;
   each against its function's parameters; one only with ``parallel_tool_calls: false``) or a
   named function (the output is that function's arguments), as vLLM does.
 
-``tool_choice`` ``"auto"`` (OpenAI's default when ``tools`` are given) needs a parser for the
-model's own tool-call format and is refused; ``"none"`` ignores ``tools``. Every schema is compiled
+``tool_choice`` ``"auto"`` (OpenAI's default when ``tools`` are given) constrains nothing: the model
+answers in its own tool-call format, read back by :mod:`frontend.tool_parsers` (chosen from its chat
+template; a template without one is a 400); ``"none"`` ignores ``tools``. Every schema is compiled
 here once, as the workers compile it (:mod:`runtime.structured`: llguidance, the same JSON options;
 only without the tokenizer), so a schema the engine cannot handle is a 400 naming its field, not a
 failed stream. Whether the rest of the request goes with a grammar (``ignore_eos``, ``min_tokens``)
@@ -35,6 +36,7 @@ from runtime.messages import StructuredOutput
 from runtime.structured import grammar_kind, grammar_text
 
 from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
+from .tool_parsers import ToolParser, parser_for_template
 
 JSON_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -85,12 +87,43 @@ def _schema(schema: dict[str, Any], field: str) -> StructuredOutput:
 @dataclass(frozen=True)
 class ToolCalls:
     """How a choice's text becomes OpenAI ``tool_calls``: ``name`` set, the text is that function's
-    arguments; None, it is a JSON array of ``{"name", "arguments"}``."""
+    arguments; ``parser`` set (``tool_choice: "auto"``), the model's own format, read by that
+    :class:`~frontend.tool_parsers.ToolParser` after any content; neither, it is a JSON array of
+    ``{"name", "arguments"}``. ``auto``: the request asked for ``"auto"`` (the parser comes from the
+    model's chat template, see :meth:`for_template`)."""
 
     name: str | None = None
+    auto: bool = False
+    parser: ToolParser | None = None
+
+    def for_template(self, template: str) -> ToolCalls:
+        """This request's tool calls for a model with chat template ``template`` (``auto``: its
+        parser; a template with no tool-call format the server reads is a 400)."""
+        if not self.auto:
+            return self
+        parser = parser_for_template(template)
+        if parser is None:
+            raise InvalidRequest("tool_choice 'auto' needs a model whose chat template renders tool calls in a format "
+                                 "this server parses (Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 JSON); "
+                                 "this model's has none: use tool_choice 'required' or name a function", "tool_choice")
+        return ToolCalls(auto=True, parser=parser)
+
+    def split(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """(content, tool calls) of a finished reply: calls None when there are none (or they do not
+        parse: e.g. cut off by max_tokens), and then the content is the whole text."""
+        if self.parser is None:
+            calls = self.parse(text)
+            return (None, calls) if calls else (text, None)
+        found = self.parser.parse(text)
+        if found is None:
+            return text, None
+        content, calls = found
+        return content or None, [tool_call(c["name"], c["arguments"]) for c in calls]
 
     def parse(self, text: str) -> list[dict] | None:
         """The tool calls in ``text`` (None when it does not parse: e.g. cut off by max_tokens)."""
+        if self.parser is not None:
+            return self.split(text)[1]
         try:
             value = json.loads(text)
         except ValueError:
@@ -128,13 +161,11 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[StructuredOutput | None, T
             raise InvalidRequest(f"two tools are named {name!r}", f"tools[{i}].function.name")
     if choice == "none":
         return None, None
-    if choice is None or choice == "auto":
-        raise InvalidRequest("tool_choice 'auto' is not supported: this server has no parser for the model's own "
-                             "tool-call format; use tool_choice 'required' or name a function "
-                             "(OpenAI's default is 'auto' when 'tools' are given)", "tool_choice")
     params = [t.function.parameters if t.function.parameters is not None else NO_ARGUMENTS for t in tools]
     for i, schema in enumerate(params):  # each one on its own, so the error names the tool
         _schema(schema, f"tools[{i}].function.parameters")
+    if choice is None or choice == "auto":  # the model's own format, unconstrained (see tool_parsers)
+        return None, ToolCalls(auto=True)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
@@ -160,7 +191,7 @@ def asks_for_grammar(req: ChatCompletionRequest | CompletionRequest) -> bool:
 
 @dataclass(frozen=True)
 class OutputGrammar:
-    spec: StructuredOutput
+    spec: StructuredOutput | None  # None: nothing constrains the output (tool_choice "auto")
     field: str  # the parameter that asked for it
     tools: ToolCalls | None = None  # a forced tool call: how to read the output
 
@@ -196,6 +227,12 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> OutputG
         spec, tools = _tool_choice(req)
         if spec is not None:
             found.append(("tool_choice", spec))
+        elif tools is not None:  # tool_choice "auto": no grammar, but the reply may carry calls
+            if found:
+                raise InvalidRequest(f"'{found[0][0]}' cannot be combined with tool_choice 'auto' (the model answers "
+                                     f"tool calls in its own format): use tool_choice 'required' or a named function",
+                                     found[0][0])
+            return OutputGrammar(None, "tool_choice", tools)
     if len(found) > 1:
         raise InvalidRequest(f"'{found[1][0]}' cannot be combined with '{found[0][0]}': one output grammar per request",
                              found[1][0])
