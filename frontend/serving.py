@@ -30,7 +30,7 @@ from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, Spec
                        prompts_of, stop_strings)
 from .responses import DONE, ResponseBuilder, error_event, usage
 from .streaming import merge
-from .structured import asks_for_grammar, structured_output
+from .structured import asks_for_grammar, probe, structured_output
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ class CompletionService:
         grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
         tool_calls = grammar.tools.for_template(tok.chat_template) if grammar and grammar.tools else None
+        if grammar is not None and grammar.spec is not None and model.card.structured_outputs:
+            # with the model's tokens: a grammar its matcher cannot follow is a 400, not an empty reply
+            await asyncio.to_thread(lambda: probe(grammar, tok.grammar_info()))
         if chat:
             messages = message_dicts(req)
             tools = None

@@ -66,6 +66,24 @@ def _compile_error(json_schema: str, regex: str, choice: tuple[str, ...]) -> str
     return LLMatcher.validate_grammar(grammar)
 
 
+def probe(grammar: OutputGrammar, tokenizer_info) -> None:
+    """Check that the model's tokens can follow ``grammar`` from its first step (blocking: run it in a
+    thread). A grammar llguidance compiles may still be one its matcher cannot follow — a ``$ref``
+    cycle, a schema nested past its recursion limit — which the workers would answer with an empty
+    reply; here it is a 400 naming the field, before anything is generated. ``tokenizer_info``:
+    llguidance's ``LLTokenizer`` for the model (None: not checked)."""
+    if grammar.spec is None or tokenizer_info is None:
+        return
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer_info, grammar_text(grammar.spec), log_level=0)
+    mask = b"" if matcher.is_error() else matcher.compute_bitmask()
+    if matcher.is_error() or not any(mask):
+        reason = matcher.get_error().strip().splitlines()[0] if matcher.get_error() else "no token can start it"
+        raise InvalidRequest(f"the model cannot follow this {grammar_kind(grammar.spec).replace('_', ' ')}: {reason}",
+                             grammar.field)
+
+
 def _size(spec: StructuredOutput) -> int:
     return len(spec.json_schema) + len(spec.regex) + sum(len(c) + 3 for c in spec.choice)
 

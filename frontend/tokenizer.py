@@ -24,8 +24,10 @@ class TokenizerLoadError(Exception):
 class Tokenizer:
     """Encode, decode and render chat prompts for one model."""
 
-    def __init__(self, hf_tokenizer, chat_template: str = "", eos_token_ids: Sequence[int] = ()):
+    def __init__(self, hf_tokenizer, chat_template: str = "", eos_token_ids: Sequence[int] = (), path: str = ""):
         self._hf = hf_tokenizer
+        self.path = path  # the directory it was loaded from ("" when built in memory)
+        self._grammar_info = None  # llguidance's tokenizer info, built on first use
         self._fast = getattr(hf_tokenizer, "backend_tokenizer", None)
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None) or ""
         self.vocab_size = len(hf_tokenizer)
@@ -48,7 +50,7 @@ class Tokenizer:
         except Exception as exc:
             raise TokenizerLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
         log.info("loaded tokenizer from %s (vocab %d)", path, len(hf))
-        return cls(hf, chat_template, eos_token_ids)
+        return cls(hf, chat_template, eos_token_ids, path)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._fast is not None:
@@ -98,6 +100,19 @@ class Tokenizer:
             return False
         kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", []) or []]
         return "ByteLevel" in kinds
+
+    def grammar_info(self):
+        """llguidance's tokenizer info, as the workers build it (``tokenizer.json``, vocabulary, EOS),
+        to check that grammars can be followed (:func:`frontend.structured.probe`); None when there is
+        no ``tokenizer.json`` or EOS id. Blocking the first time (a fraction of a second)."""
+        if self._grammar_info is None:
+            path = Path(self.path) / "tokenizer.json" if self.path else None
+            if path is None or not path.exists() or not self.eos_token_ids:
+                return None
+            from llguidance import LLTokenizer
+
+            self._grammar_info = LLTokenizer(str(path), n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
+        return self._grammar_info
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The chat template applied to ``messages`` with the assistant's turn opened; ``tools``

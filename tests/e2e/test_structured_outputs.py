@@ -194,6 +194,10 @@ def test_what_is_not_supported_is_a_400_naming_it(client):
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
          "response_format.json_schema.schema"),
         (dict(response_format={"type": "json_object"}, extra_body={"ignore_eos": True}), "ignore_eos"),
+        # compiles, but its matcher cannot follow it (today's workers answered 200 with an empty reply)
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}),
+         "response_format"),
     ):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
