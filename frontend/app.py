@@ -27,12 +27,14 @@ from runtime import EndpointClient, InvalidRequest, NoInstances, Overloaded, Pen
 
 from .auth import ApiKeyAuth
 from .config import FrontendConfig
+from .delivery import Delivery
 from .dispatch import Dispatcher
 from .errors import BodyTimeout, BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
 from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, openapi_components, parse
 from .responses import encode_json
+from .server import TRANSPORT
 from .serving import CompletionService, close_all
 from .streaming import ClientDisconnected, until_disconnect
 
@@ -74,7 +76,9 @@ class EventStream(StreamingResponse):
     """An SSE response that runs ``cleanup`` after it ends, even if it never started streaming.
 
     A client that stops reading (its socket buffers full) makes a write wait. The stream is dropped
-    when a write waits ``write_timeout`` seconds, or earlier when the output waiting for the client
+    when a write waits ``write_timeout`` seconds, or when bytes already written have waited that long
+    for a client that acknowledges none of them (:mod:`frontend.delivery`: a small reply fits in the
+    socket buffers, so no write ever waits), or earlier when the output waiting for the client
     (frames from the workers not yet sent, counted by ``pending``) passes its cap: the generations
     are closed, which cancels the workers' work, and what was waiting is freed. One log line each.
     """
@@ -91,9 +95,13 @@ class EventStream(StreamingResponse):
         self._on_drop = on_drop
 
     async def __call__(self, scope, receive, send) -> None:
-        overflow = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        overflow = loop.create_future()
         if self._pending is not None:
             self._pending.on_exceeded(lambda: overflow.done() or overflow.set_result(None))
+        stalled = loop.create_future()
+        transport = scope.get("extensions", {}).get(TRANSPORT)
+        watch = asyncio.ensure_future(self._watch(Delivery(transport), stalled)) if transport is not None else None
 
         async def guarded_send(message) -> None:
             if message["type"] == "http.response.start":  # the headers always go: the response has begun
@@ -101,8 +109,10 @@ class EventStream(StreamingResponse):
                 return
             if overflow.done():
                 raise BufferOverflow()
+            if stalled.done():
+                raise ClientStalled()
             sending = asyncio.ensure_future(send(message))
-            done, _ = await asyncio.wait((sending, overflow), timeout=self._write_timeout,
+            done, _ = await asyncio.wait((sending, overflow, stalled), timeout=self._write_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
             if sending in done:
                 sending.result()
@@ -110,8 +120,18 @@ class EventStream(StreamingResponse):
             sending.cancel()
             raise BufferOverflow() if overflow.done() else ClientStalled()
 
+        async def until_stalled() -> None:
+            await asyncio.shield(stalled)
+            raise ClientStalled()
+
         try:
-            await super().__call__(scope, receive, guarded_send)
+            if watch is None:
+                await super().__call__(scope, receive, guarded_send)
+            else:  # a stall also ends a stream that is waiting for its next token, not only a write
+                async with asyncio.TaskGroup() as group:
+                    response = group.create_task(super().__call__(scope, receive, guarded_send))
+                    stopper = group.create_task(until_stalled())
+                    response.add_done_callback(lambda _: stopper.cancel())
         except* ClientStalled:
             log.info("request %s: the client stopped reading for %.0fs: stream dropped", self._request_id,
                      self._write_timeout)
@@ -121,8 +141,24 @@ class EventStream(StreamingResponse):
                      "dropped", self._request_id, self._pending.peak, self._pending.limit)
             self._dropped("buffer")
         finally:
+            if watch is not None:
+                watch.cancel()
             await self._events.aclose()
             await self._cleanup()
+
+    async def _watch(self, delivery: Delivery, stalled: asyncio.Future) -> None:
+        """Resolve ``stalled`` once written bytes have waited ``write_timeout`` for a client that
+        acknowledges none of them."""
+        loop = asyncio.get_running_loop()
+        interval = min(1.0, self._write_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            waited = delivery.stalled_for(loop.time())
+            if waited is None:
+                return
+            if waited >= self._write_timeout:
+                stalled.set_result(None)
+                return
 
     def _dropped(self, reason: str) -> None:
         if self._on_drop is not None:

@@ -9,7 +9,8 @@ between keep-alive requests) is closed after ``idle_timeout``, and one that star
 not finished its headers ``header_timeout`` after the first byte is closed too. uvicorn alone has
 neither: its keep-alive timer starts only after a first response and restarts on every byte, so a
 client trickling headers, or connecting and sending nothing, held a connection for ever. Bodies are
-bounded by the app (``--body-timeout``), streams by its write timeout.
+bounded by the app (``--body-timeout``), streams by its write timeout, for which each request's
+scope carries its transport (``scope["extensions"]["tandem.transport"]``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from runtime.health import UvicornServer, stop_server
 
 log = logging.getLogger(__name__)
 
+TRANSPORT = "tandem.transport"  # the scope extension that carries a request's transport (httptools only)
+
 
 class _Deadlines:
     """Mixin for uvicorn's HTTP protocols: the idle and header deadlines of the module docstring.
@@ -38,6 +41,11 @@ class _Deadlines:
     idle_timeout = 30.0
     header_timeout = 10.0
     closed_idle = 0  # connections closed by these deadlines (all servers of the process)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # the app's streams ask the transport whether their client takes what is sent (frontend/app.py)
+        self.scope["extensions"] = {TRANSPORT: self.transport}
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

@@ -1,0 +1,75 @@
+"""A client that never reads a stream small enough to fit in the socket buffers (every write of the
+frontend completes) is still dropped after --write-timeout, and its worker work cancelled, rather than
+holding the worker to the end: what counts is whether the client takes the bytes, not whether a write
+returned."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.e2e.test_frontend_openai import FrontendStack
+
+pytestmark = pytest.mark.e2e
+
+CANCELLED = "cancelled after client left"
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    s = FrontendStack(servers)
+    worker = s.worker("--token-latency-ms", "50", "--num-speculative-tokens", "0")
+    s.frontend("--write-timeout", "2")
+    s.wait_healthy()
+    yield s, worker
+    s.stop()
+
+
+def never_reader(port: int, max_tokens: int) -> socket.socket:
+    body = json.dumps({"model": "mock", "prompt": "x", "max_tokens": max_tokens, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def test_a_client_that_never_reads_a_small_stream_is_dropped_and_its_worker_cancelled(stack):
+    s, worker = stack
+    before = worker.logs().count(CANCELLED)
+    # 400 tokens at 50 ms: a 20 s stream of about 60 KB, which the socket buffers on both sides and
+    # the server's write buffer hold without a write ever waiting
+    sock = never_reader(s.port, 400)
+    try:
+        started = time.monotonic()
+        while worker.logs().count(CANCELLED) == before:
+            assert time.monotonic() - started < 12, "the worker kept generating for a client that reads nothing"
+            time.sleep(0.1)
+        assert time.monotonic() - started < 12
+    finally:
+        sock.close()
+
+
+def test_a_slow_but_reading_client_is_not_dropped(stack):
+    s, worker = stack
+    body = json.dumps({"model": "mock", "prompt": "x", "max_tokens": 80, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", s.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    sock.settimeout(15)
+    try:
+        while b"data: [DONE]" not in got:  # a little at a time, with pauses shorter than the timeout
+            chunk = sock.recv(512)
+            assert chunk, "the stream was cut"
+            got += chunk
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    assert got.count(b'"finish_reason":"length"') == 1 or b'"finish_reason": "length"' in got
