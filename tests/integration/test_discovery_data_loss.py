@@ -1,0 +1,88 @@
+"""Snapshots across etcd restarts (real etcd): after a restart that lost the data, entries the first
+read lacks are held until written again or for ``hold`` seconds; after a restart that kept the data,
+a key deleted meanwhile is gone at once (nothing is held)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from runtime.discovery import Snapshot
+from runtime.etcd import EtcdClient
+from runtime.messages import InstanceRecord, encode
+from tests.support.servers import EtcdServer
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "tandem/loss/instances/"
+
+
+def record(name: str) -> bytes:
+    return encode(InstanceRecord(instance_id=name, namespace="loss", component="target", endpoint="generate",
+                                  subject=f"loss.{name}"))
+
+
+async def restart(etcd: EtcdServer, wipe: bool) -> None:
+    await asyncio.to_thread(etcd.stop, True)
+    if wipe:
+        etcd.wipe()
+    await asyncio.to_thread(etcd.start)
+
+
+async def eventually(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+async def test_entries_lost_with_the_data_are_held_until_written_again_or_expired():
+    etcd = EtcdServer()
+    etcd.start()
+    client = EtcdClient("127.0.0.1", etcd.port, timeout=2)
+    snap: Snapshot[InstanceRecord] = Snapshot(client, PREFIX, InstanceRecord, hold=3.0)
+    try:
+        await client.connect()
+        for name in ("a", "b"):
+            await client.put((PREFIX + name).encode(), record(name))
+        for i in range(20):  # a revision well above what the empty etcd starts from
+            await client.put(b"tandem/loss/other", str(i).encode())
+        await snap.start()
+        await snap.wait_for(lambda items: len(items) == 2, 5)
+        syncs = snap.syncs
+        await restart(etcd, wipe=True)
+        await eventually(lambda: snap.syncs > syncs)
+        assert sorted(r.instance_id for r in snap.values()) == ["a", "b"] and sorted(snap.held()) == [PREFIX + "a",
+                                                                                                  PREFIX + "b"]
+        await client.put((PREFIX + "a").encode(), record("a"))  # "a" registers again: no longer held
+        await eventually(lambda: snap.held() == [PREFIX + "b"])
+        await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"], timeout=6)  # "b" expired
+        assert snap.held() == []
+    finally:
+        await snap.stop()
+        await client.close()
+        etcd.cleanup()
+
+
+async def test_a_restart_that_kept_the_data_holds_nothing():
+    etcd = EtcdServer()
+    etcd.start()
+    client = EtcdClient("127.0.0.1", etcd.port, timeout=2)
+    snap: Snapshot[InstanceRecord] = Snapshot(client, PREFIX, InstanceRecord, hold=30.0)
+    try:
+        await client.connect()
+        for name in ("a", "b"):
+            await client.put((PREFIX + name).encode(), record(name))
+        await snap.start()
+        await snap.wait_for(lambda items: len(items) == 2, 5)
+        await asyncio.to_thread(etcd.stop, True)
+        await asyncio.to_thread(etcd.start)
+        await client.delete((PREFIX + "b").encode())  # gone while the watch was down, or right after
+        await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"])
+        assert snap.held() == []
+    finally:
+        await snap.stop()
+        await client.close()
+        etcd.cleanup()
