@@ -30,3 +30,34 @@ def test_logprobs_bytes_rebuild_split_characters(tok):
     content = chat_logprobs([LogprobEntry(i, -1.0, []) for i in ids], tok.token_text, tok.token_bytes)["content"]
     assert bytes(b for e in content for b in e["bytes"]).decode() == text
     assert tok.token_bytes(tok.eos_token_ids[0]) == b"<|im_end|>"
+
+
+def test_encoding_a_long_prompt_in_a_thread_leaves_the_event_loop_free(tok):
+    """The Rust tokenizer must release the GIL while it encodes, or a thread does not help."""
+    import asyncio
+    import time
+
+    text = "hello world, this is a long prompt with some words. " * 20000  # about 1 MB
+
+    async def main() -> tuple[float, float]:
+        gaps, last = [], time.perf_counter()
+
+        async def tick():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        started = time.perf_counter()
+        ids = await asyncio.to_thread(tok.encode, text, False)
+        took = time.perf_counter() - started
+        ticker.cancel()
+        assert len(ids) > 100_000
+        return took, max(gaps)
+
+    took, worst = asyncio.run(main())
+    assert worst < max(0.25, took / 3), (took, worst)  # the loop kept ticking while the thread encoded
