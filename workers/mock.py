@@ -262,9 +262,13 @@ class MockWorker:
                         accepted += 1
                     self.counters.observe_draft(gamma, accepted)
                     self._stats_dirty = True
+                    per_pos = list(spec.accepted_per_pos) or [0] * gamma
+                    for i in range(accepted):
+                        per_pos[i] += 1
                     spec = msgspec.structs.replace(spec, num_drafts=spec.num_drafts + 1,
                                                    num_draft_tokens=spec.num_draft_tokens + gamma,
-                                                   num_accepted_tokens=spec.num_accepted_tokens + accepted)
+                                                   num_accepted_tokens=spec.num_accepted_tokens + accepted,
+                                                   accepted_per_pos=per_pos)
                     step = accepted + 1
                 if self.token_latency:
                     await asyncio.sleep(self.token_latency)

@@ -34,6 +34,7 @@ async def test_mock_worker_publishes_what_a_real_worker_would(rt, spawn):
     assert first[-1].usage.cached_tokens == 0 and second[-1].usage.cached_tokens == 12
     # γ=3 with every draft accepted: each round emits 4 tokens, so 8 tokens take 2 rounds.
     assert first[-1].usage.spec.num_drafts == 2 and first[-1].usage.spec.num_accepted_tokens == 6
+    assert first[-1].usage.spec.accepted_per_pos == [2, 2, 2]  # as a target reports it
     assert [len(d.token_ids) for d in first] == [4, 4]
 
     await asyncio.sleep(0.5)
