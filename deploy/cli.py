@@ -12,6 +12,7 @@ import sys
 
 from deploy.stack import DRAFT_METHODS, ROUTER_MODES, StackConfig
 from runtime.config import DEFAULT_NAMESPACE, apply_env_defaults
+from runtime.service import check_log_level
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,11 @@ def train_draft(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    try:
+        level = check_log_level(args.log_level)
+    except ValueError as exc:
+        sys.exit(f"tandem: error: {exc}")
+    logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s [tandem] %(levelname)s %(message)s")
     if args.command == "train-draft":
         train_draft(args)

@@ -62,9 +62,10 @@ def test_bad_start_up_values_are_one_line(env, module, args, expected):
     one_line_quick(start(module, *args, env=env), expected)
 
 
-@pytest.mark.parametrize("module", ["workers.mock", "frontend", "router", "workers.draft"])
+@pytest.mark.parametrize("module", ["workers.mock", "frontend", "router", "workers.draft", "deploy.cli"])
 def test_an_unknown_tandem_log_level_is_one_line(env, module):
-    one_line_quick(start(module, env={**env, "TANDEM_LOG_LEVEL": "LOUD"}), "unknown log level 'LOUD'")
+    args = ["up", "--mock"] if module == "deploy.cli" else []  # tandem up
+    one_line_quick(start(module, *args, env={**env, "TANDEM_LOG_LEVEL": "LOUD"}), "unknown log level 'LOUD'")
 
 
 @pytest.mark.parametrize("missing", ["nats", "etcd"])
