@@ -196,7 +196,8 @@ class Frontend:
             cards.add_listener(registry.update)
             registry.update(cards.items())
             frontend = cls(config, router, client, registry)
-            frontend.ready = rt.ready
+            # answering at all means the HTTP side serves; the rest is NATS and not draining
+            frontend.ready = lambda: rt.nc is not None and rt.nc.is_connected and not rt.shutting_down
             yield frontend
         finally:
             await router.stop()
