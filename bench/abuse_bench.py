@@ -10,6 +10,9 @@ gap between consecutive chunks, other clients send, all at once:
   3. 8 uploads that trickle a byte a second (held open past the body timeout);
   4. 3 streaming requests (n = 8, 2,000 tokens, logprobs 20) whose client never reads;
   5. ``--fuzz`` random and mutated request bodies.
+Case ``startup`` first starts services wrongly (missing model paths, a negative lease TTL, an unknown
+TANDEM_LOG_LEVEL, a bad flag, NATS and etcd refusing connections) and reports, per case, the exit status,
+the number of output lines and the seconds to exit (target: non-zero, one line, under 5 s).
 Then (case ``wipe``) etcd is killed, its data deleted and started again empty, while plain requests keep
 coming; every worker stays alive, so every answer must be a 200 while the workers register again.
 Reports the longest gap a well-behaved stream saw beyond its token interval (target < 250 ms), the
@@ -119,6 +122,36 @@ def fuzz_bodies(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
     return out
 
 
+STARTUP_FAILURES = [
+    ("target, missing model path", ["workers.target", "--model", "/nonexistent/model"], {}),
+    ("draft, missing model path", ["workers.draft", "--method", "draft_model", "--draft-model", "/nonexistent/m"], {}),
+    ("mock, negative --lease-ttl", ["workers.mock", "--lease-ttl", "-1"], {}),
+    ("frontend, negative --lease-ttl", ["frontend", "--lease-ttl", "-1"], {}),
+    ("router, unknown TANDEM_LOG_LEVEL", ["router"], {"TANDEM_LOG_LEVEL": "LOUD"}),
+    ("frontend, bad flag", ["frontend", "--no-such-flag"], {}),
+    ("mock, NATS refuses", ["workers.mock"], {"TANDEM_NATS": "nats://127.0.0.1:{dead}"}),
+    ("mock, etcd refuses", ["workers.mock"], {"TANDEM_ETCD": "http://127.0.0.1:{dead}"}),
+]
+
+
+def startup_failures(env: dict[str, str]) -> bool:
+    """Run every start-up failure; print one row each; True when all are one line, non-zero, < 5 s."""
+    import subprocess
+
+    dead, ok = free_port(), True
+    for name, argv, extra in STARTUP_FAILURES:
+        began = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={**env, **{k: v.format(dead=dead) for k, v in extra.items()}})
+        seconds = time.perf_counter() - began
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        good = done.returncode != 0 and len(lines) == 1 and seconds < 5
+        ok &= good
+        print(f"start-up failure {name:34s} exit {done.returncode}  {len(lines)} line(s)  {seconds:4.1f}s  "
+              f"{'ok' if good else 'FAIL'}: {lines[-1][-110:] if lines else ''}")
+    return ok
+
+
 async def etcd_wipe(url: str, etcd, worker: ManagedProcess) -> Counter:
     """Kill etcd, delete its data, start it again; the statuses of plain requests sent meanwhile
     until the worker has registered again (and a second more)."""
@@ -154,6 +187,7 @@ async def etcd_wipe(url: str, etcd, worker: ManagedProcess) -> Counter:
 async def amain(args) -> None:
     etcd, nats_server = start_servers()
     env = env_for(etcd, nats_server, "abuse")
+    startup_ok = startup_failures(env) if "startup" in args.cases else True
     port = free_port()
     worker = ManagedProcess("workers.mock", ["--token-latency-ms", str(TOKEN_MS), "--num-speculative-tokens", "0"],
                             env, "mock").start()
@@ -222,6 +256,8 @@ async def amain(args) -> None:
               f"(token interval {TOKEN_MS} ms; p99 {1e3 * sorted(gaps)[int(0.99 * len(gaps))]:.0f} ms)")
         print(f"frontend RSS {rss_before:.0f} MB before, {rss_after:.0f} MB after")
         print(f"client-side statuses: {dict(sorted(statuses.items(), key=str))}; frontend-counted 5xx: {server_5xx:.0f}")
+        if not startup_ok:
+            sys.exit("a start-up failure was not one line, non-zero and under 5 s")
         if wipe is not None:
             print(f"etcd wipe under load: {dict(wipe)} ({sum(v for k, v in wipe.items() if k != 200)} non-200)")
             if set(wipe) != {200}:
@@ -239,8 +275,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--fuzz", type=int, default=1000)
-    ap.add_argument("--cases", type=lambda v: set(v.split(",")), default={"bodies", "uploads", "readers", "fuzz", "wipe"},
-                    help="which abuse to send: bodies, uploads, readers, fuzz, wipe (default all)")
+    ap.add_argument("--cases", type=lambda v: set(v.split(",")), default={"bodies", "uploads", "readers", "fuzz", "wipe", "startup"},
+                    help="which abuse to send: bodies, uploads, readers, fuzz, wipe, startup (default all)")
     asyncio.run(amain(ap.parse_args()))
 
 
