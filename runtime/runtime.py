@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -51,8 +52,6 @@ def final_cause(exc: BaseException) -> str | None:
     """Why NATS or etcd cannot be reached, when waiting will not change it (nothing listens on the port,
     its TLS certificate is not trusted or ours is refused, our credentials are wrong); None for what
     may pass (a timeout, a name that does not resolve yet, a server still starting)."""
-    import ssl
-
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (nothing listens on that port)"
     if isinstance(exc, ssl.SSLCertVerificationError):

@@ -30,7 +30,7 @@ def frontend(servers, namespace):
 
 
 def test_a_frontend_without_targets_is_ready_and_answers_503_with_retry_after(frontend):
-    proc, url, health_url = frontend
+    _, url, health_url = frontend
     for base in (url, health_url):
         r = httpx.get(base + "/health", timeout=5)
         assert r.status_code == 200, (base, r.text)
@@ -51,8 +51,7 @@ def test_the_health_port_metrics_need_the_key_too(frontend):
 
 
 def test_a_draining_frontend_is_not_ready(frontend):
-    proc, url, health_url = frontend
-    # keep a request open so the drain lasts long enough to look at
+    proc, _, health_url = frontend
     with httpx.Client(timeout=10) as client:
         proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + 5

@@ -56,6 +56,7 @@ def test_a_client_that_never_reads_a_small_stream_is_dropped_and_its_worker_canc
 
 def test_a_slow_but_reading_client_is_not_dropped(stack):
     s, worker = stack
+    before = worker.logs().count(CANCELLED)
     body = json.dumps({"model": "mock", "prompt": "x", "max_tokens": 80, "stream": True}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -73,3 +74,4 @@ def test_a_slow_but_reading_client_is_not_dropped(stack):
     finally:
         sock.close()
     assert got.count(b'"finish_reason":"length"') == 1 or b'"finish_reason": "length"' in got
+    assert worker.logs().count(CANCELLED) == before

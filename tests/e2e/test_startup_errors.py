@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def start(module: str, *args: str, env: dict) -> tuple[int, list[str], float]:
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
+                          cwd=ROOT, check=False)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     return done.returncode, lines, time.monotonic() - began
 
