@@ -106,7 +106,9 @@ async def test_etcd_restart_with_data_loss_registrations_come_back(nats_server, 
             while client.snapshot.syncs == syncs:
                 assert time.monotonic() < deadline, "snapshot never re-read the prefix"
                 await asyncio.sleep(0.1)
-            await client.snapshot.wait_for(lambda items: any(r.pid == proc.pid for r in items.values()), 30)
+            # Until it has, its entry is held from before the wipe (it is alive and reachable over NATS).
+            await client.snapshot.wait_for(lambda items: any(r.pid == proc.pid for r in items.values())
+                                           and not client.snapshot.held(), 30)
             await asyncio.sleep(0.5)
             assert client.snapshot.ready.is_set()
             assert "registering again" in proc.logs()
