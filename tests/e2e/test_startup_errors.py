@@ -55,6 +55,7 @@ def env(servers):
     ("router", ["--lease-ttl", "-1"], "lease_ttl must be at least 2 seconds"),
     ("workers.target", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
     ("workers.draft", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
+    ("workers.target", ["--dtype", "int3"], "--dtype must be auto, float32, bfloat16 or float16, got int3"),
     ("workers.mock", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     ("frontend", ["--router-mode", "nope"], "invalid choice: 'nope'"),
 ])

@@ -269,11 +269,12 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    checks = [lambda: client_tls(args), lambda: check_log_level(args.log_level),
-              lambda: config_from_args(args, drain_timeout=args.drain_timeout)]
-    if args.model:  # the demo model is fetched later, in the service
-        checks.append(lambda: target_config(args, Path(args.model)))
-    exit_on_bad_config("python -m workers.target", *checks)
+    # without --model the demo model is fetched later, in the service: the other flags are checked
+    # against a stand-in directory meanwhile
+    model = Path(args.model) if args.model else Path(__file__).parent
+    exit_on_bad_config("python -m workers.target", lambda: client_tls(args), lambda: check_log_level(args.log_level),
+                       lambda: config_from_args(args, drain_timeout=args.drain_timeout),
+                       lambda: target_config(args, model))
     run_service(lambda: amain(args), args.log_level)
 
 
