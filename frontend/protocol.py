@@ -215,6 +215,33 @@ def _check_counts(body: bytes) -> None:
         raise InvalidRequest(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
 
 
+MAX_JSON_DEPTH = 200  # about where the validator's JSON parser stops (pydantic-core's recursion limit)
+
+
+def _too_deep(body: bytes) -> str | None:
+    """The top-level field of ``body`` that nests deepest, when the body is valid JSON."""
+    try:
+        data = msgspec.json.decode(body)
+    except Exception:
+        return None
+    if not isinstance(data, dict):
+        return None
+
+    def depth(value) -> int:
+        most, stack = 0, [(value, 1)]
+        while stack:  # iterative: the point is a nesting too deep for recursion
+            item, d = stack.pop()
+            most = max(most, d)
+            if isinstance(item, dict):
+                stack.extend((v, d + 1) for v in item.values())
+            elif isinstance(item, list):
+                stack.extend((v, d + 1) for v in item)
+        return most
+
+    depths = {key: depth(value) for key, value in data.items()}
+    return max(depths, key=depths.get) if depths else None
+
+
 def parse(model: type[R], body: bytes) -> R:
     """Validate a JSON body as ``model``; raises :class:`InvalidRequest` naming the field."""
     _check_counts(body)
@@ -225,7 +252,12 @@ def parse(model: type[R], body: bytes) -> R:
     first = errors[0]
     kind, param = first["type"], _param(first["loc"])
     if kind == "json_invalid":
-        raise InvalidRequest(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+        msg = first["msg"].removeprefix("Invalid JSON: ")
+        deep = _too_deep(body) if "recursion limit" in msg else None
+        if deep is not None:  # valid JSON that the validator will not walk: name the field that nests
+            raise InvalidRequest(f"'{deep}' is nested too deeply (the request body may nest at most "
+                                 f"{MAX_JSON_DEPTH} levels)", deep)
+        raise InvalidRequest(f"the request body is not valid JSON: {msg}")
     if kind == "model_type" and not param:
         raise InvalidRequest("the request body must be a JSON object")
     if kind == "extra_forbidden":

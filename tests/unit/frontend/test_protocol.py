@@ -146,3 +146,23 @@ def test_fuzzed_bodies_either_parse_or_raise_invalid_request(body, chat):
         check_supported(parse(model, json.dumps(body).encode()))
     except InvalidRequest as exc:
         assert str(exc)
+
+
+def test_valid_json_nested_past_the_limit_names_its_field():
+    """A schema nested too deeply is valid JSON: the 400 says which field nests, not 'not valid JSON'."""
+    import json as _json
+
+    from frontend.protocol import MAX_JSON_DEPTH, ChatCompletionRequest, parse
+    from runtime.errors import InvalidRequest
+
+    schema = {"type": "object"}
+    for _ in range(MAX_JSON_DEPTH // 2):
+        schema = {"type": "object", "properties": {"x": schema}}
+    body = _json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    with pytest.raises(InvalidRequest) as err:
+        parse(ChatCompletionRequest, body.encode())
+    assert err.value.field == "response_format" and "nested too deeply" in str(err.value)
+    with pytest.raises(InvalidRequest) as err:
+        parse(ChatCompletionRequest, b'{"model": "m", "messages": [')
+    assert "not valid JSON" in str(err.value) and not err.value.field
