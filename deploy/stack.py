@@ -159,6 +159,8 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> 
             args += ["--served-model-name", name, "--health-port", str(ports[cname])]
             if config.num_speculative_tokens is not None:
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+            if config.draft_method not in HEAD_METHODS:  # no draft of this stack reads hidden states:
+                args += ["--hidden-layers", "none"]  # their per-slot store would only take KV blocks
             out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True))
     frontend = ["--http-port", str(ports["frontend"]), "--host", config.host, "--router-mode", config.router_mode]
     if config.standalone_router:  # route through the shared router service, not an embedded router
