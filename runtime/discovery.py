@@ -13,7 +13,8 @@ Contract:
   went back) has lost every live process's registration, not only dead ones'. Entries missing from
   that first read are then held for ``hold`` seconds, or until their key is written or deleted again:
   the processes behind them re-register at their next lease refresh, and meanwhile stay routable.
-  (A process that died in the outage is found by the request plane: NATS has no responders for it.)
+  A process that died in the outage is found by the request plane (NATS has no responders for it),
+  which drops its held entries (:meth:`Snapshot.drop_held`).
 """
 
 from __future__ import annotations
@@ -159,6 +160,17 @@ class Snapshot(Generic[T]):
     def held(self) -> list[str]:
         """Keys kept from before etcd lost its data that have not been written again yet."""
         return list(self._held)
+
+    def drop_held(self, instance_id: str) -> int:
+        """Drop the held entries of ``instance_id`` (keys end with it): the request plane found the
+        process gone. Returns how many were dropped."""
+        gone = [k for k in self._held if k.rsplit("/", 1)[-1] == instance_id]
+        for key in gone:
+            del self._held[key]
+            self._items.pop(key, None)
+        if gone:
+            asyncio.ensure_future(self._notify())
+        return len(gone)
 
     def add_listener(self, callback: Callable[[dict[str, T]], None]) -> None:
         """Call ``callback(items)`` after every change (synchronously, on the event loop)."""

@@ -309,6 +309,8 @@ class Runtime:
             del self.unreachable[gone]
         record = next((r for r in records if r.instance_id == instance_id), None)
         self.unreachable[instance_id] = (record, now + UNREACHABLE_HOLD_S)
+        for snap in self._snapshots.values():  # entries held across an etcd data loss: it is gone for sure
+            snap.drop_held(instance_id)
         log.warning("instance %s does not answer (no responders): routing around it", instance_id)
 
     def is_unreachable(self, record: InstanceRecord) -> bool:

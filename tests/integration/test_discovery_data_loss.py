@@ -60,6 +60,14 @@ async def test_entries_lost_with_the_data_are_held_until_written_again_or_expire
         await eventually(lambda: snap.held() == [PREFIX + "b"])
         await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"], timeout=6)  # "b" expired
         assert snap.held() == []
+        # held again after a second wipe, then found gone by the request plane
+        await client.put((PREFIX + "b").encode(), record("b"))
+        await eventually(lambda: len(snap.values()) == 2)
+        syncs = snap.syncs
+        await restart(etcd, wipe=True)
+        await eventually(lambda: snap.syncs > syncs and len(snap.held()) == 2)
+        assert snap.drop_held("b") == 1
+        assert [r.instance_id for r in snap.values()] == ["a"] and snap.held() == [PREFIX + "a"]
     finally:
         await snap.stop()
         await client.close()
