@@ -16,7 +16,7 @@ import pytest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
 from runtime.messages import KvEvent, KvEventKind, LoadEvent
 from tests.support.servers import free_port
-from tests.support.http import wait_http_ok
+from tests.support.http import wait_for_model
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ async def test_add_and_remove_target_workers_under_load(rt, spawn):
     first = spawn("workers.mock", *MOCK_ARGS, name="target-1")
     targets = await rt.client("target", "generate")
     [inst1] = await targets.wait_for_instances(1, timeout=60)
-    await wait_http_ok(f"http://127.0.0.1:{port}/health")
+    await wait_for_model(f"http://127.0.0.1:{port}", "mock")
 
     # When does each worker first get a request? A mock worker publishes a KV "stored" event the
     # moment a request's (unique) prompt blocks enter its cache, and reports running requests.

@@ -16,7 +16,7 @@ import pytest
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import SpecStatsEvent
 from tests.support.servers import free_port
-from tests.support.http import wait_http_ok
+from tests.support.http import wait_for_model
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ async def test_replace_a_draft_worker_under_load(rt, spawn):
           "--lease-ttl", "3", name="target")
     port = free_port()
     spawn("frontend", "--http-port", str(port), name="frontend")
-    await wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=180)
+    await wait_for_model(f"http://127.0.0.1:{port}", MODEL, timeout=180)
 
     # Verification steps per draft worker, from the target's cumulative (target, draft) counters.
     steps: dict[str, int] = {}
