@@ -45,7 +45,9 @@ def expected(target_dir, params: SamplingParams) -> dict[str, list[int]]:
 async def start_target(rt, spawn, target_dir):
     proc = spawn("workers.target", "--model", str(target_dir), "--served-model-name", "tiny", "--block-size", "8",
                  "--num-blocks", "512", "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "4",
-                 "--lease-ttl", "3", name="target")
+                 # the tiny target steps in about a millisecond: a draft process on two busy cores can take
+                 # longer than the default 20 ms floor and be backed off; these tests are about what it drafts
+                 "--propose-min-wait", "0.5", "--lease-ttl", "3", name="target")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     return proc, client, inst

@@ -57,6 +57,7 @@ class TargetConfig:
     tree_depth: int = 0
     load_aware: bool = False
     hidden_layers: str = "auto"  # offered to draft workers: auto, none, or a comma list
+    propose_min_wait: float = 0.02  # the least a round of proposals is waited for
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -75,6 +76,8 @@ class TargetConfig:
             raise ValueError("--kv-cache-gb and --load-interval must be positive")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("--threads must be positive")
+        if not 0 < self.propose_min_wait <= self.propose_timeout:
+            raise ValueError("--propose-min-wait must be positive and at most --propose-timeout")
         if self.num_speculative_tokens < 0 or self.propose_timeout <= 0:
             raise ValueError("--num-speculative-tokens must be >= 0 and --propose-timeout positive")
         if self.tree_topk < 0 or self.tree_depth < 0:
@@ -124,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--propose-timeout", type=float, default=2.0,
                         help="the most seconds to wait for a draft worker's proposals before decoding plainly (the "
                              "wait is three times this worker's own step time, at least 20 ms, within this bound)")
+    parser.add_argument("--propose-min-wait", type=float, default=0.02,
+                        help="the least seconds a round of proposals is waited for, however fast this worker's steps "
+                             "(a loopback gRPC round trip on a busy host)")
     parser.add_argument("--hidden-layers", default="auto",
                         help="hidden-state layers offered to draft workers that read them (EAGLE, Medusa, MLP), kept "
                              "per KV slot: a comma list (0 = embeddings, L = after the final norm), none, or auto = "
@@ -148,7 +154,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
-                        args.load_aware_speculation, args.hidden_layers)
+                        args.load_aware_speculation, args.hidden_layers, args.propose_min_wait)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -241,7 +247,8 @@ async def amain(args: argparse.Namespace) -> None:
         pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
                          hidden_layers=engine.hidden_layers, tls=client_tls(args))
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
-                              pool=pool, propose_timeout=cfg.propose_timeout, epoch=rt.started_at)
+                              pool=pool, propose_timeout=cfg.propose_timeout, propose_min_wait=cfg.propose_min_wait,
+                              epoch=rt.started_at)
         await worker.start()
         rt.add_health_check(lambda: worker.healthy)
         REGISTRY.register(TargetCollector(worker, cfg.served_model_name))

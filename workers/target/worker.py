@@ -19,6 +19,7 @@ from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent,
 from ..engine.engine import Engine
 from .draft_client import DraftPool
 from .metrics import RequestStats
+from .draft_watch import DraftWatch
 from .step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,14 @@ class TargetWorker:
 
     def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
                  load_interval: float = 0.5, *, pool: DraftPool | None = None, propose_timeout: float = 2.0,
-                 epoch: float = 0.0):
+                 propose_min_wait: float = 0.02, epoch: float = 0.0):
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
         self._publish = publish
         self._load_interval = load_interval
         self._kv_out: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
-        self.loop = StepLoop(engine, pool, worker_id, propose_timeout=propose_timeout,
+        self.loop = StepLoop(engine, pool, worker_id, watch=DraftWatch(propose_timeout, min_wait=propose_min_wait),
                              on_kv_events=self._kv_out.put_nowait, publish=publish, epoch=epoch)
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
