@@ -38,7 +38,7 @@ from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
 from .hidden import HiddenStore
-from .logits import Row, process
+from .logits import Row, penalised, process
 from .model import DecoderModel
 from .model_runner import ModelRunner
 from .sampling import is_greedy, logprobs_of, sample
@@ -330,7 +330,7 @@ class Engine:
             d = drafted.get(s.request_id)
             if d is not None:
                 verified.append((d, len(rows)))
-                penalties = _penalised(s)
+                penalties = penalised(s)
                 for depth, path in zip([0] + d.depths(), d.ancestors() if penalties else [()] * (len(d.tokens) + 1)):
                     rows.append(Row(s, depth, path))
                 if d.masks is not None:
@@ -373,7 +373,9 @@ class Engine:
         every = len(index) == scores.shape[0]  # a decode-only step: no gather
         picked = scores if every else scores[index]
         tokens = sample(picked, [greedy[r] for r in index], [s.generator for s in seqs]).tolist()
-        lp = self._logprobs(seqs, logits if every else logits[index], tokens)
+        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lp = iter(self._logprobs(logits, [index[i] for i in asking], [tokens[i] for i in asking],
+                                 [(seqs[i].params.logprobs, 1) for i in asking]))
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.grammar is not None:
@@ -382,28 +384,9 @@ class Engine:
             seq.num_generated += 1
             finish = self._finish_reason(seq, token)
             usage = self._close(seq) if finish else None
-            logprobs, top = lp[i] if lp is not None else (None, None)
+            logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
             outputs.append((seq.request_id, TokenDelta([token], logprobs, top, finish, usage)))
         return outputs
-
-    @staticmethod
-    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]):
-        """Per sequence, (logprobs, top logprobs) of ``tokens`` (one per row of logits [N, V], the raw
-        model distribution), or None when no sequence asked for them."""
-        want = [s.params.logprobs for s in seqs]
-        if all(k is None for k in want):
-            return None
-        k = max(x or 0 for x in want)
-        chosen, top_ids, top_vals = logprobs_of(logits, torch.tensor(tokens, device=logits.device), k)
-        chosen, top_ids, top_vals = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
-        out = []
-        for i, n in enumerate(want):
-            if n is None:
-                out.append((None, None))
-            else:
-                out.append(([chosen[i]], [[TopLogprob(t, v) for t, v in zip(top_ids[i][:n], top_vals[i][:n])]]
-                            if n else None))
-        return out
 
     def _verify(self, verified: list[tuple[Drafted, int]], scores: torch.Tensor, greedy: list[bool],
                 logits: torch.Tensor) -> list[tuple[str, TokenDelta]]:
@@ -451,7 +434,7 @@ class Engine:
             if self.hidden is not None:
                 self.hidden.copy(src, dst)
         self.runner.copy_blocks(copies)
-        lp = iter(self._logprobs_flat(logits, lp_rows, lp_tokens, lp_counts))
+        lp = iter(self._logprobs(logits, lp_rows, lp_tokens, lp_counts))
         outputs = []
         for d, seq, kept, finish, accepted, base, st in results:
             logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
@@ -466,9 +449,10 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _logprobs_flat(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[int]):
-        """(logprobs, top logprobs) per verified sequence that asked for them, in order; ``counts[i]``
-        of the concatenated ``rows`` (its root and accepted nodes) and ``tokens`` belong to the i-th."""
+    def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], counts: list[tuple[int, int]]):
+        """(logprobs, top logprobs) per sequence that asked for them, in order, from the raw model
+        distribution (logits [R, V]); ``counts[i]`` = (top-k it asked for, how many of the concatenated
+        ``rows`` and ``tokens`` are its: 1 for a plain step, the root and accepted nodes for a verified one)."""
         if not counts:
             return []
         k = max(n for n, _ in counts)
@@ -534,7 +518,3 @@ class StepStats:
     decoding: int = 0
     emitted: int = 0
 
-
-def _penalised(seq: Sequence) -> bool:
-    p = seq.params
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

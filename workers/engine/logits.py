@@ -46,7 +46,8 @@ class Row:
     drafted: tuple[int, ...] = ()
 
 
-def _penalised(seq: Sequence) -> bool:
+def penalised(seq: Sequence) -> bool:
+    """Whether ``seq``'s rows need its output so far (a penalty is set)."""
     p = seq.params
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
@@ -91,9 +92,9 @@ def process(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = 
         writable().index_put_((torch.tensor(bias_r, device=device), torch.tensor(bias_t, device=device)),
                               torch.tensor(bias_v, dtype=scores.dtype, device=device), accumulate=True)
     # 3. penalties
-    penalised = [i for i, r in enumerate(rows) if _penalised(r.seq)]
-    if penalised:
-        _apply_penalties(writable(), [rows[i] for i in penalised], penalised)
+    with_penalties = [i for i, r in enumerate(rows) if penalised(r.seq)]
+    if with_penalties:
+        _apply_penalties(writable(), [rows[i] for i in with_penalties], with_penalties)
     # 4. structured outputs
     if masks is not None and mask_rows:
         apply_token_bitmask(writable(), masks, None if len(mask_rows) == len(rows) else mask_rows)
