@@ -254,10 +254,11 @@ class Engine:
         if not layers or self.hidden is None or not seqs:
             return [[] for _ in seqs]
         bs = self.config.block_size
-        slots = []
-        for seq, (start, stop) in zip(seqs, spans):
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, stop))
+        slots: list[int] = []
+        for seq, (start, stop) in zip(seqs, spans):  # a range per block, not a Python step per position
+            for b in range(start // bs, -(-stop // bs)):
+                base = seq.block_table[b] * bs
+                slots.extend(range(base + max(start - b * bs, 0), base + min(stop - b * bs, bs)))
         rows = self.hidden.read(torch.tensor(slots, dtype=torch.long, device=self.runner.device), layers, dtype)
         out, at = [], 0
         for start, stop in spans:
