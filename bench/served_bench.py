@@ -1,0 +1,353 @@
+"""What a new user of ``make run`` sees: the default demo stack (``tandem up``: SmolLM2 target + the
+bundled EAGLE-3 draft, separate processes) against the same stack with ``--draft-method none``, on
+hand-written natural chat prompts, greedy, batch 1, through the OpenAI HTTP API.
+
+Usage: .venv/bin/python bench/served_bench.py [--prompts N] [--rounds 2] [--max-tokens 96]
+       [--prompts-file bench/prompts/natural_chat.jsonl] [--spec-args "--num-speculative-tokens 4"]
+       [--json results.json]
+
+Both stacks are started at once by ``tandem up`` (each with its own etcd and NATS, on free loopback
+ports); the speculative one gets ``--spec-args`` appended (e.g. ``--draft-model DIR`` to serve another
+EAGLE-3 head). After one warm-up request per stack, every round sends each prompt (each line of the
+prompts file is ``{"messages": [...]}``) to ``/v1/chat/completions`` with ``temperature: 0`` and
+``max_tokens``, not streamed, one request at a time: to the plain stack and to the speculative stack
+in turn, the order alternating every prompt (and flipping between rounds), so a slow spell of this
+shared machine hits both alike. A request is timed wall-clock from send to the full response
+(prefill included: what a client sees).
+
+Reported per round and overall: completion tokens / total request time of each stack and their
+ratio (spec / plain), the live mean acceptance length 1 + accepted / drafts summed over requests
+(vLLM's definition, :func:`runtime.spec_stats.mean_accepted_length`), acceptance per draft position
+(accepted_per_pos / drafts), the plain-step reasons (decode steps that ran without a draft, from
+``usage.spec_decode.plain_steps``) summed, and how many speculative outputs equal the plain output
+for the same prompt (greedy speculation is meant to be lossless). ``--json`` adds per-prompt rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from runtime.spec_stats import acceptance_rate, mean_accepted_length  # noqa: E402
+from tests.support.procs import ManagedProcess  # noqa: E402
+
+HOST = "127.0.0.1"
+STACKS = ("plain", "spec")
+WARMUP = [{"role": "user", "content": "Hello! Who are you?"}]
+
+
+# --- processes ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process /proc shows."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[int(entry)] = (int(fields[1]), fields[19])
+    return out
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``pid`` (to recognise them after a re-parent)."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    found, todo = {}, [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found[c] = table[c][1]
+            todo.append(c)
+    return found
+
+
+class Stack:
+    """One ``tandem up`` on free loopback ports, and every process it starts."""
+
+    def __init__(self, name: str, extra: list[str], startup_timeout: float):
+        self.name = name
+        self.port = free_port()
+        args = ["up", "--http-port", str(self.port), "--host", HOST, "--etcd-port", str(free_port()),
+                "--nats-port", str(free_port()), "--startup-timeout", f"{startup_timeout:g}", *extra]
+        self.argv = [sys.executable, "-m", "deploy.cli", *args]
+        self.proc = ManagedProcess("deploy.cli", args, dict(os.environ), name=f"served-bench-{name}")
+        self.url = f"http://{HOST}:{self.port}"
+        self.model: str | None = None
+        self._known: dict[int, str] = {}  # the launcher's descendants seen so far (pid -> start time)
+
+    def start(self) -> Stack:
+        self.proc.start()
+        return self
+
+    def remember_children(self) -> None:
+        if self.proc.alive():
+            self._known.update(descendants(self.proc.pid))
+
+    def poll_ready(self, client: httpx.Client) -> bool:
+        """True once /health lists a model (the first one listed becomes ``self.model``)."""
+        self.remember_children()
+        if not self.proc.alive():
+            raise RuntimeError(f"{self.name} stack (tandem up) exited with {self.proc.proc.returncode}; "
+                               f"log {self.proc.log_path}:\n{self.proc.logs()[-4000:]}")
+        try:
+            r = client.get(f"{self.url}/health", timeout=2)
+            models = r.json().get("models", []) if r.status_code == 200 else []
+        except (httpx.TransportError, ValueError):
+            return False
+        if models:
+            self.model = models[0]
+            return True
+        return False
+
+    def terminate(self) -> None:
+        """SIGTERM the launcher (it stops its children tier by tier)."""
+        self.remember_children()
+        self.proc.signal(signal.SIGTERM)
+
+    def finish(self, timeout: float) -> None:
+        """Wait for the launcher; then SIGKILL it and anything it started that is still alive."""
+        if self.proc.proc is not None:
+            try:
+                self.proc.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                print(f"[{self.name}] tandem up still running {timeout:.0f}s after SIGTERM: SIGKILL", file=sys.stderr)
+                self.proc.kill()
+        table = _proc_table()
+        for pid, started in self._known.items():  # each child runs in its own process group
+            if pid in table and table[pid][1] == started:
+                for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+                    try:
+                        kill()
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+
+def start_stacks(stacks: list[Stack], timeout: float) -> None:
+    for s in stacks:
+        s.start()
+        print(f"[{s.name}] {shlex.join(s.argv)}\n[{s.name}] log: {s.proc.log_path}", flush=True)
+    deadline = time.monotonic() + timeout
+    pending = list(stacks)
+    with httpx.Client() as client:
+        while pending:
+            pending = [s for s in pending if not s.poll_ready(client)]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(s.name for s in pending)} not ready within {timeout:.0f}s")
+            time.sleep(0.5)
+    for s in stacks:
+        s.remember_children()
+        print(f"[{s.name}] ready at {s.url} serving {s.model!r}", flush=True)
+
+
+def stop_stacks(stacks: list[Stack], timeout: float = 120.0) -> None:
+    for s in stacks:
+        s.terminate()
+    for s in stacks:
+        s.finish(timeout)
+
+
+# --- requests ----------------------------------------------------------------------------------------
+
+
+def chat(client: httpx.Client, stack: Stack, messages: list[dict], max_tokens: int, timeout: float) -> dict:
+    body = {"model": stack.model, "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": False}
+    started = time.perf_counter()
+    r = client.post(f"{stack.url}/v1/chat/completions", json=body, timeout=timeout)
+    seconds = time.perf_counter() - started
+    if r.status_code != 200:
+        raise RuntimeError(f"{stack.name}: HTTP {r.status_code}: {r.text[:500]}")
+    out = r.json()
+    usage = out.get("usage") or {}
+    return {"seconds": seconds, "text": out["choices"][0]["message"].get("content") or "",
+            "finish_reason": out["choices"][0].get("finish_reason"),
+            "completion_tokens": usage.get("completion_tokens", 0), "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "spec_decode": usage.get("spec_decode")}
+
+
+def load_prompts(path: Path, limit: int | None) -> list[list[dict]]:
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row.get("messages"), list) or not row["messages"]:
+            raise ValueError(f"{path}:{n}: expected {{\"messages\": [...]}}")
+        prompts.append(row["messages"])
+    return prompts[:limit] if limit else prompts
+
+
+# --- summaries ---------------------------------------------------------------------------------------
+
+
+def spec_sums(rows: list[dict]) -> dict:
+    """usage.spec_decode summed over requests (requests without it counted apart)."""
+    drafts = draft_tokens = accepted = missing = 0
+    per_pos: list[int] = []
+    plain: dict[str, int] = {}
+    for row in rows:
+        s = row["spec_decode"]
+        if s is None:
+            missing += 1
+            continue
+        drafts += s.get("num_drafts", 0)
+        draft_tokens += s.get("draft_tokens", 0)
+        accepted += s.get("accepted_tokens", 0)
+        pos = s.get("accepted_per_pos", [])
+        per_pos += [0] * (len(pos) - len(per_pos))
+        for i, n in enumerate(pos):
+            per_pos[i] += n
+        for why, n in (s.get("plain_steps") or {}).items():
+            plain[why] = plain.get(why, 0) + n
+    return {"num_drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "accepted_per_pos": per_pos, "plain_steps": plain, "requests_without_spec_decode": missing,
+            "acceptance_rate": acceptance_rate(accepted, draft_tokens),
+            "mean_accepted_length": mean_accepted_length(accepted, drafts),
+            "acceptance_per_pos": [n / drafts for n in per_pos] if drafts else []}
+
+
+def summarise(pairs: list[dict]) -> dict:
+    out: dict = {"requests": len(pairs)}
+    for name in STACKS:
+        rows = [p[name] for p in pairs]
+        tokens = sum(r["completion_tokens"] for r in rows)
+        seconds = sum(r["seconds"] for r in rows)
+        out[name] = {"completion_tokens": tokens, "seconds": seconds,
+                     "tokens_per_s": tokens / seconds if seconds else None, "spec_decode": spec_sums(rows)}
+    plain_tps, spec_tps = out["plain"]["tokens_per_s"], out["spec"]["tokens_per_s"]
+    out["speedup"] = spec_tps / plain_tps if plain_tps and spec_tps else None
+    out["outputs_equal"] = sum(p["equal"] for p in pairs)
+    return out
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def table(summaries: list[tuple[str, dict]]) -> str:
+    lines = ["| round | plain tok/s | spec tok/s | speedup | drafts | mean acceptance length | acceptance per position "
+             "| plain-step reasons | spec output = plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, s in summaries:
+        sd = s["spec"]["spec_decode"]
+        per_pos = " / ".join(f"{a:.2f}" for a in sd["acceptance_per_pos"]) or "–"
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(sd["plain_steps"].items())) or "none"
+        lines.append(f"| {label} | {fmt(s['plain']['tokens_per_s'], '.1f')} | {fmt(s['spec']['tokens_per_s'], '.1f')} "
+                     f"| {fmt(s['speedup'])}x | {sd['num_drafts']} | {fmt(sd['mean_accepted_length'])} | {per_pos} "
+                     f"| {reasons} | {s['outputs_equal']}/{s['requests']} |")
+    return "\n".join(lines)
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    prompts = load_prompts(Path(args.prompts_file), args.prompts)
+    if not prompts:
+        raise SystemExit(f"no prompts in {args.prompts_file}")
+    # Convert the demo model once up front, so the two launchers do not race to write the cache.
+    subprocess.run([sys.executable, "-m", "workers.demo_model"], cwd=ROOT, check=True, capture_output=True)
+    spec_extra = shlex.split(args.spec_args)
+    stacks = {"plain": Stack("plain", ["--draft-method", "none"], args.startup_timeout),
+              "spec": Stack("spec", spec_extra, args.startup_timeout)}
+    warmup: dict[str, dict] = {}
+    pairs: list[dict] = []
+    try:
+        start_stacks(list(stacks.values()), args.startup_timeout + 60)
+        with httpx.Client() as client:
+            for name, stack in stacks.items():  # warm-up: first forward passes, the draft stream opens
+                warmup[name] = chat(client, stack, WARMUP, args.max_tokens, args.request_timeout)
+                print(f"[{name}] warm-up: {warmup[name]['completion_tokens']} tokens in "
+                      f"{warmup[name]['seconds']:.2f}s, spec_decode {warmup[name]['spec_decode']}", flush=True)
+            print(f"\n{len(prompts)} prompts x {args.rounds} rounds, max_tokens {args.max_tokens}, greedy, batch 1; "
+                  f"spec stack: tandem up {shlex.join(spec_extra) or '(defaults)'}\n", flush=True)
+            for rnd in range(args.rounds):
+                for i, messages in enumerate(prompts):
+                    order = STACKS if (i + rnd) % 2 == 0 else STACKS[::-1]
+                    pair = {"round": rnd + 1, "prompt": i, "first": order[0]}
+                    for name in order:
+                        pair[name] = chat(client, stacks[name], messages, args.max_tokens, args.request_timeout)
+                    pair["equal"] = pair["spec"]["text"] == pair["plain"]["text"]
+                    pairs.append(pair)
+                    sd = pair["spec"]["spec_decode"] or {}
+                    print(f"  round {rnd + 1} prompt {i + 1}/{len(prompts)}: plain "
+                          f"{pair['plain']['completion_tokens']} tok {pair['plain']['seconds']:.2f}s, spec "
+                          f"{pair['spec']['completion_tokens']} tok {pair['spec']['seconds']:.2f}s, "
+                          f"{sd.get('num_drafts', 0)} drafts, mean acc len {fmt(sd.get('mean_accepted_length'))}, "
+                          f"plain steps {sd.get('plain_steps', {})}"
+                          f"{'' if pair['equal'] else ', OUTPUT DIFFERS'}", flush=True)
+    finally:
+        # a second Ctrl-C (or a SIGTERM) must not cut the stop short and orphan the stacks
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            stop_stacks(list(stacks.values()))
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+    summaries = [(f"{r}", summarise([p for p in pairs if p["round"] == r])) for r in range(1, args.rounds + 1)]
+    summaries.append(("all", summarise(pairs)))
+    print(table(summaries))
+    return {"config": {"prompts_file": args.prompts_file, "prompts": len(prompts), "rounds": args.rounds,
+                       "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
+                       "plain_model": stacks["plain"].model},
+            "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
+            "warmup": warmup, "per_prompt": pairs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts-file", default=str(ROOT / "bench" / "prompts" / "natural_chat.jsonl"),
+                    help='JSON lines, each {"messages": [...]}')
+    ap.add_argument("--prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts (default 2)")
+    ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens per request (default 96)")
+    ap.add_argument("--spec-args", default="",
+                    help='extra flags for the speculative stack\'s tandem up, e.g. "--draft-model DIR"')
+    ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for both stacks to serve")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
+    ap.add_argument("--json", default=None, help="write the results (with per-prompt rows) here")
+    args = ap.parse_args()
+    if args.rounds < 1 or (args.prompts is not None and args.prompts < 1) or args.max_tokens < 1:
+        ap.error("--rounds, --prompts and --max-tokens must be >= 1")
+
+    def on_sigterm(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # stop the stacks as on Ctrl-C
+    try:
+        result = run(args)
+    except KeyboardInterrupt:
+        sys.exit("interrupted; stacks stopped")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
