@@ -1,15 +1,19 @@
 """Greedy equality and acceptance of a trained draft head on prompts it was not trained on.
 
-Usage: .venv/bin/python bench/eagle3_check.py HEAD_DIR [--prompts 50] [--max-tokens 48] [--gamma 3] [--topk K]
+Usage: .venv/bin/python bench/eagle3_check.py HEAD_DIR [--prompt-set natural|generator] [--prompts 68]
+       [--max-tokens 48] [--gamma 3] [--topk K] [--ignore-eos]
 
 HEAD_DIR: an EAGLE-3 / EAGLE head, Medusa heads or an MLP speculator (``tandem train-draft --head``).
 
 In one process (CPU, float32): the demo target decodes every prompt plainly, then speculates with the
 head at batch 1 and with 8 requests in flight (the target's ``Engine`` and the draft worker's
 ``EagleProposer`` or ``HeadProposer``, exchanging the same typed payloads as over gRPC). Every speculative output must
-equal the plain one token for token. Prompts come from the train-draft generator under a seed no
-training run uses, so none is a training conversation. Prints equality, the mean acceptance length
-(vLLM's 1 + accepted / drafts) and the engine-level tokens/s of each run.
+equal the plain one token for token. Prompts: ``natural`` (the default) = the hand-written chat prompts
+of ``bench/prompts/natural_chat.jsonl``, written apart from any generator, replies ending at the end
+of turn as a user sees them; ``generator`` = the train-draft template generator under a seed no
+training run uses (``--ignore-eos`` as the older figures were taken). Prints equality, the mean
+acceptance length (vLLM's 1 + accepted / drafts), accepted drafts per position and the engine-level
+tokens/s of each run.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("head")
-    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--prompt-set", choices=["natural", "generator"], default="natural")
+    ap.add_argument("--prompts", type=int, default=0, help="how many (0: all natural ones, 50 generated)")
+    ap.add_argument("--ignore-eos", action="store_true", help="every reply runs to --max-tokens")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -41,6 +47,7 @@ def main() -> None:
     from workers.demo_model import demo_model_dir
     from workers.draft.eagle import load_eagle, load_target_parts
     from workers.draft.eagle_proposer import EagleProposer
+    from bench.natural import natural_prompt_ids
     from workers.draft.train.prompts import held_out_prompts
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.weights import load_model
@@ -48,9 +55,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = held_out_prompts(tok, args.prompts)
+    if args.prompt_set == "natural":
+        prompts = {f"n{i}": p for i, p in enumerate(natural_prompt_ids(tok, args.prompts or None))}
+    else:
+        prompts = held_out_prompts(tok, args.prompts or 50)
     model = load_model(target)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     cfg = EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=8)
     started = time.perf_counter()
     plain = Engine(model, cfg).generate(prompts, params)
@@ -76,6 +86,7 @@ def main() -> None:
         engine = Engine(model, cfg, num_speculative_tokens=args.gamma, hidden_layers=tuple(layers), adaptive=False)
         proposer = make_proposer()
         got, drafts, accepted = {}, 0, 0
+        PER_POS.clear()
         WIRE.update(bytes=0, seconds=0.0, steps=0, step_seconds=0.0)
         items = list(prompts.items())
         started = time.perf_counter()
@@ -87,7 +98,8 @@ def main() -> None:
         same = sum(got[k] == plain[k] for k in prompts)
         print(f"batch {batch}: {same}/{len(prompts)} outputs equal to plain decoding; mean acceptance length "
               f"{mean_accepted_length(accepted, drafts) or 1.0:.2f} at γ={args.gamma} ({drafts} drafts); "
-              f"{total / seconds:.1f} tok/s")
+              f"{total / seconds:.1f} tok/s; accepted per position "
+              f"{[round(n / drafts, 3) for n in PER_POS] if drafts else []}")
         print(f"  hidden states on the wire ({proposer.hidden_dtype}): {WIRE['bytes'] / WIRE['steps']:.0f} bytes per "
               f"target step; converting and serialising them {1e3 * WIRE['seconds'] / WIRE['steps']:.3f} ms per step "
               f"= {WIRE['seconds'] / WIRE['step_seconds']:.2%} of a target step")
@@ -96,8 +108,7 @@ def main() -> None:
 
 
 WIRE = {"bytes": 0, "seconds": 0.0, "steps": 0, "step_seconds": 0.0}
-
-
+PER_POS: list[int] = []
 def _wire(inputs, verdicts, dtype: str) -> None:
     """What the target's draft client would put on the wire for these: hidden-state bytes and the
     time to convert and serialise the messages."""
@@ -130,6 +141,10 @@ def run(engine, proposer, prompts: dict, params) -> tuple[dict, int, int]:
             if delta.finish_reason and delta.usage is not None and delta.usage.spec is not None:
                 drafts += delta.usage.spec.num_drafts
                 accepted += delta.usage.spec.num_accepted_tokens
+                for i, n in enumerate(delta.usage.spec.accepted_per_pos):
+                    if i == len(PER_POS):
+                        PER_POS.append(0)
+                    PER_POS[i] += n
         proposer.verified(verdicts)
         proposer.release(engine.take_released())
     return got, drafts, accepted

@@ -1,13 +1,19 @@
 """Speculation across load: tokens/s, TTFT, ITL and request latency at concurrency 1 … 32, with
-speculation off, fixed, adaptive (the default) and load-aware, side by side in one run.
+speculation off, fixed, adaptive, and the default (load-aware with the adaptive rule inside it), side
+by side in one run.
 
-Usage: .venv/bin/python bench/load_sweep.py [--concurrency 1,2,4,8,16,32] [--max-tokens 48] [--gamma 4]
-       [--modes off,fixed,adaptive,load_aware] [--draft ngram|eagle3] [--repeats 1] [--out docs/load_sweep.svg]
+Usage: .venv/bin/python bench/load_sweep.py [--concurrency 1,2,4,8,16,32] [--max-tokens 48] [--gamma N]
+       [--modes off,default] [--draft eagle3|ngram|suffix] [--prompt-set natural|topics] [--repeats 2]
+       [--out docs/load_sweep.svg]
 
-The demo target (SmolLM2-135M) and an n-gram draft worker run as real processes over etcd, NATS and
-gRPC, one pair per mode in its own namespace (so every mode has its own warm target): ``fixed`` runs
-``--no-adaptive-speculation``, ``adaptive`` the default, ``load_aware`` ``--load-aware-speculation``;
-``off`` is the adaptive target with γ = 0 per request. At each concurrency c every mode in turn serves
+The demo target (SmolLM2-135M) and a draft worker (default: the bundled EAGLE-3 head, ``make run``'s)
+run as real processes over etcd, NATS and gRPC, one pair per mode in its own namespace (so every mode
+has its own warm target): ``default`` runs the target with no speculation flags (``make run``'s
+settings), ``adaptive`` ``--no-load-aware-speculation``, ``fixed`` that and
+``--no-adaptive-speculation``; ``off`` is the default target with γ = 0 per request (its draft worker
+sits idle). Prompts: ``natural`` = the hand-written chat prompts of ``bench/prompts/natural_chat.jsonl``
+(not the train-draft generator's), ``topics`` = "Explain X in a short paragraph." for 16 topics. At
+each concurrency c every mode in turn serves
 max(2c, 8) chat requests (greedy, ``--max-tokens`` each) with c in flight, so a slow spell of this
 shared machine hits all modes alike; with ``--repeats R`` each concurrency runs R rounds, the modes in
 a rotated order each round, and a mode's figure is the median of its per-round ratio to ``off`` (the
@@ -30,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from bench.natural import natural_prompt_ids  # noqa: E402
 from runtime import Runtime, RuntimeConfig  # noqa: E402
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta  # noqa: E402
 from tests.support.procs import ManagedProcess  # noqa: E402
@@ -40,9 +47,19 @@ TOPICS = ["the water cycle", "how vaccines work", "the history of the printing p
           "how GPS finds your position", "the causes of the first world war", "how a CPU cache works",
           "what inflation is", "how bread rises", "the life cycle of a star", "how to write a cover letter",
           "how noise-cancelling headphones work"]
-MODES = {"off": ("adaptive", 0), "fixed": ("fixed", None), "adaptive": ("adaptive", None),
-         "load_aware": ("load_aware", None)}
-TARGET_FLAGS = {"fixed": ["--no-adaptive-speculation"], "adaptive": [], "load_aware": ["--load-aware-speculation"]}
+MODES = {"off": ("default", 0), "fixed": ("fixed", None), "adaptive": ("adaptive", None),
+         "default": ("default", None), "load_aware": ("default", None)}  # load_aware: the default's old name
+TARGET_FLAGS = {"fixed": ["--no-adaptive-speculation", "--no-load-aware-speculation"],
+                "adaptive": ["--no-load-aware-speculation"], "default": []}
+
+
+def chat_prompts(tok, prompt_set: str) -> list[list[int]]:
+    """Token ids of the chat prompts of ``prompt_set`` (natural: hand-written; topics: one template)."""
+    if prompt_set == "natural":
+        return natural_prompt_ids(tok)
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"Explain {t} in a short paragraph."}],
+                                     add_generation_prompt=True, tokenize=False) for t in TOPICS]
+    return [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
 async def serve(rt: Runtime, prompts: list[list[int]], concurrency: int, max_tokens: int, gamma: int | None) -> dict:
@@ -99,7 +116,8 @@ def write_svg(path: Path, levels: list[int], results: dict[str, list[float]]) ->
         x = pad + (math.log2(levels[i]) / max(math.log2(levels[-1]), 1)) * (width - 2 * pad)
         return x, height - pad - (y - y_lo) / (y_hi - y_lo) * (height - 2 * pad)
 
-    colors = {"off": "#7f7f7f", "fixed": "#d62728", "adaptive": "#1f77b4", "load_aware": "#2ca02c"}
+    colors = {"off": "#7f7f7f", "fixed": "#d62728", "adaptive": "#1f77b4", "default": "#2ca02c",
+              "load_aware": "#2ca02c"}
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
              f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">concurrent requests</text>',
@@ -129,9 +147,7 @@ async def amain(args) -> None:
 
     target = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(target)
-    texts = [tok.apply_chat_template([{"role": "user", "content": f"Explain {t} in a short paragraph."}],
-                                     add_generation_prompt=True, tokenize=False) for t in TOPICS]
-    all_prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    all_prompts = chat_prompts(tok, args.prompt_set)
     etcd, nats_server = start_servers()
     procs, runtimes = [], {}
     kinds = sorted({MODES[m][0] for m in args.modes})
@@ -140,8 +156,8 @@ async def amain(args) -> None:
         for kind in kinds:
             env = env_for(etcd, nats_server, f"sweep-{kind}")
             procs.append(ManagedProcess("workers.target", [
-                "--model", str(target), "--num-speculative-tokens", str(args.gamma), "--max-num-seqs", "64",
-                *TARGET_FLAGS[kind]], env, name=f"target-{kind}").start())
+                "--model", str(target), *(["--num-speculative-tokens", str(args.gamma)] if args.gamma else []),
+                "--max-num-seqs", "64", *TARGET_FLAGS[kind]], env, name=f"target-{kind}").start())
             procs.append(ManagedProcess("workers.draft", draft_args(args.draft, target), env,
                                         name=f"draft-{kind}").start())
             cfg = RuntimeConfig(etcd_url=etcd.url, nats_url=nats_server.url, namespace=f"sweep-{kind}",
@@ -150,7 +166,8 @@ async def amain(args) -> None:
             drafts = await runtimes[kind].client("draft", "speculate")
             await drafts.wait_for_instances(1, timeout=120)
             await serve(runtimes[kind], all_prompts[:2], 2, 8, None)  # warm-up: opens the draft stream
-        print(f"{args.draft} draft, γ = {args.gamma}, {args.max_tokens} tokens per request, greedy\n", flush=True)
+        print(f"{args.draft} draft, γ = {args.gamma or 'the target default'}, {args.prompt_set} prompts, "
+              f"{args.max_tokens} tokens per request, greedy\n", flush=True)
         print("| concurrency | mode | tokens/s | vs off (median of rounds) | min–max over rounds | TTFT p50 (s) | "
               "ITL p50 (ms) | latency p50 (s) | p99 (s) |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -192,11 +209,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "fixed", "adaptive", "load_aware"])
-    ap.add_argument("--draft", default="ngram",
-                    help="draft method: ngram (no model on the draft side), suffix, or eagle3 (the bundled head)")
-    ap.add_argument("--repeats", type=int, default=1, help="rounds per concurrency (median ratio reported)")
+    ap.add_argument("--gamma", type=int, default=0, help="the target's --num-speculative-tokens (0: its default)")
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "default"],
+                    help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--draft", default="eagle3",
+                    help="draft method: eagle3 (the bundled head, make run's), ngram (no model), or suffix")
+    ap.add_argument("--prompt-set", choices=["natural", "topics"], default="natural")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds per concurrency (median ratio reported)")
     ap.add_argument("--out", default=None, help="SVG: tokens/s relative to speculation off, per mode")
     asyncio.run(amain(ap.parse_args()))
 

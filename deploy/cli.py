@@ -34,6 +34,9 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-num-steps", type=int, default=None,
                         help="draft trees: depth, the draft steps per proposal (default: as deep as the budget)")
     parser.add_argument("--targets", type=int, default=1, help="target workers (default 1)")
+    parser.add_argument("--no-load-aware-speculation", action="store_true",
+                        help="targets draft every request's adaptive γ whatever the load (default: per-step "
+                             "budgets from each target's measured step costs, down to none when drafting does not pay)")
     parser.add_argument("--drafts", type=int, default=None,
                         help="draft workers (default 1 for a real model, 0 with --mock or --draft-method none)")
     parser.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="routing (default kv)")
@@ -54,7 +57,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         model=args.model, served_model_name=args.served_model_name, draft_method=args.draft_method,
         draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
         speculative_eagle_topk=args.speculative_eagle_topk, speculative_num_steps=args.speculative_num_steps,
-        targets=args.targets, drafts=args.drafts, router_mode=args.router_mode,
+        load_aware=not args.no_load_aware_speculation, targets=args.targets, drafts=args.drafts, router_mode=args.router_mode,
         standalone_router=args.standalone_router, http_port=args.http_port, host=args.host, mock=args.mock,
         mock_token_latency_ms=args.mock_token_latency_ms,
         namespace=args.namespace or DEFAULT_NAMESPACE,
@@ -102,6 +105,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="draft head: eagle3 (speculators layout), medusa or mlp (IBM's MLP speculator; vLLM's layouts)")
     p.add_argument("--data-from", default=None,
                    help="reuse the conversations of an earlier --out (any head); only the hidden states are recomputed")
+    p.add_argument("--styles", default="templates",
+                   help="prompt generators, comma-separated, taken in turn: templates (topic x task), chat (many "
+                        "voices: casual, terse, maths, lists, role-play, rewriting, code), self-instruct (the target "
+                        "writes the user turn)")
+    p.add_argument("--init-from", default=None,
+                   help="eagle3: start from this head's weights (fine-tuning) instead of a fresh head")
     p.add_argument("--inner-dim", type=int, default=0, help="mlp: state width (0: the target's hidden size)")
     p.add_argument("--head-layers", type=int, default=1, help="medusa: residual blocks per head")
     p.add_argument("--prompts", type=int, default=2000, help="generated training conversations")
@@ -145,7 +154,8 @@ def train_draft(args: argparse.Namespace) -> None:
                              warmup=args.warmup, batch_tokens=args.batch_tokens, save_every=args.save_every,
                              seed=args.seed, device=args.device, threads=args.threads, dtype=args.dtype,
                              head=args.head, data_from=args.data_from, inner_dim=args.inner_dim,
-                             head_layers=args.head_layers)
+                             head_layers=args.head_layers, init_from=args.init_from,
+                             styles=tuple(x.strip() for x in args.styles.split(",") if x.strip()))
         metrics = train(config)
     except ValueError as exc:
         sys.exit(f"tandem train-draft: error: {exc}")

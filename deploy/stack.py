@@ -29,6 +29,7 @@ class StackConfig:
     num_speculative_tokens: int | None = None
     speculative_eagle_topk: int | None = None  # draft trees: children per node (1: chains); None: the worker's
     speculative_num_steps: int | None = None  # draft trees: depth; None: the worker's
+    load_aware: bool = True  # False: targets get --no-load-aware-speculation
     targets: int = 1
     drafts: int | None = None  # None: 1 for a real model (0 with --draft-method none), 0 for --mock
     router_mode: str = "kv"
@@ -159,6 +160,8 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> 
             args += ["--served-model-name", name, "--health-port", str(ports[cname])]
             if config.num_speculative_tokens is not None:
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+            if not config.load_aware:
+                args += ["--no-load-aware-speculation"]
             if config.draft_method not in HEAD_METHODS:  # no draft of this stack reads hidden states:
                 args += ["--hidden-layers", "none"]  # their per-slot store would only take KV blocks
             out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True))

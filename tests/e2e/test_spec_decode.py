@@ -47,7 +47,10 @@ async def start_target(rt, spawn, target_dir):
                  "--num-blocks", "512", "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "4",
                  # the tiny target steps in about a millisecond: a draft process on two busy cores can take
                  # longer than the default 20 ms floor and be backed off; these tests are about what it drafts
-                 "--propose-min-wait", "0.5", "--lease-ttl", "3", name="target")
+                 "--propose-min-wait", "0.5",
+                 # and a draft as costly as the target does not pay: load-aware budgets (the default) would
+                 # rightly stop asking for it, and these tests are about what is drafted and verified
+                 "--no-load-aware-speculation", "--lease-ttl", "3", name="target")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     return proc, client, inst

@@ -55,7 +55,7 @@ class TargetConfig:
     cuda_graphs: bool = True
     tree_topk: int = 0  # 0: the draft worker's setting
     tree_depth: int = 0
-    load_aware: bool = False
+    load_aware: bool = True
     hidden_layers: str = "auto"  # offered to draft workers: auto, none, or a comma list
     propose_min_wait: float = 0.02  # the least a round of proposals is waited for
 
@@ -119,9 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="draft trees: children per node and depth (1: chains; 0: the draft worker's setting)")
     parser.add_argument("--speculative-num-steps", type=int, default=0,
                         help="draft trees: depth, the draft steps per proposal (0: the draft worker's setting)")
+    parser.add_argument("--no-load-aware-speculation", action="store_true",
+                        help="draft every request's adaptive γ whatever the load (default: each step, give each "
+                             "request the draft tokens that maximise expected tokens/s of the whole batch, from a "
+                             "cost model of this worker's own steps, down to none under load)")
     parser.add_argument("--load-aware-speculation", action="store_true",
-                        help="each step, give each request the draft tokens that maximise expected tokens/s of the "
-                             "whole batch, from a cost model of this worker's own steps (down to none under load)")
+                        help="load-aware budgets (the default; kept for older command lines)")
     parser.add_argument("--no-adaptive-speculation", action="store_true",
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
@@ -154,7 +157,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
-                        args.load_aware_speculation, args.hidden_layers, args.propose_min_wait)
+                        not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait)
 
 
 def chat_template(model_dir: Path) -> str:

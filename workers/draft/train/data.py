@@ -23,6 +23,7 @@ from runtime.messages import SamplingParams
 from ...engine.engine import Engine, EngineConfig
 from ...engine.model import DecoderModel
 from ...engine.model_runner import ModelRunner
+from .prompts import clean_user_turn
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,27 @@ class SampleMaker:
                                          seed=None if self.temperature == 0 else self.seed + i)
         return self.engine.generate({r: p for r, p in prompts.items() if params[r].max_tokens > 0}, params)
 
+    def write_user_turns(self, conversations: list[dict]) -> list[dict]:
+        """Self-instruct: conversations given as ``writer`` messages get their user turn written by
+        the target (sampled at temperature 0.8, top-p 0.95, seeded by ``writer_seed``); an unusable one is
+        dropped. Others pass through."""
+        asks = {str(i): self._template(c["writer"]) for i, c in enumerate(conversations) if "writer" in c}
+        params = {rid: SamplingParams(temperature=0.8, top_p=0.95, max_tokens=96, seed=conversations[int(rid)]["writer_seed"])
+                  for rid in asks}
+        written = self.engine.generate(asks, params) if asks else {}
+        out = []
+        for i, conv in enumerate(conversations):
+            if "writer" not in conv:
+                out.append(conv)
+                continue
+            text = clean_user_turn(self.tokenizer.decode(written[str(i)], skip_special_tokens=True))
+            if text is not None:
+                out.append({"messages": [{"role": "user", "content": text}], "follow_up": conv.get("follow_up")})
+        return out
+
     def make(self, conversations: list[dict]) -> list[dict]:
         """Samples for ``conversations`` (see :mod:`workers.draft.train.prompts`)."""
+        conversations = self.write_user_turns(conversations)
         first = {}
         for i, conv in enumerate(conversations):
             ids = self._template(conv["messages"])

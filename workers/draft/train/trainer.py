@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from ...engine.config import ModelConfig
-from ..eagle import Eagle3Head, load_target_parts
+from ..eagle import Eagle3Head, load_eagle, load_target_parts
 from ..spec_heads import save_spec_head
 from .checkpoint import save_eagle3
 from .data import SampleMaker, eagle3_layers, load_samples, rehidden_shards, write_shards
-from .prompts import conversation, local_prompts
+from .prompts import STYLES, local_prompts, mixed_conversation
 from .spec_heads import build_medusa, build_mlp, spec_head_forward
 from .ttt import draft_vocabulary, ttt_forward
 
@@ -74,10 +74,20 @@ class TrainConfig:
     data_from: str | None = None  # another run's OUT: reuse its conversations, recompute hidden states
     inner_dim: int = 0  # MLP speculator: its state width (0: the target's hidden size)
     head_layers: int = 1  # Medusa: residual blocks per head
+    styles: tuple[str, ...] = ("templates",)  # prompt generators, taken in turn (prompts.STYLES)
+    init_from: str | None = None  # an EAGLE-3 head to start from (fine-tuning) instead of a fresh one
 
     def __post_init__(self):
         if self.head not in HEADS:
             raise ValueError(f"--head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        bad = [s for s in self.styles if s not in STYLES]
+        if bad or not self.styles:
+            raise ValueError(f"--styles must be a comma list of {', '.join(STYLES)}, got {','.join(self.styles)!r}")
+        if self.init_from is not None:
+            if self.head != "eagle3":
+                raise ValueError("--init-from starts from an EAGLE-3 head: it needs --head eagle3")
+            if not (Path(self.init_from) / "config.json").exists():
+                raise ValueError(f"--init-from {self.init_from}: no config.json there (an EAGLE-3 head directory)")
         if self.inner_dim < 0 or self.head_layers < 1:
             raise ValueError("--inner-dim must be >= 0 and --head-layers >= 1")
         if self.head == "mlp" and self.steps < 2:
@@ -130,8 +140,9 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
             raise ValueError(f"--data-from {cfg.data_from}: no shards in {source / 'train'}")
         todo = [(src, dst) for split in pairs.values() for src, dst in split if not dst.exists()]
     else:
-        train_convs = [conversation(cfg.seed, i) for i in range(cfg.prompts)] + local_prompts(list(cfg.prompt_files))
-        eval_convs = [conversation(cfg.seed + 1_000_003, i) for i in range(cfg.eval_prompts)]
+        train_convs = [mixed_conversation(cfg.seed, i, cfg.styles) for i in range(cfg.prompts)] + \
+            local_prompts(list(cfg.prompt_files))
+        eval_convs = [mixed_conversation(cfg.seed + 1_000_003, i, cfg.styles) for i in range(cfg.eval_prompts)]
         shard = cfg.shard_size
         todo = [p for p in _shard_names(out / "train", len(train_convs), shard) +
                 _shard_names(out / "eval", len(eval_convs), shard) if not p.exists()]
@@ -191,6 +202,21 @@ def build_head(target_cfg: ModelConfig, embed: torch.nn.Embedding, lm_head_weigh
     return head
 
 
+def warm_start(head: Eagle3Head, start: Eagle3Head, draft_ids: torch.Tensor) -> None:
+    """Copy ``start``'s weights into the fresh ``head``: every layer, and the LM-head rows of the draft
+    tokens both vocabularies hold (a token new to the draft vocabulary keeps the target's row)."""
+    ours = head.state_dict()
+    for name, value in start.state_dict().items():
+        if name in ours and not name.startswith(("lm_head.", "d2t", "t2d", "embed")) and ours[name].shape == value.shape:
+            ours[name].copy_(value)
+    start_ids = torch.arange(start.lm_head.weight.shape[0]) + start.d2t.long()
+    row_of = {int(t): i for i, t in enumerate(start_ids)}
+    with torch.no_grad():
+        for i, t in enumerate(draft_ids.tolist()):
+            if t in row_of:
+                head.lm_head.weight[i].copy_(start.lm_head.weight[row_of[t]])
+
+
 def _samples(paths: list[Path]) -> list[dict]:
     return [s for s in load_samples(paths) if s["mask"].sum() >= 2]
 
@@ -235,12 +261,24 @@ def train(cfg: TrainConfig, progress=None) -> dict:
     counts = torch.zeros(target_cfg.vocab_size, dtype=torch.long)
     for s in samples:
         counts += torch.bincount(s["tokens"][s["mask"]], minlength=target_cfg.vocab_size)
+    start = None
+    if cfg.init_from is not None:
+        start, start_layers = load_eagle(cfg.init_from, embed, target_lm_head, target_cfg, cfg.max_len)
+        if not isinstance(start, Eagle3Head) or start_layers != eagle3_layers(target_cfg.num_layers):
+            raise ValueError(f"--init-from {cfg.init_from}: not an EAGLE-3 head over this target's layers "
+                             f"{eagle3_layers(target_cfg.num_layers)}")
+        # the new data's counts decide; tokens the head already drafts win ties
+        known = torch.zeros_like(counts)
+        known[torch.arange(start.d2t.shape[0]) + start.d2t.long()] = 1
+        counts = counts * 2 + known
     draft_ids, d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab)
     t2d_index = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft_ids] = torch.arange(len(draft_ids))
     H, V = target_cfg.hidden_size, target_cfg.vocab_size
     if cfg.head == "eagle3":
         head = build_head(target_cfg, embed, lm_head, draft_ids, d2t, cfg.max_len, cfg.seed)
+        if start is not None:
+            warm_start(head, start, draft_ids)
     elif cfg.head == "medusa":
         head = build_medusa(H, V, cfg.steps, cfg.head_layers, lm_head, draft_ids if len(draft_ids) < V else None)
     else:
