@@ -183,6 +183,41 @@ def test_tiny_training_run_writes_a_head_that_speculates_losslessly(tiny_target,
         assert engine.counters[""].num_drafts > 0  # the trained head drafted and was verified
 
 
+def test_chat_and_self_instruct_prompts_and_fine_tuning_from_a_head(tiny_target, tmp_path):
+    from workers.draft.train.prompts import STYLES, clean_user_turn, mixed_conversation
+
+    # the styles are pure functions of (seed, index), taken in turn; self-instruct asks the target to write
+    styles = ("chat", "self-instruct", "templates")
+    convs = [mixed_conversation(3, i, styles) for i in range(30)]
+    assert convs == [mixed_conversation(3, i, styles) for i in range(30)]
+    assert all("writer" in c for c in convs[1::3]) and not any("writer" in c for c in convs[0::3] + convs[2::3])
+    assert len({c["messages"][-1]["content"] for c in convs[0::3]}) >= 9  # chat prompts vary
+    assert clean_user_turn('  Message: "how do I boil an egg?" ') == "how do I boil an egg?"
+    assert clean_user_turn("ok") is None
+    with pytest.raises(ValueError, match="--styles"):
+        TrainConfig(target=str(tiny_target), out=str(tmp_path / "x"), styles=("poems",))
+    assert set(STYLES) == {"templates", "chat", "self-instruct"}
+
+    common = dict(target=str(tiny_target), prompts=6, eval_prompts=2, max_tokens=12, max_len=256, shard_size=4,
+                  draft_vocab=512, steps=2, epochs=1, batch_tokens=256, warmup=1, save_every=2, threads=1,
+                  dtype="float32", styles=("chat", "self-instruct"))
+    first = train(TrainConfig(out=str(tmp_path / "first"), **common), progress=_quiet)
+    assert first["train_sequences"] >= 4  # self-instruct turns the tiny target wrote were used
+    samples = torch.load(tmp_path / "first" / "data" / "train" / "shard_00000.pt", weights_only=True)
+    assert all(bool(s["mask"].any()) for s in samples)
+    # fine-tuning: the second head starts from the first one's weights, its vocabulary re-chosen
+    embed, lm_head, target_cfg = load_target_parts(tiny_target)
+    start, _ = load_eagle(tmp_path / "first", embed, lm_head, target_cfg, 256)
+    tuned = train(TrainConfig(out=str(tmp_path / "tuned"), init_from=str(tmp_path / "first"), lr=1e-9,
+                              data_from=str(tmp_path / "first"), **common), progress=_quiet)
+    head, _ = load_eagle(tmp_path / "tuned", embed, lm_head, target_cfg, 256)
+    torch.testing.assert_close(head.fc.weight, start.fc.weight)  # lr ≈ 0: the weights it started from
+    assert tuned["acceptance_length"] == pytest.approx(first["acceptance_length"])
+    with pytest.raises(ValueError, match="--init-from"):
+        TrainConfig(out=str(tmp_path / "m"), head="medusa", init_from=str(tmp_path / "first"),
+                    **{k: v for k, v in common.items()})
+
+
 def test_medusa_and_mlp_heads_train_reuse_conversations_and_speculate_losslessly(tiny_target, tmp_path):
     from workers.draft.head_proposer import HeadProposer
     from workers.draft.spec_heads import MedusaHead, MlpSpeculatorHead, load_spec_head
