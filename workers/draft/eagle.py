@@ -54,6 +54,10 @@ class EagleHead(nn.Module):
         """[T, H] -> [T, target vocab] float32."""
         raise NotImplementedError
 
+    def greedy_tokens(self, features: torch.Tensor) -> list[int]:
+        """[T, H] -> the argmax of each row's ``logits`` (target ids), in one pass and one sync."""
+        return self.logits(features).argmax(-1).tolist()
+
 
 class Eagle1Head(EagleHead):
     version = 1
@@ -129,6 +133,16 @@ class Eagle3Head(EagleHead):
         full = draft.new_full((draft.shape[0], self.target_vocab_size), float("-inf"))
         full[:, torch.arange(draft.shape[1], device=draft.device) + self.d2t] = draft
         return full
+
+    def greedy_tokens(self, features: torch.Tensor) -> list[int]:
+        """The argmax over the draft vocabulary only, mapped to target ids: the same token as the
+        argmax of ``logits`` (every other target id is -inf there) whenever draft -> target ids is
+        increasing, so the first maximum is the same one; otherwise the full logits decide."""
+        draft = self.lm_head(self.norm(features))  # [T, draft vocab]
+        ids = torch.arange(draft.shape[1], device=draft.device) + self.d2t
+        if not bool((ids[1:] > ids[:-1]).all()):
+            return super().greedy_tokens(features)
+        return ids[draft.argmax(-1)].tolist()
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -129,10 +129,15 @@ class EagleProposer:
     # ------------------------------------------------------------------ internals
 
     def _truncate_tail(self, seq: _Seq) -> None:
+        length = len(seq.tokens)
         del seq.tokens[seq.committed :]
         seq.dists = []
-        for pos in [p for p in seq.feats if p >= seq.committed - 1]:
-            del seq.feats[pos]  # predicted features of drafted positions
+        first = max(seq.committed - 1, 0)
+        for pos in range(first, length):  # predicted features of drafted positions (all sit below length)
+            seq.feats.pop(pos, None)
+        if len(seq.feats) > first:  # some position >= first is still there (not expected): scan them all
+            for pos in [p for p in seq.feats if p >= first]:
+                del seq.feats[pos]
         self._rollback(seq, min(seq.computed, max(seq.committed - 1, 0)))
 
     def _rollback(self, seq: _Seq, pairs: int) -> None:
@@ -184,11 +189,15 @@ class EagleProposer:
             meta = AttentionMetadata.build(qlens, clens, tables, self.block_size)
             out = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
             self.forward_calls += 1
-            ends = torch.tensor(qlens).cumsum(0) - 1
-            logits = self.head.logits(out[ends])
-            for seq, row, feat in zip(ready, logits, out[ends]):
+            # each sequence's newest output: its next feature, whose logits give its next token
+            last = out if len(ids) == len(ready) else out[torch.tensor(qlens).cumsum(0) - 1]
+            if all(seq.sampling.greedy for seq in ready):  # argmax rows in one pass and one sync (an
+                drafts = [(t, None) for t in self.head.greedy_tokens(last)]  # EAGLE-3 head: its draft vocabulary only)
+            else:
+                drafts = [sample_draft(row, seq.sampling, seq.generator, self.max_support)
+                          for seq, row in zip(ready, self.head.logits(last))]
+            for seq, feat, (token, dist) in zip(ready, last, drafts):
                 seq.computed = len(seq.tokens) - 1
-                token, dist = sample_draft(row, seq.sampling, seq.generator, self.max_support)
                 seq.feats[len(seq.tokens) - 1] = feat
                 seq.tokens.append(token)
                 seq.dists.append(dist)
