@@ -267,10 +267,11 @@ def train(cfg: TrainConfig, progress=None) -> dict:
         if not isinstance(start, Eagle3Head) or start_layers != eagle3_layers(target_cfg.num_layers):
             raise ValueError(f"--init-from {cfg.init_from}: not an EAGLE-3 head over this target's layers "
                              f"{eagle3_layers(target_cfg.num_layers)}")
-        # the new data's counts decide; tokens the head already drafts win ties
+        # the new data's counts decide, but a token new to the draft vocabulary must be seen twice to
+        # displace one the head already drafts (a small fine-tuning set sees many tokens once by chance)
         known = torch.zeros_like(counts)
         known[torch.arange(start.d2t.shape[0]) + start.d2t.long()] = 1
-        counts = counts * 2 + known
+        counts = counts * 2 + known * 3
     draft_ids, d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab)
     t2d_index = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft_ids] = torch.arange(len(draft_ids))
