@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("head")
     ap.add_argument("--prompt-set", choices=["natural", "generator"], default="natural")
     ap.add_argument("--prompts", type=int, default=0, help="how many (0: all natural ones, 50 generated)")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8],
+                    help="requests in flight per speculative run (default 1,8)")
     ap.add_argument("--ignore-eos", action="store_true", help="every reply runs to --max-tokens")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=3)
@@ -82,7 +84,7 @@ def main() -> None:
             return EagleProposer(head, layers, num_blocks=2048, block_size=16, tree_topk=args.topk)
     total = sum(len(v) for v in plain.values())
     print(f"plain (batch of 8 in flight): {total / plain_s:.1f} tok/s")
-    for batch in (1, 8):
+    for batch in args.batches:
         engine = Engine(model, cfg, num_speculative_tokens=args.gamma, hidden_layers=tuple(layers), adaptive=False)
         proposer = make_proposer()
         got, drafts, accepted = {}, 0, 0
