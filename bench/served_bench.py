@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from runtime.spec_stats import acceptance_rate, mean_accepted_length  # noqa: E402
-from tests.support.procs import ManagedProcess  # noqa: E402
+from tests.support.procs import ManagedProcess, descendants, proc_table  # noqa: E402
 
 HOST = "127.0.0.1"
 STACKS = ("plain", "spec")
@@ -56,35 +56,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
-
-
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every process /proc shows."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        out[int(entry)] = (int(fields[1]), fields[19])
-    return out
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every live descendant of ``pid`` (to recognise them after a re-parent)."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(p)
-    found, todo = {}, [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found[c] = table[c][1]
-            todo.append(c)
-    return found
 
 
 class Stack:
@@ -138,7 +109,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 print(f"[{self.name}] tandem up still running {timeout:.0f}s after SIGTERM: SIGKILL", file=sys.stderr)
                 self.proc.kill()
-        table = _proc_table()
+        table = proc_table()
         for pid, started in self._known.items():  # each child runs in its own process group
             if pid in table and table[pid][1] == started:
                 for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):

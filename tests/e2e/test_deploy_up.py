@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import procs
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
@@ -24,22 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
+    return set(procs.descendants(pid))
 
 
 def running(pid: int) -> bool:

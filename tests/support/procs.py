@@ -81,3 +81,33 @@ class ManagedProcess:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process /proc shows."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[int(entry)] = (int(fields[1]), fields[19])
+    return out
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every live process below ``pid`` (the start time recognises a process
+    after it is re-parented, and tells it from a later one that reuses its pid)."""
+    table = proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
