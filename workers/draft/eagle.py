@@ -121,6 +121,7 @@ class Eagle3Head(EagleHead):
         self.lm_head = Linear(cfg.hidden_size, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.target_vocab_size = target_vocab_size
+        self._ids: tuple[tuple, torch.Tensor, bool] | None = None  # (d2t's identity, target ids, increasing)
 
     def project(self, target_hidden: list[torch.Tensor]) -> torch.Tensor:
         return self.fc(torch.cat(target_hidden, dim=-1))
@@ -138,11 +139,19 @@ class Eagle3Head(EagleHead):
         """The argmax over the draft vocabulary only, mapped to target ids: the same token as the
         argmax of ``logits`` (every other target id is -inf there) whenever draft -> target ids is
         increasing, so the first maximum is the same one; otherwise the full logits decide."""
-        draft = self.lm_head(self.norm(features))  # [T, draft vocab]
-        ids = torch.arange(draft.shape[1], device=draft.device) + self.d2t
-        if not bool((ids[1:] > ids[:-1]).all()):
+        ids, increasing = self._target_ids()
+        if not increasing:
             return super().greedy_tokens(features)
-        return ids[draft.argmax(-1)].tolist()
+        return ids[self.lm_head(self.norm(features)).argmax(-1)].tolist()
+
+    def _target_ids(self) -> tuple[torch.Tensor, bool]:
+        """The target id of each draft token, and whether they increase: worked out once per d2t
+        (its storage, device and in-place version), not on every draft step."""
+        key = (self.d2t.data_ptr(), self.d2t.device, self.d2t._version)
+        if self._ids is None or self._ids[0] != key:
+            ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+            self._ids = (key, ids, bool((ids[1:] > ids[:-1]).all()))
+        return self._ids[1], self._ids[2]
 
 
 # ---------------------------------------------------------------------------------------- loading
