@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from tests.support import http as http_support  # noqa: E402
 from tests.support.procs import ManagedProcess  # noqa: E402
 from tests.support.servers import env_for, free_port, start_servers  # noqa: E402
 
@@ -83,15 +83,9 @@ async def raw(port: int, data: bytes, hold: float = 0.0, trickle: bool = False) 
         writer.close()
 
 
-def never_reader(port: int) -> socket.socket:
-    body = json.dumps({"model": "mock", "prompt": "x", "n": 8, "max_tokens": 2000, "stream": True,
-                       "logprobs": 20}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-    return sock
+def never_reader(port: int):
+    return http_support.raw_completion(port, {"model": "mock", "prompt": "x", "n": 8, "max_tokens": 2000,
+                                            "stream": True, "logprobs": 20})
 
 
 def fuzz_bodies(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
@@ -158,17 +152,8 @@ async def etcd_wipe(url: str, etcd, worker: ManagedProcess) -> Counter:
     statuses: Counter = Counter()
     stop = asyncio.Event()
 
-    async def requests() -> None:
-        body = {"model": "mock", "prompt": "across an etcd wipe", "max_tokens": 4}
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            while not stop.is_set():
-                try:
-                    statuses[(await client.post("/v1/completions", json=body)).status_code] += 1
-                except httpx.HTTPError as exc:
-                    statuses[type(exc).__name__] += 1
-                await asyncio.sleep(0.01)
-
-    load = [asyncio.create_task(requests()) for _ in range(4)]
+    load = [asyncio.create_task(http_support.completion_load(url, statuses, stop, "across an etcd wipe"))
+            for _ in range(4)]
     await asyncio.sleep(0.5)
     registered = worker.logs().count("registering again")
     await asyncio.to_thread(etcd.stop, True)

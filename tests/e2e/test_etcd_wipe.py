@@ -11,22 +11,11 @@ from collections import Counter
 import httpx
 import pytest
 
+from tests.support.http import completion_load
 from tests.support.procs import ManagedProcess
 from tests.support.servers import EtcdServer, env_for, free_port
 
 pytestmark = pytest.mark.e2e
-
-
-async def _load(url: str, statuses: Counter, stop: asyncio.Event) -> None:
-    body = {"model": "mock", "prompt": "across an etcd wipe", "max_tokens": 4}
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        while not stop.is_set():
-            try:
-                r = await client.post("/v1/completions", json=body)
-                statuses[r.status_code] += 1
-            except httpx.HTTPError as exc:
-                statuses[type(exc).__name__] += 1
-            await asyncio.sleep(0.01)
 
 
 async def test_an_etcd_wipe_under_load_answers_every_request(nats_server, namespace):
@@ -54,7 +43,7 @@ async def test_an_etcd_wipe_under_load_answers_every_request(nats_server, namesp
                                                                "max_tokens": 2})).status_code == 200
         statuses: Counter = Counter()
         stop = asyncio.Event()
-        load = [asyncio.create_task(_load(url, statuses, stop)) for _ in range(4)]
+        load = [asyncio.create_task(completion_load(url, statuses, stop, "across an etcd wipe")) for _ in range(4)]
         await asyncio.sleep(1)
         before = sum(statuses.values())
         await asyncio.to_thread(etcd.stop, True)

@@ -15,20 +15,10 @@ import httpx
 import pytest
 
 from tests.e2e.test_deploy_up import MOCK, ask, launcher  # noqa: F401 (fixture)
+from tests.support.http import completion_load
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
-
-
-async def _load(url: str, statuses: Counter, stop: asyncio.Event) -> None:
-    body = {"model": "mock", "prompt": "route me", "max_tokens": 3}
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        while not stop.is_set():
-            try:
-                statuses[(await client.post("/v1/completions", json=body)).status_code] += 1
-            except httpx.HTTPError as exc:
-                statuses[type(exc).__name__] += 1
-            await asyncio.sleep(0.01)
 
 
 def _decisions(router_url: str) -> float:
@@ -61,7 +51,7 @@ async def test_a_killed_router_service_is_routed_around_in_process(spawn):
 
     statuses: Counter = Counter()
     stop = asyncio.Event()
-    load = [asyncio.create_task(_load(url, statuses, stop)) for _ in range(3)]
+    load = [asyncio.create_task(completion_load(url, statuses, stop, "route me", 3)) for _ in range(3)]
     await asyncio.sleep(0.5)
     router.kill()  # SIGKILL: its registration outlives it for the 10 s lease
     await asyncio.sleep(3)

@@ -5,13 +5,12 @@ returned."""
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import pytest
 
 from tests.e2e.test_frontend_openai import FrontendStack
+from tests.support.http import raw_completion
 
 pytestmark = pytest.mark.e2e
 
@@ -28,22 +27,12 @@ def stack(servers):
     s.stop()
 
 
-def never_reader(port: int, max_tokens: int) -> socket.socket:
-    body = json.dumps({"model": "mock", "prompt": "x", "max_tokens": max_tokens, "stream": True}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-    return sock
-
-
 def test_a_client_that_never_reads_a_small_stream_is_dropped_and_its_worker_cancelled(stack):
     s, worker = stack
     before = worker.logs().count(CANCELLED)
     # 400 tokens at 50 ms: a 20 s stream of about 60 KB, which the socket buffers on both sides and
     # the server's write buffer hold without a write ever waiting
-    sock = never_reader(s.port, 400)
+    sock = raw_completion(s.port, {"model": "mock", "prompt": "x", "max_tokens": 400, "stream": True})
     try:
         started = time.monotonic()
         while worker.logs().count(CANCELLED) == before:
@@ -57,12 +46,7 @@ def test_a_client_that_never_reads_a_small_stream_is_dropped_and_its_worker_canc
 def test_a_slow_but_reading_client_is_not_dropped(stack):
     s, worker = stack
     before = worker.logs().count(CANCELLED)
-    body = json.dumps({"model": "mock", "prompt": "x", "max_tokens": 80, "stream": True}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", s.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock = raw_completion(s.port, {"model": "mock", "prompt": "x", "max_tokens": 80, "stream": True})
     got = b""
     sock.settimeout(15)
     try:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
+from collections import Counter
 
 import httpx
 
@@ -36,3 +39,29 @@ async def wait_for_model(base_url: str, model: str, timeout: float = 60.0, inter
                 pass
             await asyncio.sleep(interval)
     raise TimeoutError(f"{base_url}/health never listed {model!r}")
+
+
+async def completion_load(url: str, statuses: Counter, stop: asyncio.Event, prompt: str = "load",
+                          max_tokens: int = 4) -> None:
+    """Send ``/v1/completions`` requests one after another until ``stop``, counting each answer's
+    status (or the transport error's name) in ``statuses``."""
+    body = {"model": "mock", "prompt": prompt, "max_tokens": max_tokens}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            try:
+                statuses[(await client.post("/v1/completions", json=body)).status_code] += 1
+            except httpx.HTTPError as exc:
+                statuses[type(exc).__name__] += 1
+            await asyncio.sleep(0.01)
+
+
+def raw_completion(port: int, body: dict) -> socket.socket:
+    """A raw socket with a small receive buffer that has POSTed ``body`` to ``/v1/completions``; the
+    caller reads the answer slowly, or never (a stalled client)."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
