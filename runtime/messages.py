@@ -165,6 +165,7 @@ PLAIN_STEP_REASONS = {
     "no_draft": "no draft worker is connected",
     "draft_backoff": "the draft worker is backed off (too slow, silent, or sending malformed proposals)",
     "draft_late": "the proposal missed the step's deadline",
+    "draft_stale": "the proposal answered an older round or a sequence that no longer decodes next",
     "draft_invalid": "the proposal was malformed and dropped",
     "draft_empty": "the draft had nothing to propose (e.g. no n-gram match)",
     "paused": "adaptive speculation paused drafting after rejected drafts",

@@ -287,10 +287,11 @@ class Engine:
                                     time.perf_counter() - started)
         return outputs
 
-    def observe_cycle(self, seconds: float) -> None:
-        """Feed the cost model the latest step as part of a serving cycle that took ``seconds``."""
+    def observe_cycle(self, seconds: float, asked: bool = False) -> None:
+        """Feed the cost model the latest step as part of a serving cycle that took ``seconds``
+        (``asked``: proposals were asked for that step, whether or not they came in time)."""
         s = self.last_step
-        self.spec.observe_cycle(s.tokens, s.verified, s.decoding, s.emitted, seconds)
+        self.spec.observe_cycle(s.tokens, s.verified, s.decoding, s.emitted, seconds, asked)
 
     @staticmethod
     def _fit_drafts(drafted: dict[str, Drafted], batch: ScheduledBatch) -> None:

@@ -198,7 +198,9 @@ class Speculator:
         if self.load_aware and caps:
             planned = plan(caps, {sid: self.states[sid].acceptance.alpha for sid in caps}, decoding, self.cost)
             if any(planned.values()) and not self.realized.allow(decoding):
-                planned = {}  # speculating did worse here than the model thinks, or plain is due a measure
+                # speculating did worse here than the model thinks, or plain is due a measure: these
+                # sequences decode plainly because of load too (not "draft_late": nothing is asked)
+                planned = dict.fromkeys(planned, 0)
             if not any(planned.values()):
                 self.unplanned_steps += 1
             for sid, k in planned.items():
@@ -233,6 +235,8 @@ class Speculator:
             st = self.states.get(seq.request_id)
             if st is None or seq.num_uncomputed != 1 or prop.round != st.round - 1:
                 self._drop("stale")
+                if st is not None:
+                    st.why_plain = "draft_stale"
                 continue
             problem = proposal_problem(prop, max(st.asked, 1), self.vocab_size)
             if problem is not None:
@@ -313,8 +317,12 @@ class Speculator:
                 st.pause = self.pause_steps
         return st
 
-    def observe_cycle(self, tokens: int, verified: int, decoding: int, emitted: int, seconds: float) -> None:
-        """Feed the cost model one decode/verify step (or a serving cycle around it)."""
+    def observe_cycle(self, tokens: int, verified: int, decoding: int, emitted: int, seconds: float,
+                      asked: bool = False) -> None:
+        """Feed the cost model one decode/verify step (or a serving cycle around it). ``asked``: a
+        round of proposals was asked for this step; when it came late the step verified nothing but
+        still paid for speculating (the wait), so it counts as a speculating step, not a plain one."""
         if tokens:
-            self.cost.observe(tokens, seconds, verified)
-            self.realized.observe(decoding, verified > 0, emitted, seconds)
+            attempted = verified > 0 or asked
+            self.cost.observe(tokens, seconds, verified, attempted)
+            self.realized.observe(decoding, attempted, emitted, seconds)

@@ -51,8 +51,11 @@ class StepCost:
         self._coef: tuple[float, float, float, float] | None = None  # the fit, until the next sample
         self.samples = 0
 
-    def observe(self, tokens: int, seconds: float, verified: int = 0) -> None:
-        x = (1.0, float(tokens), float(verified), 1.0 if verified > 0 else 0.0)
+    def observe(self, tokens: int, seconds: float, verified: int = 0, attempted: bool = False) -> None:
+        """One step: ``tokens`` query tokens, ``verified`` sequences verified drafts; ``attempted``:
+        proposals were asked for it even if none came in time (a late round's wait is what
+        speculating cost that step, so it counts toward ``d``, not toward plain steps' ``a``)."""
+        x = (1.0, float(tokens), float(verified), 1.0 if verified > 0 or attempted else 0.0)
         d = self.decay
         for i, xi in enumerate(x):
             row = self._xx[i]

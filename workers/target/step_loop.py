@@ -133,6 +133,7 @@ class StepLoop:
         self._draft_id = ""
         self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
+        self._last_asked = False  # proposals were asked for the previous cycle's step
         self._failures_in_a_row = 0
         self.steps = 0
         self.step_failures = 0
@@ -230,8 +231,9 @@ class StepLoop:
         commands = list(self._commands)
         self._commands.clear()
         loop = asyncio.get_running_loop()
+        asked = self._asked > 0  # a round was asked for this cycle's step (late or not)
         cycle = await loop.run_in_executor(self._executor, self._cycle, commands, proposals, context,
-                                           self._last_cycle)
+                                           self._last_cycle, self._last_asked)
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
             self._resolve(cmd, result, error)
@@ -245,13 +247,14 @@ class StepLoop:
         self._observe_step(cycle)
         self._talk_to_draft(cycle)
         self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
+        self._last_asked = asked
 
     def _cycle(self, commands: list[Command], proposals: dict, context: DraftContext | None,
-               last_cycle: float) -> Cycle:
+               last_cycle: float, last_asked: bool = False) -> Cycle:
         """Everything that touches the engine, on its thread."""
         engine, out = self.engine, Cycle()
         if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
-            engine.observe_cycle(last_cycle)
+            engine.observe_cycle(last_cycle, last_asked)
         draft_id = context.draft_id if context is not None else ""
         if draft_id != engine.draft_id:
             engine.reset_drafts()  # a new draft worker (or none) knows none of our sequences
@@ -394,12 +397,17 @@ class StepLoop:
         client = self._client
         if not pending or client is None:
             return {}
+        deadline = self.watch.deadline()
+        started = time.perf_counter()
         try:
-            got = await client.collect(pending, self.watch.deadline())
+            got = await client.collect(pending, deadline)
         except Exception as exc:  # speculation is optional: decode plainly this step
             log.warning("draft proposals failed: %r", exc)
             got = {}
         self._asked, self._arrived = len(pending), len(got)
+        if len(got) < len(pending):
+            log.debug("draft round: %d of %d proposals within the %.1f ms deadline (waited %.1f ms)", len(got),
+                      len(pending), 1e3 * deadline, 1e3 * (time.perf_counter() - started))
         return got
 
     def _observe_step(self, cycle: Cycle) -> None:

@@ -109,3 +109,27 @@ def test_realized_rates_veto_speculation_that_does_worse():
         rates.observe(2, False, 2, 0.05)
         rates.observe(2, True, 3, 0.05)
     assert [rates.allow(2) for _ in range(8)] == [True, True, True, False] * 2
+
+
+def test_steps_the_realized_rates_veto_say_load_not_draft_late():
+    """When the realized-rate check overrules the plan, nothing is asked of the draft, so the steps
+    are counted as ``load``; before, they kept the "draft_late" meant for an outstanding proposal."""
+    from workers.engine.sequence import Sequence
+    from workers.engine.speculator import Speculator
+
+    spec = Speculator(100, 3, load_aware=True)
+    spec.cost = fitted(0.05, 0.0, wait=0.0, per_verify=0.0)  # verifying is free: the plan drafts
+    for _ in range(4):  # ... but speculating steps achieved half plain decoding's tokens/s at batch 1
+        spec.realized.observe(1, False, 1, 0.05)
+        spec.realized.observe(1, True, 1, 0.10)
+    params = SamplingParams(temperature=0, max_tokens=64)
+    seq = Sequence("s", list(range(8)), 8, 0, params, num_computed=7)
+    spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(9.0, 1.0)
+    asked = [bool(spec.requests([seq], 1024)) for _ in range(16)]
+    assert asked.count(True) == 1 and asked[-1]  # one exploring round in explore_every (16)
+    for _ in range(3):
+        if not spec.requests([seq], 1024):
+            assert spec.states["s"].why_plain == "load"
+            spec.count_plain(seq)
+    assert spec.plain_steps == {"load": 3}

@@ -244,3 +244,33 @@ async def test_plain_steps_say_no_draft_and_draft_backoff(model, expected, pool,
         assert samples[("tandem_target_spec_plain_steps_total", (("model", "m"), ("reason", why)))] == 7
     finally:
         await loop.stop()
+
+
+class _LateClient(_Client):
+    """A draft stream whose proposals never arrive by the deadline."""
+
+    async def collect(self, futures, timeout):
+        await asyncio.sleep(timeout)
+        return {}
+
+
+async def test_a_late_round_counts_as_a_speculating_step_not_a_plain_one(model, expected):
+    """The wait for proposals that came late is what speculating cost that step: the realized rates
+    and the cost model charge it to speculation, so a slow draft never makes plain decoding look slower."""
+    engine = Engine(model, CFG, hidden_layers=(1,), num_speculative_tokens=2, adaptive=False)
+    loop = StepLoop(engine, _Pool(_LateClient(expected)), watch=DraftWatch(0.05, min_wait=0.05, first_wait=0.05))
+    loop.start()
+    try:
+        deltas = await run_one(loop, "a")
+        assert [t for d in deltas for t in d.token_ids] == expected
+        plain = deltas[-1].usage.spec.plain_steps
+        assert plain.get("draft_late", 0) >= 2 and "draft_stale" not in plain
+        realized = engine.spec.realized
+        late = plain["draft_late"]
+        # every late step but possibly the last (observed at the start of the next cycle) is a speculating step
+        assert realized._count.get((realized.bucket(1), True), 0) >= late - 1
+        assert realized._count.get((realized.bucket(1), False), 0) <= PARAMS.max_tokens - 1 - late
+        a, _, _, d = engine.spec.cost.coefficients()
+        assert d > a  # the 50 ms waits landed on "speculating at all", not on every step
+    finally:
+        await loop.stop()
