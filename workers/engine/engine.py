@@ -87,12 +87,15 @@ class Engine:
     draft; 0: the draft worker's setting), ``adaptive`` and ``load_aware`` budgets (see
     :mod:`.speculator`). ``hidden_layers``: the target layers whose hidden states are kept for draft
     workers that read them (Hugging Face numbering, see :mod:`.model`); fixed for the engine's life.
+    ``followers``: a tensor-parallel ``model``'s other ranks (:class:`.followers.Followers`), which
+    repeat every model call; this engine is rank 0's and the only one.
     """
 
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, grammars: GrammarBackend | None = None, *,
                  num_speculative_tokens: int = 4, hidden_layers: tuple[int, ...] = (), adaptive: bool = True,
-                 pause_steps: int = 8, tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False):
+                 pause_steps: int = 8, tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False,
+                 followers=None):
         cfg = model.cfg
         layers = tuple(sorted(set(hidden_layers)))  # what the store keeps
         if any(not 0 <= k <= cfg.num_layers for k in layers):
@@ -120,7 +123,7 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len, followers)
         slots = self.runner.kv_caches[0][0].shape[0] * config.block_size  # the graphs' scratch block too
         self.hidden = HiddenStore(layers, slots, cfg.hidden_size, param.dtype, param.device) if layers else None
         self.grammars = grammars  # structured outputs (None: requests with a grammar are refused)

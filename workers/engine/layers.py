@@ -1,6 +1,7 @@
 """Building blocks of a Llama-family decoder: RMSNorm, rotary embedding (incl. Llama-3 scaling),
-the SwiGLU MLP with fused gate/up projection, and a Linear that picks the fastest CPU matmul.
-Tensors are flat over tokens: ``[T, ...]``.
+the SwiGLU MLP with fused gate/up projection, a Linear that picks the fastest CPU matmul, and the
+tensor-parallel pieces (a row-parallel Linear, a vocabulary-parallel embedding; see
+:mod:`workers.engine.parallel`). Tensors are flat over tokens: ``[T, ...]``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from runtime.config import cpu_linear
 
 from .config import RopeConfig
+from .parallel import SINGLE, TensorParallel, vocab_slice
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +52,17 @@ class Linear(nn.Linear):
     _released = False  # the dense weight was freed: ``_packed`` is the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         global _ONEDNN
         if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and self._packable():
             try:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
             except RuntimeError as exc:  # a CPU or build oneDNN cannot serve: the default path from now on
                 _ONEDNN = False
                 log.warning("oneDNN linear unavailable (%s); using torch's default CPU matmul", exc)
-        return F.linear(x, self._packed[0].to_dense() if self._released else self.weight, self.bias)
+        return F.linear(x, self._packed[0].to_dense() if self._released else self.weight, bias)
 
     def _packable(self) -> bool:
         w = self.weight
@@ -90,6 +95,44 @@ class Linear(nn.Linear):
         self.weight.data = self.weight.data.new_empty(0)
         self._released = True
         return True
+
+
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split over the ranks of ``tp``: each rank multiplies its
+    slice, one all-reduce sums the partial products, then the (whole, replicated) bias is added once.
+    Size 1: exactly :class:`Linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = [tp]  # a list keeps the group out of the module tree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp[0]
+        if not tp.enabled:
+            return self._linear(x, self.bias)
+        y = tp.all_reduce(self._linear(x, None))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` whose rows are split over the ranks of ``tp`` (see :func:`.parallel.vocab_slice`):
+    each rank looks up the ids in its slice (zero rows for the others) and one all-reduce adds them
+    up. ``weight`` is this rank's [V', hidden] slice (the whole table at size 1)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.start, self.rows, padded = vocab_slice(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(padded, hidden))
+        self.tp = [tp]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = self.tp[0]
+        if not tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
 class RMSNorm(nn.Module):
@@ -165,14 +208,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul. Under tensor parallelism
+    ``intermediate`` is this rank's slice: gate/up column-parallel, down row-parallel."""
 
     fused = False  # SwiGLU in one Triton kernel (GPU; set by the model)
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:

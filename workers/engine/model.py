@@ -9,6 +9,11 @@ rows in ``logits_indices``; ``hidden_layers`` picks hidden states in Hugging Fac
 :mod:`workers.engine.triton_ops` (add + RMSNorm, rotary + KV-cache write, SwiGLU) and attention
 through :mod:`workers.engine.triton_attention`; every op then reads only tensors, so a forward can
 be captured in a CUDA graph (:mod:`workers.engine.cuda_graphs`). Same maths, same parameters.
+
+``tp`` (a :class:`.parallel.TensorParallel` of size N > 1) builds this rank's shard of the model:
+its attention heads, MLP slice and vocabulary slice, with the collectives of
+:mod:`workers.engine.parallel`; :meth:`DecoderModel.checkpoint_slice` says which slice of each
+checkpoint tensor the rank loads. Hidden states and logits still come out whole.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention_torch, write_kv
 from .config import ModelConfig
-from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding
+from .parallel import SINGLE, TensorParallel, split_range
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -47,11 +53,17 @@ def _triton_ops():
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
+    """Self-attention over this rank's heads (all of them at tensor-parallel size 1)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
+        self.q_size = heads.q_count * cfg.head_dim
+        kv_size = heads.kv_count * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -64,13 +76,13 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        h, hkv = cfg.num_heads, cfg.num_kv_heads
+        h, hkv = self.num_heads, self.num_kv_heads
         if self.fused and not cfg.qk_norm:
             rotary = self.rotary[0]
             q = _triton_ops().rotary_write_kv(self.qkv_proj(x), positions, rotary.cos, rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, h, hkv, cfg.head_dim)
             o = self.attention_fn(q, None, None, kv[0], kv[1], meta, self.scale)  # [T, H, D]
-            return self.o_proj(o.view(t, cfg.q_size))
+            return self.o_proj(o.view(t, self.q_size))
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, cfg.head_dim)
         if cfg.qk_norm:
             q, k, v = qkv.split([h, hkv, hkv], dim=1)
@@ -80,16 +92,16 @@ class Attention(nn.Module):
             v = qkv[:, h + hkv :]
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = self.attention_fn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, cfg.q_size))
+        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, attention_fn)
+        self.self_attn = Attention(cfg, rotary, attention_fn, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = MLP(cfg.hidden_size, split_range(cfg.intermediate_size, tp.rank, tp.size)[1], cfg.mlp_bias, tp)
 
     def forward(self, positions, x, kv, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
@@ -113,17 +125,19 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_fn) for _ in range(cfg.num_layers))
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if tp.enabled
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_fn, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
     """The decoder with Hugging Face parameter names, except fused qkv and gate/up projections."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, attention_fn=None, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, max_positions: int, attention_fn=None, fused: bool = False,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         if fused and attention_fn is None:
             from .triton_attention import paged_attention_triton as attention_fn
@@ -132,13 +146,20 @@ class DecoderModel(nn.Module):
         self.cfg = cfg
         self.fused = fused
         self.max_positions = max_positions
+        self.tp = tp
+        self.heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)  # raises ValueError if they do not split
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.model = _Backbone(cfg, self.rotary, attention_fn)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = _Backbone(cfg, self.rotary, attention_fn, tp)
+        self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             layer.self_attn.fused = layer.mlp.fused = fused
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them at tensor-parallel size 1)."""
+        return self.heads.kv_count
 
     @property
     def static_capable(self) -> bool:
@@ -183,7 +204,10 @@ class DecoderModel(nn.Module):
         if num_layers in wanted:
             hidden[num_layers] = x
         rows = x if logits_indices is None else x[logits_indices]
-        return ModelOutput(self.lm_head(rows).float(), hidden, meta.slot_mapping)
+        logits = self.lm_head(rows)
+        if self.tp.enabled:  # each rank's vocabulary columns, gathered and cut to the vocabulary
+            logits = self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
+        return ModelOutput(logits.float(), hidden, meta.slot_mapping)
 
     def _layers_fused(self, positions, x, meta, kv_caches, wanted, hidden) -> torch.Tensor:
         h, residual = x, None
@@ -194,14 +218,49 @@ class DecoderModel(nn.Module):
         norm = self.model.norm
         return _triton_ops().rms_norm(h, norm.weight, norm.eps, residual)[0]
 
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of checkpoint tensor ``name`` that this rank holds; None: all of it.
+
+        Column-parallel weights (q/k/v, gate/up, and their biases) are cut along dim 0, row-parallel
+        ones (o_proj, down_proj) along dim 1, embedding and LM head by vocabulary rows; norms and
+        row-parallel biases are whole on every rank."""
+        tp = self.tp
+        if not tp.enabled:
+            return None
+        parts = name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        cfg, heads, d = self.cfg, self.heads, self.cfg.head_dim
+        if proj == "q_proj":
+            return 0, heads.q_start * d, heads.q_count * d
+        if proj in ("k_proj", "v_proj"):
+            return 0, heads.kv_start * d, heads.kv_count * d
+        if proj in ("gate_proj", "up_proj"):
+            return (0, *split_range(cfg.intermediate_size, tp.rank, tp.size))
+        if parts[-1] == "weight" and proj == "o_proj":
+            return 1, heads.q_start * d, heads.q_count * d
+        if parts[-1] == "weight" and proj == "down_proj":
+            return (1, *split_range(cfg.intermediate_size, tp.rank, tp.size))
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            embed = self.model.embed_tokens
+            return 0, embed.start, embed.rows
+        return None
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) in; raises ValueError on missing/unknown names."""
+        """Copy checkpoint tensors (Hugging Face names) in; raises ValueError on missing/unknown names.
+
+        Under tensor parallelism each tensor must be this rank's slice (:meth:`checkpoint_slice`);
+        a vocabulary slice shorter than the padded rows fills the first rows (the rest are zeroed)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         cfg = self.cfg
-        split = {"qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-                 "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        attn = self.model.layers[0].self_attn
+        q_size, kv_size = attn.q_size, attn.num_kv_heads * cfg.head_dim
+        inter = self.model.layers[0].mlp.down_proj.in_features
+        split = {"qkv_proj": [q_size, kv_size, kv_size], "gate_up_proj": [inter, inter]}
+        if self.tp.enabled:  # padding rows of the vocabulary slice: never looked up, logits cut off
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                params[name].zero_()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -215,6 +274,8 @@ class DecoderModel(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
             param = params[target]
+            if target in ("model.embed_tokens.weight", "lm_head.weight") and self.tp.enabled:
+                param = param.narrow(0, 0, self.model.embed_tokens.rows)
             if shard is None:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")

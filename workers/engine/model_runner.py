@@ -6,9 +6,18 @@ verify step, 0 for a prefill chunk that does not reach the end of its prompt. A 
 a token *tree* (``trees[b]``: the parents of its tokens after the first, see
 :mod:`workers.speculation.tree`): its tokens sit in consecutive cache slots, but each is rotated to
 its depth in the tree and attends only to its ancestors among the chunk.
+
+Under tensor parallelism rank 0's runner is given the :class:`.followers.Followers`: every call
+(forward, copy_slots, copy_blocks) is first sent to the follower ranks, whose own runners repeat it
+on their shards (the collectives inside the forward keep them in step); the cache holds this rank's
+KV heads only. Any failure inside a tensor-parallel call leaves the ranks out of step, so it marks
+the group failed (:class:`.parallel.TensorParallelFailed` from then on): the worker must go down.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +25,9 @@ from ..speculation.tree import ancestor_mask, tree_depths
 from .attention import AttentionMetadata, allocate_kv_cache
 from .cuda_graphs import GraphConfig, GraphRunner
 from .model import DecoderModel, ModelOutput
+
+if TYPE_CHECKING:
+    from .followers import Followers
 
 
 class ModelRunner:
@@ -28,34 +40,59 @@ class ModelRunner:
     """
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, graphs: GraphConfig | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, followers: Followers | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.tp = model.tp
+        self.followers = followers
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
             model.release_dense_weights()
         cfg = model.cfg
         extra = 1 if graphs is not None else 0
-        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks + extra, block_size, cfg.num_kv_heads,
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks + extra, block_size, model.num_local_kv_heads,
                                            cfg.head_dim, self.dtype, self.device)
         self.graphs: GraphRunner | None = None
-        if graphs is not None:
-            self.graphs = GraphRunner(model, self.kv_caches, block_size, max_model_len or model.max_positions,
-                                      num_blocks, graphs)
-            self.graphs.capture_all()
+        with self._lockstep():
+            if followers is not None:  # they build the same cache and capture the same graphs, in step
+                followers.setup(num_blocks, block_size, max_model_len, graphs)
+            if graphs is not None:
+                self.graphs = GraphRunner(model, self.kv_caches, block_size, max_model_len or model.max_positions,
+                                          num_blocks, graphs)
+                self.graphs.capture_all()
 
     @staticmethod
     def bytes_per_block(model: DecoderModel, block_size: int) -> int:
+        """Cache bytes of one block on this rank (its KV heads only, under tensor parallelism)."""
         cfg = model.cfg
         itemsize = next(model.parameters()).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_layers * block_size * model.num_local_kv_heads * cfg.head_dim * itemsize
+
+    @contextmanager
+    def _lockstep(self):
+        """A tensor-parallel call: refused once the group failed; any exception fails the group."""
+        if not self.tp.enabled:
+            yield
+            return
+        self.tp.check()
+        try:
+            yield
+        except BaseException as exc:
+            self.tp.fail(f"rank {self.tp.rank}: {exc!r}")
+            raise
 
     @torch.inference_mode()
     def forward(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
                 hidden_layers: tuple[int, ...] = (), trees: list[list[int] | None] | None = None) -> ModelOutput:
         """Run all chunks in one forward pass; logits rows come in chunk order."""
+        with self._lockstep():
+            if self.followers is not None:
+                self.followers.forward(chunks, logits_last, hidden_layers, trees)
+            return self._forward(chunks, logits_last, hidden_layers, trees)
+
+    def _forward(self, chunks, logits_last, hidden_layers, trees) -> ModelOutput:
         trees = trees or [None] * len(chunks)
         has_tree = any(t is not None for t in trees)
         if self.graphs is not None:
@@ -91,6 +128,12 @@ class ModelRunner:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy single cache slots src → dst ([n] long each) in every layer (accepted tree paths moved
         into place, a whole batch's at once)."""
+        with self._lockstep():
+            if self.followers is not None:
+                self.followers.copy_slots(src.tolist(), dst.tolist())
+            self._copy_slots(src, dst)
+
+    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for k, v in self.kv_caches:
             flat_k, flat_v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
             flat_k[dst] = flat_k[src]
@@ -101,6 +144,12 @@ class ModelRunner:
         """Copy whole blocks src → dst in every layer (copy-on-write after a rollback)."""
         if not pairs:
             return
+        with self._lockstep():
+            if self.followers is not None:
+                self.followers.copy_blocks(pairs)
+            self._copy_blocks(pairs)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for k, v in self.kv_caches:

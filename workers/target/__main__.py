@@ -1,7 +1,12 @@
 """Target worker service: the model engine behind ``target.generate``.
 
-Usage: python -m workers.target --model PATH [--served-model-name NAME] [--block-size 16] [--num-blocks N]
+Usage: python -m workers.target --model PATH [--served-model-name NAME] [--tensor-parallel-size N] [--num-blocks N]
        (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
+
+With ``--tensor-parallel-size N`` this process is rank 0 of N: it starts ranks 1..N-1
+(:mod:`workers.engine.followers`), runs the engine and alone talks to etcd, NATS and draft workers.
+A rank that dies takes the worker down: its open requests fail with ``EngineFailed`` (the frontend
+moves them to another target), it deregisters at once and exits with status 1.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class TargetConfig:
     load_aware: bool = True
     hidden_layers: str = "auto"  # offered to draft workers: auto, none, or a comma list
     propose_min_wait: float = 0.02  # the least a round of proposals is waited for
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0  # the most seconds a collective waits for another rank
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -82,12 +89,30 @@ class TargetConfig:
             raise ValueError("--num-speculative-tokens must be >= 0 and --propose-timeout positive")
         if self.tree_topk < 0 or self.tree_depth < 0:
             raise ValueError("--speculative-eagle-topk and --speculative-num-steps must be >= 0")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
+            raise ValueError("--tensor-parallel-size must be >= 1 and --tensor-parallel-timeout positive")
+        if self.tensor_parallel_size > 1:
+            self._check_shardable()
         if self.hidden_layers not in ("auto", "none"):
             try:
                 [int(x) for x in self.hidden_layers.split(",")]
             except ValueError:
                 raise ValueError(f"--hidden-layers must be auto, none or a comma list of layers, "
                                  f"got {self.hidden_layers!r}") from None
+
+
+    def _check_shardable(self) -> None:
+        """The model's heads and sizes split over the ranks (a model directory's config; a GGUF file
+        is checked when it loads)."""
+        from workers.engine.config import ModelConfig
+        from workers.engine.parallel import split_heads, split_range
+
+        if not (Path(self.model) / "config.json").exists():
+            return
+        cfg = ModelConfig.from_dir(self.model)
+        for rank in range(self.tensor_parallel_size):
+            split_heads(cfg.num_heads, cfg.num_kv_heads, rank, self.tensor_parallel_size)
+            split_range(cfg.intermediate_size, rank, self.tensor_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto",
                         help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto = cuda if a GPU is visible")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads per rank (default: all cores, divided among the ranks)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks (one process per device) one target worker's model is split over, Megatron-style; "
+                             "on CUDA rank r uses the device after --device's by r (NCCL), on CPU all share it (gloo)")
+    parser.add_argument("--tensor-parallel-timeout", type=float, default=60.0,
+                        help="the most seconds a rank waits for the others in a collective before the worker goes "
+                             "down (a dead rank is noticed at once)")
     parser.add_argument("--attention", default="auto",
                         help="kernels: torch, or triton (GPU: Triton paged attention and fused norm/rotary/SwiGLU); "
                              "auto = triton on CUDA, torch on CPU")
@@ -157,7 +189,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
-                        not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait)
+                        not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait,
+                        args.tensor_parallel_size, args.tensor_parallel_timeout)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -180,7 +213,9 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
 
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    size = cfg.tensor_parallel_size
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // size)
+    torch.set_num_threads(threads)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
@@ -189,17 +224,34 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     if triton:
         from workers.engine.triton_attention import paged_attention_triton as attention_fn
     max_len = cfg.max_model_len
-    log.info("target model on %s in %s (%s kernels)", device, dtype, "triton" if triton else "torch")
-    model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
-                       attention_fn=attention_fn, fused=triton and cuda)
+    log.info("target model on %s in %s (%s kernels)%s", device, dtype, "triton" if triton else "torch",
+             f", tensor-parallel over {size} ranks" if size > 1 else "")
+    followers = None
+    if size > 1:
+        from workers.engine.followers import load_sharded, rank_device
+
+        if cuda and torch.cuda.device_count() <= int(rank_device(device, size - 1).split(":")[1]):
+            raise ValueError(f"--tensor-parallel-size {size} from {device} needs more CUDA devices than the "
+                             f"{torch.cuda.device_count()} visible")
+        model, followers = load_sharded(cfg.model, size, dtype=dtype, device=device, threads=threads,
+                                        attention="triton" if triton else "torch", fused=triton and cuda,
+                                        max_positions=max_len, timeout=cfg.tensor_parallel_timeout)
+    else:
+        model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
+                           attention_fn=attention_fn, fused=triton and cuda)
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
-    engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
-                    hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
-                    adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
-                    load_aware=cfg.load_aware)
+    try:
+        engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
+                        hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
+                        adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
+                        load_aware=cfg.load_aware, followers=followers)
+    except BaseException:
+        if followers is not None:
+            followers.close()
+        raise
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
                                                    engine.vocab_size, sorted(engine.eos_token_ids))
@@ -246,6 +298,18 @@ async def amain(args: argparse.Namespace) -> None:
         from workers.target.draft_client import DraftPool
 
         engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
+        followers = engine.runner.followers
+        failed: list[str] = []
+        if followers is not None:
+            loop = asyncio.get_running_loop()
+
+            def rank_failed(reason: str) -> None:  # on the event loop: deregister now, drain, exit 1
+                if not failed:
+                    log.error("tensor-parallel group failed (%s): taking this worker down", reason)
+                failed.append(reason)
+                rt.shutdown()
+
+            followers.on_failure(lambda reason: loop.call_soon_threadsafe(rank_failed, reason))
         drafts = await rt.client("draft", "speculate")
         pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
                          hidden_layers=engine.hidden_layers, tls=client_tls(args))
@@ -253,7 +317,7 @@ async def amain(args: argparse.Namespace) -> None:
                               pool=pool, propose_timeout=cfg.propose_timeout, propose_min_wait=cfg.propose_min_wait,
                               epoch=rt.started_at)
         await worker.start()
-        rt.add_health_check(lambda: worker.healthy)
+        rt.add_health_check(lambda: worker.healthy and not failed)
         REGISTRY.register(TargetCollector(worker, cfg.served_model_name))
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
@@ -273,8 +337,13 @@ async def amain(args: argparse.Namespace) -> None:
         log.info("target worker %s ready: model %s (%d blocks of %d)", rt.instance_id, cfg.served_model_name,
                  engine.blocks.num_blocks, cfg.block_size)
         await rt.wait_for_shutdown()
+        # a failed group fails every step at once: the open requests end (and move) without a wait
         await worker.drain(args.drain_timeout)
         await worker.stop()
+        if followers is not None:
+            await asyncio.to_thread(followers.close)
+    if failed:
+        raise SystemExit(1)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,236 @@
+"""Tensor parallelism: a model split over 2 ranks (this process as rank 0, one real follower process,
+gloo on 127.0.0.1) gives the same greedy tokens as the whole model, plain and speculative (chains and
+trees), for the demo model (9 query / 3 KV heads: an uneven split) and tiny models whose KV heads do
+not split evenly over the ranks (3 KV heads over 2 ranks; 1 KV head replicated on both), with an odd
+vocabulary (a padded vocabulary slice), tied embeddings and qkv biases. A killed rank fails the next
+step at once, never a hang."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.engine.test_spec_engine import run_spec
+from workers.draft.draft_model import DraftModelProposer
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.followers import load_sharded
+from workers.engine.parallel import HeadSplit, TensorParallelFailed, split_heads, split_range, vocab_slice
+from workers.engine.weights import load_model
+
+pytestmark = pytest.mark.unit
+
+CFG = EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------- the split (pure)
+
+
+def test_heads_split_evenly_unevenly_and_replicated():
+    # 8 query / 4 KV heads over 2: even
+    assert [split_heads(8, 4, r, 2) for r in range(2)] == [HeadSplit(0, 4, 0, 2), HeadSplit(4, 4, 2, 2)]
+    # the demo model: 9 query / 3 KV heads over 2 ranks, whole GQA groups as evenly as they go
+    assert [split_heads(9, 3, r, 2) for r in range(2)] == [HeadSplit(0, 3, 0, 1), HeadSplit(3, 6, 1, 2)]
+    # 1 KV head over 2 ranks: replicated, the query heads halved
+    assert [split_heads(4, 1, r, 2) for r in range(2)] == [HeadSplit(0, 2, 0, 1), HeadSplit(2, 2, 0, 1)]
+    # 2 KV heads over 4 ranks: each held twice
+    assert [split_heads(8, 2, r, 4) for r in range(4)] == [HeadSplit(0, 2, 0, 1), HeadSplit(2, 2, 0, 1),
+                                                           HeadSplit(4, 2, 1, 1), HeadSplit(6, 2, 1, 1)]
+    # every query head exactly once, every rank's KV heads the ones its query heads read
+    for heads, kv, size in ((12, 4, 3), (9, 3, 2), (6, 1, 3), (16, 2, 8), (6, 3, 4)):
+        group = heads // kv
+        seen = []
+        for r in range(size):
+            s = split_heads(heads, kv, r, size)
+            seen += range(s.q_start, s.q_start + s.q_count)
+            assert {q // group for q in range(s.q_start, s.q_start + s.q_count)} <= set(range(s.kv_start, s.kv_start + s.kv_count))
+        assert seen == list(range(heads))
+    with pytest.raises(ValueError, match="query head"):
+        split_heads(2, 1, 0, 4)  # 4 ranks, 2 query heads
+
+
+def test_vocab_and_intermediate_slices():
+    assert [vocab_slice(251, r, 2) for r in range(2)] == [(0, 126, 126), (126, 125, 126)]
+    assert [vocab_slice(49152, r, 2) for r in range(2)] == [(0, 24576, 24576), (24576, 24576, 24576)]
+    assert [split_range(10, r, 3) for r in range(3)] == [(0, 3), (3, 3), (6, 4)]
+    with pytest.raises(ValueError):
+        split_range(1, 0, 2)  # rank 0 of 2 would get nothing
+
+
+# ---------------------------------------------------------------------- real ranks
+
+
+def _tiny(path: Path, kind: str, *, heads: int, kv_heads: int, vocab: int, layers: int = 2, tied: bool = False,
+          seed: int = 0) -> Path:
+    import transformers as tf
+
+    common = dict(hidden_size=24 * heads // 2, intermediate_size=100, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  max_position_embeddings=512, tie_word_embeddings=tied, initializer_range=0.2,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)).eval()
+        with torch.no_grad():  # non-zero biases: each rank's slice of them is exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+MODELS = {
+    # 6 query / 3 KV heads: ranks hold 1 and 2 KV heads; odd vocabulary, tied embedding and LM head
+    "uneven": dict(kind="llama", heads=6, kv_heads=3, vocab=251, tied=True),
+    # 4 query heads, 1 KV head: replicated on both ranks; qkv biases
+    "replicated": dict(kind="qwen2", heads=4, kv_heads=1, vocab=96),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def tiny(request, tmp_path_factory):
+    """(name, model dir, rank 0's shard, its followers): one follower process per model, shared."""
+    name = request.param
+    path = _tiny(tmp_path_factory.mktemp(name), **MODELS[name])
+    model, followers = load_sharded(str(path), 2)
+    yield name, path, model, followers
+    followers.close()
+
+
+def prompts(n: int, vocab: int, seed: int) -> dict[str, list[int]]:
+    """Prompts with repeated segments (drafts find matches) and a shared prefix (prefix caching)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(9)]
+    out = {}
+    for i in range(n):
+        motif = [rng.randrange(vocab) for _ in range(rng.randrange(3, 7))]
+        out[f"r{i}"] = ((shared if i % 2 else []) + motif * rng.randrange(2, 4) + motif)[:28]
+    return out
+
+
+def test_plain_greedy_equal_at_tp1_and_tp2(tiny):
+    name, path, model, followers = tiny
+    batch = prompts(8, MODELS[name]["vocab"], seed=1)
+    want = Engine(load_model(path), CFG).generate(batch, GREEDY)
+    # a small cache: prefix-cached blocks, copy-on-write and preemption all happen across the ranks
+    small = EngineConfig(block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=32)
+    got = Engine(model, small, followers=followers).generate(batch, GREEDY)
+    assert got == want
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_speculative_greedy_equal_at_tp1_and_tp2(tiny, tmp_path, shape):
+    name, path, model, followers = tiny
+    spec = MODELS[name]
+    draft_dir = _tiny(tmp_path / "draft", spec["kind"], heads=spec["heads"], kv_heads=spec["kv_heads"],
+                      vocab=spec["vocab"], layers=1, seed=7)
+    batch = prompts(8, spec["vocab"], seed=2)
+    want = Engine(load_model(path), CFG).generate(batch, GREEDY)
+    tree = dict(tree_topk=3, tree_depth=3) if shape == "tree" else {}
+    engine = Engine(model, CFG, num_speculative_tokens=4, followers=followers)
+    proposer = DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4, **tree)
+    assert run_spec(engine, proposer, batch, GREEDY) == want
+    assert engine.counters[""].num_drafts > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_hidden_states_and_logits_are_whole(tiny):
+    """Draft workers get hidden states of the full hidden size (the residual stream is whole on every
+    rank), equal to the single-device model's; logits cover the whole vocabulary."""
+    name, path, model, followers = tiny
+    batch = dict(list(prompts(3, MODELS[name]["vocab"], seed=3).items()))
+    layers = (0, 1, 2)
+    ref = Engine(load_model(path), CFG, hidden_layers=layers)
+    tp = Engine(model, CFG, hidden_layers=layers, followers=followers)
+    for engine in (ref, tp):
+        for rid, tokens in batch.items():
+            engine.add_request(rid, tokens, GREEDY)
+        engine.step()
+    want, got = ref.draft_inputs(), tp.draft_inputs()
+    assert [d.seq_id for d in got] == [d.seq_id for d in want]
+    for w, g in zip(want, got):
+        assert len(g.hidden_states) == len(layers)
+        for wl, gl in zip(w.hidden_states, g.hidden_states):
+            assert gl.shape == wl.shape and gl.shape[-1] == model.cfg.hidden_size
+            torch.testing.assert_close(gl, wl, atol=1e-5, rtol=1e-4)
+    out_ref = ref.runner.forward([([1, 2, 3], 0, [0])], [3])
+    out_tp = tp.runner.forward([([1, 2, 3], 0, [0])], [3])
+    assert out_tp.logits.shape == (3, MODELS[name]["vocab"])
+    torch.testing.assert_close(out_tp.logits, out_ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_demo_model_greedy_equal_at_tp1_and_tp2_plain_and_eagle3_trees():
+    """SmolLM2-135M (9 query / 3 KV heads: ranks hold 3+1 and 6+2) with its bundled EAGLE-3 head,
+    which reads three hidden layers of the target."""
+    from transformers import AutoTokenizer
+
+    from workers.demo_model import demo_head_dir, demo_model_dir
+    from workers.draft.eagle import load_eagle, load_target_parts
+    from workers.draft.eagle_proposer import EagleProposer
+
+    path = demo_model_dir()
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",
+             "1, 2, 3, 4, 5, 6,"]
+    batch = {f"p{i}": tok(t)["input_ids"] for i, t in enumerate(texts)}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
+    want = Engine(load_model(path), cfg).generate(batch, params)
+    model, followers = load_sharded(str(path), 2)
+    try:
+        assert Engine(model, cfg, followers=followers).generate(batch, params) == want
+        embed, lm_head, target_cfg = load_target_parts(path)
+        head, layers = load_eagle(demo_head_dir(), embed, lm_head, target_cfg, 512)
+        engine = Engine(model, cfg, num_speculative_tokens=6, hidden_layers=tuple(layers), followers=followers)
+        proposer = EagleProposer(head, layers, num_blocks=64, block_size=16, tree_topk=2, tree_depth=3)
+        assert run_spec(engine, proposer, batch, params) == want
+        assert engine.counters[""].num_accepted_tokens > 0
+    finally:
+        followers.close()
+
+
+def test_a_killed_rank_fails_the_next_step_at_once(tmp_path):
+    """SIGKILL the follower: rank 0's next step raises TensorParallelFailed within seconds (gloo sees
+    the closed connection; the watchdog sees the exit), the failure hook runs, and every later
+    step is refused at once."""
+    path = _tiny(tmp_path / "m", "llama", heads=4, kv_heads=2, vocab=64)
+    model, followers = load_sharded(str(path), 2, timeout=30.0)
+    reasons: list[str] = []
+    followers.on_failure(reasons.append)
+    try:
+        engine = Engine(model, CFG, followers=followers)
+        engine.add_request("a", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        engine.step()
+        os.kill(followers.procs[0].pid, signal.SIGKILL)
+        errors: list[BaseException] = []
+
+        def steps():
+            try:
+                for _ in range(200):
+                    engine.step()
+            except BaseException as exc:
+                errors.append(exc)
+
+        started = time.monotonic()
+        thread = threading.Thread(target=steps, daemon=True)
+        thread.start()
+        thread.join(15)
+        assert not thread.is_alive(), "a step hung after a rank died"
+        assert time.monotonic() - started < 10
+        assert errors and isinstance(errors[0], TensorParallelFailed), errors
+        assert reasons and followers.tp.failed
+        with pytest.raises(TensorParallelFailed):
+            engine.runner.forward([([1], 0, [0])], [1])
+    finally:
+        followers.close()
