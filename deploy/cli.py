@@ -34,6 +34,9 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-num-steps", type=int, default=None,
                         help="draft trees: depth, the draft steps per proposal (default: as deep as the budget)")
     parser.add_argument("--targets", type=int, default=1, help="target workers (default 1)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks each target worker's model is split over, one process per device (default 1; "
+                             "with ray up, also set --gpus-per-worker)")
     parser.add_argument("--no-load-aware-speculation", action="store_true",
                         help="targets draft every request's adaptive γ whatever the load (default: per-step "
                              "budgets from each target's measured step costs, down to none when drafting does not pay)")
@@ -57,7 +60,8 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         model=args.model, served_model_name=args.served_model_name, draft_method=args.draft_method,
         draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
         speculative_eagle_topk=args.speculative_eagle_topk, speculative_num_steps=args.speculative_num_steps,
-        load_aware=not args.no_load_aware_speculation, targets=args.targets, drafts=args.drafts, router_mode=args.router_mode,
+        load_aware=not args.no_load_aware_speculation, targets=args.targets,
+        tensor_parallel_size=args.tensor_parallel_size, drafts=args.drafts, router_mode=args.router_mode,
         standalone_router=args.standalone_router, http_port=args.http_port, host=args.host, mock=args.mock,
         mock_token_latency_ms=args.mock_token_latency_ms,
         namespace=args.namespace or DEFAULT_NAMESPACE,

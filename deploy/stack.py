@@ -31,6 +31,7 @@ class StackConfig:
     speculative_num_steps: int | None = None  # draft trees: depth; None: the worker's
     load_aware: bool = True  # False: targets get --no-load-aware-speculation
     targets: int = 1
+    tensor_parallel_size: int = 1  # ranks (processes, devices) per target worker
     drafts: int | None = None  # None: 1 for a real model (0 with --draft-method none), 0 for --mock
     router_mode: str = "kv"
     standalone_router: bool = False
@@ -55,6 +56,10 @@ class StackConfig:
             raise ValueError(f"router_mode must be one of {ROUTER_MODES}, got {self.router_mode!r}")
         if self.targets < 1:
             raise ValueError(f"targets must be at least 1, got {self.targets}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.mock and self.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size applies to model targets, not --mock")
         if self.drafts is not None and self.drafts < 0:
             raise ValueError(f"drafts must be >= 0, got {self.drafts}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
@@ -162,6 +167,8 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> 
                 args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
             if not config.load_aware:
                 args += ["--no-load-aware-speculation"]
+            if config.tensor_parallel_size > 1:  # the worker starts its other ranks itself
+                args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
             if config.draft_method not in HEAD_METHODS:  # no draft of this stack reads hidden states:
                 args += ["--hidden-layers", "none"]  # their per-slot store would only take KV blocks
             out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True))
