@@ -32,7 +32,7 @@ from .dispatch import Dispatcher
 from .errors import BodyTimeout, BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
-from .protocol import ChatCompletionRequest, CompletionRequest, check_supported, openapi_body, openapi_components, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components, parse_request
 from .responses import encode_json
 from .server import TRANSPORT
 from .serving import CompletionService, close_all
@@ -41,6 +41,7 @@ from .streaming import ClientDisconnected, until_disconnect
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
+INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are validated in a thread, off the event loop
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -229,8 +230,11 @@ class Frontend:
             counted = True
             if limit and self.inflight > limit:
                 raise Overloaded(f"{limit} requests are in flight")
-            req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
-            check_supported(req)
+            kind = ChatCompletionRequest if chat else CompletionRequest
+            # a large body's validation goes to a thread; it holds the GIL, but in steps of tens of
+            # milliseconds at most (the prompt and grammar checks are built so), so the loop still runs
+            req = parse_request(kind, body) if len(body) <= INLINE_PARSE_BYTES else \
+                await asyncio.to_thread(parse_request, kind, body)
             job = await self.service.prepare(req, request_id)
             model = job.model.name
             series = metrics.series(model)

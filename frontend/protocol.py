@@ -11,10 +11,10 @@ parameters once, for the frontend and the workers alike, in :func:`runtime.valid
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from runtime import InvalidRequest
 from runtime.validation import MAX_LOGPROBS
@@ -26,6 +26,8 @@ MAX_MESSAGES = 4096  # chat messages per request
 MAX_PROMPTS = 1024  # prompts (strings or token-id lists) per completion request
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SPECULATIVE_TOKENS = 64
+MAX_TOOLS = 128  # tools per request, as OpenAI allows
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or choice list larger than this is refused
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -161,8 +163,31 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
+def _prompt(value: Any) -> Any:
+    """A string, a list of strings, a list of token ids or a list of token-id lists. Checked here
+    rather than declared as a union of the four: pydantic validates a value against every member of
+    a union, and the members that fail list an error per item (500,000 of them for a 500k-token
+    prompt: 0.2 s holding the GIL, on the event loop or off it). Here the types are counted in C."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        kinds = set(map(type, value))
+        if kinds <= {str} or kinds == {int}:  # [] too: check_supported says it is empty
+            return value
+        if kinds == {list} and all(set(map(type, p)) <= {int} for p in value):
+            return value
+    raise ValueError("must be a string, an array of strings, an array of token ids or an array of arrays of "
+                     "token ids")
+
+
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                            {"type": "array", "items": {"type": "integer"}},
+                            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
+Prompt = Annotated[Any, AfterValidator(_prompt), WithJsonSchema(_PROMPT_SCHEMA)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
@@ -197,22 +222,69 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def _check_counts(body: bytes) -> None:
-    """Bounded counts, checked on the raw JSON before the full validation walks every item."""
+class _JsonSchemaSize(msgspec.Struct):
+    schema: msgspec.Raw = msgspec.Raw()
+
+
+class _FormatSize(msgspec.Struct):
+    json_schema: _JsonSchemaSize | None = None
+
+
+class _Bulk(msgspec.Struct):
+    """The parts of a body that can be large, kept as raw JSON (found, not built into objects)."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    stop: msgspec.Raw = msgspec.Raw()
+    stop_token_ids: msgspec.Raw = msgspec.Raw()
+    tools: msgspec.Raw = msgspec.Raw()
+    response_format: msgspec.Raw = msgspec.Raw()
+    guided_json: msgspec.Raw = msgspec.Raw()
+
+
+def _items(raw: msgspec.Raw) -> list[msgspec.Raw] | None:
+    """The items of a raw JSON array (None: absent, or not an array)."""
     try:
-        data = msgspec.json.decode(body)
-    except Exception:  # bad JSON, bad UTF-8, nesting too deep: the validation below names the error
+        return msgspec.json.decode(raw, type=list[msgspec.Raw]) if raw else None
+    except msgspec.DecodeError:
+        return None
+
+
+def _check_grammar_size(raw: msgspec.Raw, field: str) -> None:
+    if len(raw) <= MAX_GRAMMAR_CHARS:
         return
-    if not isinstance(data, dict):
+    size = len(msgspec.json.format(raw, indent=-1))  # without the whitespace it was sent with
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"the grammar is {size} bytes long as compact JSON; at most {MAX_GRAMMAR_CHARS} are "
+                             f"allowed", field)
+
+
+def _check_counts(body: bytes) -> None:
+    """Bounded counts and grammar sizes, checked on the raw JSON before the full validation builds
+    and walks every item (milliseconds for a 4 MB body, where building it costs 0.1-0.5 s)."""
+    try:
+        bulk = msgspec.json.decode(body, type=_Bulk)
+    except Exception:  # bad JSON, bad UTF-8, not an object, nesting too deep: the validation names the error
         return
-    limits = (("messages", MAX_MESSAGES), ("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS))
+    limits = (("messages", MAX_MESSAGES), ("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS),
+              ("tools", MAX_TOOLS))
     for name, limit in limits:
-        value = data.get(name)
-        if isinstance(value, list) and len(value) > limit:
-            raise InvalidRequest(f"'{name}' has {len(value)} items; at most {limit} are allowed", name)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+        items = _items(getattr(bulk, name))
+        if items is not None and len(items) > limit:
+            raise InvalidRequest(f"'{name}' has {len(items)} items; at most {limit} are allowed", name)
+    head = bytes(memoryview(bulk.prompt)[:64]).lstrip()  # a list of prompts (or of token ids: not counted)?
+    prompt = _items(bulk.prompt) if head[:1] == b"[" and head[1:].lstrip()[:1] in (b'"', b"[") else None
+    if prompt and len(prompt) > MAX_PROMPTS:
         raise InvalidRequest(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+    if bulk.response_format:
+        try:
+            fmt = msgspec.json.decode(bulk.response_format, type=_FormatSize)
+        except msgspec.DecodeError:
+            fmt = None
+        if fmt is not None and fmt.json_schema is not None:
+            _check_grammar_size(fmt.json_schema.schema, "response_format.json_schema.schema")
+    if bulk.guided_json:
+        _check_grammar_size(bulk.guided_json, "guided_json")
 
 
 MAX_JSON_DEPTH = 200  # about where the validator's JSON parser stops (pydantic-core's recursion limit)
@@ -267,7 +339,14 @@ def parse(model: type[R], body: bytes) -> R:
     same = [e["msg"] for e in errors if _param(e["loc"]) == param]
     if len(same) > 1:  # a union: every alternative failed
         raise InvalidRequest(f"invalid value for '{param}': {'; or '.join(dict.fromkeys(same))}", param)
-    raise InvalidRequest(f"invalid value for '{param}': {first['msg']}", param)
+    raise InvalidRequest(f"invalid value for '{param}': {first['msg'].removeprefix('Value error, ')}", param)
+
+
+def parse_request(model: type[R], body: bytes) -> R:
+    """:func:`parse` and :func:`check_supported`: a request ready to prepare, or InvalidRequest."""
+    req = parse(model, body)
+    check_supported(req)
+    return req
 
 
 def check_supported(req: _Sampling) -> None:
@@ -319,7 +398,8 @@ def _check_chat(req: ChatCompletionRequest) -> None:
 
 def _check_completion(req: CompletionRequest) -> None:
     prompt = req.prompt
-    if not prompt or (isinstance(prompt, list) and any(not p for p in prompt)):
+    # (a token id 0 is not an empty prompt: only strings and token-id lists inside a list are checked)
+    if not prompt or (isinstance(prompt[0], (str, list)) and not all(prompt)):
         raise InvalidRequest("'prompt' must not be empty", "prompt")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("'best_of' other than 'n' is not supported", "best_of")

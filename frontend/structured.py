@@ -35,12 +35,11 @@ from runtime import InvalidRequest
 from runtime.messages import StructuredOutput
 from runtime.structured import grammar_kind, grammar_text
 
-from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
+from .protocol import MAX_GRAMMAR_CHARS, ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
 from .tool_parsers import ToolParser, parser_for_template
 
 JSON_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
-MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or choice list larger than this is refused
 CACHED_GRAMMAR_CHARS = 1 << 16  # verdicts on grammars up to this size are remembered (256 of them)
 
 
@@ -67,18 +66,24 @@ def _compile_error(json_schema: str, regex: str, choice: tuple[str, ...]) -> str
 
 
 def probe(grammar: OutputGrammar, tokenizer_info) -> None:
-    """Check that the model's tokens can follow ``grammar`` from its first step (blocking: run it in a
-    thread). A grammar llguidance compiles may still be one its matcher cannot follow — a ``$ref``
-    cycle, a schema nested past its recursion limit — which the workers would answer with an empty
-    reply; here it is a 400 naming the field, before anything is generated. ``tokenizer_info``:
-    llguidance's ``LLTokenizer`` for the model (None: not checked)."""
+    """Check that the model's tokens can follow ``grammar`` through its first token (blocking: run it
+    in a thread; llguidance releases the GIL while it works). A grammar llguidance compiles may still
+    be one its matcher cannot follow — a ``$ref`` cycle or a schema nested past its recursion limit
+    (no first token), a repetition count in the millions (a first token, whose lexer step then gives
+    up: "too many expressions") — which the workers would answer with an empty reply; here it is a
+    400 naming the field, before anything is generated. ``tokenizer_info``: llguidance's
+    ``LLTokenizer`` for the model (None: not checked)."""
     if grammar.spec is None or tokenizer_info is None:
         return
     from llguidance import LLMatcher
 
     matcher = LLMatcher(tokenizer_info, grammar_text(grammar.spec), log_level=0)
     mask = b"" if matcher.is_error() else matcher.compute_bitmask()
-    if matcher.is_error() or not any(mask):
+    first = next((i for i, byte in enumerate(mask) if byte), None)
+    if first is not None:  # the lowest allowed token id (the mask is little-endian bits over token ids)
+        token = 8 * first + (mask[first] & -mask[first]).bit_length() - 1
+        matcher.consume_token(token)
+    if matcher.is_error() or first is None:
         reason = matcher.get_error().strip().splitlines()[0] if matcher.get_error() else "no token can start it"
         raise InvalidRequest(f"the model cannot follow this {grammar_kind(grammar.spec).replace('_', ' ')}: {reason}",
                              grammar.field)

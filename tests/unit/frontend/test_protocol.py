@@ -166,3 +166,66 @@ def test_valid_json_nested_past_the_limit_names_its_field():
     with pytest.raises(InvalidRequest) as err:
         parse(ChatCompletionRequest, b'{"model": "m", "messages": [')
     assert "not valid JSON" in str(err.value) and not err.value.field
+
+
+def test_a_token_id_0_is_not_an_empty_prompt():
+    req = parse(CompletionRequest, json.dumps({**TEXT, "prompt": [0, 5]}).encode())
+    check_supported(req)
+    assert prompts_of(req) == [[0, 5]]
+    assert reject(CompletionRequest, TEXT, {"prompt": [[0], []]}).field == "prompt"
+    assert reject(CompletionRequest, TEXT, {"prompt": [True, 1]}).field == "prompt"  # a bool is no token id
+    assert "array of token ids" in str(reject(CompletionRequest, TEXT, {"prompt": [1.0]}))
+
+
+def test_bulky_fields_are_refused_from_the_raw_body_naming_them():
+    """Too many tools (OpenAI allows 128) and grammars over the size limit are a 400 before the body
+    is validated (building a 3.9 MB schema or 10,000 tools cost 0.1-0.7 s on the event loop)."""
+    from frontend.protocol import MAX_GRAMMAR_CHARS, MAX_TOOLS
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_GRAMMAR_CHARS // 20)}}
+    for extra, param in (
+        ({"tools": [tool] * (MAX_TOOLS + 1)}, "tools"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}},
+         "response_format.json_schema.schema"),
+        ({"guided_json": big}, "guided_json"),
+    ):
+        error = reject(ChatCompletionRequest, CHAT, extra)
+        assert error.field == param and ("at most" in str(error)), str(error)
+    indented = json.dumps({**CHAT, "guided_json": {"type": "object"}}, indent=MAX_GRAMMAR_CHARS).encode()
+    check_supported(parse(ChatCompletionRequest, indented))  # whitespace as sent does not count
+
+
+def test_a_token_id_prompt_validated_in_a_thread_leaves_the_event_loop_free():
+    """500,000 token ids: validating the body holds the GIL only in short steps, so a thread helps
+    (as a union of four list types it was one 0.2 s step, and every stream waited for it)."""
+    import asyncio
+    import random
+    import time
+
+    from frontend.protocol import parse_request
+
+    body = json.dumps({**TEXT, "prompt": [random.randrange(50_000) for _ in range(500_000)]}).encode()
+
+    async def main() -> tuple[float, float]:
+        gaps, last = [], time.perf_counter()
+
+        async def tick():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.002)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        started = time.perf_counter()
+        req = await asyncio.to_thread(parse_request, CompletionRequest, body)
+        took = time.perf_counter() - started
+        ticker.cancel()
+        assert len(req.prompt) == 500_000
+        return took, max(gaps)
+
+    took, worst = asyncio.run(main())
+    assert worst < max(0.08, took / 3), (took, worst)

@@ -233,3 +233,18 @@ def test_tools_and_tool_turns_reach_the_chat_template(tokenizer):
 
     text = tok.render_chat(message_dicts(req), [t.model_dump(exclude_none=True) for t in req.tools])
     assert text == "TOOL get_weather|user: Weather?|assistant:  CALL get_weather(Oslo)|tool: sunny [call_1]|"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"guided_regex": "a{4000000}"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "^x{4000000}$"}}}}, "response_format"),
+])
+async def test_a_repetition_count_the_matcher_cannot_follow_is_a_400_before_any_token(tokenizer, extra, param):
+    """It compiles, and its first step allows a token; the lexer gives up on that token ("too many
+    expressions"), which a worker would answer with an empty reply."""
+    with pytest.raises(InvalidRequest) as info:
+        await service(tokenizer, True).prepare(request(extra), "r")
+    assert info.value.field == param and "cannot follow" in str(info.value), str(info.value)
+    job = await service(tokenizer, True).prepare(request({"guided_regex": "a{1000}"}), "r")  # a fair count is fine
+    assert job.samplings[0].structured.regex == "a{1000}"
