@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP frontend.
 
-Usage: python -m frontend --http-port 8000 [--host 127.0.0.1] [--router-mode round_robin|random|kv] [--remote-router]
+Usage: python -m frontend --http-port 8000 [--host 127.0.0.1] [--router-mode kv|round_robin|random] [--remote-router]
        (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
 """
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(parser)
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    parser.add_argument("--router-mode", default="round_robin", choices=ROUTER_MODES, help="how requests pick a worker")
+    parser.add_argument("--router-mode", default="kv", choices=ROUTER_MODES, help="routing (default kv)")
     parser.add_argument("--remote-router", action="store_true",
                         help="route through the shared `python -m router` service instead of an embedded router")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get a 413")

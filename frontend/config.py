@@ -16,7 +16,7 @@ class FrontendConfig:
 
     host: str = "127.0.0.1"
     http_port: int = 8000
-    router_mode: str = "round_robin"
+    router_mode: str = "kv"
     remote_router: bool = False  # use the shared ``python -m router`` service instead of an embedded router
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     max_n: int = 16  # most choices (n, times the number of prompts) one request may ask for

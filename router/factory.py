@@ -13,7 +13,7 @@ from .kv_router import KvRouter
 from .remote import RemoteRouter
 
 
-async def create_router(rt: Runtime, mode: str = "round_robin", *, remote: bool = False, **options) -> Router:
+async def create_router(rt: Runtime, mode: str = "kv", *, remote: bool = False, **options) -> Router:
     """A started router of ``mode`` over the runtime's live target instances.
 
     ``remote=True`` returns a :class:`router.remote.RemoteRouter` that asks the shared

@@ -43,6 +43,21 @@ def test_the_router_mode_defaults_table_matches_the_parsers():
     assert table["tandem up"] == build_parser().parse_args(["up"]).router_mode
 
 
+def test_every_entry_point_routes_kv_by_default():
+    """One default everywhere: a frontend started by hand routes as the one `tandem up` starts."""
+    import inspect
+
+    import frontend.__main__ as frontend_main
+    import router.__main__ as router_main
+    from deploy.cli import build_parser
+    from frontend.config import FrontendConfig
+    from router.factory import create_router
+
+    assert {frontend_main.parse_args([]).router_mode, router_main.parse_args([]).mode,
+            build_parser().parse_args(["up"]).router_mode, FrontendConfig().router_mode,
+            inspect.signature(create_router).parameters["mode"].default} == {"kv"}
+
+
 def test_docs_name_tools_and_servers_as_installed():
     for doc in DOCS:
         text = doc.read_text()
