@@ -4,9 +4,9 @@ Every component (router, target and draft workers, frontend) gets one :class:`Co
 which runs ``python -m <module>`` as a child process on its node (so SIGTERM drain, health ports
 and logs behave exactly as everywhere else). Target and draft actors reserve GPUs
 (``--gpus-per-worker``) when serving a real model. etcd and NATS are not started here: their URLs
-are passed in and must be reachable from every node. The driver waits for the frontend's
-``/health`` (probed from the frontend's own node), prints the URL, and on Ctrl-C stops the actors in
-reverse start order.
+are passed in and must be reachable from every node. The driver waits until the frontend's
+``/health`` (probed from the frontend's own node) lists a served model, as ``tandem up`` does,
+prints the URL, and on Ctrl-C stops the actors in reverse start order.
 """
 
 from __future__ import annotations
@@ -88,10 +88,14 @@ class ComponentActor:
     def recent_output(self) -> str:
         return self.child.recent_output() if self.child else ""
 
-    def probe(self, port: int, path: str = "/health") -> int | None:
-        from deploy.launcher import http_status
+    def ready(self, port: int, kind: str) -> bool:
+        """This node's component on ``port`` is ready: its ``/health`` is 200 and, for the frontend,
+        lists a served model (a frontend is ready to take traffic before any target registers) —
+        the check ``tandem up`` makes."""
+        from deploy.launcher import http_status, serves_a_model
 
-        return http_status(f"http://127.0.0.1:{port}{path}")
+        url = f"http://127.0.0.1:{port}/health"
+        return serves_a_model(url) if kind == "frontend" else http_status(url) == 200
 
     def stop(self, timeout: float) -> int | None:
         from deploy.children import stop_tiers
@@ -191,7 +195,7 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
 
 
 def _wait_ready(actors: dict, components: list[Component], timeout: float, stop: threading.Event) -> None:
-    """Every component alive and its ``/health`` 200 (probed on its own node), the frontend last."""
+    """Every component alive and ready (probed on its own node), the frontend last, once it lists a model."""
     deadline = time.monotonic() + timeout
     pending = [c for c in components if c.kind != "frontend"] + [c for c in components if c.kind == "frontend"]
     while pending:
@@ -199,7 +203,8 @@ def _wait_ready(actors: dict, components: list[Component], timeout: float, stop:
             if not _get(actors[comp.name].alive.remote(), stop, 60, f"{comp.name} status"):
                 tail = _get(actors[comp.name].recent_output.remote(), stop, 60, f"{comp.name} output")
                 raise _Abort(f"{comp.name} exited during startup:\n{tail}")
-        while pending and _get(actors[pending[0].name].probe.remote(pending[0].health_port), stop, 60, "probe") == 200:
+        while pending and _get(actors[pending[0].name].ready.remote(pending[0].health_port, pending[0].kind), stop, 60,
+                               "probe"):
             pending.pop(0)
         if pending:
             if time.monotonic() > deadline:
