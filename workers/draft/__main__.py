@@ -7,6 +7,7 @@ Usage: python -m workers.draft --method ngram --grpc-port 0
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 
@@ -77,6 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
                              "Targets may ask per request")
     parser.add_argument("--speculative-num-steps", type=int, default=0,
                         help="draft trees: depth (draft steps per proposal); 0: as deep as the node budget")
+    parser.add_argument("--online-distill", action="store_true",
+                        help="method eagle3: train the head on the traffic it serves, in a background process, and "
+                             "swap in candidates that accept more on held-back recent traffic (docs/speculative.md)")
+    parser.add_argument("--distill-share", type=float, default=0.5,
+                        help="--online-distill: share of its time the trainer may compute, in (0, 1]")
+    parser.add_argument("--distill-threads", type=int, default=1, help="--online-distill: the trainer's torch threads")
+    parser.add_argument("--distill-buffer-tokens", type=int, default=65536,
+                        help="--online-distill: tokens of recent traffic kept for training (oldest dropped first)")
+    parser.add_argument("--distill-min-tokens", type=int, default=2048,
+                        help="--online-distill: training starts once this many tokens were recorded")
+    parser.add_argument("--distill-lr", type=float, default=1e-4, help="--online-distill: AdamW learning rate")
+    parser.add_argument("--distill-eval-every", type=int, default=20,
+                        help="--online-distill: optimizer steps between evaluations of the candidate")
+    parser.add_argument("--distill-min-gain", type=float, default=0.02,
+                        help="--online-distill: held-back acceptance length a candidate must add to be swapped in")
+    parser.add_argument("--distill-dir", default=None,
+                        help="--online-distill: write every accepted head here (speculators layout, LATEST names "
+                             "the newest)")
+    parser.add_argument("--distill-follow", default=None,
+                        help="method eagle3: serve each head another worker's --distill-dir receives (polled every 5 s)")
     parser.add_argument("--grpc-tls-cert", default=None, help="serve gRPC over TLS with this PEM certificate")
     parser.add_argument("--grpc-tls-key", default=None, help="the certificate's PEM key")
     parser.add_argument("--grpc-tls-client-ca", default=None,
@@ -150,6 +171,73 @@ def make_proposer(args: argparse.Namespace):
     raise ValueError(f"unknown draft method {args.method!r}")
 
 
+def distill_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for online-distillation flags that cannot work with the rest."""
+    if (args.online_distill or args.distill_follow) and args.method != "eagle3":
+        raise ValueError("--online-distill and --distill-follow train or take EAGLE-3 heads: they need --method eagle3")
+    if args.distill_dir and not args.online_distill:
+        raise ValueError("--distill-dir is where --online-distill writes heads: give --online-distill too")
+    if args.online_distill:
+        distill_config(args)  # raises for out-of-range values
+
+
+def distill_config(args: argparse.Namespace):
+    from .online import DistillConfig
+
+    return DistillConfig(head_dir=args.eagle_model, target_dir=args.target_model, buffer_tokens=args.distill_buffer_tokens,
+                         min_tokens=args.distill_min_tokens, lr=args.distill_lr, eval_every=args.distill_eval_every,
+                         min_gain=args.distill_min_gain, share=args.distill_share, threads=args.distill_threads,
+                         out_dir=args.distill_dir)
+
+
+def start_distillation(args: argparse.Namespace, proposer, service: DraftService) -> list:
+    """Online distillation and/or following another worker's heads, as the flags ask; returns what
+    to stop at shutdown. New weights reach the proposer through the service's queue."""
+    loop = asyncio.get_running_loop()
+
+    def on_swap(state) -> None:  # from a background thread
+        loop.call_soon_threadsafe(service.swap_weights, state)
+
+    started = []
+    if getattr(getattr(proposer, "head", None), "version", 0) != 3:
+        if args.online_distill or args.distill_follow:
+            raise StartupError(f"--online-distill / --distill-follow: {args.eagle_model} is not an EAGLE-3 head")
+        return started
+    if args.online_distill:
+        from .online import Distiller
+
+        distiller = Distiller(distill_config(args), on_swap)
+        proposer.recorder = distiller.recorder
+        service.distiller = distiller
+        distiller.start()
+        started.append(distiller)
+    if args.distill_follow:
+        from .online import Follower
+
+        follower = Follower(args.distill_follow, lambda path: followed_weights(proposer, path, args.target_model),
+                            on_swap)
+        follower.start()
+        started.append(follower)
+    return started
+
+
+def followed_weights(proposer, path, target_model: str) -> dict:
+    """The trainable weights of the head at ``path``, if it fits the serving one (same projection and
+    draft vocabulary: a head trained online from the same start)."""
+    import torch
+
+    from .eagle import load_eagle, load_target_parts
+    from .online import trainable_state
+
+    head = proposer.head
+    embed, lm_head, target_cfg = load_target_parts(target_model)
+    new, _ = load_eagle(path, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
+    if not torch.equal(new.d2t.cpu(), head.d2t.cpu()) or not torch.allclose(new.fc.weight.float().cpu(),
+                                                                               head.fc.weight.float().cpu()):
+        raise ValueError("its draft vocabulary or projection differs from the serving head's (not trained from it)")
+    return trainable_state(new)
+
+
 def model_paths(args: argparse.Namespace) -> None:
     """``ValueError`` for a model, head or file flag naming a path that does not exist."""
     for flag, path in (("--draft-model", args.draft_model), ("--eagle-model", args.eagle_model),
@@ -180,6 +268,7 @@ async def amain(args: argparse.Namespace) -> None:
         service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
         REGISTRY.register(DraftCollector(service, args.model_name or "draft", args.method))
         await service.start()
+        distilling = start_distillation(args, proposer, service)
         # gRPC sets SO_REUSEPORT by default: a second server could then bind a port already in use
         # (asked-for or picked by port 0, grpc/grpc#10755) and targets would reach the wrong process.
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
@@ -200,12 +289,15 @@ async def amain(args: argparse.Namespace) -> None:
         log.info("draft worker %s ready: method %s, gRPC on %s", rt.instance_id, args.method, address)
         await rt.wait_for_shutdown()
         await server.stop(grace=args.drain_timeout)
+        for part in distilling:
+            await asyncio.to_thread(part.stop)
         await service.stop()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     exit_on_bad_config("python -m workers.draft", lambda: server_tls(args), lambda: model_paths(args),
+                       lambda: distill_flags(args),
                        lambda: check_log_level(args.log_level),
                        lambda: config_from_args(args, drain_timeout=args.drain_timeout))
     run_service(lambda: amain(args), args.log_level)

@@ -79,6 +79,8 @@ class EagleProposer:
         self.max_support = max_support
         self._seqs: dict[str, _Seq] = {}
         self.forward_calls = 0
+        self.recorder = None  # online distillation's :class:`.online.Recorder`, when on
+        self.weight_swaps = 0
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -94,7 +96,11 @@ class EagleProposer:
                 first = len(seq.tokens)
                 seq.tokens.extend(item.new_tokens)
                 seq.committed = len(seq.tokens)
-                self._set_features(seq, max(first - 1, 0), item.hidden_states, len(item.new_tokens) - (first == 0))
+                rows = len(item.new_tokens) - (first == 0)
+                self._set_features(seq, max(first - 1, 0), item.hidden_states, rows)
+                if self.recorder is not None:
+                    self.recorder.rows(item.seq_id, max(first - 1, 0), item.hidden_states, rows, len(item.new_tokens),
+                                       item.sampling.greedy)
         self._extend(chains)
         drafted = self._draft_trees(trees)
         out = []
@@ -119,12 +125,34 @@ class EagleProposer:
             seq.tokens.extend(result.emitted_tokens)
             seq.committed = len(seq.tokens)
             self._set_features(seq, first - 1, result.hidden_states, len(result.emitted_tokens))
+            if self.recorder is not None:
+                self.recorder.rows(result.seq_id, first - 1, result.hidden_states, len(result.emitted_tokens),
+                                   len(result.emitted_tokens), seq.sampling.greedy)
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             seq = self._seqs.pop(seq_id, None)
+            if seq is not None and self.recorder is not None:
+                self.recorder.finish(seq_id, seq.tokens[: seq.committed])
             if seq is not None and seq.blocks:
                 self.blocks.free(seq.blocks)
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """New weights for the head (online distillation; between proposal batches). ``state`` holds
+        some of the head's tensors; the projection ``fc`` must not change, so the target features the
+        sequences hold stay valid. Each live sequence drops its drafted tail and recomputes the head's
+        KV from its first pair on its next proposal."""
+        own = self.head.state_dict()
+        unknown = [k for k in state if k not in own or own[k].shape != state[k].shape]
+        if unknown or any(k.startswith("fc.") for k in state):
+            raise ValueError(f"weights do not fit this head: {(unknown or ['fc.*'])[:3]}")
+        for k, v in state.items():
+            own[k].copy_(v.to(own[k].dtype))
+        for seq in self._seqs.values():
+            self._truncate_tail(seq)
+            self._rollback(seq, 0)
+        self.weight_swaps += 1
 
     # ------------------------------------------------------------------ internals
 

@@ -28,6 +28,7 @@ class DraftStats:
     accepted_tokens: int = 0
     drafted_ahead: int = 0  # draft-ahead passes run
     hidden_bytes: int = 0  # hidden-state bytes received from targets
+    weight_swaps: int = 0  # new head weights taken (online distillation, --distill-follow)
     batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
     latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
 
@@ -59,10 +60,41 @@ class DraftCollector(Collector):
                 ("accepted_tokens", "Draft tokens accepted, as verdicts report them (a sequence's last round "
                  "ends in a release, not a verdict).", stats.accepted_tokens),
                 ("drafted_ahead", "Draft-ahead passes run while targets verified.", stats.drafted_ahead),
-                ("hidden_state_bytes", "Hidden-state bytes received from targets.", stats.hidden_bytes)):
+                ("hidden_state_bytes", "Hidden-state bytes received from targets.", stats.hidden_bytes),
+                ("weight_swaps", "New head weights taken between proposals (online distillation, "
+                 "--distill-follow).", stats.weight_swaps)):
             yield family(CounterMetricFamily, name, doc, value)
+        distiller = getattr(self.service, "distiller", None)
+        if distiller is not None:
+            yield from self._distill(family, distiller.stats)
         for name, doc, hist in (("batch_size", "Sequences per propose call.", stats.batch_size),
                                 ("proposal_seconds", "Seconds per propose call.", stats.latency)):
             h = family(HistogramMetricFamily, name, doc)
             h.add_metric(self.values, hist.buckets(), hist.total)
             yield h
+
+    @staticmethod
+    def _distill(family, d):
+        """Online distillation (``--online-distill``): its work, its cost and what it changed."""
+        for name, doc, value in (
+                ("distill_samples", "Finished greedy sequences offered to the trainer.", d.samples_offered),
+                ("distill_samples_dropped", "Samples dropped because the trainer's queue was full.", d.samples_dropped),
+                ("distill_train_steps", "Optimizer steps the trainer took.", d.train_steps),
+                ("distill_train_seconds", "Seconds the trainer computed (steps and evaluations).", d.train_seconds),
+                ("distill_swaps", "Candidates that accepted more on held-back traffic and were swapped in.", d.swaps),
+                ("distill_rejected", "Candidates that did not accept more (the serving weights stayed).", d.rejected),
+                ("distill_nonfinite", "Training steps with a non-finite loss (candidate reset).", d.nonfinite),
+                ("distill_failures", "Trainer processes that raised or died (serving untouched).", d.failures)):
+            yield family(CounterMetricFamily, name, doc, value)
+        share = d.train_seconds / d.trainer_seconds if d.trainer_seconds else 0.0
+        for name, doc, value in (
+                ("distill_compute_share", "Share of its wall time the trainer computed (capped by --distill-share).",
+                 share),
+                ("distill_buffer_tokens", "Tokens of recent traffic the trainer holds.", d.buffer_tokens),
+                ("distill_loss", "The latest training step's loss.", d.last_loss),
+                ("distill_serving_acceptance", "Held-back acceptance length of the serving weights, at the latest "
+                 "evaluation.", d.serving_acceptance),
+                ("distill_candidate_acceptance", "Held-back acceptance length of the latest candidate.",
+                 d.candidate_acceptance),
+                ("distill_version", "Candidates accepted so far (the serving head's version).", d.version)):
+            yield family(GaugeMetricFamily, name, doc, value)

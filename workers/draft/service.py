@@ -3,7 +3,8 @@ across every sequence of every stream.
 
 Each stream reads TargetMessages: ``propose`` batches are queued for the shared batcher, ``verify``
 batches and ``release`` batches go straight to the proposer (in arrival order relative to
-proposals, through the same queue, so a verdict is never applied after a later proposal). The
+proposals, through the same queue, so a verdict is never applied after a later proposal), and so do
+new head weights from online distillation (:meth:`DraftService.swap_weights`). The
 batcher takes everything queued, runs one ``propose`` call in a worker thread (model-based
 proposers run torch there, off the event loop) and routes each proposal back to its stream.
 """
@@ -57,6 +58,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._task: asyncio.Task | None = None
         self.streams: dict[int, _Stream] = {}
         self.stats = DraftStats()
+        self.distiller = None  # online distillation (workers.draft.online.Distiller), when on
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="draft-batcher")
@@ -95,6 +97,14 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             if kind == "verify":
                 self.proposer.verified(payload)
                 self._note_verdicts(payload)
+            elif kind == "weights":  # between two proposal batches, never during one
+                try:
+                    await asyncio.to_thread(self.proposer.load_weights, payload)
+                except Exception:
+                    log.exception("new head weights not taken; serving goes on with the old ones")
+                else:
+                    self._ahead.clear()  # tails drafted with the old weights are gone
+                    self.stats.weight_swaps += 1
             else:
                 self.proposer.release(payload)
                 for seq_id in payload:
@@ -103,6 +113,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     self._full_rate.pop(seq_id, None)
         if batch:
             await self._propose(batch)
+
+    def swap_weights(self, state) -> None:
+        """Queue new head weights (online distillation): the proposer takes them between proposal
+        batches, in order with the proposals and verdicts around them. Call on the event loop."""
+        self._work.put_nowait(("weights", None, state))
 
     async def _draft_ahead(self) -> None:
         # γ drafts + a guess of the target's bonus token + γ drafts for the next round.
