@@ -3,7 +3,8 @@ speculation off, fixed, adaptive, and the default (load-aware with the adaptive 
 by side in one run.
 
 Usage: .venv/bin/python bench/load_sweep.py [--concurrency 1,2,4,8,16,32] [--max-tokens 48] [--gamma N]
-       [--modes off,default] [--draft eagle3|ngram|suffix] [--prompt-set natural|topics] [--repeats 2]
+       [--modes off,default] [--draft eagle3|ngram|suffix] [--prompt-set natural|topics] [--repeats 4]
+       [--per-slot 3] [--min-requests 12]
        [--out docs/load_sweep.svg]
 
 The demo target (SmolLM2-135M) and a draft worker (default: the bundled EAGLE-3 head, ``make run``'s)
@@ -14,10 +15,10 @@ settings), ``adaptive`` ``--no-load-aware-speculation``, ``fixed`` that and
 sits idle). Prompts: ``natural`` = the hand-written chat prompts of ``bench/prompts/natural_chat.jsonl``
 (not the train-draft generator's), ``topics`` = "Explain X in a short paragraph." for 16 topics. At
 each concurrency c every mode in turn serves
-max(2c, 8) chat requests (greedy, ``--max-tokens`` each) with c in flight, so a slow spell of this
-shared machine hits all modes alike; with ``--repeats R`` each concurrency runs R rounds, the modes in
-a rotated order each round, and a mode's figure is the median of its per-round ratio to ``off`` (the
-min–max beside it shows the noise). Every output must equal the ``off`` output for the same prompt.
+max(3c, 12) chat requests (``--per-slot``, ``--min-requests``; greedy, ``--max-tokens`` each) with c
+in flight, so a slow spell of this shared machine hits all modes alike; each concurrency runs
+``--repeats`` rounds (4), the modes in a rotated order each round, and a mode's figure is its tokens
+over its time summed over all rounds, relative to ``off``'s (the per-round ratios' min–max beside it shows the noise). Every output must equal the ``off`` output for the same prompt.
 ``--draft eagle3`` drafts with the bundled EAGLE-3 head instead of n-grams.
 """
 
@@ -68,6 +69,7 @@ async def serve(rt: Runtime, prompts: list[list[int]], concurrency: int, max_tok
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     gate = asyncio.Semaphore(concurrency)
     ttft, itl, latency, outputs = [], [], [], {}
+    spec = {"drafts": 0, "accepted": 0, "plain": {}}  # summed over the requests' usage.spec
 
     async def one(i: int, prompt: list[int]) -> None:
         async with gate:
@@ -75,6 +77,12 @@ async def serve(rt: Runtime, prompts: list[list[int]], concurrency: int, max_tok
             tokens: list[int] = []
             async for delta in await client.call(inst.instance_id, GenerateRequest(
                     prompt, params, num_speculative_tokens=gamma), TokenDelta):
+                if delta.usage is not None and delta.usage.spec is not None:
+                    u = delta.usage.spec
+                    spec["drafts"] += u.num_drafts
+                    spec["accepted"] += u.num_accepted_tokens
+                    for why, n in u.plain_steps.items():
+                        spec["plain"][why] = spec["plain"].get(why, 0) + n
                 if not delta.token_ids:
                     continue
                 now = time.perf_counter()
@@ -91,9 +99,10 @@ async def serve(rt: Runtime, prompts: list[list[int]], concurrency: int, max_tok
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - started
     pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]  # noqa: E731
-    return {"tokens_per_s": sum(len(o) for o in outputs.values()) / wall, "ttft_p50": statistics.median(ttft),
+    tokens = sum(len(o) for o in outputs.values())
+    return {"tokens": tokens, "wall": wall, "tokens_per_s": tokens / wall, "ttft_p50": statistics.median(ttft),
             "itl_p50": statistics.median(itl), "lat_p50": statistics.median(latency), "lat_p99": pct(latency, 99),
-            "outputs": outputs}
+            "outputs": outputs, "spec": spec}
 
 
 def draft_args(method: str, target: Path) -> list[str]:
@@ -168,12 +177,12 @@ async def amain(args) -> None:
             await serve(runtimes[kind], all_prompts[:2], 2, 8, None)  # warm-up: opens the draft stream
         print(f"{args.draft} draft, γ = {args.gamma or 'the target default'}, {args.prompt_set} prompts, "
               f"{args.max_tokens} tokens per request, greedy\n", flush=True)
-        print("| concurrency | mode | tokens/s | vs off (median of rounds) | min–max over rounds | TTFT p50 (s) | "
+        print("| concurrency | mode | tokens/s (all rounds) | vs off (all rounds) | min–max over rounds | TTFT p50 (s) | "
               "ITL p50 (ms) | latency p50 (s) | p99 (s) |")
         print("|---|---|---|---|---|---|---|---|---|")
         relative: dict[str, list[float]] = {m: [] for m in args.modes}
         for c in args.concurrency:
-            n = max(2 * c, 8)
+            n = max(args.per_slot * c, args.min_requests)
             prompts = [all_prompts[i % len(all_prompts)] for i in range(n)]
             rounds: list[dict[str, dict]] = []
             for rep in range(args.repeats):
@@ -187,11 +196,19 @@ async def amain(args) -> None:
                     assert r["outputs"] == base["outputs"], f"{mode} output differs from speculation off at c={c}"
                     r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
                 rounds.append(rows)
+                for mode, r in rows.items():  # what speculation did, for the log (stderr)
+                    sp = r["spec"]
+                    if sp["drafts"] or sp["plain"]:
+                        why = ", ".join(f"{k} {v}" for k, v in sorted(sp["plain"].items(), key=lambda kv: -kv[1]))
+                        print(f"  c={c} round {rep + 1} {mode}: {r['ratio']:.2f}x, {sp['drafts']} drafts, "
+                              f"{sp['accepted']} accepted, plain steps: {why or 'none'}", file=sys.stderr, flush=True)
+            base_mode = "off" if "off" in args.modes else args.modes[0]
+            pooled = {m: sum(x[m]["tokens"] for x in rounds) / sum(x[m]["wall"] for x in rounds) for m in args.modes}
             for mode in args.modes:
                 ratios = [rows[mode]["ratio"] for rows in rounds]
-                relative[mode].append(statistics.median(ratios))
+                relative[mode].append(pooled[mode] / pooled[base_mode])
                 r = rounds[-1][mode]
-                print(f"| {c} | {mode} | {statistics.median(x[mode]['tokens_per_s'] for x in rounds):.1f} | "
+                print(f"| {c} | {mode} | {pooled[mode]:.1f} | "
                       f"{relative[mode][-1]:.2f}x | {min(ratios):.2f}–{max(ratios):.2f} | {r['ttft_p50']:.2f} | "
                       f"{r['itl_p50'] * 1000:.0f} | {r['lat_p50']:.2f} | {r['lat_p99']:.2f} |", flush=True)
         if args.out:
@@ -215,7 +232,10 @@ def main() -> None:
     ap.add_argument("--draft", default="eagle3",
                     help="draft method: eagle3 (the bundled head, make run's), ngram (no model), or suffix")
     ap.add_argument("--prompt-set", choices=["natural", "topics"], default="natural")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds per concurrency (median ratio reported)")
+    ap.add_argument("--repeats", type=int, default=4,
+                    help="rounds per concurrency, modes rotated; the ratio is over all rounds' tokens and time")
+    ap.add_argument("--per-slot", type=int, default=3, help="requests per point: max(per-slot × c, min-requests)")
+    ap.add_argument("--min-requests", type=int, default=12)
     ap.add_argument("--out", default=None, help="SVG: tokens/s relative to speculation off, per mode")
     asyncio.run(amain(ap.parse_args()))
 
