@@ -64,7 +64,7 @@ class DistillConfig:
     eval_tokens: int = 8192  # held-back samples kept
     holdout_every: int = 5  # one sample in this many is held back for evaluation
     min_tokens: int = 2048  # training starts once the buffer holds this many tokens
-    min_eval_chains: int = 200  # ... and the held-back samples this many scored chains
+    min_eval_chains: int = 0  # ... and the held-back samples this many scored chains (0: min_tokens / 10)
     batch_tokens: int = 2048  # tokens per optimizer step
     lr: float = 1e-4
     eval_every: int = 20  # optimizer steps between evaluations
@@ -231,7 +231,8 @@ class _Trainer:
         return sum(int(s["mask"][2:].sum()) for s in self.held)
 
     def _ready(self) -> bool:
-        return self.train_tokens >= self.cfg.min_tokens and self._held_chains() >= self.cfg.min_eval_chains
+        chains = self.cfg.min_eval_chains or max(1, self.cfg.min_tokens // 10)
+        return self.train_tokens >= self.cfg.min_tokens and self._held_chains() >= chains
 
     def _drain(self, block: bool) -> bool:
         """Take what the serving side sent; False when told to stop."""
