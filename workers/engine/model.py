@@ -27,7 +27,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention_torch, write_kv
 from .config import ModelConfig
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding
-from .parallel import SINGLE, TensorParallel, split_range
+from .parallel import SINGLE, TensorParallel, split_heads, split_range
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -160,6 +160,13 @@ class DecoderModel(nn.Module):
     def num_local_kv_heads(self) -> int:
         """KV heads this rank caches (all of them at tensor-parallel size 1)."""
         return self.heads.kv_count
+
+    @property
+    def max_rank_kv_heads(self) -> int:
+        """The most KV heads any rank of the group caches (ranks may differ when the split is uneven):
+        what a per-rank cache budget must be sized by."""
+        tp, cfg = self.tp, self.cfg
+        return max(split_heads(cfg.num_heads, cfg.num_kv_heads, r, tp.size).kv_count for r in range(tp.size))
 
     @property
     def static_capable(self) -> bool:

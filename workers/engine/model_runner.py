@@ -65,10 +65,11 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: DecoderModel, block_size: int) -> int:
-        """Cache bytes of one block on this rank (its KV heads only, under tensor parallelism)."""
+        """Cache bytes of one block on the rank that caches the most KV heads (under tensor
+        parallelism a rank holds only its own heads' keys and values; every rank holds every block)."""
         cfg = model.cfg
         itemsize = next(model.parameters()).element_size()
-        return 2 * cfg.num_layers * block_size * model.num_local_kv_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_layers * block_size * model.max_rank_kv_heads * cfg.head_dim * itemsize
 
     @contextmanager
     def _lockstep(self):
