@@ -36,7 +36,7 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-INLINE_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized in a thread, off the event loop
+INLINE_PROMPT_SIZE = 16_384  # longer prompts (characters to tokenize, token ids to check) go to a thread
 
 
 @dataclass
@@ -128,9 +128,10 @@ class CompletionService:
         names = {"prompt": field, "max_tokens": "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"}
         if grammar is not None:
             names["structured"] = grammar.field
-        for prompt in prompts:
-            validate_request(prompt, sampling, vocab_size=tok.vocab_size, max_model_len=context,
-                             structured_outputs=model.card.structured_outputs, names=names)
+        check = functools.partial(validate_request, vocab_size=tok.vocab_size, max_model_len=context,
+                                  structured_outputs=model.card.structured_outputs, names=names)
+        for prompt in prompts:  # token ids are range-checked in C, a few ms per 100k: long prompts in a thread
+            await self._maybe_thread(len(prompt), lambda p: check(p, sampling), prompt)
         samplings, prompt_of = [], []
         for p in range(len(prompts)):
             for i in range(req.n):
@@ -150,7 +151,7 @@ class CompletionService:
 
     @staticmethod
     async def _maybe_thread(size: int, fn, arg):
-        return fn(arg) if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, arg)
+        return fn(arg) if size <= INLINE_PROMPT_SIZE else await asyncio.to_thread(fn, arg)
 
     async def open(self, job: Job, pending: PendingBytes | None = None) -> list[Generation]:
         """Route and send every choice; on failure the ones already sent are closed. ``pending``

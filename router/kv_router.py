@@ -17,13 +17,14 @@ A router built without a runtime (``KvRouter(instances, config)``) is fed throug
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 from runtime import InvalidRequest, NoInstances
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD
-from runtime.kv_hash import ROOT_HASH, block_hash
+from runtime.kv_hash import ROOT_HASH, block_hash, block_hashes
 from runtime.messages import InstanceRecord, KvDumpRequest, KvEvent, LoadEvent
 
 from .base import Router, Selection
@@ -32,6 +33,8 @@ from .indexer import KvIndex
 from .load import LoadTracker
 
 log = logging.getLogger(__name__)
+
+INLINE_HASH_BLOCKS = 1024  # a cached prompt longer than this many blocks has the rest hashed in a thread
 
 
 def lazy_block_hashes(tokens: Sequence[int], block_size: int) -> Iterator[int]:
@@ -165,9 +168,9 @@ class KvRouter(Router):
         block_size = sizes[0] if len(sizes) == 1 else cfg.block_size
         try:
             if len(sizes) > 1:  # workers with different block sizes: each is scored with its own hashes
-                overlaps, prefill = self._mixed_sizes(token_ids, ids)
+                overlaps, prefill = await self._mixed_sizes(token_ids, ids)
             else:
-                overlaps = self.index.overlaps(lazy_block_hashes(token_ids, block_size), ids)
+                overlaps = await self._overlaps(token_ids, block_size, ids)
                 prefill = None
         except (OverflowError, TypeError) as exc:
             raise InvalidRequest(f"token ids must be integers in [0, 2**32): {exc}", field="token_ids") from None
@@ -199,12 +202,27 @@ class KvRouter(Router):
             raise NoInstances("target", "generate", model)
         return ids
 
-    def _mixed_sizes(self, token_ids: Sequence[int], ids: list[str]) -> tuple[dict[str, int], list[int]]:
+    async def _overlaps(self, token_ids: Sequence[int], block_size: int, ids: list[str]) -> dict[str, int]:
+        """How many leading blocks of ``token_ids`` each of ``ids`` holds. Hashing is lazy, and stops
+        at the first block no candidate holds; past ``INLINE_HASH_BLOCKS`` blocks that some candidate
+        all holds, the rest is hashed in a thread (a cached 500k-token prompt is 31k blocks: about
+        0.1 s of hashing, which on the event loop every stream would wait for)."""
+        head = INLINE_HASH_BLOCKS * block_size
+        if len(token_ids) < head + block_size:
+            return self.index.overlaps(lazy_block_hashes(token_ids, block_size), ids)
+        hashes = block_hashes(token_ids[:head], block_size)
+        found = self.index.overlaps(hashes, ids)
+        if max(found.values(), default=0) < len(hashes):
+            return found  # the walk stopped within the head: the rest cannot change it
+        rest = await asyncio.to_thread(block_hashes, token_ids[head:], block_size, hashes[-1])
+        return self.index.overlaps(itertools.chain(hashes, rest), ids)
+
+    async def _mixed_sizes(self, token_ids: Sequence[int], ids: list[str]) -> tuple[dict[str, int], list[int]]:
         overlaps: dict[str, int] = {}
         prefill = []
         for w in ids:
             size = self.index.block_size(w) or self.config.block_size
-            overlaps.update(self.index.overlaps(lazy_block_hashes(token_ids, size), [w]))
+            overlaps.update(await self._overlaps(token_ids, size, [w]))
             prefill.append(request_blocks(len(token_ids), size) - overlaps[w])
         return overlaps, prefill
 

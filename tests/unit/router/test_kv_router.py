@@ -168,3 +168,45 @@ async def test_costs_follow_the_formula(caplog):
     for w, overlap, cost in found:
         decode, queued = load[w]
         assert float(cost) == pytest.approx(2.0 * (n - int(overlap)) + decode + 5.0 * queued)
+
+
+async def test_a_long_cached_prompt_is_hashed_off_the_event_loop():
+    """500,000 tokens that a worker holds: 31k block hashes. The ones past the first 1,024 blocks are
+    computed in a thread, so the loop keeps running; the overlaps are those of hashing inline,
+    including a prefix held only part of the way (the walk stops inside the head, or past it)."""
+    import asyncio
+    import random
+    import time
+
+    from router.kv_router import INLINE_HASH_BLOCKS
+
+    rng = random.Random(1)
+    tokens = [rng.randrange(50_000) for _ in range(500_000)]
+    hashes = block_hashes(tokens, 16)
+    router, _ = make_router()
+    router.on_kv_event(KvEvent("w0", 1, "stored", hashes))
+    router.on_kv_event(KvEvent("w1", 1, "stored", hashes[: INLINE_HASH_BLOCKS + 300]))
+    router.on_kv_event(KvEvent("w2", 1, "stored", hashes[:100]))
+    ticks = []
+
+    async def tick():
+        while True:
+            await asyncio.sleep(0.001)
+            ticks.append(time.perf_counter())
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    started = time.perf_counter()
+    selection = await router.select("m", tokens)
+    ended = time.perf_counter()
+    ticker.cancel()
+    assert (selection.instance_id, selection.overlap_blocks) == ("w0", len(hashes))
+    # the loop ran meanwhile (hashing inline, it ran not once: counted, not timed, as load on a shared
+    # machine makes any one gap long)
+    assert sum(started < t < ended for t in ticks) >= 1, (ended - started, len(ticks))
+    found = await router._overlaps(tokens, 16, ["w0", "w1", "w2"])
+    assert found == {"w0": len(hashes), "w1": INLINE_HASH_BLOCKS + 300, "w2": 100}
+    # a head no worker holds all of: no thread, the same answer as hashing everything
+    assert await router._overlaps(tokens, 16, ["w1", "w2"]) == {"w1": INLINE_HASH_BLOCKS + 300, "w2": 100}
+    router.on_kv_event(KvEvent("w0", 2, "cleared", []))
+    assert await router._overlaps(tokens, 16, ["w0", "w2"]) == {"w0": 0, "w2": 100}
