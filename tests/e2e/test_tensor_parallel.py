@@ -2,7 +2,7 @@
 ranks (two processes), and an EAGLE-3 draft worker, through the frontend. Greedy answers equal the
 single-device engine's token for token. Then a follower rank is SIGKILLed mid-stream: the streams
 of its worker move to the other target and finish with the same tokens, the broken worker
-deregisters and exits with status 1, and nothing hangs."""
+deregisters and exits with status 1, and nothing hangs; a follower does not outlive a killed rank 0."""
 
 from __future__ import annotations
 
@@ -137,8 +137,14 @@ def test_tandem_up_tp2_serves_equal_greedy_and_survives_a_killed_rank(reference)
             "model": DEMO_NAME, "prompt": ids[PROMPTS[0]], "max_tokens": 8, "temperature": 0})
         assert resp.status_code == 200, resp.text
 
+        # rank 0 itself SIGKILLed: its follower does not outlive it (PR_SET_PDEATHSIG, end of its stdin)
+        os.kill(pids["target-1"], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while running(followers["target-1"]):
+            assert time.monotonic() < deadline, "a follower outlived its rank 0"
+            time.sleep(0.1)
+
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(90) == 0, up.logs()[-4000:]
-        assert not running(followers["target-1"])
     finally:
         up.cleanup()

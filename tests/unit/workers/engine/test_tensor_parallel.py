@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
+from tests.unit.workers.engine.helpers import tiny_hf_model, write_llama_gguf
 from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.draft.draft_model import DraftModelProposer
 from workers.engine.engine import Engine, EngineConfig
@@ -126,6 +127,8 @@ def test_plain_greedy_equal_at_tp1_and_tp2(tiny):
     small = EngineConfig(block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=32)
     got = Engine(model, small, followers=followers).generate(batch, GREEDY)
     assert got == want
+    attn = model.model.layers[0].self_attn  # rank 0 holds a shard, not the whole model
+    assert attn.num_heads < model.cfg.num_heads and model.lm_head.weight.shape[0] < model.cfg.vocab_size
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
@@ -167,6 +170,30 @@ def test_hidden_states_and_logits_are_whole(tiny):
     out_tp = tp.runner.forward([([1, 2, 3], 0, [0])], [3])
     assert out_tp.logits.shape == (3, MODELS[name]["vocab"])
     torch.testing.assert_close(out_tp.logits, out_ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_gguf_checkpoint_loads_sharded(tmp_path):
+    """A GGUF file is dequantized whole by transformers, then each rank keeps its slice."""
+    hf = tiny_hf_model("llama", tmp_path / "hf", seed=4, vocab=97)
+    write_llama_gguf(hf, tmp_path / "tiny.gguf")
+    batch = prompts(4, 97, seed=4)
+    want = Engine(load_model(tmp_path / "tiny.gguf"), CFG).generate(batch, GREEDY)
+    model, followers = load_sharded(str(tmp_path / "tiny.gguf"), 2)
+    try:
+        assert model.model.layers[0].self_attn.num_heads == 2  # of 4: a shard
+        assert Engine(model, CFG, followers=followers).generate(batch, GREEDY) == want
+    finally:
+        followers.close()
+
+
+def test_followers_exit_when_rank_0_goes(tmp_path):
+    """A follower whose step stream ends (rank 0 died or closed it) exits by itself."""
+    path = _tiny(tmp_path / "m", "llama", heads=4, kv_heads=2, vocab=64)
+    model, followers = load_sharded(str(path), 2)
+    proc = followers.procs[0]
+    followers._closing = True  # no watchdog report for this deliberate end
+    proc.stdin.close()
+    assert proc.wait(15) == 0
 
 
 def test_demo_model_greedy_equal_at_tp1_and_tp2_plain_and_eagle3_trees():
