@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import BinaryIO, Union
 
 import msgspec
@@ -153,10 +154,13 @@ class Followers:
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
         procs = []
+        # the followers import this package from where rank 0 did, whatever their working directory
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         for rank in range(1, size):
             cmd = [sys.executable, "-m", "workers.engine.followers", "--rank", str(rank), "--size", str(size),
                    "--port", str(store.port), "--backend", backend, "--timeout", str(timeout)]
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, cwd=os.getcwd())
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             write_frame(proc.stdin, load)
             procs.append(proc)
         try:

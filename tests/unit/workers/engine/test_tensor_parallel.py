@@ -186,6 +186,35 @@ def test_a_gguf_checkpoint_loads_sharded(tmp_path):
         followers.close()
 
 
+def test_a_hung_rank_fails_the_step_after_the_timeout(tmp_path):
+    """SIGSTOP the follower (alive, silent): rank 0's collective gives up after the group's timeout."""
+    path = _tiny(tmp_path / "m", "llama", heads=4, kv_heads=2, vocab=64)
+    model, followers = load_sharded(str(path), 2, timeout=3.0)
+    proc = followers.procs[0]
+    try:
+        engine = Engine(model, CFG, followers=followers)
+        engine.add_request("a", [1, 2, 3], GREEDY)
+        engine.step()
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelFailed):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - started < 15
+    finally:
+        proc.kill()
+        followers.close()
+
+
+def test_a_model_whose_heads_do_not_split_is_refused_before_start():
+    from workers.demo_model import demo_model_dir
+    from workers.target.__main__ import TargetConfig
+
+    TargetConfig(str(demo_model_dir()), "m", tensor_parallel_size=2)  # 9 query / 3 KV heads: 2 ranks fit
+    with pytest.raises(ValueError, match="query head"):
+        TargetConfig(str(demo_model_dir()), "m", tensor_parallel_size=12)
+
+
 def test_followers_exit_when_rank_0_goes(tmp_path):
     """A follower whose step stream ends (rank 0 died or closed it) exits by itself."""
     path = _tiny(tmp_path / "m", "llama", heads=4, kv_heads=2, vocab=64)
