@@ -10,7 +10,8 @@ sequences with 64-token prompts, each decoding): the median of ``--steps`` plain
 (``Engine.step``) and of as many verify-shaped forward passes (5 new tokens per sequence, as a
 γ = 4 chain verification runs). TP = 1 runs with ``--threads`` torch threads, TP = N with
 ``--threads``/N per rank, so both use the same cores. Sizes alternate ``--repeats`` times and the
-best run of each is kept (the machine may be shared).
+best run of each is kept (the machine may be shared). Last, the latency of one gloo all-reduce
+between two processes, of a decode step's and a verify step's rows: the collective's cost per step.
 """
 
 from __future__ import annotations
@@ -111,6 +112,39 @@ def child(args) -> dict:
     return out
 
 
+def collective_us(rank: int, port: int, hidden: int, rows: tuple[int, ...], calls: int = 300) -> dict:
+    """Median µs of one gloo all-reduce of [rows, hidden] float32 between two processes on this host
+    (rank 0 serves the store and starts rank 1): what each of a forward's 2·L + 2 collectives costs."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from workers.engine.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    store = None
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        peer = subprocess.Popen([sys.executable, __file__, "--collective-rank", "1", "--collective-port",
+                                 str(store.port), "--collective-hidden", str(hidden)], cwd=ROOT)
+        port = store.port
+    tp = TensorParallel.connect(rank, 2, "127.0.0.1", port, "gloo", 60.0, store=store)
+    out = {}
+    for n in rows:
+        x = torch.randn(n, hidden)
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            tp.all_reduce(x)
+            times.append(time.perf_counter() - t)
+        out[str(n)] = 1e6 * statistics.median(times)
+    if rank == 0:
+        peer.wait(60)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the demo SmolLM2-135M)")
@@ -120,7 +154,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in all (divided among the ranks)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--child-size", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--collective-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--collective-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--collective-hidden", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.collective_rank == 1:
+        collective_us(1, args.collective_port, args.collective_hidden, (1, 8, 40))
+        return
     if args.model is None:
         from workers.demo_model import demo_model_dir
 
@@ -144,6 +184,10 @@ def main() -> None:
                 for b, times in res["steps"].items():
                     for k, v in times.items():
                         prev["steps"][b][k] = min(prev["steps"][b][k], v)
+    from workers.engine.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(args.model)
+    allreduce = collective_us(0, 0, cfg.hidden_size, (1, 8, 40))
     mb = 1 / 1024
     print(f"model {args.model}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     print("\n| TP | rank | threads | weight shard MB | peak RSS MB | RSS after MB | baseline RSS MB |")
@@ -158,7 +202,10 @@ def main() -> None:
     for size, res in sorted(best.items()):
         for b, t in res["steps"].items():
             print(f"| {size} | {b} | {t['decode_ms']:.1f} | {t['verify5_ms']:.1f} |")
-    print("\n" + json.dumps(best))
+    print(f"\ngloo all-reduce of [rows, {cfg.hidden_size}] float32 between 2 processes, median µs: "
+          + ", ".join(f"{n} rows {us:.0f}" for n, us in allreduce.items())
+          + f"; a forward runs {2 * cfg.num_layers + 1} all-reduces and 1 all-gather")
+    print("\n" + json.dumps({"runs": best, "allreduce_us": allreduce}))
 
 
 if __name__ == "__main__":

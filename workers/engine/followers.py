@@ -19,9 +19,10 @@ from them; the collectives inside the forward keep the ranks in step, so nothing
 The inputs are a few integers per token, so the frame costs microseconds next to the forward.
 
 **Start-up.** Rank 0 serves a ``TCPStore`` on a free 127.0.0.1 port, spawns N-1 followers, sends
-each the model to load (:class:`LoadModel`), joins the process group, and waits (watching the
-children) until every follower has loaded its shard; the runner then sends :class:`Setup`
-(cache blocks, CUDA graphs) so every rank allocates the same cache and captures graphs together.
+each the model to load (:class:`LoadModel`), waits (watching the children) until each is up, joins
+the process group with them, loads its own shard and waits until every follower has loaded its;
+the runner then sends :class:`Setup` (cache blocks, CUDA graphs) so every rank allocates the same
+cache and captures graphs together.
 
 **Faults.** Nothing can hang: a follower that exits is seen by rank 0's watchdog thread (which
 fails the group and calls the ``on_failure`` hooks: the worker deregisters and exits) and by rank
@@ -51,7 +52,8 @@ from .parallel import TensorParallel, TensorParallelFailed
 
 log = logging.getLogger(__name__)
 
-READY_KEY = "tandem/tp/ready/{rank}"
+JOINED_KEY = "tandem/tp/joined/{rank}"  # a follower is up and about to join the group
+READY_KEY = "tandem/tp/ready/{rank}"  # a follower has loaded its shard
 
 
 class LoadModel(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -144,9 +146,11 @@ class Followers:
         self._watchdog.start()
 
     @classmethod
-    def start(cls, size: int, load: LoadModel, *, backend: str = "gloo", timeout: float = 60.0) -> Followers:
+    def start(cls, size: int, load: LoadModel, *, backend: str = "gloo", timeout: float = 60.0,
+              join_timeout: float = 300.0) -> Followers:
         """Spawn ranks 1..size-1 and join the group as rank 0 (:attr:`tp`); they load their shards
-        meanwhile (rank 0 loads its own, then calls :meth:`wait_loaded`)."""
+        meanwhile (rank 0 loads its own, then calls :meth:`wait_loaded`). ``timeout`` bounds each
+        collective, ``join_timeout`` the followers' start. Raises RuntimeError if one exits first."""
         import datetime
 
         import torch.distributed as dist
@@ -164,6 +168,9 @@ class Followers:
             write_frame(proc.stdin, load)
             procs.append(proc)
         try:
+            # a process start (importing torch) may take longer than a collective may: the group is
+            # formed once every follower is up, so that its timeout bounds collectives only
+            _wait_for(store, JOINED_KEY, procs, "start", join_timeout)
             tp = TensorParallel.connect(0, size, "127.0.0.1", store.port, backend, timeout, store=store)
         except Exception:
             _kill(procs)
@@ -173,17 +180,11 @@ class Followers:
     def wait_loaded(self, timeout: float = 600.0) -> None:
         """Wait until every follower has loaded its shard; raises RuntimeError (and stops them) if
         one exits first or ``timeout`` seconds pass."""
-        deadline = time.monotonic() + timeout
-        for rank, proc in enumerate(self.procs, start=1):
-            while not self._store.check([READY_KEY.format(rank=rank)]):
-                if proc.poll() is not None or self.tp.failed:
-                    self.close()
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) "
-                                       f"while loading the model")
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not load the model in {timeout:.0f}s")
-                time.sleep(0.05)
+        try:
+            _wait_for(self._store, READY_KEY, self.procs, "load the model", timeout)
+        except RuntimeError:
+            self.close()
+            raise
         log.info("tensor parallelism: %d follower rank(s) loaded", len(self.procs))
 
     def on_failure(self, hook: Callable[[str], None]) -> None:
@@ -288,6 +289,18 @@ def load_sharded(path: str, size: int, *, dtype: str = "float32", device: str = 
     return model, followers
 
 
+def _wait_for(store, key: str, procs: list[subprocess.Popen], what: str, timeout: float) -> None:
+    """Wait until every follower has set ``key`` in the store; RuntimeError if one exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    for rank, proc in enumerate(procs, start=1):
+        while not store.check([key.format(rank=rank)]):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before it could {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} did not {what} in {timeout:.0f}s")
+            time.sleep(0.05)
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -329,17 +342,18 @@ def follow(rank: int, size: int, port: int, backend: str, timeout: float, stream
     device = rank_device(load.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    tp = TensorParallel.connect(rank, size, "127.0.0.1", port, backend, timeout)
-    attention_fn = None
-    if load.attention == "triton":
-        from .triton_attention import paged_attention_triton as attention_fn
-    model = load_model(load.model, dtype=getattr(torch, load.dtype), device=device, max_positions=load.max_positions,
-                       attention_fn=attention_fn, fused=load.fused, tp=tp)
     import datetime
 
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    store.set(JOINED_KEY.format(rank=rank), "1")
+    tp = TensorParallel.connect(rank, size, "127.0.0.1", port, backend, timeout, store=store)
+    attention_fn = None
+    if load.attention == "triton":
+        from .triton_attention import paged_attention_triton as attention_fn
+    model = load_model(load.model, dtype=getattr(torch, load.dtype), device=device, max_positions=load.max_positions,
+                       attention_fn=attention_fn, fused=load.fused, tp=tp)
     store.set(READY_KEY.format(rank=rank), "1")
     runner = None
     while True:

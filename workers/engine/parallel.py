@@ -123,7 +123,10 @@ class TensorParallel:
         if store is None:
             store = dist.TCPStore(host, port, size, is_master=False, timeout=delta)
         if backend == "gloo":
-            group = dist.ProcessGroupGloo(store, rank, size, delta)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = delta
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # the ranks' pairs on host
+            group = dist.ProcessGroupGloo(store, rank, size, options)
         elif backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = delta
