@@ -166,7 +166,7 @@ async def etcd_wipe(url: str, etcd, worker: ManagedProcess) -> Counter:
     await asyncio.sleep(0.5)
     registered = worker.logs().count("registering again")
     await asyncio.to_thread(etcd.stop, True)
-    etcd.wipe()
+    await asyncio.to_thread(etcd.wipe)  # (rmtree of its data: not on this loop, which times the streams)
     await asyncio.sleep(1.0)
     await asyncio.to_thread(etcd.start)
     deadline = time.monotonic() + 30
