@@ -188,9 +188,11 @@ class Followers:
         log.info("tensor parallelism: %d follower rank(s) loaded", len(self.procs))
 
     def on_failure(self, hook: Callable[[str], None]) -> None:
-        """Call ``hook(reason)`` (from any thread) once the group fails."""
+        """Call ``hook(reason)`` (from any thread) once the group fails (at once if it has)."""
         self._hooks.append(hook)
         self.tp.on_fail = self._failed
+        if self.tp.failed is not None:
+            hook(self.tp.failed)
 
     def _failed(self, reason: str) -> None:
         for hook in self._hooks:
