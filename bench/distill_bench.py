@@ -5,6 +5,7 @@ prompts in the same order; acceptance length per window of requests over time, e
 
 Usage: .venv/bin/python bench/distill_bench.py [--requests 400] [--window 100] [--concurrency 4]
        [--max-tokens 64] [--modes off,on] [--load-aware] [--distill-args "--distill-eval-every 10"]
+       [--dump outputs.json]
 
 The workload (``bench/prompts/lumen_support.json``, written by hand for this): customer-support
 messages to a fictional smart-lamp company under a fixed system prompt, 40 issues × 10 openers, in a
@@ -129,9 +130,15 @@ async def amain(args) -> None:
     finally:
         etcd.stop()
         nats_server.stop()
+    if args.dump:
+        Path(args.dump).write_text(json.dumps({"prompts": prompts, **{m: r["outputs"] for m, r in results.items()}}))
     if "off" in results and "on" in results:
-        same = sum(a == b for a, b in zip(results["off"]["outputs"], results["on"]["outputs"]))
-        print(f"\noutputs equal: {same}/{len(prompts)}")
+        pairs = list(zip(results["off"]["outputs"], results["on"]["outputs"]))
+        print(f"\noutputs equal: {sum(a == b for a, b in pairs)}/{len(prompts)}")
+        for i, (a, b) in enumerate(pairs):
+            if a != b:
+                at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                print(f"  request {i} differs from token {at}: off {a[at:at + 4]}, on {b[at:at + 4]}")
         print(f"\n| requests | acceptance length, off | on |\n|---|---|---|")
         for k, (a, b) in enumerate(zip(results["off"]["windows"], results["on"]["windows"])):
             print(f"| {k * args.window + 1}–{min((k + 1) * args.window, len(prompts))} | {a:.2f} | {b:.2f} |")
@@ -154,6 +161,7 @@ def main() -> None:
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-aware", action="store_true", help="keep the target's load-aware planner on")
+    ap.add_argument("--dump", default=None, help="write the prompts and every mode's outputs here (JSON)")
     ap.add_argument("--distill-args", default="", help="extra draft-worker flags for mode on (e.g. --distill-lr 3e-4)")
     asyncio.run(amain(ap.parse_args()))
 

@@ -181,13 +181,13 @@ def distill_flags(args: argparse.Namespace) -> None:
         distill_config(args)  # raises for out-of-range values
 
 
-def distill_config(args: argparse.Namespace):
+def distill_config(args: argparse.Namespace, device: str = "cpu"):
     from .online import DistillConfig
 
     return DistillConfig(head_dir=args.eagle_model, target_dir=args.target_model, buffer_tokens=args.distill_buffer_tokens,
                          min_tokens=args.distill_min_tokens, lr=args.distill_lr, eval_every=args.distill_eval_every,
                          min_gain=args.distill_min_gain, share=args.distill_share, threads=args.distill_threads,
-                         out_dir=args.distill_dir)
+                         out_dir=args.distill_dir, device=device)
 
 
 def start_distillation(args: argparse.Namespace, proposer, service: DraftService) -> list:
@@ -206,7 +206,7 @@ def start_distillation(args: argparse.Namespace, proposer, service: DraftService
     if args.online_distill:
         from .online import Distiller
 
-        distiller = Distiller(distill_config(args), on_swap)
+        distiller = Distiller(distill_config(args, str(next(proposer.head.parameters()).device)), on_swap)
         proposer.recorder = distiller.recorder
         service.distiller = distiller
         distiller.start()

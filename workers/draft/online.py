@@ -75,6 +75,7 @@ class DistillConfig:
     queue_samples: int = 64  # samples in flight to the trainer before new ones are dropped
     out_dir: str | None = None  # write accepted heads here (speculators layout)
     seed: int = 0
+    device: str = "cpu"  # where the trainer computes (the draft's device)
 
     def __post_init__(self):
         if not 0 < self.share <= 1:
@@ -184,7 +185,9 @@ class _Trainer:
         head, self.layers = load_eagle(cfg.head_dir, embed, lm_head, target_cfg, cfg.max_len)
         if not isinstance(head, Eagle3Head):
             raise ValueError(f"{cfg.head_dir}: online distillation trains EAGLE-3 heads only")
-        head = head.float()
+        self.device = torch.device(cfg.device)
+        head = head.float().to(self.device)
+        embed = embed.to(self.device)
         if start_state:
             head.load_state_dict(start_state, strict=False)
         embed.weight.requires_grad_(False)
@@ -192,9 +195,9 @@ class _Trainer:
             p.requires_grad_(not name.startswith(FROZEN))
         self.head, self.embed = head.train(), embed
         ids = torch.arange(head.d2t.shape[0]) + head.d2t.long()
-        self.t2d = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
-        self.t2d[ids] = torch.arange(ids.shape[0])
-        self.draft_ids = ids
+        self.t2d = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        self.t2d[ids] = torch.arange(ids.shape[0], device=ids.device)
+        self.draft_ids = ids.cpu()
         self.optimizer = self._optimizer()
         self.serving = trainable_state(head)  # the weights the draft worker serves with
         self.train: deque[dict] = deque()
@@ -251,8 +254,9 @@ class _Trainer:
     def _forward(self, sample: dict):
         from .train.ttt import ttt_forward
 
-        return ttt_forward(self.head, self.embed, sample["tokens"], sample["hidden"].float(), sample["mask"],
-                           self.t2d, self.cfg.steps)
+        d = self.device
+        return ttt_forward(self.head, self.embed, sample["tokens"].to(d), sample["hidden"].to(d).float(),
+                           sample["mask"].to(d), self.t2d, self.cfg.steps)
 
     def _step(self) -> float:
         """One optimizer step over about ``batch_tokens`` tokens of random samples; its mean loss."""
@@ -319,7 +323,7 @@ class _Trainer:
         out.mkdir(parents=True, exist_ok=True)
         name = f"v{self.version:05d}"
         tmp = out / f".{name}.tmp"
-        t2d = torch.zeros(self.t2d.shape[0], dtype=torch.bool)
+        t2d = torch.zeros(self.t2d.shape[0], dtype=torch.bool)  # on the host, as the head is written from there
         t2d[self.draft_ids] = True
         save_eagle3(self.head, t2d, tmp, layers=self.layers, verifier=str(self.cfg.target_dir),
                     num_speculative_tokens=self.cfg.steps, dtype=torch.float32,
