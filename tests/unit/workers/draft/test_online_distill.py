@@ -173,6 +173,7 @@ def test_a_failing_trainer_never_touches_serving(target_dir, head_dir):
     distiller = Distiller(config(target_dir, head_dir), swaps.append)
     distiller.RESTART_BASE = 0.2
     distiller.start()
+    first = distiller.trainer_pid
     try:
         for s in samples:  # NaN features: every loss is NaN
             distiller.recorder.sink({**s, "hidden": torch.full_like(s["hidden"], float("nan"))})
@@ -181,7 +182,7 @@ def test_a_failing_trainer_never_touches_serving(target_dir, head_dir):
         for s in samples:
             distiller.recorder.sink({**s, "hidden": s["hidden"][:, :7]})
         wait_for(lambda: distiller.stats.failures >= 1, 60, f"the exception was not reported: {distiller.stats}")
-        wait_for(lambda: distiller._proc is not None and distiller._proc.is_alive(), 60, "trainer not restarted")
+        wait_for(lambda: distiller.trainer_pid != first and distiller._proc.is_alive(), 60, "trainer not restarted")
         pid = distiller.trainer_pid
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: distiller.stats.failures >= 2, 60, f"the killed trainer was not noticed: {distiller.stats}")
