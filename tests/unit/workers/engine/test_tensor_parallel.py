@@ -19,8 +19,7 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model, write_llama_gguf
-from tests.unit.workers.engine.test_spec_engine import run_spec
-from workers.draft.draft_model import DraftModelProposer
+from tests.unit.workers.engine.test_spec_engine import make_proposer, run_spec
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.followers import load_sharded
 from workers.engine.parallel import HeadSplit, TensorParallelFailed, split_heads, split_range, vocab_slice
@@ -131,19 +130,30 @@ def test_plain_greedy_equal_at_tp1_and_tp2(tiny):
     assert attn.num_heads < model.cfg.num_heads and model.lm_head.weight.shape[0] < model.cfg.vocab_size
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_speculative_greedy_equal_at_tp1_and_tp2(tiny, tmp_path, shape):
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """A 1-layer draft model per tiny target (same vocabulary)."""
+    out = {}
+    for name, spec in MODELS.items():
+        out[name] = _tiny(tmp_path_factory.mktemp(f"{name}-draft"), spec["kind"], heads=spec["heads"],
+                          kv_heads=spec["kv_heads"], vocab=spec["vocab"], layers=1, seed=7)
+    return out
+
+
+# the draft methods of the engine's own speculation tests (test_spec_engine.make_proposer)
+@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft_model", "self_draft", "draft_model_tree",
+                                    "self_draft_tree"])
+def test_speculative_greedy_equal_at_tp1_and_tp2(tiny, drafts, method):
     name, path, model, followers = tiny
-    spec = MODELS[name]
-    draft_dir = _tiny(tmp_path / "draft", spec["kind"], heads=spec["heads"], kv_heads=spec["kv_heads"],
-                      vocab=spec["vocab"], layers=1, seed=7)
-    batch = prompts(8, spec["vocab"], seed=2)
+    batch = prompts(8, MODELS[name]["vocab"], seed=2)
     want = Engine(load_model(path), CFG).generate(batch, GREEDY)
-    tree = dict(tree_topk=3, tree_depth=3) if shape == "tree" else {}
     engine = Engine(model, CFG, num_speculative_tokens=4, followers=followers)
-    proposer = DraftModelProposer(load_model(draft_dir), num_blocks=512, block_size=4, **tree)
+    proposer = make_proposer(method, path, drafts[name])
     assert run_spec(engine, proposer, batch, GREEDY) == want
-    assert engine.counters[""].num_drafts > 0
+    counters = engine.counters[""]
+    assert counters.num_drafts > 0
+    if method == "self_draft":  # the whole model drafting for its own shards: every token accepted
+        assert counters.acceptance_rate == 1.0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
