@@ -4,9 +4,9 @@ GGUF goes through transformers' GGUF loader (dequantizes to float32); safetensor
 lazily one tensor at a time. Nothing is downloaded: paths must exist locally.
 
 Under tensor parallelism (``tp``) a rank builds only its shard of the model and reads only its slice
-of each safetensors tensor (``safe_open(...).get_slice``), so its peak is about 1/N of the weights
-(plus one whole norm vector at a time). A GGUF file is dequantized whole by transformers first and
-then cut, so a rank loading one peaks at the whole model in float32 before it frees all but its slice.
+of each tensor: safetensors through ``safe_open(...).get_slice``, GGUF through its own reader
+(:func:`iter_gguf_sliced`: memory-mapped, only the slice's rows dequantized, or one whole tensor for
+a column slice). A rank's peak is about 1/N of the weights plus one tensor.
 """
 
 from __future__ import annotations
@@ -48,10 +48,56 @@ def iter_safetensors(model_dir: Path, slicer: Slicer | None = None) -> Iterator[
                 yield name, f.get_slice(name)[index]
 
 
-def _sliced(weights: Iterator[tuple[str, torch.Tensor]], slicer: Slicer) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
+# llama.cpp's tensor names -> Hugging Face's (Llama, Mistral, Qwen2, Qwen3 families)
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def gguf_config(path: Path) -> dict:
+    """The Hugging Face config dict of a GGUF checkpoint (its metadata only; no tensor is read)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+
+
+def iter_gguf_sliced(path: Path, slicer: Slicer, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of a GGUF checkpoint, reading only what ``slicer`` asks for.
+
+    The file is memory-mapped; a row slice (dim 0: q/k/v, gate/up, vocabulary rows) dequantizes only
+    its rows (GGUF quantizes row by row), a column slice (o_proj, down_proj) dequantizes one whole
+    tensor and keeps its columns. llama.cpp stores a Llama's q/k rows permuted per head for its
+    rotary layout: each head's rows are put back (a slice holds whole heads)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            mapped = _GGUF_LAYER.get(parts[2])
+            name = f"model.layers.{parts[1]}.{mapped}.{parts[-1]}" if mapped else None
+        else:
+            mapped = _GGUF_TOP.get(parts[0])
+            name = f"{mapped}.{parts[-1]}" if mapped else None
+        if name is None:
+            if "rope" in t.name:  # precomputed rotary factors: we compute our own
+                continue
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
         cut = slicer(name)
-        yield name, tensor if cut is None else tensor.narrow(*cut).clone()
+        data = t.data
+        if cut is not None and cut[0] == 0:
+            data = data[cut[1] : cut[1] + cut[2]]
+        w = np.array(dequantize(data, t.tensor_type), dtype=np.float32)  # a copy: the file is mapped read-only
+        if cut is not None and cut[0] == 1:
+            w = w[:, cut[1] : cut[1] + cut[2]]
+        if arch == "llama" and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            heads = w.shape[0] // cfg.head_dim  # the heads this slice holds
+            w = w.reshape(heads, cfg.head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -78,18 +124,17 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         raise ValueError(f"model path {path} does not exist")
     started = time.perf_counter()
     gguf = path.suffix == ".gguf"
-    if gguf:
+    if gguf and not tp.enabled:
         raw, state = read_gguf(path)
         cfg = ModelConfig.from_dict(raw)
     else:
-        cfg = ModelConfig.from_dir(path)
+        cfg = ModelConfig.from_dict(gguf_config(path)) if gguf else ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn, fused, tp)
-    slicer = model.checkpoint_slice if tp.enabled else None
     if gguf:
-        weights = _sliced(iter(state.items()), slicer) if slicer else iter(state.items())
+        weights = iter_gguf_sliced(path, model.checkpoint_slice, cfg) if tp.enabled else iter(state.items())
     else:
-        weights = iter_safetensors(path, slicer)
+        weights = iter_safetensors(path, model.checkpoint_slice if tp.enabled else None)
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_buffers()

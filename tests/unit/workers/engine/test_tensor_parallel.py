@@ -183,7 +183,7 @@ def test_hidden_states_and_logits_are_whole(tiny):
 
 
 def test_a_gguf_checkpoint_loads_sharded(tmp_path):
-    """A GGUF file is dequantized whole by transformers, then each rank keeps its slice."""
+    """A GGUF file loads sharded: each rank reads its slices (an F32 Llama file, q/k permuted)."""
     hf = tiny_hf_model("llama", tmp_path / "hf", seed=4, vocab=97)
     write_llama_gguf(hf, tmp_path / "tiny.gguf")
     batch = prompts(4, 97, seed=4)
@@ -194,6 +194,30 @@ def test_a_gguf_checkpoint_loads_sharded(tmp_path):
         assert Engine(model, CFG, followers=followers).generate(batch, GREEDY) == want
     finally:
         followers.close()
+
+
+def test_gguf_slices_equal_transformers_dequantization_cut():
+    """The demo model's quantized GGUF (Q4_1, Q8_0 embedding; Llama: q/k rows permuted per head):
+    every rank's slice as our reader yields it equals transformers' whole dequantized tensor, cut."""
+    from workers.demo_model import gguf_path
+    from workers.engine.config import ModelConfig
+    from workers.engine.model import DecoderModel
+    from workers.engine.parallel import TensorParallel
+    from workers.engine.weights import iter_gguf_sliced, read_gguf
+
+    path = gguf_path()
+    raw, state = read_gguf(path)
+    cfg = ModelConfig.from_dict(raw)
+    for rank in range(2):
+        with torch.device("meta"):
+            model = DecoderModel(cfg, 16, tp=TensorParallel(rank, 2, group=object()))
+        seen = 0
+        for name, got in iter_gguf_sliced(path, model.checkpoint_slice, cfg):
+            cut = model.checkpoint_slice(name)
+            want = state[name] if cut is None else state[name].narrow(*cut)
+            assert torch.equal(got, want), name
+            seen += 1
+        assert seen == len(state) - cfg.tie_word_embeddings  # a tied LM head is not in the file
 
 
 def test_a_hung_rank_fails_the_step_after_the_timeout(tmp_path):
