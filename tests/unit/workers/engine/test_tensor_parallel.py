@@ -83,6 +83,8 @@ def _tiny(path: Path, kind: str, *, heads: int, kv_heads: int, vocab: int, layer
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16)).eval()
     else:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common)).eval()
     model.save_pretrained(path)
@@ -155,6 +157,20 @@ def test_speculative_greedy_equal_at_tp1_and_tp2(tiny, drafts, method):
     if method == "self_draft":  # the whole model drafting for its own shards: every token accepted
         assert counters.acceptance_rate == 1.0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_qwen3_per_head_qk_norms_split_with_their_heads(tmp_path):
+    """Qwen3 (per-head q/k RMSNorm, head_dim ≠ hidden/heads): plain and a tree of self-drafts."""
+    path = _tiny(tmp_path / "q3", "qwen3", heads=4, kv_heads=2, vocab=80, seed=5)
+    batch = prompts(6, 80, seed=5)
+    want = Engine(load_model(path), CFG).generate(batch, GREEDY)
+    model, followers = load_sharded(str(path), 2)
+    try:
+        assert Engine(model, CFG, followers=followers).generate(batch, GREEDY) == want
+        engine = Engine(model, CFG, num_speculative_tokens=4, followers=followers)
+        assert run_spec(engine, make_proposer("self_draft_tree", path, path), batch, GREEDY) == want
+    finally:
+        followers.close()
 
 
 def test_hidden_states_and_logits_are_whole(tiny):
