@@ -209,6 +209,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     """Load the model and build the engine (blocking: call off the event loop)."""
     import torch
 
+    from runtime.errors import StartupError
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
@@ -233,9 +234,12 @@ def build_engine(cfg: TargetConfig, worker_id: str):
         if cuda and torch.cuda.device_count() <= int(rank_device(device, size - 1).split(":")[1]):
             raise ValueError(f"--tensor-parallel-size {size} from {device} needs more CUDA devices than the "
                              f"{torch.cuda.device_count()} visible")
-        model, followers = load_sharded(cfg.model, size, dtype=dtype, device=device, threads=threads,
-                                        attention="triton" if triton else "torch", fused=triton and cuda,
-                                        max_positions=max_len, timeout=cfg.tensor_parallel_timeout)
+        try:
+            model, followers = load_sharded(cfg.model, size, dtype=dtype, device=device, threads=threads,
+                                            attention="triton" if triton else "torch", fused=triton and cuda,
+                                            max_positions=max_len, timeout=cfg.tensor_parallel_timeout)
+        except RuntimeError as exc:  # a rank that could not start or load: its own log says why
+            raise StartupError(f"tensor parallelism over {size} ranks: {exc}") from None
     else:
         model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
                            attention_fn=attention_fn, fused=triton and cuda)
