@@ -173,6 +173,38 @@ def test_qwen3_per_head_qk_norms_split_with_their_heads(tmp_path):
         followers.close()
 
 
+def test_logprobs_penalties_and_stops_at_tp2(tiny):
+    """Rank 0 gets whole logits: the one logits pipeline (penalties, logit bias, stop ids, logprobs)
+    behaves as on one device, plain and verified."""
+    name, path, model, followers = tiny
+    vocab = MODELS[name]["vocab"]
+    batch = prompts(4, vocab, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, repetition_penalty=1.3,
+                            frequency_penalty=0.5, logit_bias={3: 5.0}, stop_token_ids=[7], min_tokens=2)
+
+    def run(engine, proposer=None):
+        out = {rid: ([], []) for rid in batch}
+        for rid, tokens in batch.items():
+            engine.add_request(rid, tokens, params)
+        while engine.has_work():
+            inputs = engine.draft_inputs() if proposer else []
+            proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
+            for rid, delta in engine.step(proposals):
+                out[rid][0].extend(delta.token_ids)
+                out[rid][1].extend(delta.logprobs)
+            if proposer:
+                proposer.verified(engine.take_verdicts())
+                proposer.release(engine.take_released())
+        return out
+
+    want = run(Engine(load_model(path), CFG))
+    for proposer in (None, make_proposer("ngram_tree", path, path)):
+        got = run(Engine(model, CFG, num_speculative_tokens=4, followers=followers), proposer)
+        for rid in batch:
+            assert got[rid][0] == want[rid][0], rid
+            torch.testing.assert_close(got[rid][1], want[rid][1], atol=1e-4, rtol=0)
+
+
 def test_hidden_states_and_logits_are_whole(tiny):
     """Draft workers get hidden states of the full hidden size (the residual stream is whole on every
     rank), equal to the single-device model's; logits cover the whole vocabulary."""
