@@ -297,7 +297,8 @@ def _wait_for(store, key: str, procs: list[subprocess.Popen], what: str, timeout
     for rank, proc in enumerate(procs, start=1):
         while not store.check([key.format(rank=rank)]):
             if proc.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before it could {what}")
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) "
+                                   f"before it could {what}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel rank {rank} did not {what} in {timeout:.0f}s")
             time.sleep(0.05)

@@ -51,7 +51,8 @@ def test_heads_split_evenly_unevenly_and_replicated():
         for r in range(size):
             s = split_heads(heads, kv, r, size)
             seen += range(s.q_start, s.q_start + s.q_count)
-            assert {q // group for q in range(s.q_start, s.q_start + s.q_count)} <= set(range(s.kv_start, s.kv_start + s.kv_count))
+            reads = {q // group for q in range(s.q_start, s.q_start + s.q_count)}
+            assert reads <= set(range(s.kv_start, s.kv_start + s.kv_count))
         assert seen == list(range(heads))
     with pytest.raises(ValueError, match="query head"):
         split_heads(2, 1, 0, 4)  # 4 ranks, 2 query heads
