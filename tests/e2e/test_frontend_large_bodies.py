@@ -1,7 +1,8 @@
 """Large request bodies do not stall other clients' streams: while well-behaved streams run (mock
 worker at 20 ms a token), a completions prompt of 500,000 token ids, a 3.9 MB JSON schema and
-10,000 tools are answered, and no stream waits 250 ms between two chunks. Real frontend and mock
-worker processes, real etcd/NATS. (``bench/abuse_bench.py`` measures these cases and more.)"""
+10,000 tools are answered, and no stream waits 250 ms between two chunks (on a machine so loaded
+that the streams alone wait longer, twice that). Real frontend and mock worker processes, real
+etcd/NATS. (``bench/abuse_bench.py`` measures these cases and more.)"""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ async def test_large_bodies_leave_other_streams_flowing(stack):
     streams = [asyncio.create_task(good_stream()) for _ in range(4)]
     await asyncio.sleep(1.0)
     gaps.clear()
+    await asyncio.sleep(2.0)  # the same streams with nothing else: what this machine's load alone costs
+    baseline = max(gaps)
+    gaps.clear()
     answers = []
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
         for path, body, status, param in requests:
@@ -79,4 +83,7 @@ async def test_large_bodies_leave_other_streams_flowing(stack):
     stop.set()
     await asyncio.gather(*streams)
     assert len(gaps) > 100
-    assert max(gaps) < 0.25, f"a well-behaved stream waited {1e3 * max(gaps):.0f} ms between two chunks"
+    # 250 ms, the target; on a machine so busy that the streams alone see long gaps, twice those
+    limit = max(0.25, 2 * baseline)
+    assert max(gaps) < limit, (f"a well-behaved stream waited {1e3 * max(gaps):.0f} ms between two chunks "
+                               f"(alone: {1e3 * baseline:.0f} ms)")
