@@ -249,7 +249,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
 def _static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
-    """Reference for static metadata: each token attends to keys 0..token_pos of its row's blocks.
+    """Reference for static metadata: each token attends to keys 0..token_pos of its row's blocks,
+    and within a token tree only to those its tree bits allow (see :class:`AttentionMetadata`).
 
     q [T, H, D] → [T, H, D]. Gathers [T, max_blocks · bs] keys per token: for tests, not speed.
     """
@@ -258,7 +259,15 @@ def _static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tables = meta.block_tables.long()[meta.token_seq.long()]  # [T, max_blocks]
     keys = k_cache[tables].view(num_tokens, -1, hkv, head_dim).transpose(1, 2)  # [T, Hkv, L, D]
     values = v_cache[tables].view(num_tokens, -1, hkv, head_dim).transpose(1, 2)
-    mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= meta.token_pos.long()[:, None]  # [T, L]
+    key_pos = torch.arange(keys.shape[2], device=q.device)[None, :]  # [1, L]
+    mask = key_pos <= meta.token_pos.long()[:, None]  # [T, L]
+    if meta.tree_bits is not None:  # key tree_base + j is seen only if bit j is set
+        width = 32 * meta.tree_bits.shape[1]
+        rel = key_pos - meta.tree_base.long()[:, None]  # [T, L]
+        inside = (rel >= 0) & (rel < width)
+        rel = rel.clamp(0, width - 1)
+        words = meta.tree_bits.long().gather(1, rel // 32)  # [T, L] (sign-extended: bit 31 kept)
+        mask &= ~inside | ((words >> (rel % 32)) & 1).bool()
     o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale,
                                        enable_gqa=num_heads != hkv)  # [T, H, 1, D]
     return o[:, :, 0]

@@ -78,6 +78,7 @@ class Setup(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     graph_query_lens: list[int] = []
     graph_hidden_layers: list[int] = []
     graph_trees: bool = False
+    graph_capture: bool = True  # False: the static, padded forward run eagerly (CPU tests)
 
 
 class Forward(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -208,7 +209,8 @@ class Followers:
                          graphs.max_batch if graphs is not None else None,
                          list(graphs.query_lens) if graphs is not None else [],
                          list(graphs.hidden_layers) if graphs is not None else [],
-                         bool(graphs.trees) if graphs is not None else False))
+                         bool(graphs.trees) if graphs is not None else False,
+                         bool(graphs.capture) if graphs is not None else True))
 
     def forward(self, chunks, logits_last, hidden_layers, trees) -> None:
         self._send(Forward([(list(c), s, list(t)) for c, s, t in chunks], list(logits_last), list(hidden_layers),
@@ -370,7 +372,7 @@ def follow(rank: int, size: int, port: int, backend: str, timeout: float, stream
             graphs = None
             if msg.graph_max_batch is not None:
                 graphs = GraphConfig(msg.graph_max_batch, tuple(msg.graph_query_lens), tuple(msg.graph_hidden_layers),
-                                     trees=msg.graph_trees)
+                                     capture=msg.graph_capture, trees=msg.graph_trees)
             runner = ModelRunner(model, msg.num_blocks, msg.block_size, graphs, msg.max_model_len)
         elif runner is None:
             log.error("rank %d: a step before the cache was set up", rank)

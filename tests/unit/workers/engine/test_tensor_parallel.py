@@ -206,6 +206,35 @@ def test_logprobs_penalties_and_stops_at_tp2(tiny):
             torch.testing.assert_close(got[rid][1], want[rid][1], atol=1e-4, rtol=0)
 
 
+def test_graph_shaped_steps_run_in_lockstep(tiny):
+    """The CUDA-graph path's static, padded forward (run eagerly on CPU, ``capture=False``) on every
+    rank: decode, chain and tree verify batches in their buckets give the eager single-device logits.
+    (On CUDA each rank captures and replays these graphs with its collectives inside: not run here.)"""
+    from workers.engine.cuda_graphs import GraphConfig
+    from workers.engine.model_runner import ModelRunner
+
+    name, path, model, followers = tiny
+    rng = random.Random(8)
+    vocab = MODELS[name]["vocab"]
+    ref = ModelRunner(load_model(path), 64, 4)
+    graphs = GraphConfig(8, (1, 5), (), capture=False, trees=True)
+    tp = ModelRunner(model, 64, 4, graphs, max_model_len=64, followers=followers)
+    tables = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    lens = [9, 13, 6]
+    for runner in (ref, tp):  # prefill (eager on both)
+        prompts_ = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+        rng = random.Random(8)
+        runner.forward([(p, 0, t) for p, t in zip(prompts_, tables)], [1, 1, 1])
+    decode = [([rng.randrange(vocab)], n, t) for n, t in zip(lens, tables)]
+    verify = [([rng.randrange(vocab) for _ in range(5)], n + 1, t) for n, t in zip(lens, tables)]
+    trees = [[-1, -1, 0, 1], None, [-1, 0, 0, 2]]
+    for chunks, wants, tree in ((decode, [1] * 3, None), (verify, [5] * 3, None), (verify, [5] * 3, trees)):
+        assert tp.graphs.shape_for(chunks, wants, (), tree) is not None  # the graph path, not eager
+        want = ref.forward(chunks, wants, (), tree)
+        got = tp.forward(chunks, wants, (), tree)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+
+
 def test_hidden_states_and_logits_are_whole(tiny):
     """Draft workers get hidden states of the full hidden size (the residual stream is whole on every
     rank), equal to the single-device model's; logits cover the whole vocabulary."""
