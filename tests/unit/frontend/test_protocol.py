@@ -229,3 +229,39 @@ def test_a_token_id_prompt_validated_in_a_thread_leaves_the_event_loop_free():
 
     took, worst = asyncio.run(main())
     assert worst < max(0.08, took / 3), (took, worst)
+
+
+@pytest.mark.parametrize("raw", [
+    b"[1, 2, 3, 40000, 0, 7, 123456, 9, 10, 11, 12, 13, 14, 15]",
+    b"[ 1 ,2 ,\n3,4,5,6,7,8,9,10,11,12,13,14 ]",
+    b"[-1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]",
+])
+def test_token_id_prompts_decoded_in_chunks_equal_the_validator_s(raw, monkeypatch):
+    from frontend import protocol
+
+    body = b'{"model": "m", "max_tokens": 3, "prompt": ' + raw + b"}"
+    whole = parse(CompletionRequest, body)  # a short prompt: the validator alone
+    monkeypatch.setattr(protocol, "TOKEN_CHUNK_BYTES", 8)  # every prompt long, chunks of a few ids
+    chunked = parse(CompletionRequest, body)
+    assert chunked.prompt == whole.prompt == json.loads(raw) and chunked == whole
+    assert chunked.model_fields_set == whole.model_fields_set
+
+
+@pytest.mark.parametrize(("raw", "words"), [
+    (b"[1, 2, 3.0, 4, 5, 6, 7, 8, 9, 10]", "array of token ids"),  # a float: the validator says so
+    (b"[1, 2,, 3, 4, 5, 6, 7, 8, 9, 10]", "not valid JSON"),
+    (b"[1, 2, 3, 4, 5, 6, 7, 8, 9, 10,]", "not valid JSON"),
+    (b"[1, 2, 3, 4, 5, 6, 7, 8, 9, 1-0]", "not valid JSON"),
+])
+def test_token_id_prompts_that_do_not_decode_get_the_validator_s_error(raw, words, monkeypatch):
+    from frontend import protocol
+
+    monkeypatch.setattr(protocol, "TOKEN_CHUNK_BYTES", 8)
+    with pytest.raises(InvalidRequest) as info:
+        parse(CompletionRequest, b'{"model": "m", "prompt": ' + raw + b"}")
+    assert words in str(info.value), str(info.value)
+    big = parse(CompletionRequest, b'{"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, ' + str(2**70).encode() + b"]}")
+    assert big.prompt[-1] == 2**70  # past 64 bits: the validator's path (the vocabulary check rejects it later)
+    with pytest.raises(InvalidRequest) as info:
+        parse(CompletionRequest, b'{"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "max_tokens": "3"}')
+    assert info.value.field == "max_tokens"  # the rest of the body is still validated
