@@ -17,7 +17,8 @@ from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, run_spec
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.draft.eagle import load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
-from workers.draft.online import DistillConfig, Distiller, Recorder, trainable_state
+from workers.draft.__main__ import followed_weights
+from workers.draft.online import DistillConfig, Distiller, Follower, Recorder, trainable_state
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 
@@ -134,6 +135,22 @@ def test_a_trainer_process_learns_the_traffic_and_its_weights_stay_lossless(targ
     written, _ = load_eagle(tmp_path / "heads" / latest, embed, lm_head, tcfg, 512)
     for k, v in trainable_state(written).items():
         torch.testing.assert_close(v.float(), swaps[-1][k].float(), atol=1e-3, rtol=1e-3)
+    # a reader (--distill-follow) takes it once, and refuses a head that was not trained from its own
+    _, reader = serving(target_dir, head_dir)
+    taken: list[dict] = []
+    follower = Follower(tmp_path / "heads", lambda p: followed_weights(reader, p, str(target_dir)), taken.append)
+    assert follower.poll() and not follower.poll() and len(taken) == 1
+    assert all(torch.equal(taken[0][k], v) for k, v in trainable_state(written).items())
+    other = tmp_path / "other"
+    other.mkdir()
+    write_eagle3(other, seed=11)
+    (other / "v00001").mkdir()
+    for f in other.iterdir():
+        if f.is_file():
+            f.rename(other / "v00001" / f.name)
+    (other / "LATEST").write_text("v00001\n")
+    assert not Follower(other, lambda p: followed_weights(reader, p, str(target_dir)), taken.append).poll()
+    assert len(taken) == 1
     # swapped in mid-stream (sequences hold features and KV from the old weights), output is unchanged
     engine, proposer = serving(target_dir, head_dir)
     plain = Engine(load_model(target_dir), CFG).generate(prompts(8, seed=5), GREEDY)
@@ -169,8 +186,15 @@ def test_a_failing_trainer_never_touches_serving(target_dir, head_dir):
     """A NaN loss resets the candidate; an exception or a killed trainer is counted and the trainer is
     started again; the serving weights never change and proposals go on throughout."""
     samples, _, _ = recorded(target_dir, head_dir, 30, seed=1)
+    engine, proposer = serving(target_dir, head_dir)  # serving, with the trainer wired to it
+    before = trainable_state(proposer.head)
     swaps: list[dict] = []
-    distiller = Distiller(config(target_dir, head_dir), swaps.append)
+
+    def swap(state):
+        swaps.append(state)
+        proposer.load_weights(state)
+
+    distiller = Distiller(config(target_dir, head_dir), swap)
     distiller.RESTART_BASE = 0.2
     distiller.start()
     first = distiller.trainer_pid
@@ -188,9 +212,10 @@ def test_a_failing_trainer_never_touches_serving(target_dir, head_dir):
         wait_for(lambda: distiller.stats.failures >= 2, 60, f"the killed trainer was not noticed: {distiller.stats}")
         wait_for(lambda: distiller.trainer_pid != pid and distiller._proc.is_alive(), 60, "trainer not restarted")
         # serving meanwhile: speculation with the head as loaded, lossless
-        engine, proposer = serving(target_dir, head_dir)
         batch = prompts(4, seed=9)
         assert run_spec(engine, proposer, batch, GREEDY) == Engine(load_model(target_dir), CFG).generate(batch, GREEDY)
     finally:
         distiller.stop()
     assert swaps == [] and distiller.stats.swaps == 0
+    after = trainable_state(proposer.head)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the old weights are still in place
