@@ -232,7 +232,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
         from workers.engine.followers import load_sharded, rank_device
 
         if cuda and torch.cuda.device_count() <= int(rank_device(device, size - 1).split(":")[1]):
-            raise ValueError(f"--tensor-parallel-size {size} from {device} needs more CUDA devices than the "
+            raise StartupError(f"--tensor-parallel-size {size} from {device} needs more CUDA devices than the "
                              f"{torch.cuda.device_count()} visible")
         try:
             model, followers = load_sharded(cfg.model, size, dtype=dtype, device=device, threads=threads,
