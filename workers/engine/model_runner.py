@@ -17,7 +17,7 @@ the group failed (:class:`.parallel.TensorParallelFailed` from then on): the wor
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -26,8 +26,19 @@ from .attention import AttentionMetadata, allocate_kv_cache
 from .cuda_graphs import GraphConfig, GraphRunner
 from .model import DecoderModel, ModelOutput
 
-if TYPE_CHECKING:
-    from .followers import Followers
+
+class Followers(Protocol):
+    """The other ranks of a tensor-parallel model, as rank 0's runner drives them
+    (:class:`.followers.Followers`; a protocol here, so that the follower process, which runs a
+    runner itself, and this module do not import each other)."""
+
+    def setup(self, num_blocks: int, block_size: int, max_model_len: int | None, graphs) -> None: ...
+
+    def forward(self, chunks, logits_last, hidden_layers, trees) -> None: ...
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None: ...
+
+    def copy_blocks(self, pairs) -> None: ...
 
 
 class ModelRunner:
