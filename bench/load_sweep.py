@@ -19,7 +19,8 @@ max(3c, 12) chat requests (``--per-slot``, ``--min-requests``; greedy, ``--max-t
 in flight, so a slow spell of this shared machine hits all modes alike; each concurrency runs
 ``--repeats`` rounds (4), the modes in a rotated order each round, and a mode's figure is its tokens
 over its time summed over all rounds, relative to ``off``'s (the per-round ratios' min–max beside it shows the noise). Every output must equal the ``off`` output for the same prompt.
-``--draft eagle3`` drafts with the bundled EAGLE-3 head instead of n-grams.
+``--draft eagle3`` drafts with the bundled EAGLE-3 head instead of n-grams. ``off_again`` is ``off``
+run a second time each round (an A/A control): its spread around 1.00 is the machine's noise floor.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ TOPICS = ["the water cycle", "how vaccines work", "the history of the printing p
           "what inflation is", "how bread rises", "the life cycle of a star", "how to write a cover letter",
           "how noise-cancelling headphones work"]
 MODES = {"off": ("default", 0), "fixed": ("fixed", None), "adaptive": ("adaptive", None),
-         "default": ("default", None), "load_aware": ("default", None)}  # load_aware: the default's old name
+         "default": ("default", None), "load_aware": ("default", None),  # load_aware: the default's old name
+         "off_again": ("default", 0)}  # an A/A control: "off" run twice, so the table shows the noise floor
 TARGET_FLAGS = {"fixed": ["--no-adaptive-speculation", "--no-load-aware-speculation"],
                 "adaptive": ["--no-load-aware-speculation"], "default": []}
 
@@ -126,7 +128,7 @@ def write_svg(path: Path, levels: list[int], results: dict[str, list[float]]) ->
         return x, height - pad - (y - y_lo) / (y_hi - y_lo) * (height - 2 * pad)
 
     colors = {"off": "#7f7f7f", "fixed": "#d62728", "adaptive": "#1f77b4", "default": "#2ca02c",
-              "load_aware": "#2ca02c"}
+              "load_aware": "#2ca02c", "off_again": "#bcbd22"}
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
              f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">concurrent requests</text>',
