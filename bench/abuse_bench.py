@@ -58,22 +58,6 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def good_stream(url: str, gaps: list[float], stop: asyncio.Event) -> int:
-    body = {"model": "mock", "prompt": "a well-behaved client", "max_tokens": 200, "stream": True}
-    streams = 0
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        while not stop.is_set():
-            async with client.stream("POST", "/v1/completions", json=body) as resp:
-                last = None
-                async for _ in resp.aiter_lines():
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-            streams += 1
-    return streams
-
-
 async def raw(port: int, data: bytes, hold: float = 0.0, trickle: bool = False) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -259,7 +243,7 @@ async def amain(args) -> None:
         rss_before = rss_mb(frontend.pid)
         gaps: list[float] = []
         stop = asyncio.Event()
-        good = [asyncio.create_task(good_stream(url, gaps, stop)) for _ in range(args.streams)]
+        good = [asyncio.create_task(http_support.good_stream(url, gaps, stop)) for _ in range(args.streams)]
         await asyncio.sleep(1.5)  # every well-behaved stream is running
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             async def post(path: str, content: bytes, statuses: Counter) -> None:

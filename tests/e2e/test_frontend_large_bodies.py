@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
 
 from tests.e2e.test_frontend_openai import FrontendStack
+from tests.support.http import good_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -54,20 +54,8 @@ async def test_large_bodies_leave_other_streams_flowing(stack):
     gaps: list[float] = []
     stop = asyncio.Event()
 
-    async def good_stream() -> None:
-        body = {"model": "mock", "prompt": "a well-behaved client", "max_tokens": 100, "stream": True}
-        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
-            while not stop.is_set():
-                async with client.stream("POST", "/v1/completions", json=body) as resp:
-                    last = None
-                    async for _ in resp.aiter_lines():
-                        now = time.perf_counter()
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
-
     requests = bodies()  # built first: encoding them here would stall this process's own streams
-    streams = [asyncio.create_task(good_stream()) for _ in range(4)]
+    streams = [asyncio.create_task(good_stream(stack.url, gaps, stop, max_tokens=100)) for _ in range(4)]
     await asyncio.sleep(1.0)
     gaps.clear()
     await asyncio.sleep(2.0)  # the same streams with nothing else: what this machine's load alone costs

@@ -65,3 +65,21 @@ def raw_completion(port: int, body: dict) -> socket.socket:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
                  + str(len(data)).encode() + b"\r\n\r\n" + data)
     return sock
+
+
+async def good_stream(url: str, gaps: list[float], stop: asyncio.Event, max_tokens: int = 200) -> int:
+    """A well-behaved streaming client: completions of ``max_tokens`` one after another until ``stop``,
+    each gap between two streamed lines appended to ``gaps``; returns the streams it finished."""
+    body = {"model": "mock", "prompt": "a well-behaved client", "max_tokens": max_tokens, "stream": True}
+    streams = 0
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                last = None
+                async for _ in resp.aiter_lines():
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+            streams += 1
+    return streams

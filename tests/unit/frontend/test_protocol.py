@@ -199,35 +199,14 @@ def test_bulky_fields_are_refused_from_the_raw_body_naming_them():
 def test_a_token_id_prompt_validated_in_a_thread_leaves_the_event_loop_free():
     """500,000 token ids: validating the body holds the GIL only in short steps, so a thread helps
     (as a union of four list types it was one 0.2 s step, and every stream waited for it)."""
-    import asyncio
     import random
-    import time
 
     from frontend.protocol import parse_request
+    from tests.support.loop import loop_lag_of
 
     body = json.dumps({**TEXT, "prompt": [random.randrange(50_000) for _ in range(500_000)]}).encode()
-
-    async def main() -> tuple[float, float]:
-        gaps, last = [], time.perf_counter()
-
-        async def tick():
-            nonlocal last
-            while True:
-                await asyncio.sleep(0.002)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0.02)
-        started = time.perf_counter()
-        req = await asyncio.to_thread(parse_request, CompletionRequest, body)
-        took = time.perf_counter() - started
-        ticker.cancel()
-        assert len(req.prompt) == 500_000
-        return took, max(gaps)
-
-    took, worst = asyncio.run(main())
+    req, took, worst = loop_lag_of(parse_request, CompletionRequest, body, tick=0.002)
+    assert len(req.prompt) == 500_000
     assert worst < max(0.08, took / 3), (took, worst)
 
 

@@ -154,20 +154,8 @@ def test_a_trainer_process_learns_the_traffic_and_its_weights_stay_lossless(targ
     # swapped in mid-stream (sequences hold features and KV from the old weights), output is unchanged
     engine, proposer = serving(target_dir, head_dir)
     plain = Engine(load_model(target_dir), CFG).generate(prompts(8, seed=5), GREEDY)
-    for rid, tokens in prompts(8, seed=5).items():
-        engine.add_request(rid, tokens, GREEDY)
-    got: dict[str, list[int]] = {rid: [] for rid in plain}
-    steps = 0
-    while engine.has_work():
-        if steps == 5:
-            proposer.load_weights(swaps[-1])
-        inputs = engine.draft_inputs()
-        proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
-        for rid, delta in engine.step(proposals):
-            got[rid].extend(delta.token_ids)
-        proposer.verified(engine.take_verdicts())
-        proposer.release(engine.take_released())
-        steps += 1
+    got = run_spec(engine, proposer, prompts(8, seed=5), GREEDY,
+                   before_step=lambda n: n == 5 and proposer.load_weights(swaps[-1]))
     assert got == plain and proposer.weight_swaps == 1
 
 

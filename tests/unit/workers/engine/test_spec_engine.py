@@ -41,11 +41,17 @@ def prompts(n: int, seed: int) -> dict[str, list[int]]:
     return out
 
 
-def run_spec(engine: Engine, proposer, batch: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+def run_spec(engine: Engine, proposer, batch: dict[str, list[int]], params: SamplingParams,
+             before_step=None) -> dict[str, list[int]]:
+    """Speculative decoding of ``batch`` to the end; ``before_step(n)`` runs before the n-th step."""
     result = {rid: [] for rid in batch}
     for rid, tokens in batch.items():
         engine.add_request(rid, tokens, params)
+    steps = 0
     while engine.has_work():
+        if before_step is not None:
+            before_step(steps)
+        steps += 1
         inputs = engine.draft_inputs()
         proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
         for rid, delta in engine.step(proposals):
