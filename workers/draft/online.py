@@ -160,6 +160,7 @@ class Distiller:
         self._thread.start()
 
     def _spawn(self) -> None:
+        self._close_queues()  # a failed trainer's
         self._inbox = self._ctx.Queue(self.cfg.queue_samples)
         self._outbox = self._ctx.Queue()
         self._proc = self._ctx.Process(target=trainer_main, args=(self.cfg, self._state, self._inbox, self._outbox,
@@ -171,8 +172,8 @@ class Distiller:
 
     def _offer(self, sample: dict) -> None:
         self.stats.samples_offered += 1
-        try:
-            self._inbox.put_nowait(("sample", sample))
+        try:  # as numpy arrays: pickled by value (torch tensors would travel as shared memory, one fd each)
+            self._inbox.put_nowait(("sample", {k: v.numpy() for k, v in sample.items()}))
         except (queue.Full, ValueError, OSError, AttributeError):
             self.stats.samples_dropped += 1
 
@@ -260,6 +261,9 @@ class Distiller:
         self._kill()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._close_queues()
+
+    def _close_queues(self) -> None:
         for q in (self._inbox, self._outbox):
             if q is not None:
                 q.cancel_join_thread()

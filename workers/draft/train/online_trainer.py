@@ -99,6 +99,7 @@ class _Trainer:
     # -- data
 
     def _take(self, sample: dict) -> None:
+        sample = {k: torch.as_tensor(v) for k, v in sample.items()}  # sent as numpy arrays (by value)
         n = int(sample["tokens"].shape[0])
         self.seen += 1
         if self.seen % self.cfg.holdout_every == 0:
