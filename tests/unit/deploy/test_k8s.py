@@ -562,3 +562,14 @@ def test_gpu_targets_size_their_kv_cache_for_a_gpu():
             continue
         args = target_main.parse_args(container["args"][1:])
         assert args.num_blocks is not None or args.kv_cache_gb > 4 * default, (name, args.kv_cache_gb)
+
+
+def assert_valid_and_locked_down(overlay: str, objs: list[dict]) -> None:
+    """What a component added to an overlay must keep: every object valid against the newest
+    Kubernetes schema, pods locked down, the namespace, and the network policy."""
+    for obj in objs:
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+    test_every_pod_is_locked_down((overlay, objs))
+    test_every_namespaced_object_of_every_overlay_has_the_tandem_namespace((overlay, objs))
+    test_network_policy_allows_what_tandem_needs_and_nothing_else((overlay, objs))

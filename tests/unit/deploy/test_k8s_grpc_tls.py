@@ -9,7 +9,6 @@ import os
 import re
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 
 from tests.unit.deploy import test_k8s
@@ -88,9 +87,4 @@ def test_targets_and_drafts_get_their_certificates_from_the_secret(with_tls, mon
 
 def test_the_component_keeps_every_overlay_valid_and_locked_down(with_tls):
     overlay, objs = with_tls
-    for obj in objs:
-        if obj["kind"] != "ServiceMonitor":
-            kubernetes_validate.validate(obj, test_k8s.K8S_VERSIONS[-1], strict=True)
-    test_k8s.test_every_pod_is_locked_down((overlay, objs))
-    test_k8s.test_every_namespaced_object_of_every_overlay_has_the_tandem_namespace((overlay, objs))
-    test_k8s.test_network_policy_allows_what_tandem_needs_and_nothing_else((overlay, objs))
+    test_k8s.assert_valid_and_locked_down(overlay, objs)

@@ -11,7 +11,6 @@ import importlib
 import os
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 
 from runtime.config import config_from_args
@@ -130,12 +129,7 @@ def test_etcd_and_nats_serve_mutual_tls_from_the_secret(with_tls):
 def test_the_components_keep_every_overlay_valid_and_locked_down(with_tls):
     overlay, objs = with_tls
     assert not [o for o in objs if o["kind"] == "Secret"], "secrets are created by the operator, not committed"
-    for obj in objs:
-        if obj["kind"] != "ServiceMonitor":
-            kubernetes_validate.validate(obj, test_k8s.K8S_VERSIONS[-1], strict=True)
-    test_k8s.test_every_pod_is_locked_down((overlay, objs))
-    test_k8s.test_every_namespaced_object_of_every_overlay_has_the_tandem_namespace((overlay, objs))
-    test_k8s.test_network_policy_allows_what_tandem_needs_and_nothing_else((overlay, objs))
+    test_k8s.assert_valid_and_locked_down(overlay, objs)
 
 
 def test_nats_creds_alone_leaves_the_urls_and_servers_plain(tmp_path, monkeypatch):
