@@ -111,6 +111,10 @@ class TargetCollector(Collector):
         yield counter("preemptions", "Requests preempted (recomputed) for lack of blocks.",
                       engine.scheduler.num_preemptions)
         yield counter("engine_steps", "Engine forward steps.", w.loop.steps)
+        yield counter("busy_seconds", "Seconds the step loop spent on iterations with work (waiting for "
+                      "proposals included).", w.loop.busy_seconds)
+        yield counter("draft_wait_seconds", "Seconds the step loop waited for rounds of draft proposals "
+                      "(the planner's draft:target rule reads its share of busy_seconds).", w.loop.draft_wait_seconds)
         spec = engine.spec  # speculation budgets and the step-cost model behind load-aware ones
         fixed, per_token, per_seq, speculating = spec.cost.coefficients()
         yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.", spec.planned_draft_tokens)

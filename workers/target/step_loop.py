@@ -136,6 +136,8 @@ class StepLoop:
         self._last_asked = False  # proposals were asked for the previous cycle's step
         self._failures_in_a_row = 0
         self.steps = 0
+        self.busy_seconds = 0.0  # time in iterations with work (waiting for proposals included)
+        self.draft_wait_seconds = 0.0  # of that, time spent waiting for a round of proposals
         self.step_failures = 0
         self.loop_errors = 0
         self.proposals_dropped = 0
@@ -247,6 +249,7 @@ class StepLoop:
         self._observe_step(cycle)
         self._talk_to_draft(cycle)
         self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
+        self.busy_seconds += time.perf_counter() - started
         self._last_asked = asked
 
     def _cycle(self, commands: list[Command], proposals: dict, context: DraftContext | None,
@@ -405,6 +408,7 @@ class StepLoop:
             log.warning("draft proposals failed: %r", exc)
             got = {}
         self._asked, self._arrived = len(pending), len(got)
+        self.draft_wait_seconds += time.perf_counter() - started
         if len(got) < len(pending):
             log.debug("draft round: %d of %d proposals within the %.1f ms deadline (waited %.1f ms)", len(got),
                       len(pending), 1e3 * deadline, 1e3 * (time.perf_counter() - started))
