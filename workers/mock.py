@@ -161,6 +161,7 @@ class MockWorker:
         publish: Publish,
         *,
         token_latency: float = 0.0,
+        latency_per_running: float = 0.0,
         prefill_latency_per_token: float = 0.0,
         block_size: int = 16,
         num_blocks: int = 4096,
@@ -175,9 +176,12 @@ class MockWorker:
     ):
         if not 0.0 <= acceptance_rate <= 1.0:
             raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
+        if token_latency < 0 or latency_per_running < 0:
+            raise ValueError("token latencies must be >= 0")
         self.worker_id = worker_id
         self._publish = publish
         self.token_latency = token_latency
+        self.latency_per_running = latency_per_running  # a batched engine's step grows with its batch
         self.prefill_latency_per_token = prefill_latency_per_token
         self.context_length = context_length
         self.acceptance_rate = acceptance_rate
@@ -270,8 +274,9 @@ class MockWorker:
                                                    num_accepted_tokens=spec.num_accepted_tokens + accepted,
                                                    accepted_per_pos=per_pos)
                     step = accepted + 1
-                if self.token_latency:
-                    await asyncio.sleep(self.token_latency)
+                delay = self.token_latency + self.latency_per_running * (self.running - 1)
+                if delay:
+                    await asyncio.sleep(delay)
                 tokens = []
                 for _ in range(min(step, sp.max_tokens - produced)):
                     index = len(req.output_ids) + produced
@@ -307,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="mock", help="model name to serve")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the demo SmolLM2 tokenizer)")
     parser.add_argument("--token-latency-ms", type=float, default=5.0, help="time per generated token (0 = as fast as possible)")
+    parser.add_argument("--token-latency-per-running-ms", type=float, default=0.0,
+                        help="extra time per generated token for each other request running here (a batched "
+                             "engine's step grows with its batch; 0: latency independent of load)")
     parser.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time per uncached prompt token")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per simulated KV cache block")
     parser.add_argument("--num-blocks", type=int, default=4096, help="simulated KV cache blocks")
@@ -339,6 +347,7 @@ async def amain(args: argparse.Namespace) -> None:
             rt.instance_id,
             rt.publish,
             token_latency=args.token_latency_ms / 1000,
+            latency_per_running=args.token_latency_per_running_ms / 1000,
             prefill_latency_per_token=args.prefill_latency_ms / 1000,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
@@ -376,6 +385,8 @@ def main(argv=None) -> None:
     def tokenizer() -> None:
         if args.tokenizer and not Path(args.tokenizer).exists():
             raise ValueError(f"--tokenizer {args.tokenizer} does not exist")
+        if args.token_latency_ms < 0 or args.token_latency_per_running_ms < 0:
+            raise ValueError("--token-latency-ms and --token-latency-per-running-ms must be >= 0")
 
     exit_on_bad_config("python -m workers.mock", tokenizer, lambda: check_log_level(args.log_level),
                        lambda: config_from_args(args, drain_timeout=args.drain_timeout))

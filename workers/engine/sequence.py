@@ -44,6 +44,8 @@ class Sequence:
     num_generated: int = 0
     status: SeqStatus = SeqStatus.WAITING
     grammar: Grammar | None = None  # structured output: every sampled token obeys its mask
+    prefill_only: bool = False  # a prefill worker's request: ends after its first token, KV handed off
+    handed_off: bool = False  # it did: its blocks are parked for a decode worker (Engine.take_handoffs)
 
     def __len__(self) -> int:
         return len(self.token_ids)
