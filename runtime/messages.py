@@ -137,8 +137,66 @@ class SamplingParams(_Wire):
     min_p: float = 0.0  # [0, 1]
 
 
+class KvHandoff(_Wire):
+    """A prompt computed by a prefill worker, waiting in its KV cache for a decode worker to pull.
+
+    ``block_ids`` are the prefill worker's blocks holding positions ``[0, num_tokens)`` (block i
+    holds positions ``[i·bs, (i+1)·bs)``); the decode worker reads them, and the hidden-state rows
+    of the same slots, with one-sided NIXL READs from the agent ``worker_id`` registered in etcd
+    (:class:`KvAgentRecord`), then sends :class:`KvRelease`. The prefill worker frees them then, or
+    after ``ttl`` seconds whatever happens.
+    """
+
+    worker_id: str  # the prefill worker's instance id (its agent record and release subject)
+    handoff_id: str
+    block_ids: list[int]
+    num_tokens: int
+    ttl: float = 30.0
+    cached_tokens: int = 0  # prompt tokens the prefill worker found in its own prefix cache
+
+
+class KvRelease(_Wire):
+    """Sent to a prefill worker (event topic ``kv_release.{worker_id}``): free a handoff's blocks."""
+
+    handoff_ids: list[str]
+    ok: bool = True  # False: the pull failed (counted; the blocks are freed all the same)
+
+
+class KvLayout(_Wire):
+    """What a worker's registered KV memory holds, so that a reader can refuse what does not fit.
+
+    Regions are listed keys then values per layer, then hidden-state rows per offered layer; block
+    b of region r starts at ``addresses[r] + b * block_bytes[r]``.
+    """
+
+    model: str
+    block_size: int
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden_layers: list[int]
+    hidden_size: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+    addresses: list[int]
+    block_bytes: list[int]
+
+
+class KvAgentRecord(_Wire):
+    """A worker's NIXL agent (etcd ``tandem/{ns}/kv_agents/{instance_id}``, on its lease): published
+    once at start, read by decode workers the first time they pull from it."""
+
+    instance_id: str
+    agent_name: str
+    metadata: bytes
+    layout: KvLayout
+
+
 class GenerateRequest(_Wire):
-    """Token ids in. ``output_ids`` carries tokens already generated elsewhere (migration)."""
+    """Token ids in. ``output_ids`` carries tokens already generated elsewhere (migration, or the first
+    token of a remote prefill, whose KV ``kv_transfer`` says where to pull from)."""
 
     token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
@@ -147,6 +205,7 @@ class GenerateRequest(_Wire):
     output_ids: list[int] = []
     speculative_tree_topk: int | None = None  # draft trees: children per node (1: a chain); None: the worker's
     speculative_tree_depth: int | None = None  # draft trees: depth; None: the worker's
+    kv_transfer: KvHandoff | None = None  # the prompt's KV waits on a prefill worker: pull it
 
 
 class SpecUsage(_Wire):
@@ -194,6 +253,7 @@ class TokenDelta(_Wire):
     top_logprobs: list[list[TopLogprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled"
     usage: Usage | None = None
+    kv_handoff: KvHandoff | None = None  # a prefill worker's only delta: where the prompt's KV waits
 
 
 # --------------------------------------------------------------------------- event plane (NATS)

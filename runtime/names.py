@@ -46,6 +46,19 @@ def model_key(namespace: str, model: str, instance_id: str) -> str:
     return f"{models_prefix(namespace)}{model.replace('/', '%2F')}/{instance_id}"
 
 
+def kv_agents_prefix(namespace: str) -> str:
+    return f"tandem/{namespace}/kv_agents/"
+
+
+def kv_agent_key(namespace: str, instance_id: str) -> str:
+    return f"{kv_agents_prefix(namespace)}{instance_id}"
+
+
+def kv_release_topic(instance_id: str) -> str:
+    """The event topic a prefill worker hears :class:`runtime.messages.KvRelease` on."""
+    return f"kv_release.{instance_id}"
+
+
 def endpoint_subject(namespace: str, component: str, endpoint: str, instance_id: str) -> str:
     return f"{namespace}.{component}.{endpoint}.{instance_id}"
 

@@ -35,8 +35,9 @@ from .etcd import EtcdClient
 from .errors import NoInstances, StartupError
 from .events import EventPlane, Subscription
 from .health import HealthServer
-from .messages import InstanceRecord, ModelCard, encode
-from .names import check_token, instance_key, instances_prefix, model_key, models_prefix, new_instance_id
+from .messages import InstanceRecord, KvAgentRecord, ModelCard, encode
+from .names import (check_token, instance_key, instances_prefix, kv_agent_key, kv_agents_prefix, model_key, models_prefix,
+                    new_instance_id)
 from .request_plane import Handler, PendingBytes, RequestClient, RequestServer, ResponseStream
 
 log = logging.getLogger(__name__)
@@ -419,6 +420,15 @@ class Runtime:
         if not card.instance_id:
             card = msgspec.structs.replace(card, instance_id=self.instance_id)
         await self._registrar.put(model_key(self.namespace, card.name, self.instance_id), encode(card))
+
+    async def register_kv_agent(self, record: KvAgentRecord) -> None:
+        """Publish this process's NIXL agent (metadata and memory layout) on its lease, for decode
+        workers that pull KV from it."""
+        await self._registrar.put(kv_agent_key(self.namespace, self.instance_id), encode(record))
+
+    async def kv_agents(self) -> Snapshot[KvAgentRecord]:
+        """A live view of the namespace's registered NIXL agents, keyed by etcd key."""
+        return await self._snapshot(kv_agents_prefix(self.namespace), KvAgentRecord)
 
     @property
     def in_flight(self) -> int:

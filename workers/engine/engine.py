@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InvalidRequest
-from runtime.messages import KvEvent, SamplingParams, TokenDelta, TopLogprob, Usage
+from runtime.messages import KvEvent, KvHandoff, SamplingParams, TokenDelta, TopLogprob, Usage
 from runtime.validation import validate_request
 
 from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, VerifyResult
@@ -43,11 +43,13 @@ from .model import DecoderModel
 from .model_runner import ModelRunner
 from .sampling import is_greedy, logprobs_of, sample
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SeqStatus
 from .speculator import Drafted, Speculator
 from .verifier import Candidate, verify
 
 log = logging.getLogger(__name__)
+
+HANDOFF = "handoff"  # a prefill-only request's finish reason: its KV waits for a decode worker (see KvHandoff)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,13 @@ class Engine:
         self._verdicts: list[tuple[Sequence, int, int, list[int], int]] = []
         self.time_steps = True  # the cost model times step(); a serving loop times whole cycles instead
         self.last_batch: list[str] = []  # request ids of the latest step's batch (what a failure concerns)
+        # prefill/decode disaggregation: blocks handed off (prefill side) and being pulled (decode side)
+        self.parked: dict[str, Parked] = {}
+        self.receiving: dict[str, Receiving] = {}
+        self._handoffs: dict[str, KvHandoff] = {}
+        self.handoff_ttl = 30.0
+        self.handoffs_expired = 0
+        self.quarantined_blocks = 0
         self.last_step = StepStats()
         log.info("engine: %d blocks of %d tokens, max_model_len %d, hidden layers %s", num_blocks, config.block_size,
                  max_len, list(layers) or "none")
@@ -157,12 +166,23 @@ class Engine:
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     output_ids: list[int] = (), grammar: Grammar | None = None, *,
                     num_speculative_tokens: int | None = None, tree_topk: int | None = None,
-                    tree_depth: int | None = None) -> None:
+                    tree_depth: int | None = None, prefill_only: bool = False) -> None:
         """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request.
         ``grammar``: the request's compiled ``params.structured`` (compiled here when not given).
         ``num_speculative_tokens``, ``tree_topk``, ``tree_depth``: this request's speculation (None:
-        the engine's settings)."""
-        if request_id in self.seqs:
+        the engine's settings). ``prefill_only``: a prefill worker's request, which ends after its
+        first token with finish reason :data:`HANDOFF`, its blocks kept for a decode worker to pull
+        (:meth:`take_handoffs`)."""
+        seq = self._new_sequence(request_id, token_ids, params, output_ids, grammar, num_speculative_tokens,
+                                 tree_topk, tree_depth)
+        if seq is not None:
+            seq.prefill_only = prefill_only
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids, grammar,
+                      num_speculative_tokens, tree_topk, tree_depth) -> Sequence | None:
+        """A checked, registered sequence not yet queued; None for a request that ended at once."""
+        if request_id in self.seqs or request_id in self.receiving:
             raise InvalidRequest(f"request id {request_id!r} is already running", field="request_id")
         self.validate(token_ids, params, output_ids)
         if params.structured is not None:
@@ -174,7 +194,7 @@ class Engine:
         if params.max_tokens == 0:
             usage = Usage(len(token_ids), len(output_ids), 0)
             self._immediate.append((request_id, TokenDelta(finish_reason="length", usage=usage)))
-            return
+            return None
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         generator = None
         if params.seed is not None and not is_greedy(params.temperature):
@@ -182,16 +202,18 @@ class Engine:
         seq = Sequence(request_id, list(token_ids) + list(output_ids), len(token_ids), len(output_ids), params,
                        frozenset(t for t in stop if 0 <= t < self.vocab_size), generator, grammar=grammar)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
         self.spec.add(request_id, num_speculative_tokens, tree_topk, tree_depth)
+        return seq
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and free its blocks; False if it is not running here."""
+        """Drop a request and free its blocks; False if it is not running here. (A request whose KV
+        is still being pulled keeps its blocks until :meth:`finish_receive` says the pull ended.)"""
         self.spec.forget(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
+        if request_id not in self.receiving:
+            self.scheduler.finish(seq)
         return True
 
     def has_work(self) -> bool:
@@ -478,6 +500,9 @@ class Engine:
             return "stop"
         if seq.num_generated >= seq.params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
+        if seq.prefill_only:
+            seq.handed_off = True
+            return HANDOFF
         return None
 
     def _close(self, seq: Sequence) -> Usage:
@@ -485,9 +510,112 @@ class Engine:
         spec = self.spec.usage(seq.request_id)
         self.spec.forget(seq.request_id)
         self.seqs.pop(seq.request_id, None)
+        if seq.handed_off:
+            self._park(seq)  # its blocks stay for the decode worker: the scheduler frees none
         self.scheduler.finish(seq)
         return Usage(seq.num_prompt_tokens, seq.num_prefilled_outputs + seq.num_generated,
                      max(seq.num_cached_tokens, 0), spec)
+
+    # ------------------------------------------------------------------ prefill/decode disaggregation
+
+    def _park(self, seq: Sequence) -> None:
+        """A prefill-only sequence's first token is out: keep its blocks (positions ``[0,
+        num_computed)``) for the decode worker, and say where they are (:meth:`take_handoffs`)."""
+        blocks, seq.block_table = seq.block_table, []
+        self.parked[seq.request_id] = Parked(blocks, time.monotonic() + self.handoff_ttl)
+        self._handoffs[seq.request_id] = KvHandoff(self.blocks.worker_id, seq.request_id, list(blocks),
+                                                   seq.num_computed, self.handoff_ttl, max(seq.num_cached_tokens, 0))
+
+    def take_handoffs(self) -> dict[str, KvHandoff]:
+        """Handoffs of the requests that finished with :data:`HANDOFF` since the last call."""
+        out, self._handoffs = self._handoffs, {}
+        return out
+
+    def release_parked(self, handoff_ids: list[str]) -> int:
+        """Free the blocks of handoffs a decode worker has pulled (or given up on); returns how many
+        were still parked (a late or repeated release is a no-op)."""
+        released = 0
+        for hid in handoff_ids:
+            parked = self.parked.pop(hid, None)
+            if parked is not None:
+                self.blocks.free(parked.blocks)
+                released += 1
+        return released
+
+    def expire_parked(self, now: float | None = None) -> int:
+        """Free handoffs nobody pulled within their ttl (a decode worker that died, a request that
+        went elsewhere); returns how many."""
+        now = time.monotonic() if now is None else now
+        expired = [hid for hid, p in self.parked.items() if p.deadline <= now]
+        self.release_parked(expired)
+        self.handoffs_expired += len(expired)
+        if expired:
+            log.info("freed %d handoffs no decode worker pulled in %gs", len(expired), self.handoff_ttl)
+        return len(expired)
+
+    @property
+    def parked_blocks(self) -> int:
+        return sum(len(p.blocks) for p in self.parked.values())
+
+    def receive(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
+                handoff: KvHandoff, grammar: Grammar | None = None, *, num_speculative_tokens: int | None = None,
+                tree_topk: int | None = None, tree_depth: int | None = None) -> Receiving | None:
+        """Admit a request whose prompt a prefill worker computed (decode side).
+
+        Takes this engine's cached prefix of the handed-off positions and fresh blocks for the rest,
+        and returns what to pull into which blocks (:class:`Receiving`); the sequence waits outside
+        the scheduler until :meth:`finish_receive`. None when the request ended at once, or when
+        there is no room for its blocks: it is then queued to prefill here like any other.
+        """
+        n = handoff.num_tokens
+        if not 0 < n < len(token_ids) + len(output_ids) or len(handoff.block_ids) != -(-n // self.config.block_size):
+            raise InvalidRequest(f"kv_transfer covers {n} tokens in {len(handoff.block_ids)} blocks of a request of "
+                                 f"{len(token_ids) + len(output_ids)}", field="kv_transfer")
+        seq = self._new_sequence(request_id, token_ids, params, output_ids, grammar, num_speculative_tokens,
+                                 tree_topk, tree_depth)
+        if seq is None:
+            return None
+        bs = self.config.block_size
+        hits = self.blocks.match_prefix(seq.full_block_hashes(bs, n))
+        need = -(-n // bs) - len(hits)
+        reclaimed = sum(1 for b in hits if self.blocks.ref_count[b] == 0)
+        if not self.blocks.can_allocate(need + reclaimed):
+            self.scheduler.add(seq)
+            return None
+        self.blocks.acquire(hits)
+        seq.block_table = hits + self.blocks.allocate(need)
+        seq.num_registered = len(hits)
+        seq.num_cached_tokens = len(hits) * bs
+        receiving = Receiving(seq, n, len(hits), seq.block_table[len(hits):], handoff.block_ids[len(hits):])
+        self.receiving[request_id] = receiving
+        return receiving
+
+    def finish_receive(self, request_id: str, ok: bool, quarantine: bool = False) -> None:
+        """The pull of ``request_id``'s KV ended. ``ok``: the sequence runs from here, its prompt
+        computed. Else it prefills here (recomputes); ``quarantine``: the failed pull may still land
+        in its blocks later, so they are never reused (counted in ``quarantined_blocks``)."""
+        r = self.receiving.pop(request_id)
+        seq = r.seq
+        if quarantine:
+            kept = len(seq.block_table) - r.first_block
+            self.quarantined_blocks += kept
+            log.error("request %s: a KV pull that could not be cancelled: %d blocks taken out of use",
+                      request_id, kept)
+            self.blocks.free(seq.block_table[: r.first_block])
+            seq.block_table = []
+        if self.seqs.get(request_id) is not seq:  # aborted meanwhile
+            self.scheduler.finish(seq)
+            return
+        if ok:
+            seq.num_computed = r.num_tokens
+            seq.status = SeqStatus.RUNNING
+            self.scheduler.running.append(seq)
+            self._register_blocks(seq, self.config.block_size)
+            return
+        self.scheduler.finish(seq)
+        seq.reset_for_recompute()
+        seq.num_cached_tokens = -1
+        self.scheduler.add(seq)
 
     # ------------------------------------------------------------------ introspection
 
@@ -511,6 +639,27 @@ class Engine:
             for rid, delta in self.step():
                 result[rid].extend(delta.token_ids)
         return result
+
+
+@dataclass
+class Parked:
+    """A handed-off prompt's blocks on a prefill worker, freed when pulled or at ``deadline``."""
+
+    blocks: list[int]
+    deadline: float  # time.monotonic()
+
+
+@dataclass
+class Receiving:
+    """A decode-side request whose prompt KV is being pulled: blocks ``[first_block:]`` of its table
+    (``local``) are read from the prefill worker's ``remote`` blocks; the ones before are this
+    engine's own prefix-cache hits."""
+
+    seq: Sequence
+    num_tokens: int
+    first_block: int
+    local: list[int]
+    remote: list[int]
 
 
 @dataclass

@@ -29,7 +29,8 @@ from prometheus_client import REGISTRY
 from runtime import Runtime
 from runtime.config import add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
 from runtime.events import TOPIC_KV_DUMP
-from runtime.messages import GenerateRequest, KvDumpRequest, ModelCard
+from runtime.messages import GenerateRequest, KvDumpRequest, KvRelease, ModelCard
+from runtime.names import kv_release_topic
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 from workers.target.metrics import TargetCollector
 
@@ -65,6 +66,9 @@ class TargetConfig:
     propose_min_wait: float = 0.02  # the least a round of proposals is waited for
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 60.0  # the most seconds a collective waits for another rank
+    role: str = "aggregated"  # aggregated, prefill or decode (prefill/decode disaggregation)
+    kv_transfer_timeout: float = 5.0  # decode: the most seconds a KV pull may take before prefilling here
+    kv_handoff_ttl: float = 30.0  # prefill: seconds handed-off blocks wait for their decode worker
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -93,6 +97,15 @@ class TargetConfig:
             raise ValueError("--tensor-parallel-size must be >= 1 and --tensor-parallel-timeout positive")
         if self.tensor_parallel_size > 1:
             self._check_shardable()
+        if self.role not in ("aggregated", "prefill", "decode"):
+            raise ValueError(f"--role must be aggregated, prefill or decode, got {self.role!r}")
+        if self.role != "aggregated" and self.tensor_parallel_size > 1:
+            raise ValueError("--role prefill/decode does not combine with --tensor-parallel-size > 1 yet")
+        if self.kv_transfer_timeout <= 0 or self.kv_handoff_ttl <= 0:
+            raise ValueError("--kv-transfer-timeout and --kv-handoff-ttl must be positive")
+        if self.role != "aggregated" and self.kv_transfer_timeout >= self.kv_handoff_ttl:
+            raise ValueError("--kv-transfer-timeout must be shorter than --kv-handoff-ttl (a pull must end before "
+                             "the prefill worker may reuse the blocks)")
         if self.hidden_layers not in ("auto", "none"):
             try:
                 [int(x) for x in self.hidden_layers.split(",")]
@@ -173,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reach draft workers over TLS, trusting this CA (PEM; 'system' for the system roots)")
     parser.add_argument("--draft-tls-cert", default=None, help="mutual TLS: this target's certificate (PEM)")
     parser.add_argument("--draft-tls-key", default=None, help="mutual TLS: its key (PEM)")
+    parser.add_argument("--role", default="aggregated", choices=["aggregated", "prefill", "decode"],
+                        help="prefill/decode disaggregation: aggregated (prefill and decode here), prefill (serve "
+                             "prefill.generate: compute prompts and hand their KV to decode workers), or decode "
+                             "(serve target.generate and pull handed-off prompts' KV with NIXL)")
+    parser.add_argument("--kv-transfer-timeout", type=float, default=5.0,
+                        help="decode role: the most seconds a KV pull may take; past it the request prefills here")
+    parser.add_argument("--kv-handoff-ttl", type=float, default=30.0,
+                        help="prefill role: seconds handed-off KV blocks wait for their decode worker before they "
+                             "are freed")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)
@@ -190,7 +212,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
                         not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait,
-                        args.tensor_parallel_size, args.tensor_parallel_timeout)
+                        args.tensor_parallel_size, args.tensor_parallel_timeout, args.role, args.kv_transfer_timeout,
+                        args.kv_handoff_ttl)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -314,20 +337,36 @@ async def amain(args: argparse.Namespace) -> None:
                 rt.shutdown()
 
             followers.on_failure(lambda reason: loop.call_soon_threadsafe(rank_failed, reason))
-        drafts = await rt.client("draft", "speculate")
-        pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
-                         hidden_layers=engine.hidden_layers, tls=client_tls(args))
+        engine.handoff_ttl = cfg.kv_handoff_ttl
+        kv_agent = None
+        if cfg.role != "aggregated":
+            from workers.target.kv_transfer import KvAgent, kv_regions, layout_of
+
+            kv_agent = KvAgent(f"tandem-{rt.instance_id}", kv_regions(engine), layout_of(engine, cfg.served_model_name))
+            await rt.register_kv_agent(kv_agent.record(rt.instance_id))
+        pool = receiver = None
+        if cfg.role != "prefill":
+            drafts = await rt.client("draft", "speculate")
+            pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
+                             hidden_layers=engine.hidden_layers, tls=client_tls(args))
+        if cfg.role == "decode":
+            from workers.target.disagg import DisaggStats, KvReceiver
+
+            agents = await rt.kv_agents()
+            receiver = KvReceiver(kv_agent, agents.values, rt.publish, DisaggStats(), cfg.kv_transfer_timeout)
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
                               pool=pool, propose_timeout=cfg.propose_timeout, propose_min_wait=cfg.propose_min_wait,
-                              epoch=rt.started_at)
+                              epoch=rt.started_at, role=cfg.role, receiver=receiver)
         await worker.start()
         rt.add_health_check(lambda: worker.healthy and not failed)
         REGISTRY.register(TargetCollector(worker, cfg.served_model_name))
+        if cfg.role == "prefill":
+            await rt.subscribe(kv_release_topic(rt.instance_id), KvRelease, worker.keeper.on_release)
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
         await rt.register_model(ModelCard(
             name=cfg.served_model_name,
-            role="target",
+            role="prefill" if cfg.role == "prefill" else "target",
             tokenizer_path=str(model_dir),
             context_length=engine.max_model_len,
             kv_block_size=cfg.block_size,
@@ -337,13 +376,20 @@ async def amain(args: argparse.Namespace) -> None:
             structured_outputs=engine.grammars is not None,
         ))
         # The instance record goes last: once it is visible, the model card is there too.
-        await rt.serve("target", "generate", worker.generate, GenerateRequest, role="target", model=cfg.served_model_name)
-        log.info("target worker %s ready: model %s (%d blocks of %d)", rt.instance_id, cfg.served_model_name,
-                 engine.blocks.num_blocks, cfg.block_size)
+        if cfg.role == "prefill":
+            await rt.serve("prefill", "generate", worker.prefill, GenerateRequest, role="prefill",
+                           model=cfg.served_model_name)
+        else:
+            await rt.serve("target", "generate", worker.generate, GenerateRequest,
+                           role="decode" if cfg.role == "decode" else "target", model=cfg.served_model_name)
+        log.info("target worker %s ready (%s): model %s (%d blocks of %d)", rt.instance_id, cfg.role,
+                 cfg.served_model_name, engine.blocks.num_blocks, cfg.block_size)
         await rt.wait_for_shutdown()
         # a failed group fails every step at once: the open requests end (and move) without a wait
         await worker.drain(args.drain_timeout)
         await worker.stop()
+        if kv_agent is not None:
+            kv_agent.close()
         if followers is not None:
             await asyncio.to_thread(followers.close)
     if failed:

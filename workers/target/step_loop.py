@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
+
 from runtime.errors import EngineFailed
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import KvEvent, SamplingParams, TokenDelta
@@ -57,6 +59,7 @@ class AddRequest:
     num_speculative_tokens: int | None = None  # None: the engine's default γ
     tree: tuple[int | None, int | None] = (None, None)  # (top-k, depth); None: the engine's setting
     grammar: Grammar | None = None  # params.structured, compiled off the loop
+    prefill_only: bool = False  # a prefill worker's request: its last delta carries the KV handoff
 
 
 @dataclass(frozen=True)
@@ -171,16 +174,37 @@ class StepLoop:
 
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
                num_speculative_tokens: int | None = None,
-               tree: tuple[int | None, int | None] = (None, None), grammar: Grammar | None = None) -> asyncio.Queue:
+               tree: tuple[int | None, int | None] = (None, None), grammar: Grammar | None = None,
+               prefill_only: bool = False) -> asyncio.Queue:
         """Validate (raises InvalidRequest here, on the caller's side) and queue a request; its
         deltas, or the exception that ended it, arrive on the returned queue. ``grammar``: the
-        compiled ``params.structured`` (see :meth:`compile_grammar`)."""
+        compiled ``params.structured`` (see :meth:`compile_grammar`). ``prefill_only``: the request
+        ends after its first token, whose delta carries a ``kv_handoff``."""
         self.engine.validate(token_ids, params, output_ids)
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out
         self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens, tree,
-                              grammar))
+                              grammar, prefill_only))
         return out
+
+    async def receive(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
+                      handoff, num_speculative_tokens: int | None = None,
+                      tree: tuple[int | None, int | None] = (None, None), grammar: Grammar | None = None):
+        """Like :meth:`submit` for a request whose prompt KV a prefill worker holds (``handoff``):
+        returns its queue and the engine's :class:`~workers.engine.engine.Receiving` (what to pull;
+        None when it was queued to prefill here, or ended at once)."""
+        self.engine.validate(token_ids, params, output_ids)
+        out: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = out
+        top_k, depth = tree
+        try:
+            receiving = await self.call(lambda engine: engine.receive(
+                request_id, token_ids, params, output_ids, handoff, grammar,
+                num_speculative_tokens=num_speculative_tokens, tree_topk=top_k, tree_depth=depth))
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        return out, receiving
 
     async def compile_grammar(self, token_ids: list[int], params: SamplingParams, output_ids: list[int] = ()) -> Grammar:
         """``params.structured`` compiled in a thread (a large schema takes milliseconds; the first one
@@ -270,6 +294,10 @@ class StepLoop:
             started = time.perf_counter()
             try:
                 out.outputs = engine.step(proposals)
+                handoffs = engine.take_handoffs()  # prefill role: handed-off requests' last deltas say where
+                if handoffs:  # their KV waits
+                    out.outputs = [(rid, msgspec.structs.replace(d, kv_handoff=handoffs[rid]) if rid in handoffs else d)
+                                   for rid, d in out.outputs]
                 self._failures_in_a_row = 0
                 if engine.last_step.tokens:
                     out.decode_seconds = time.perf_counter() - started
@@ -294,7 +322,7 @@ class StepLoop:
                 top_k, depth = cmd.tree
                 engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids, cmd.grammar,
                                    num_speculative_tokens=cmd.num_speculative_tokens, tree_topk=top_k,
-                                   tree_depth=depth)
+                                   tree_depth=depth, prefill_only=cmd.prefill_only)
                 return cmd, None, None
             if isinstance(cmd, AbortRequest):
                 engine.abort(cmd.request_id)

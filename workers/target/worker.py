@@ -12,11 +12,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
+
 from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
-from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, TokenDelta
+from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, KvRelease, LoadEvent, TokenDelta
+from runtime.names import kv_release_topic
 
 from ..engine.engine import Engine
+from .disagg import DisaggStats, HandoffKeeper, KvReceiver
 from .draft_client import DraftPool
 from .metrics import RequestStats
 from .draft_watch import DraftWatch
@@ -35,7 +39,7 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     logprobs = [x for d in deltas for x in d.logprobs] if all(d.logprobs is not None for d in deltas) else None
     top = [x for d in deltas for x in d.top_logprobs] if all(d.top_logprobs is not None for d in deltas) else None
     last = deltas[-1]
-    return TokenDelta(tokens, logprobs, top, last.finish_reason, last.usage)
+    return TokenDelta(tokens, logprobs, top, last.finish_reason, last.usage, last.kv_handoff)
 
 
 class TargetWorker:
@@ -44,8 +48,13 @@ class TargetWorker:
 
     def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
                  load_interval: float = 0.5, *, pool: DraftPool | None = None, propose_timeout: float = 2.0,
-                 propose_min_wait: float = 0.02, epoch: float = 0.0):
+                 propose_min_wait: float = 0.02, epoch: float = 0.0, role: str = "aggregated",
+                 receiver: KvReceiver | None = None):
         self.engine = engine
+        self.role = role
+        self.disagg = receiver.stats if receiver is not None else DisaggStats()
+        self.receiver = receiver  # decode role: pulls prompts' KV from prefill workers
+        self.keeper: HandoffKeeper | None = None
         self.worker_id = worker_id
         self.model_name = model_name
         self._publish = publish
@@ -60,6 +69,9 @@ class TargetWorker:
 
     async def start(self) -> None:
         self.loop.start()
+        if self.role == "prefill":
+            self.keeper = HandoffKeeper(self.loop, self.disagg)
+            self.keeper.start()
         await self.loop.call(lambda engine: engine.blocks.clear())  # tell routers we start empty
         self._tasks.append(asyncio.create_task(self._publish_kv(), name="target-kv-events"))
         self._tasks.append(asyncio.create_task(self._publish_load(), name="target-load"))
@@ -74,10 +86,30 @@ class TargetWorker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.receiver is not None:
+            await self.receiver.stop()
+        if self.keeper is not None:
+            await self.keeper.stop()
         await self.loop.stop()
 
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[TokenDelta]:
-        """Token ids in, token deltas out; the last delta has the finish reason and usage."""
+        """Token ids in, token deltas out; the last delta has the finish reason and usage. A request
+        with ``kv_transfer`` (decode role) has its prompt's KV pulled from a prefill worker."""
+        async for delta in self._serve(req, ctx, prefill_only=False):
+            yield delta
+
+    async def prefill(self, req: GenerateRequest, ctx) -> AsyncIterator[TokenDelta]:
+        """Prefill role: compute the prompt and its first token; the one delta carries that token and,
+        unless the request ended with it, the ``kv_handoff`` saying where its KV waits."""
+        if req.kv_transfer is not None:
+            raise InvalidRequest("a prefill worker computes prompts; it takes no kv_transfer", field="kv_transfer")
+        async for delta in self._serve(req, ctx, prefill_only=True):
+            if delta.kv_handoff is not None:
+                self.disagg.handoffs += 1
+                delta = msgspec.structs.replace(delta, finish_reason=None, usage=None)
+            yield delta
+
+    async def _serve(self, req: GenerateRequest, ctx, prefill_only: bool) -> AsyncIterator[TokenDelta]:
         if req.model and req.model != self.model_name:
             raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
         rid = f"{ctx.request_id}#{next(self._ids)}"
@@ -88,11 +120,18 @@ class TargetWorker:
         grammar = None
         if req.sampling.structured is not None:
             grammar = await self.loop.compile_grammar(list(req.token_ids), req.sampling, list(req.output_ids))
-        out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids), req.num_speculative_tokens,
-                               (req.speculative_tree_topk, req.speculative_tree_depth), grammar)
-        finished = False
         started, last = time.monotonic(), None
+        finished = False
         try:
+            if req.kv_transfer is not None and self.receiver is not None:
+                out = await self.receiver.admit(self.loop, rid, req, grammar)
+            else:
+                if req.kv_transfer is not None:  # not a decode worker: prefill here, and free the handoff
+                    self.disagg.local_prefills["not_decode"] += 1
+                    await self._release_handoff(req.kv_transfer)
+                out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids),
+                                       req.num_speculative_tokens,
+                                       (req.speculative_tree_topk, req.speculative_tree_depth), grammar, prefill_only)
             while not finished:
                 items = [await out.get()]
                 while not out.empty():
@@ -114,6 +153,12 @@ class TargetWorker:
         finally:
             if not finished:
                 self.loop.abort(rid)
+
+    async def _release_handoff(self, handoff) -> None:
+        try:
+            await self._publish(kv_release_topic(handoff.worker_id), KvRelease([handoff.handoff_id], False))
+        except Exception as exc:  # its ttl frees it
+            log.debug("KV release to %s not sent: %r", handoff.worker_id, exc)
 
     @property
     def healthy(self) -> bool:

@@ -1,0 +1,213 @@
+"""Prefill/decode handoff inside the engine, with real NIXL transfers between two engines' caches.
+
+A prefill engine computes a prompt and parks its blocks; a decode engine takes its own cached prefix,
+pulls the rest (keys, values and the hidden rows drafts read) with one-sided NIXL READs, and decodes
+on: greedy output must equal one engine doing it all, with and without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import torch
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.draft.draft_model import DraftModelProposer
+from workers.engine.engine import HANDOFF, Engine, EngineConfig
+from workers.engine.weights import load_model
+from workers.target.kv_transfer import KvAgent, TransferFailed, block_runs, incompatibility, kv_regions, layout_of
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 96
+CFG = EngineConfig(block_size=4, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tiny_hf_model("llama", path, seed=1, vocab=VOCAB, layers=2)
+    return path
+
+
+def engine_of(target_dir, cfg: EngineConfig = CFG) -> Engine:
+    return Engine(load_model(target_dir), cfg, "w", eos_token_ids=(), hidden_layers=(1, 2))
+
+
+@pytest.fixture(scope="module")
+def pair(target_dir):
+    """A prefill and a decode engine, each with its cache registered with a NIXL agent."""
+    prefill, decode = engine_of(target_dir), engine_of(target_dir)
+    a = KvAgent("prefill-test", kv_regions(prefill), layout_of(prefill, "tiny"))
+    b = KvAgent("decode-test", kv_regions(decode), layout_of(decode, "tiny"))
+    yield prefill, a, decode, b
+    a.close()
+    b.close()
+
+
+def prefill_one(engine: Engine, rid: str, prompt: list[int], params=GREEDY):
+    engine.add_request(rid, prompt, params, prefill_only=True)
+    outputs = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+    [(got, delta)] = outputs
+    assert got == rid
+    return delta, engine.take_handoffs().get(rid)
+
+
+def decode_rest(engine: Engine, rid: str, proposer=None) -> list[int]:
+    tokens = []
+    while engine.has_work():
+        proposals = {}
+        if proposer is not None:
+            inputs = engine.draft_inputs()
+            proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
+        for got, delta in engine.step(proposals):
+            assert got == rid
+            tokens.extend(delta.token_ids)
+        if proposer is not None:
+            proposer.verified(engine.take_verdicts())
+            proposer.release(engine.take_released())
+    return tokens
+
+
+def rest_of(params: SamplingParams) -> SamplingParams:
+    """What the frontend sends the decode worker: the budget left after the first token."""
+    return msgspec.structs.replace(params, max_tokens=params.max_tokens - 1)
+
+
+def hand_over(pair, rid: str, prompt: list[int], params=GREEDY, proposer=None, timeout: float = 5.0):
+    prefill, a, decode, b = pair
+    delta, handoff = prefill_one(prefill, rid, prompt, params)
+    assert delta.finish_reason == HANDOFF and len(delta.token_ids) == 1
+    assert handoff.num_tokens == len(prompt) and rid in prefill.parked
+    receiving = decode.receive(rid, prompt, rest_of(params), delta.token_ids, handoff)
+    assert receiving is not None
+    pulled = None
+    if receiving.local:
+        pulled = asyncio.run(b.pull(a.record("p"), receiving.local, receiving.remote, timeout))
+    decode.finish_receive(rid, True)
+    assert prefill.release_parked([handoff.handoff_id]) == 1
+    return delta.token_ids + decode_rest(decode, rid, proposer), receiving, pulled
+
+
+def test_block_runs_merge_blocks_consecutive_on_both_sides():
+    assert block_runs([4, 5, 6, 9, 10], [7, 8, 9, 10, 11]) == [(4, 7, 3), (9, 10, 2)]
+    assert block_runs([1, 2, 3], [5, 4, 3]) == [(1, 5, 1), (2, 4, 1), (3, 3, 1)]
+    assert block_runs([], []) == []
+
+
+def test_layouts_that_do_not_fit_are_refused(pair):
+    prefill, a, _, _ = pair
+    mine = layout_of(prefill, "tiny")
+    assert incompatibility(mine, mine) is None
+    assert "block_size" in incompatibility(mine, msgspec.structs.replace(mine, block_size=8))
+    assert "model" in incompatibility(mine, msgspec.structs.replace(mine, model="other"))
+    assert "hidden layers" in incompatibility(mine, msgspec.structs.replace(mine, hidden_layers=[2]))
+
+
+def test_handed_off_prompt_decodes_to_the_same_tokens_as_one_engine(pair, target_dir):
+    prompt = [(7 * i + 3) % VOCAB for i in range(23)]  # 23 tokens: 5 full blocks and a partial one
+    reference = engine_of(target_dir).generate({"r": prompt}, GREEDY)["r"]
+    tokens, receiving, pulled = hand_over(pair, "r1", prompt)
+    assert tokens == reference
+    # every block was pulled (a fresh decode cache); the layers' blocks merged into few descriptors
+    assert receiving.first_block == 0 and len(receiving.local) == 6
+    regions = len(layout_of(pair[2], "tiny").block_bytes)
+    assert pulled.descriptors <= regions * len(block_runs(receiving.local, receiving.remote))
+    assert pulled.bytes == sum(layout_of(pair[2], "tiny").block_bytes) * 6
+
+
+def test_decode_side_prefix_hits_are_not_pulled_again(pair, target_dir):
+    prompt = [(5 * i + 1) % VOCAB for i in range(20)]
+    reference = engine_of(target_dir).generate({"r": prompt + [9, 9]}, GREEDY)["r"]
+    hand_over(pair, "warm", prompt)  # the decode engine now caches prompt's full blocks
+    tokens, receiving, _ = hand_over(pair, "again", prompt + [9, 9])
+    assert tokens == reference
+    assert receiving.first_block == 5 and len(receiving.local) == 1  # 20 cached tokens; only block 5 moved
+
+
+def test_speculation_after_a_handoff_gets_the_prompts_hidden_rows_and_stays_lossless(pair, target_dir):
+    prompt = [(11 * i + 2) % VOCAB for i in range(18)]
+    reference = engine_of(target_dir).generate({"r": prompt}, GREEDY)["r"]
+    self_draft = DraftModelProposer(load_model(target_dir), num_blocks=256, block_size=4)
+    tokens, _, _ = hand_over(pair, "spec", prompt, proposer=self_draft)
+    assert tokens == reference
+    assert pair[2].counters  # it did speculate
+    # the draft's first request carried a hidden row for every prompt position, equal to one engine's
+    prefill, a, decode, b = pair
+    delta, handoff = prefill_one(prefill, "rows", prompt)
+    receiving = decode.receive("rows", prompt, rest_of(GREEDY), delta.token_ids, handoff)
+    if receiving.local:
+        asyncio.run(b.pull(a.record("p"), receiving.local, receiving.remote, 5.0))
+    decode.finish_receive("rows", True)
+    prefill.release_parked(["rows"])
+    [inp] = decode.draft_inputs()
+    fresh = engine_of(target_dir)
+    fresh.add_request("rows", prompt, GREEDY)
+    fresh.step()
+    [ref] = fresh.draft_inputs()
+    assert inp.new_tokens == ref.new_tokens and len(inp.hidden_states[0]) == len(prompt)
+    for got, want in zip(inp.hidden_states, ref.hidden_states):
+        torch.testing.assert_close(got, want)
+    decode.abort("rows")
+
+
+def test_a_failed_pull_prefills_on_the_decode_engine_with_the_same_output(pair, target_dir):
+    prefill, a, decode, b = pair
+    prompt = [(3 * i + 8) % VOCAB for i in range(21)]
+    reference = engine_of(target_dir).generate({"r": prompt}, GREEDY)["r"]
+    delta, handoff = prefill_one(prefill, "fail", prompt)
+    receiving = decode.receive("fail", prompt, rest_of(GREEDY), delta.token_ids, handoff)
+    bad = [b_ + 10_000 for b_ in receiving.remote]  # blocks the prefill worker does not have
+    with pytest.raises(TransferFailed):
+        asyncio.run(b.pull(a.record("p"), receiving.local, bad, 5.0))
+    free_before = decode.blocks.num_free_blocks
+    decode.finish_receive("fail", False)
+    assert decode.blocks.num_free_blocks == free_before + len(receiving.local)
+    assert delta.token_ids + decode_rest(decode, "fail") == reference
+    prefill.release_parked(["fail"])
+
+
+def test_abort_while_pulling_frees_the_blocks_only_when_the_pull_ends(pair):
+    prefill, a, decode, b = pair
+    prompt = list(range(30, 47))
+    delta, handoff = prefill_one(prefill, "gone", prompt)
+    free = decode.blocks.num_free_blocks
+    receiving = decode.receive("gone", prompt, GREEDY, delta.token_ids, handoff)
+    held = len(receiving.seq.block_table)
+    assert decode.abort("gone")
+    assert decode.blocks.num_free_blocks <= free - len(receiving.local)  # still held: a READ may be landing
+    decode.finish_receive("gone", True)
+    assert decode.blocks.num_free_blocks >= free - (held - len(receiving.local)) and not decode.has_work()
+    prefill.release_parked(["gone"])
+
+
+def test_parked_blocks_are_freed_on_release_and_on_expiry(pair):
+    prefill, *_ = pair
+    free = prefill.blocks.num_free_blocks
+    _, h1 = prefill_one(prefill, "x1", list(range(10, 30)))
+    _, h2 = prefill_one(prefill, "x2", list(range(40, 60)))
+    assert prefill.parked_blocks == 10 and prefill.blocks.num_free_blocks == free - 10
+    assert prefill.release_parked(["x1", "x1"]) == 1  # a repeated release is a no-op
+    assert prefill.expire_parked(now=0.0) == 0
+    assert prefill.expire_parked(now=float("inf")) == 1 and not prefill.parked
+    assert prefill.blocks.num_free_blocks == free
+
+
+def test_a_first_token_that_ends_the_request_hands_nothing_off(pair):
+    prefill, *_ = pair
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    delta, handoff = prefill_one(prefill, "one", list(range(5, 15)), params)
+    assert delta.finish_reason == "length" and handoff is None and "one" not in prefill.parked
