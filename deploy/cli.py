@@ -1,6 +1,6 @@
 """The ``tandem`` command: ``tandem up`` (local stack) and ``tandem ray up`` (Ray actors).
 
-Usage: tandem up [--mock] [--targets N] [--drafts M] [--http-port 8000] ...
+Usage: tandem up [--mock] [--targets N] [--drafts M] [--http-port 8000] [--planner --planner-args '--itl-p90 50ms'] ...
        tandem ray up --address auto --etcd http://HOST:2379 --nats nats://HOST:4222 [--mock] ...
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 
 from deploy.stack import DRAFT_METHODS, ROUTER_MODES, StackConfig
@@ -50,9 +51,44 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mock", action="store_true", help="mock target workers (no model, no drafts)")
     parser.add_argument("--mock-token-latency-ms", type=float, default=None,
                         help="mock worker time per generated token (0: as fast as possible)")
+    parser.add_argument("--mock-token-latency-per-running-ms", type=float, default=None,
+                        help="mock worker extra time per token for each other request it runs (load-dependent ITL)")
+    parser.add_argument("--prefill-workers", type=int, default=0,
+                        help="prefill workers (workers.target --role prefill); the targets then run --role decode")
+    parser.add_argument("--planner", action="store_true",
+                        help="run python -m planner beside the stack: it resizes the prefill, target and draft pools "
+                             "to the SLA given in --planner-args through this launcher (docs/planner.md)")
+    parser.add_argument("--planner-args", default="",
+                        help="flags for python -m planner, one string, e.g. \"--itl-p90 50ms --max-targets 4\" "
+                             "(it needs an SLA: --itl-p90 and/or --ttft-p90)")
     parser.add_argument("--namespace", default=None, help="Tandem namespace (env TANDEM_NAMESPACE, default tandem)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds a stopping worker may drain")
     parser.add_argument("--log-level", default="INFO", help="log level of tandem and its children")
+
+
+def planner_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--planner-args`` split like a shell would, checked by the planner's own parser and config."""
+    try:
+        argv = tuple(shlex.split(args.planner_args or ""))
+    except ValueError as exc:
+        raise ValueError(f"--planner-args: {exc}") from None
+    if not args.planner:
+        return argv
+    from planner.__main__ import build_parser as planner_parser, k8s_deployments, planner_config
+
+    parser = planner_parser()
+
+    def refuse(message: str):
+        raise ValueError(f"--planner-args: {message}")
+
+    parser.error = refuse
+    planned = parser.parse_args(["--connector", "launcher", *argv])
+    try:
+        planner_config(planned)
+        k8s_deployments(planned)
+    except ValueError as exc:
+        raise ValueError(f"--planner-args: {exc}") from None
+    return argv
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
@@ -64,8 +100,10 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         tensor_parallel_size=args.tensor_parallel_size, drafts=args.drafts, router_mode=args.router_mode,
         standalone_router=args.standalone_router, http_port=args.http_port, host=args.host, mock=args.mock,
         mock_token_latency_ms=args.mock_token_latency_ms,
+        mock_token_latency_per_running_ms=args.mock_token_latency_per_running_ms,
         namespace=args.namespace or DEFAULT_NAMESPACE,
-        drain_timeout=args.drain_timeout,
+        drain_timeout=args.drain_timeout, prefill_workers=args.prefill_workers,
+        planner=args.planner, planner_args=planner_args(args),
     )
 
 
@@ -80,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--etcd-port", type=int, default=0, help="port for the etcd it starts (default: free)")
     up.add_argument("--nats-port", type=int, default=0, help="port for the nats-server it starts (default: free)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    up.add_argument("--allow-scaling", action="store_true",
+                    help="serve launcher.scale, so a planner run elsewhere (python -m planner --connector launcher) "
+                         "can resize this stack (--planner implies it)")
 
     train = sub.add_parser("train-draft", help="train a draft head (EAGLE-3, Medusa or MLP speculator) for a target model (self-distillation)")
     add_train_args(train)
@@ -187,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             options = LocalOptions(etcd_url=args.etcd, nats_url=args.nats, etcd_port=args.etcd_port,
-                                   nats_port=args.nats_port, startup_timeout=args.startup_timeout)
+                                   nats_port=args.nats_port, startup_timeout=args.startup_timeout,
+                                   allow_scaling=args.allow_scaling)
         except ValueError as exc:
             sys.exit(f"tandem: error: {exc}")
         sys.exit(run_local(config, options))

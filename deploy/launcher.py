@@ -6,6 +6,11 @@ output is forwarded as ``[name] line``. The launcher waits until the frontend's 
 and lists a model (readiness alone says only that the frontend takes traffic),
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
+
+With ``--planner`` (or ``--allow-scaling``) it also serves ``launcher.scale`` (:mod:`deploy.scaling`):
+a planner asks it for a number of prefill, target or draft workers, and it starts new ones (named
+``target-2``, ... as :func:`deploy.stack.worker_component` plans them) or SIGTERMs the ones the
+planner would rather lose, which leave discovery at once, drain, then exit.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from pathlib import Path
 from deploy.binaries import free_port, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
-from deploy.stack import Component, StackConfig, component_names, plan
-from runtime.config import child_env, redact_url
+from deploy.scaling import ScaleService
+from deploy.stack import WORKER_POOLS, Component, StackConfig, component_names, plan, worker_component
+from planner.messages import PoolReplicas, ScaleReply, ScaleRequest
+from runtime.config import RuntimeConfig, child_env, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class LocalOptions:
     etcd_port: int = 0  # 0: a free port
     nats_port: int = 0
     startup_timeout: float = 600.0
+    allow_scaling: bool = False  # serve launcher.scale even without --planner (for a planner run elsewhere)
 
     def __post_init__(self) -> None:
         for name in ("etcd_port", "nats_port"):
@@ -99,6 +107,10 @@ class Launcher:
         self._workdir: Path | None = None
         self._env: dict[str, str] = {}
         self._model_path: str | None = None
+        self._child_env: dict[str, str] = {}
+        self._scale_lock = threading.Lock()
+        self._stopping: list[threading.Thread] = []
+        self._scaler: ScaleService | None = None
         self.url = ""
 
     def request_stop(self, *_: object) -> None:
@@ -140,6 +152,16 @@ class Launcher:
         self._components = plan(cfg, model_path, ports)
         env = child_env(TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
                         PYTHONUNBUFFERED="1")
+        self._child_env = env
+        if self.config.planner or self.options.allow_scaling:
+            # before the planner starts, so that it finds the endpoint at its first tick
+            self._scaler = ScaleService(RuntimeConfig.from_env(etcd_url=etcd_url, nats_url=nats_url,
+                                                               namespace=cfg.namespace, handle_signals=False,
+                                                               drain_timeout=5.0), self.scale)
+            try:
+                self._scaler.start()
+            except RuntimeError as exc:
+                raise LaunchError(str(exc)) from None
         for comp in self._components:
             self._check_stop()
             self._children[comp.name] = Child(comp.name, comp.argv(), env=env, cwd=str(REPO_ROOT)).start()
@@ -223,11 +245,11 @@ class Launcher:
         """Serve until a stop is requested (0) or a component the stack cannot live without dies (1)."""
         reported: set[str] = set()
         while not self._stop.wait(0.5):
-            for child in [*self._infra, *self._children.values()]:
-                if child.alive() or child.name in reported:
+            for child in [*self._infra, *list(self._children.values())]:
+                if child.alive() or child.name in reported or child.expected_exit:
                     continue
                 reported.add(child.name)
-                if child.name.startswith(("target-", "draft-")) or child.name == "router":
+                if child.name.startswith(("target-", "draft-", "prefill-")) or child.name in ("router", "planner"):
                     # a dead router: the frontends route in their own process until one is back
                     log.warning("%s exited with %s; the rest of the stack keeps serving", child.name, child.returncode)
                 else:
@@ -239,16 +261,89 @@ class Launcher:
     # --- bring down ------------------------------------------------------------------------------
 
     def _down(self) -> None:
-        by_kind: dict[str, list[Child]] = {}
-        for comp in self._components:
-            if comp.name in self._children:
-                by_kind.setdefault(comp.kind, []).append(self._children[comp.name])
-        tiers = [by_kind.get(k, []) for k in ("frontend", "target", "draft", "router")]
-        tiers += [[c] for c in reversed(self._infra)]
-        stop_tiers(tiers, timeout=self.config.drain_timeout + 5)
+        with self._scale_lock:  # no worker starts or stops on a planner's word from here on
+            self._stop.set()
+            by_kind: dict[str, list[Child]] = {}
+            for comp in self._components:
+                if comp.name in self._children:
+                    by_kind.setdefault(comp.kind, []).append(self._children[comp.name])
+        tiers = [by_kind.get(k, []) for k in ("planner", "frontend", "target", "prefill", "draft", "router")]
+        if self._scaler is not None:
+            self._scaler.stop()
+        stop_tiers(tiers[:1], timeout=10)
+        stop_tiers(tiers[1:], timeout=self.config.drain_timeout + 5)
+        for thread in self._stopping:
+            thread.join(self.config.drain_timeout + 10)
+        stop_tiers([[c] for c in reversed(self._infra)], timeout=self.config.drain_timeout + 5)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         log.info("all stopped")
+
+
+    # --- scale (the planner's launcher connector) --------------------------------------------------
+
+    def _pool(self, kind: str, children: dict[str, Child] | None = None) -> list[Child]:
+        """Workers of ``kind`` started and not told to stop, oldest first."""
+        children = self._children if children is None else children
+        return [children[c.name] for c in self._components
+                if c.kind == kind and c.name in children and not children[c.name].expected_exit]
+
+    def _sizes(self) -> list[PoolReplicas]:
+        out = []
+        for kind in WORKER_POOLS:
+            draining = sum(1 for c in self._components if c.kind == kind and c.name in self._children
+                           and self._children[c.name].expected_exit and self._children[c.name].alive())
+            out.append(PoolReplicas(kind, len(self._pool(kind)), draining))
+        return out
+
+    def _refusal(self, request: ScaleRequest) -> str:
+        cfg = self.config
+        if request.pool not in WORKER_POOLS:
+            return f"unknown pool {request.pool!r} (one of {', '.join(WORKER_POOLS)})"
+        if request.replicas is None:
+            return ""
+        if request.pool == "draft" and (cfg.mock or cfg.draft_method == "none"):
+            return "this stack runs no draft workers (--mock or --draft-method none)"
+        if request.pool == "prefill" and not cfg.prefill_workers:
+            return "this stack has no prefill pool (its targets are not decode workers; start it with --prefill-workers N)"
+        if request.replicas < (1 if request.pool == "target" else 0):
+            return f"{request.replicas} {request.pool} workers: " + (
+                "at least one target must serve" if request.pool == "target" else "a count is >= 0")
+        if request.replicas > 64:
+            return f"{request.replicas} {request.pool} workers: at most 64 on one machine"
+        return ""
+
+    def scale(self, request: ScaleRequest) -> ScaleReply:
+        """Grow or shrink one worker pool to ``request.replicas`` (None: only report the sizes)."""
+        with self._scale_lock:
+            refusal = self._refusal(request)
+            if refusal or request.replicas is None or self._stop.is_set():
+                return ScaleReply(self._sizes(), error=refusal or ("the stack is stopping" if self._stop.is_set() else ""))
+            kind, started, stopping = request.pool, [], []
+            active = self._pool(kind)
+            while len(active) < request.replicas:
+                child = self._start_worker(kind)
+                active.append(child)
+                started.append(child.name)
+            if len(active) > request.replicas:
+                order = {pid: i for i, pid in enumerate(request.remove_first)}
+                # the planner's choice first (least loaded), then the newest
+                victims = sorted(reversed(active), key=lambda c: order.get(c.pid, len(order)))
+                for child in victims[:len(active) - request.replicas]:
+                    child.expected_exit = True
+                    thread = threading.Thread(target=stop_tiers, args=([[child]], self.config.drain_timeout + 5),
+                                              name=f"stop-{child.name}", daemon=True)
+                    thread.start()
+                    self._stopping.append(thread)
+                    stopping.append(child.name)
+            return ScaleReply(self._sizes(), started, stopping)
+
+    def _start_worker(self, kind: str) -> Child:
+        taken = [int(c.name.rsplit("-", 1)[1]) for c in self._components if c.kind == kind]
+        comp = worker_component(self.config, self._model_path, kind, max(taken, default=-1) + 1, free_port())
+        self._components.append(comp)
+        child = self._children[comp.name] = Child(comp.name, comp.argv(), env=self._child_env, cwd=str(REPO_ROOT))
+        return child.start()
 
 
 class _Stopped(Exception):

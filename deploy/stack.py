@@ -39,8 +39,12 @@ class StackConfig:
     host: str = "127.0.0.1"
     mock: bool = False
     mock_token_latency_ms: float | None = None
+    mock_token_latency_per_running_ms: float | None = None
     namespace: str = "tandem"
     drain_timeout: float = 30.0
+    prefill_workers: int = 0  # > 0: that many prefill workers, and the targets run as decode workers
+    planner: bool = False  # run python -m planner beside the stack, scaling it through this launcher
+    planner_args: tuple[str, ...] = ()  # more flags for python -m planner (its SLA at least)
 
     def __post_init__(self) -> None:
         demo = self.model is None and not self.mock
@@ -74,6 +78,14 @@ class StackConfig:
             raise ValueError(f"mock_token_latency_ms must be >= 0, got {self.mock_token_latency_ms}")
         if self.mock_token_latency_ms is not None and not self.mock:
             raise ValueError("--mock-token-latency-ms only applies with --mock")
+        if self.mock_token_latency_per_running_ms is not None and (not self.mock or self.mock_token_latency_per_running_ms < 0):
+            raise ValueError("--mock-token-latency-per-running-ms only applies with --mock, and must be >= 0")
+        if self.prefill_workers < 0:
+            raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
+        if self.prefill_workers and self.mock:
+            raise ValueError("--prefill-workers needs model workers (the mock worker has no prefill role)")
+        if self.planner_args and not self.planner:
+            raise ValueError("--planner-args applies with --planner")
         if self.draft_method in ("draft_model", *HEAD_METHODS) and not self.draft_model and self.num_drafts:
             what = "a draft head directory" if self.draft_method in HEAD_METHODS else "a draft model"
             raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH ({what})")
@@ -122,67 +134,115 @@ class Component:
         return [python, "-m", self.module, *self.args]
 
 
+WORKER_POOLS = ("prefill", "target", "draft")  # the kinds a planner may resize
+
+
+def draft_component(config: StackConfig, model_path: str | None, index: int, port: int) -> Component:
+    """Draft worker ``draft-{index}`` serving the model named for ``model_path``."""
+    args = ["--draft-method", config.draft_method, "--served-model-name", config.model_name(model_path),
+            "--health-port", str(port)]
+    if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
+        args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
+    elif config.draft_model:
+        args += ["--draft-model", config.draft_model]
+    if config.num_speculative_tokens is not None:
+        args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+    if config.speculative_eagle_topk is not None:
+        args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
+    if config.speculative_num_steps is not None:
+        args += ["--speculative-num-steps", str(config.speculative_num_steps)]
+    return Component(f"draft-{index}", "draft", "workers.draft", tuple(args), port, gpu=True)
+
+
+def target_component(config: StackConfig, model_path: str | None, index: int, port: int,
+                     kind: str = "target") -> Component:
+    """Target worker ``{kind}-{index}``: ``kind`` target (aggregated, or decode beside prefill workers)
+    or prefill (``--role prefill``, the same model flags)."""
+    name = config.model_name(model_path)
+    if config.mock:
+        args = ["--served-model-name", name, "--health-port", str(port)]
+        if config.mock_token_latency_ms is not None:
+            args += ["--token-latency-ms", f"{config.mock_token_latency_ms:g}"]
+        if config.mock_token_latency_per_running_ms is not None:
+            args += ["--token-latency-per-running-ms", f"{config.mock_token_latency_per_running_ms:g}"]
+        if config.num_speculative_tokens is not None:
+            args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+        return Component(f"{kind}-{index}", kind, "workers.mock", tuple(args), port)
+    args = ["--model", str(model_path)] if model_path else []  # none: the worker's default, the demo
+    args += ["--served-model-name", name, "--health-port", str(port)]
+    if config.num_speculative_tokens is not None:
+        args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
+    if not config.load_aware:
+        args += ["--no-load-aware-speculation"]
+    if config.tensor_parallel_size > 1:  # the worker starts its other ranks itself
+        args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+    if config.draft_method not in HEAD_METHODS:  # no draft of this stack reads hidden states:
+        args += ["--hidden-layers", "none"]  # their per-slot store would only take KV blocks
+    if config.prefill_workers:
+        args += ["--role", "prefill" if kind == "prefill" else "decode"]
+    return Component(f"{kind}-{index}", kind, "workers.target", tuple(args), port, gpu=True)
+
+
+def worker_component(config: StackConfig, model_path: str | None, kind: str, index: int, port: int) -> Component:
+    """A worker of pool ``kind`` (prefill, target, draft) as :func:`plan` would start it, drain flag
+    included: for launchers that add workers to a running stack."""
+    if kind == "draft":
+        comp = draft_component(config, model_path, index, port)
+    elif kind in ("target", "prefill"):
+        comp = target_component(config, model_path, index, port, kind)
+    else:
+        raise ValueError(f"unknown worker pool {kind!r} (one of {', '.join(WORKER_POOLS)})")
+    return replace(comp, args=comp.args + ("--drain-timeout", f"{config.drain_timeout:g}"))
+
+
+def planner_argv(config: StackConfig, frontend_port: int, health_port: int) -> tuple[str, ...]:
+    """``python -m planner`` flags for a stack: the launcher connector, the frontend's metrics, bounds that
+    fit the stack (drafts only where it has a draft method, prefill only with prefill workers), then
+    ``planner_args`` (which win: argparse keeps the last of a repeated flag)."""
+    drafts = not config.mock and config.draft_method != "none"
+    args = ["--connector", "launcher", "--frontend-url", f"http://127.0.0.1:{frontend_port}",
+            "--health-port", str(health_port), "--max-targets", str(max(4, config.targets)),
+            "--min-drafts", "1" if drafts and config.num_drafts else "0",
+            "--max-drafts", str(max(4, config.num_drafts)) if drafts else "0",
+            "--min-prefill", "1" if config.prefill_workers else "0",
+            "--max-prefill", str(max(4, config.prefill_workers)) if config.prefill_workers else "0"]
+    return (*args, *config.planner_args)
+
+
 def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> list[Component]:
-    """The components in start order: router (if standalone), drafts, targets, frontend.
+    """The components in start order: router (if standalone), drafts, prefill workers, targets,
+    frontend, planner (if asked).
 
     Drafts start before the targets that stream to them and (stopping in reverse) end after them,
     so no draft waits out its drain for a target's open stream.
 
     ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port).
     """
-    name = config.model_name(model_path)
     out: list[Component] = []
     if config.standalone_router:
         out.append(Component("router", "router", "router",
                              ("--http-port", str(ports["router"]), "--router-mode", config.router_mode),
                              ports["router"]))
-    for i in range(config.num_drafts):
-        cname = f"draft-{i}"
-        args = ["--draft-method", config.draft_method, "--served-model-name", name,
-                "--health-port", str(ports[cname])]
-        if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
-            args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
-        elif config.draft_model:
-            args += ["--draft-model", config.draft_model]
-        if config.num_speculative_tokens is not None:
-            args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-        if config.speculative_eagle_topk is not None:
-            args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
-        if config.speculative_num_steps is not None:
-            args += ["--speculative-num-steps", str(config.speculative_num_steps)]
-        out.append(Component(cname, "draft", "workers.draft", tuple(args), ports[cname], gpu=True))
-    for i in range(config.targets):
-        cname = f"target-{i}"
-        if config.mock:
-            args = ["--served-model-name", name, "--health-port", str(ports[cname])]
-            if config.mock_token_latency_ms is not None:
-                args += ["--token-latency-ms", f"{config.mock_token_latency_ms:g}"]
-            if config.num_speculative_tokens is not None:
-                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-            out.append(Component(cname, "target", "workers.mock", tuple(args), ports[cname]))
-        else:
-            args = ["--model", str(model_path)] if model_path else []  # none: the worker's default, the demo
-            args += ["--served-model-name", name, "--health-port", str(ports[cname])]
-            if config.num_speculative_tokens is not None:
-                args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-            if not config.load_aware:
-                args += ["--no-load-aware-speculation"]
-            if config.tensor_parallel_size > 1:  # the worker starts its other ranks itself
-                args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
-            if config.draft_method not in HEAD_METHODS:  # no draft of this stack reads hidden states:
-                args += ["--hidden-layers", "none"]  # their per-slot store would only take KV blocks
-            out.append(Component(cname, "target", "workers.target", tuple(args), ports[cname], gpu=True))
+    out += [draft_component(config, model_path, i, ports[f"draft-{i}"]) for i in range(config.num_drafts)]
+    out += [target_component(config, model_path, i, ports[f"prefill-{i}"], "prefill")
+            for i in range(config.prefill_workers)]
+    out += [target_component(config, model_path, i, ports[f"target-{i}"]) for i in range(config.targets)]
     frontend = ["--http-port", str(ports["frontend"]), "--host", config.host, "--router-mode", config.router_mode]
     if config.standalone_router:  # route through the shared router service, not an embedded router
         frontend.append("--remote-router")
     out.append(Component("frontend", "frontend", "frontend", tuple(frontend), ports["frontend"]))
     drain = ("--drain-timeout", f"{config.drain_timeout:g}")
-    return [replace(c, args=c.args + drain) for c in out]
+    out = [replace(c, args=c.args + drain) for c in out]
+    if config.planner:
+        out.append(Component("planner", "planner", "planner", planner_argv(config, ports["frontend"], ports["planner"]),
+                             ports["planner"]))
+    return out
 
 
 def component_names(config: StackConfig) -> list[str]:
     """Names of the components :func:`plan` will return (to choose their ports first)."""
     names = ["router"] if config.standalone_router else []
     names += [f"draft-{i}" for i in range(config.num_drafts)]
+    names += [f"prefill-{i}" for i in range(config.prefill_workers)]
     names += [f"target-{i}" for i in range(config.targets)]
-    return names + ["frontend"]
+    return names + ["frontend"] + (["planner"] if config.planner else [])
