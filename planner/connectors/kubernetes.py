@@ -15,6 +15,7 @@ The client is synchronous; every call runs in a thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from runtime.messages import InstanceRecord
@@ -44,6 +45,15 @@ def api_client(kubeconfig: str | None = None):
         return config.new_client_from_config()
 
 
+def _message(body) -> str:
+    """The ``message`` of a Kubernetes ``Status`` error body, else the body itself (shortened)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else str(body or "")
+    try:
+        return str(json.loads(text).get("message", text))[:300]
+    except (ValueError, AttributeError):
+        return text.strip()[:300]
+
+
 class KubernetesConnector:
     """Scales the Deployments named in ``deployments`` (pool -> Deployment) in ``namespace``."""
 
@@ -67,8 +77,7 @@ class KubernetesConnector:
         try:
             return await asyncio.to_thread(fn, *args, _request_timeout=self._timeout, **kwargs)
         except ApiException as exc:
-            raise ScaleError(f"{what}: the API server answered {exc.status} {exc.reason}: "
-                             f"{(exc.body or '').strip()[:300]}") from None
+            raise ScaleError(f"{what}: the API server answered {exc.status} {exc.reason}: {_message(exc.body)}") from None
         except Exception as exc:  # connection refused, TLS, timeouts: urllib3's errors
             raise ScaleError(f"{what}: {exc!r}") from None
 
