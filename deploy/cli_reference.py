@@ -27,6 +27,7 @@ COMMANDS = (
     ("python -m workers.target", "workers.target.__main__", ()),
     ("python -m workers.draft", "workers.draft.__main__", ()),
     ("python -m workers.mock", "workers.mock", ()),
+    ("python -m planner", "planner.__main__", ()),
 )
 
 

@@ -7,6 +7,11 @@ and logs behave exactly as everywhere else). Target and draft actors reserve GPU
 are passed in and must be reachable from every node. The driver waits until the frontend's
 ``/health`` (probed from the frontend's own node) lists a served model, as ``tandem up`` does,
 prints the URL, and on Ctrl-C stops the actors in reverse start order.
+
+With ``--planner`` the driver serves ``launcher.scale`` (:mod:`deploy.scaling`) and the planner runs
+as one more actor: a new worker is one more :class:`ComponentActor` (placed and started like the
+first ones), and a worker that goes is stopped through its actor (SIGTERM: it leaves discovery,
+drains, exits), then the actor is killed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deploy.stack import Component, StackConfig, component_names, plan
+from deploy.scaling import ScaleService
+from deploy.stack import WORKER_POOLS, Component, StackConfig, component_names, plan, worker_component
+from planner.messages import PoolReplicas, ScaleReply, ScaleRequest
+from runtime.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +158,7 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
     names = component_names(config)
     actors = {n: remote_cls.options(**_actor_options(n.split("-")[0], config, options)).remote(n) for n in names}
     started: list[str] = []
+    service: ScaleService | None = None
     wait = options.startup_timeout
     try:
         ports = dict(zip(names, _get([actors[n].free_port.remote() for n in names], stop, wait, "placing actors")))
@@ -169,6 +178,12 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
             started.append(comp.name)
         frontend_ip = _get(actors["frontend"].node_ip.remote(), stop, 60, "frontend address")
         _wait_ready(actors, components, wait, stop)
+        if config.planner:
+            scaler = RayScaler(config, options, model_path, remote_cls, actors, components, started, env, stop)
+            service = ScaleService(RuntimeConfig.from_env(etcd_url=options.etcd_url, nats_url=options.nats_url,
+                                                          namespace=config.namespace, handle_signals=False,
+                                                          drain_timeout=5.0), scaler.scale)
+            service.start()
         url = f"http://{frontend_ip if config.host == '0.0.0.0' else config.host}:{ports['frontend']}"
         print(f"\nTandem is ready on Ray at {url}/v1 (model {config.model_name(model_path)!r}). "
               "Press Ctrl-C to stop.\n", flush=True)
@@ -183,6 +198,8 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        if service is not None:
+            service.stop()
         for name in reversed(started):
             try:
                 ray.get(actors[name].stop.remote(config.drain_timeout + 5), timeout=config.drain_timeout + 15)
@@ -210,3 +227,76 @@ def _wait_ready(actors: dict, components: list[Component], timeout: float, stop:
             if time.monotonic() > deadline:
                 raise _Abort(f"{pending[0].name} was not healthy within {timeout:.0f}s")
             stop.wait(0.5)
+
+
+class RayScaler:
+    """``launcher.scale`` for ``tandem ray up``: one actor per worker, added or stopped on request."""
+
+    def __init__(self, config: StackConfig, options: RayOptions, model_path: str | None, remote_cls, actors: dict,
+                 components: list[Component], started: list[str], env: dict[str, str], stop: threading.Event):
+        self.config, self.options, self.model_path = config, options, model_path
+        self.remote_cls, self.actors, self.components, self.started = remote_cls, actors, components, started
+        self.env, self.stop = env, stop
+        self.pids: dict[str, int] = {}
+        self.stopping: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _active(self, kind: str) -> list[str]:
+        return [c.name for c in self.components if c.kind == kind and c.name in self.started
+                and c.name not in self.stopping]
+
+    def _sizes(self) -> list[PoolReplicas]:
+        return [PoolReplicas(kind, len(self._active(kind))) for kind in WORKER_POOLS]
+
+    def scale(self, request: ScaleRequest) -> ScaleReply:
+        cfg = self.config
+        with self._lock:
+            if request.pool not in WORKER_POOLS:
+                return ScaleReply(self._sizes(), error=f"unknown pool {request.pool!r}")
+            if request.replicas is None:
+                return ScaleReply(self._sizes())
+            if request.pool == "draft" and (cfg.mock or cfg.draft_method == "none"):
+                return ScaleReply(self._sizes(), error="this stack runs no draft workers")
+            if request.pool == "prefill" and not cfg.prefill_workers:
+                return ScaleReply(self._sizes(), error="this stack has no prefill pool (--prefill-workers N)")
+            if request.replicas < (1 if request.pool == "target" else 0):
+                return ScaleReply(self._sizes(), error=f"{request.replicas} {request.pool} workers is too few")
+            active, started, stopping = self._active(request.pool), [], []
+            while len(active) < request.replicas:
+                name = self._add(request.pool)
+                active.append(name)
+                started.append(name)
+            order = {pid: i for i, pid in enumerate(request.remove_first)}
+            victims = sorted(reversed(active), key=lambda n: order.get(self.pids.get(n, -1), len(order)))
+            for name in victims[:max(0, len(active) - request.replicas)]:
+                self.stopping.add(name)
+                threading.Thread(target=self._remove, args=(name,), name=f"stop-{name}", daemon=True).start()
+                stopping.append(name)
+            return ScaleReply(self._sizes(), started, stopping)
+
+    def _add(self, kind: str) -> str:
+        taken = [int(c.name.rsplit("-", 1)[1]) for c in self.components if c.kind == kind]
+        name = f"{kind}-{max(taken, default=-1) + 1}"
+        actor = self.remote_cls.options(**_actor_options(kind, self.config, self.options)).remote(name)
+        port = _get(actor.free_port.remote(), self.stop, self.options.startup_timeout, f"placing {name}")
+        comp = worker_component(self.config, self.model_path, kind, int(name.rsplit("-", 1)[1]), port)
+        args = list(comp.args)
+        if kind == "draft":
+            args += ["--grpc-host", _get(actor.node_ip.remote(), self.stop, 60, f"{name} address")]
+        self.actors[name] = actor
+        self.components.append(comp)
+        self.pids[name] = _get(actor.start.remote(comp.module, args, self.env), self.stop, 60, f"starting {name}")
+        self.started.append(name)
+        return name
+
+    def _remove(self, name: str) -> None:
+        import ray
+
+        try:
+            ray.get(self.actors[name].stop.remote(self.config.drain_timeout + 5), timeout=self.config.drain_timeout + 15)
+            ray.kill(self.actors[name])
+        except Exception:
+            log.warning("could not stop %s cleanly", name, exc_info=True)
+        with self._lock:
+            if name in self.started:
+                self.started.remove(name)
