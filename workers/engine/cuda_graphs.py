@@ -220,11 +220,16 @@ class GraphRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[tuple[list[int], int, list[int]]], shape: tuple[int, int, tuple[int, ...], bool],
-            trees: list[list[int] | None] | None = None) -> ModelOutput:
-        """Run a batch :meth:`shape_for` accepted; output rows are the chunks' tokens in order."""
+            trees: list[list[int] | None] | None = None,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelOutput:
+        """Run a batch :meth:`shape_for` accepted; output rows are the chunks' tokens in order.
+        ``fill``: (index [m], tokens [m]) on the device, input ids written over the uploaded ones
+        (tokens the previous step sampled that the host has not seen: async scheduling)."""
         bucket, q, hidden, tree = shape
         entry = self._graph(bucket, q, hidden, tree)  # captures on first use of a new shape
         self._upload(chunks, bucket, q, trees if tree else None)
+        if fill is not None:  # queued behind the upload's copy, before the replay
+            self.input_ids.index_copy_(0, *fill)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output

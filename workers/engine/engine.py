@@ -40,7 +40,8 @@ from .grammar import Grammar, GrammarBackend
 from .hidden import HiddenStore
 from .logits import Row, penalised, process
 from .model import DecoderModel
-from .model_runner import ModelRunner
+from .model_runner import PENDING_TOKEN, ModelRunner
+from .pending import PendingStep
 from .sampling import is_greedy, logprobs_of, sample
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
@@ -65,6 +66,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # on CUDA with Triton kernels: decode/verify steps replay captured graphs
     cuda_graph_max_batch: int | None = None  # largest graphed batch (None: max_num_seqs)
+    # launch step N+1 from step N's tokens on the device; N's host bookkeeping runs one step behind
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -143,6 +146,11 @@ class Engine:
         self.handoffs_expired = 0
         self.quarantined_blocks = 0
         self.last_step = StepStats()
+        # async scheduling (not under tensor parallelism: the other ranks take token ids from the host)
+        self.async_scheduling = config.async_scheduling and followers is None
+        if config.async_scheduling and followers is not None:
+            log.warning("async scheduling is off under tensor parallelism: every step is synchronous")
+        self._pending: PendingStep | None = None  # the launched step whose tokens are still on the device
         log.info("engine: %d blocks of %d tokens, max_model_len %d, hidden layers %s", num_blocks, config.block_size,
                  max_len, list(layers) or "none")
 
@@ -217,7 +225,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._immediate) or self.scheduler.has_work()
+        return bool(self._immediate) or self.scheduler.has_work() or self._pending is not None
 
     # ------------------------------------------------------------------ speculation: the draft worker's side
 
@@ -242,6 +250,8 @@ class Engine:
     def draft_inputs(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> list[DraftInput]:
         """Proposal requests for every running sequence that decodes next and speculates, with the
         hidden states of ``layers`` (offered ones; None: all of them) on the CPU in ``dtype``."""
+        if self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
+            self._immediate.extend(self.flush())  # (their deltas come with the next step)
         layers = self.hidden_layers if layers is None else tuple(layers)
         requests = self.spec.requests(self.scheduler.running, self.max_model_len)
         spans = []  # per request: positions whose hidden rows it carries (those before its new tokens)
@@ -300,12 +310,16 @@ class Engine:
         outputs, self._immediate = self._immediate, []
         self.last_batch = []
         self.last_step = StepStats()
+        if self._pending is not None and proposals:  # verify steps run on host-known tokens
+            outputs.extend(self.flush())
         drafted = self.spec.attach(proposals or {}, self.scheduler.running, self.max_model_len, self.grammars)
         batch = self.scheduler.schedule()
         self.last_batch = [s.request_id for s in batch.seqs]
         self._fit_drafts(drafted, batch)
         if batch:
             outputs.extend(self._run(batch, drafted))
+        else:
+            outputs.extend(self.flush())
         stats = self.last_step
         if self.time_steps:
             self.spec.observe_cycle(stats.tokens, stats.verified, stats.decoding, stats.emitted,
@@ -336,12 +350,23 @@ class Engine:
     def _run(self, batch: ScheduledBatch, drafted: dict[str, Drafted]) -> list[tuple[str, TokenDelta]]:
         bs = self.config.block_size
         chunks, wants, trees = [], [], []
+        pending, sources = self._pending, []  # async scheduling: per chunk, its last token's row in pending
+        rows_of = pending.row_of() if pending is not None else {}
         for s, n in zip(batch.seqs, batch.num_tokens):
             d = drafted.get(s.request_id)
-            chunks.append((s.token_ids[s.num_computed : s.num_computed + n], s.num_computed, s.block_table))
-            wants.append(len(d.tokens) + 1 if d is not None else (1 if s.num_computed + n == len(s) else 0))
+            chunk = s.token_ids[s.num_computed : s.num_computed + n]
+            sources.append(-1)
+            if len(chunk) < n:  # its last token is the pending step's, still on the device
+                if n - len(chunk) != 1 or id(s) not in rows_of:
+                    raise RuntimeError(f"request {s.request_id}: {n - len(chunk)} tokens not on the host")
+                chunk.append(PENDING_TOKEN)
+                sources[-1] = rows_of[id(s)]
+            chunks.append((chunk, s.num_computed, s.block_table))
+            last = s.num_computed + n == len(s) + s.num_pending
+            wants.append(len(d.tokens) + 1 if d is not None else (1 if last else 0))
             trees.append(d.parents or None if d is not None else None)
-        out = self.runner.forward(chunks, wants, self.hidden.layers if self.hidden is not None else (), trees)
+        out = self.runner.forward(chunks, wants, self.hidden.layers if self.hidden is not None else (), trees,
+                                  (pending.tokens, sources) if pending is not None else None)
         if self.hidden is not None:
             self.hidden.write(out.slots, out.hidden)
         # the cost model learns from decode and verify steps only: prefill chunks cost differently
@@ -374,44 +399,126 @@ class Engine:
                         s.grammar.fill(m[0])
                         mask_rows.append(len(rows))
                         masks.append(m)
-                    rows.append(Row(s))
+                    rows.append(Row(s, s.num_pending))  # pending tokens count as generated (min_tokens)
         if not rows:
-            return []
+            return self.flush()
         scores, greedy = process(out.logits, rows, torch.cat(masks) if masks else None, mask_rows)
+        if plain and not verified and self._defers(plain):
+            self.last_step.emitted = len(plain)
+            return self._defer(plain, scores, greedy, out.logits)
+        previous = self.flush()  # async scheduling: the step before, while this one runs
         outputs = self._sample(plain, scores, greedy, out.logits) if plain else []
         if verified:
             outputs.extend(self._verify(verified, scores, greedy, out.logits))
         self.last_step.emitted = sum(len(delta.token_ids) for _, delta in outputs)
+        return previous + outputs
+
+    def _defers(self, plain: list[tuple[Sequence, int]]) -> bool:
+        """Whether this plain step's host bookkeeping may run one step behind (async scheduling):
+        not when a sampled sequence's next step needs this step's token on the host, i.e. a grammar
+        (its next mask), penalties (counts over the output so far), or a connected draft worker that
+        proposes from it (a speculating sequence)."""
+        if not self.async_scheduling:
+            return False
+        drafting = bool(self.spec.draft_id)
+        for s, _ in plain:
+            if s.grammar is not None or penalised(s):
+                return False
+            st = self.spec.states.get(s.request_id) if drafting else None
+            if st is not None and st.gamma > 0:
+                return False
+        return True
+
+    def _defer(self, plain: list[tuple[Sequence, int]], scores: torch.Tensor, greedy: list[bool],
+               logits: torch.Tensor) -> list[tuple[str, TokenDelta]]:
+        """Sample on the device and leave the tokens there for the next step (:class:`PendingStep`);
+        returns the deltas of the step before, whose bookkeeping runs now (:meth:`flush`)."""
+        seqs = [s for s, _ in plain]
+        tokens = self._draw(plain, scores, greedy)
+        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        found = None
+        if asking:
+            rows = torch.tensor([plain[i][1] for i in asking], device=logits.device)
+            picked = tokens.index_select(0, torch.tensor(asking, device=tokens.device))
+            found = logprobs_of(logits.index_select(0, rows), picked, max(seqs[i].params.logprobs for i in asking))
+        launched = PendingStep.launch(seqs, tokens, asking, found)
+        for s in seqs:
+            s.num_pending += 1
+            # its new token ends it whatever it is: schedule nothing after it
+            s.ends_at_pending = (s.num_generated + s.num_pending >= s.params.max_tokens
+                                 or len(s) + s.num_pending >= self.max_model_len or s.prefill_only)
+        previous = self.flush()
+        self._pending = launched
+        return previous
+
+    def flush(self) -> list[tuple[str, TokenDelta]]:
+        """Finish the pending step (async scheduling): wait for its tokens on the host and do its
+        bookkeeping (append, finish checks, prefix-cache registration, deltas); returns its deltas,
+        [] when no step is pending. A sequence that finished or was aborted meanwhile drops its token
+        (the step was launched before the host knew); a preempted one keeps it (it recomputes)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return []
+        tokens, found = p.wait()
+        lp = iter(self._logprob_lists(found, [(p.seqs[i].params.logprobs, 1) for i in p.asking]) if found else [])
+        bs = self.config.block_size
+        outputs = []
+        for seq, token in zip(p.seqs, tokens):
+            seq.num_pending -= 1
+            if not seq.num_pending:
+                seq.ends_at_pending = False
+            logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.token_ids.append(token)
+            seq.num_generated += 1
+            finish = self._finish_reason(seq, token)
+            # the KV of every token before it is computed (a finishing token's never is); done before
+            # _close frees the blocks, so the prefix cache keeps what the synchronous engine keeps
+            self._register_blocks(seq, bs, len(seq) - 1 if finish else len(seq))
+            usage = self._close(seq) if finish else None
+            outputs.append((seq.request_id, TokenDelta([token], logprobs, top, finish, usage)))
         return outputs
 
-    def _register_blocks(self, seq: Sequence, bs: int) -> None:
-        full = seq.num_computed // bs
+    def _register_blocks(self, seq: Sequence, bs: int, upto: int | None = None) -> None:
+        """Offer the full blocks among the first ``upto`` tokens (default: all known ones) whose KV is
+        computed to the prefix cache."""
+        upto = min(seq.num_computed, len(seq) if upto is None else upto)
+        full = upto // bs
         if full > seq.num_registered:
-            hashes = seq.full_block_hashes(bs, seq.num_computed)
+            hashes = seq.full_block_hashes(bs, upto)
             start = seq.num_registered
             parent = hashes[start - 1] if start else 0
             self.blocks.register(seq.block_table[start:full], hashes[start:full], parent)
             seq.num_registered = full
 
+    @staticmethod
+    def _draw(plain: list[tuple[Sequence, int]], scores: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
+        """One token per plain sequence ([B] long, on the scores' device)."""
+        index = [r for _, r in plain]
+        every = len(index) == scores.shape[0]  # a decode-only step: no gather
+        picked = scores if every else scores[index]
+        return sample(picked, [greedy[r] for r in index], [s.generator for s, _ in plain])
+
     def _sample(self, plain: list[tuple[Sequence, int]], scores: torch.Tensor, greedy: list[bool],
                 logits: torch.Tensor) -> list[tuple[str, TokenDelta]]:
         seqs = [s for s, _ in plain]
         index = [r for _, r in plain]
-        every = len(index) == scores.shape[0]  # a decode-only step: no gather
-        picked = scores if every else scores[index]
-        tokens = sample(picked, [greedy[r] for r in index], [s.generator for s in seqs]).tolist()
+        tokens = self._draw(plain, scores, greedy).tolist()
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         lp = iter(self._logprobs(logits, [index[i] for i in asking], [tokens[i] for i in asking],
                                  [(seqs[i].params.logprobs, 1) for i in asking]))
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
+            if seq.status is SeqStatus.FINISHED:
+                continue  # async scheduling: it finished at the step before, which the host saw after this launch
             if seq.grammar is not None:
                 seq.grammar.accept((token,))
             seq.token_ids.append(token)
             seq.num_generated += 1
             finish = self._finish_reason(seq, token)
             usage = self._close(seq) if finish else None
-            logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
             outputs.append((seq.request_id, TokenDelta([token], logprobs, top, finish, usage)))
         return outputs
 
@@ -483,8 +590,13 @@ class Engine:
         if not counts:
             return []
         k = max(n for n, _ in counts)
-        chosen, top_ids, top_vals = logprobs_of(logits[rows], torch.tensor(tokens, device=logits.device), k)
-        chosen, top_ids, top_vals = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+        found = logprobs_of(logits[rows], torch.tensor(tokens, device=logits.device), k)
+        return Engine._logprob_lists(tuple(t.tolist() for t in found), counts)
+
+    @staticmethod
+    def _logprob_lists(found: tuple[list, list, list], counts: list[tuple[int, int]]):
+        """:meth:`_logprobs`' result from (chosen, top ids, top logprobs) already on the host."""
+        chosen, top_ids, top_vals = found
         out, at = [], 0
         for n, count in counts:
             span = range(at, at + count)

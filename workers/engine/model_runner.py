@@ -7,6 +7,11 @@ a token *tree* (``trees[b]``: the parents of its tokens after the first, see
 :mod:`workers.speculation.tree`): its tokens sit in consecutive cache slots, but each is rotated to
 its depth in the tree and attends only to its ancestors among the chunk.
 
+Async scheduling: a chunk's last token may be one the previous step sampled and the host has not
+seen yet. Its place in the chunk holds :data:`PENDING_TOKEN`, and ``last_from`` (the previous
+step's sampled tokens on the device, and the row of each chunk's) fills it in on the device, after
+the inputs are uploaded and before the forward runs: the host never waits for it.
+
 Under tensor parallelism rank 0's runner is given the :class:`.followers.Followers`: every call
 (forward, copy_slots, copy_blocks) is first sent to the follower ranks, whose own runners repeat it
 on their shards (the collectives inside the forward keep them in step); the cache holds this rank's
@@ -16,6 +21,7 @@ the group failed (:class:`.parallel.TensorParallelFailed` from then on): the wor
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -25,6 +31,8 @@ from ..speculation.tree import ancestor_mask, tree_depths
 from .attention import AttentionMetadata, allocate_kv_cache
 from .cuda_graphs import GraphConfig, GraphRunner
 from .model import DecoderModel, ModelOutput
+
+PENDING_TOKEN = -1  # a chunk's token still on the device: ``last_from`` replaces it before the forward
 
 
 class Followers(Protocol):
@@ -97,20 +105,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
-                hidden_layers: tuple[int, ...] = (), trees: list[list[int] | None] | None = None) -> ModelOutput:
-        """Run all chunks in one forward pass; logits rows come in chunk order."""
+                hidden_layers: tuple[int, ...] = (), trees: list[list[int] | None] | None = None,
+                last_from: tuple[torch.Tensor, list[int]] | None = None) -> ModelOutput:
+        """Run all chunks in one forward pass; logits rows come in chunk order. ``last_from``:
+        (tokens [M] long on the device, rows [B]): chunk b's last token is ``tokens[rows[b]]`` where
+        ``rows[b] >= 0`` (async scheduling; not under tensor parallelism, whose other ranks get the
+        chunks' token ids from the host)."""
+        if last_from is not None and self.followers is not None:
+            raise ValueError("device-side inputs (async scheduling) cannot reach tensor-parallel followers")
         with self._lockstep():
             if self.followers is not None:
                 self.followers.forward(chunks, logits_last, hidden_layers, trees)
-            return self._forward(chunks, logits_last, hidden_layers, trees)
+            return self._forward(chunks, logits_last, hidden_layers, trees, last_from)
 
-    def _forward(self, chunks, logits_last, hidden_layers, trees) -> ModelOutput:
+    def _fill(self, last_from: tuple[torch.Tensor, list[int]] | None, places: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(where in the flat input ids [m], the tokens that go there [m]) on the device; ``places[b]``:
+        chunk b's last token's index in the step's flat (or padded) input ids."""
+        if last_from is None:
+            return None
+        tokens, rows = last_from
+        pairs = [(at, row) for at, row in zip(places, rows) if row >= 0]
+        if not pairs:
+            return None
+        index = torch.tensor(pairs, dtype=torch.long).to(self.device, non_blocking=True)  # [m, 2], one copy
+        return index[:, 0], tokens.index_select(0, index[:, 1])
+
+    def _forward(self, chunks, logits_last, hidden_layers, trees, last_from=None) -> ModelOutput:
         trees = trees or [None] * len(chunks)
         has_tree = any(t is not None for t in trees)
         if self.graphs is not None:
             shape = self.graphs.shape_for(chunks, logits_last, hidden_layers, trees if has_tree else None)
             if shape is not None:
-                return self.graphs.run(chunks, shape, trees)
+                q = shape[1]  # the graph's layout: chunk b's tokens from b * q
+                fill = self._fill(last_from, [b * q + len(c) - 1 for b, (c, _, _) in enumerate(chunks)])
+                return self.graphs.run(chunks, shape, trees, fill)
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
@@ -132,6 +161,11 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device,
                                        masks if has_tree else None)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if last_from is not None:
+            ends = [at - 1 for at in itertools.accumulate(len(c) for c, _, _ in chunks)]
+            fill = self._fill(last_from, ends)
+            if fill is not None:
+                input_ids.index_copy_(0, *fill)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos, meta, self.kv_caches, index, hidden_layers)

@@ -27,6 +27,12 @@ class Sequence:
 
     ``num_computed`` tokens have their KV in ``block_table``'s blocks; ``block_hashes[i]`` is the
     chained hash of full block i once computed (what the prefix cache knows it by).
+
+    Async scheduling: ``num_pending`` tokens were sampled by a launched step but are not yet in
+    ``token_ids`` (their values are still on the device); they count as uncomputed tokens for the
+    next step, whose input they are. ``ends_at_pending``: the last of them ends the sequence whatever
+    it is (max_tokens, the context length, a prefill-only request's first token), so nothing is
+    scheduled after it.
     """
 
     request_id: str
@@ -44,6 +50,8 @@ class Sequence:
     num_generated: int = 0
     status: SeqStatus = SeqStatus.WAITING
     grammar: Grammar | None = None  # structured output: every sampled token obeys its mask
+    num_pending: int = 0
+    ends_at_pending: bool = False
     prefill_only: bool = False  # a prefill worker's request: ends after its first token, KV handed off
     handed_off: bool = False  # it did: its blocks are parked for a decode worker (Engine.take_handoffs)
 
@@ -52,7 +60,9 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        if self.ends_at_pending:
+            return 0
+        return len(self.token_ids) + self.num_pending - self.num_computed
 
     @property
     def is_finished(self) -> bool:
