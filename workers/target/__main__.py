@@ -69,6 +69,7 @@ class TargetConfig:
     role: str = "aggregated"  # aggregated, prefill or decode (prefill/decode disaggregation)
     kv_transfer_timeout: float = 5.0  # decode: the most seconds a KV pull may take before prefilling here
     kv_handoff_ttl: float = 30.0  # prefill: seconds handed-off blocks wait for their decode worker
+    async_scheduling: bool = False  # launch each plain step before the previous one's tokens reach the host
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -156,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on CUDA, run decode and verify steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch each plain decode step from the previous step's tokens on the device, before "
+                             "they reach the host (host bookkeeping one step behind); steps with requests that have a "
+                             "grammar or penalties or that a draft worker speculates for, and verify steps, stay "
+                             "synchronous")
     parser.add_argument("--load-interval", type=float, default=0.5, help="seconds between load events")
     parser.add_argument("--num-speculative-tokens", "--speculative-num-draft-tokens", type=int, default=4,
                         help="γ: draft tokens verified per step when a draft worker is available (a chain's length, "
@@ -213,7 +219,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
                         not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait,
                         args.tensor_parallel_size, args.tensor_parallel_timeout, args.role, args.kv_transfer_timeout,
-                        args.kv_handoff_ttl)
+                        args.kv_handoff_ttl, args.async_scheduling)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -269,7 +275,8 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-                              enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs)
+                              enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs,
+                              async_scheduling=cfg.async_scheduling)
     try:
         engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
                         hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
