@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY'; repeatable, comma-separated, or @FILE (one per "
                              "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
     parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    parser.add_argument("--disagg-min-tokens", type=int, default=256,
+                        help="prefill/decode disaggregation: prefill a prompt on a prefill worker only when its decode "
+                             "worker lacks at least this many of its tokens in cache (shorter ones prefill there)")
+    parser.add_argument("--prefill-max-queue", type=int, default=8,
+                        help="prefill/decode disaggregation: prefill on the decode worker instead when the chosen "
+                             "prefill worker has this many requests queued or in flight")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)
@@ -69,7 +75,8 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           write_timeout_s=args.write_timeout, header_timeout_s=args.header_timeout,
                           idle_timeout_s=args.idle_timeout, max_stream_buffer_bytes=args.max_stream_buffer_bytes,
                           api_keys=read_keys(args.api_key or ()),
-                          metrics_require_key=args.metrics_require_key)
+                          metrics_require_key=args.metrics_require_key, disagg_min_tokens=args.disagg_min_tokens,
+                          prefill_max_queue=args.prefill_max_queue)
 
 
 async def amain(args: argparse.Namespace) -> None:

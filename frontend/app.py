@@ -28,6 +28,7 @@ from runtime import EndpointClient, InvalidRequest, NoInstances, Overloaded, Pen
 from .auth import ApiKeyAuth
 from .config import FrontendConfig
 from .delivery import Delivery
+from .disagg import RemotePrefill
 from .dispatch import Dispatcher
 from .errors import BodyTimeout, BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
@@ -169,13 +170,16 @@ class EventStream(StreamingResponse):
 class Frontend:
     """Model registry, router, dispatcher and metrics of one frontend process."""
 
-    def __init__(self, config: FrontendConfig, router: Router, client: EndpointClient, registry: ModelRegistry):
+    def __init__(self, config: FrontendConfig, router: Router, client: EndpointClient, registry: ModelRegistry,
+                 prefill: RemotePrefill | None = None):
         self.config = config
         self.router = router
         self.client = client
         self.registry = registry
         self.metrics = FrontendMetrics()
-        self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc)
+        if prefill is not None:
+            prefill.on_decision = lambda where, why: self.metrics.prefills.labels(where, why).inc()
+        self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
@@ -190,18 +194,23 @@ class Frontend:
     async def start(cls, rt: Runtime, config: FrontendConfig) -> AsyncIterator[Frontend]:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
         router = await create_router(rt, config.router_mode, remote=config.remote_router)
+        prefill_router = await create_router(rt, config.router_mode, component="prefill")
         registry = ModelRegistry()
         try:
             client = await rt.client("target", "generate")
             cards = await rt.models()
             cards.add_listener(registry.update)
             registry.update(cards.items())
-            frontend = cls(config, router, client, registry)
+            prefill = RemotePrefill(prefill_router, await rt.client("prefill", "generate"), client,
+                                    lambda model: registry.get(model).card.kv_block_size, config.disagg_min_tokens,
+                                    config.prefill_max_queue)
+            frontend = cls(config, router, client, registry, prefill)
             # answering at all means the HTTP side serves; the rest is NATS and not draining
             frontend.ready = lambda: rt.nc is not None and rt.nc.is_connected and not rt.shutting_down
             yield frontend
         finally:
             await router.stop()
+            await prefill_router.stop()
             await registry.close()
 
     def served_models(self) -> list[str]:

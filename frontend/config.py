@@ -31,6 +31,10 @@ class FrontendConfig:
     idle_timeout_s: float = 30.0  # a connection with no request (new, or kept alive) is closed after this
     api_keys: tuple[str, ...] = ()  # any of these as "Authorization: Bearer <key>" (none: no authentication)
     metrics_require_key: bool = False  # /metrics needs a key too (/health and /live never do)
+    # prefill/decode disaggregation (only where prefill workers serve the model): a prompt is prefilled
+    # on a prefill worker when the decode worker lacks at least this many of its tokens ...
+    disagg_min_tokens: int = 256
+    prefill_max_queue: int = 8  # ... and the chosen prefill worker has fewer requests queued or in flight
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -61,5 +65,7 @@ class FrontendConfig:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.header_timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("header_timeout_s and idle_timeout_s must be > 0")
+        if self.disagg_min_tokens < 1 or self.prefill_max_queue < 1:
+            raise ValueError("disagg_min_tokens and prefill_max_queue must be at least 1")
         if self.tokenizer_timeout_s <= 0:
             raise ValueError(f"tokenizer_timeout_s must be > 0, got {self.tokenizer_timeout_s}")

@@ -49,9 +49,10 @@ class Dispatcher:
     """Routes generate requests for one frontend; plain collaborators in."""
 
     def __init__(self, router: Router, client: EndpointClient, max_migrations: int = 3,
-                 on_migrate: Callable[[], None] | None = None):
+                 on_migrate: Callable[[], None] | None = None, prefill=None):
         self.router = router
         self.client = client
+        self.prefill = prefill  # a frontend.disagg.RemotePrefill when prefill workers may exist
         self.max_migrations = max_migrations
         self.migrations = 0  # requests moved to another worker
         self._on_migrate = on_migrate
@@ -85,6 +86,7 @@ class Generation:
         self._stream: ResponseStream[TokenDelta] | None = None
         self._done = False
         self._finishing = False  # the finish delta was returned; the END frame is still to come
+        self._first: TokenDelta | None = None  # a prefill worker's delta, returned before the decode worker's
 
     @property
     def instance_id(self) -> str | None:
@@ -96,15 +98,31 @@ class Generation:
         exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
         sel = await self._d.router.select(self.model, self.token_ids, exclude=exclude, request_id=self.request_id)
         self._selection = sel
+        spec = self.speculative
+        request = GenerateRequest(self.token_ids, self.sampling, self.model,
+                                  num_speculative_tokens=spec.num_draft_tokens if spec else None,
+                                  speculative_tree_topk=spec.eagle_topk if spec else None,
+                                  speculative_tree_depth=spec.num_steps if spec else None)
+        handoff = None
+        if self.attempt == 0 and self._d.prefill is not None:
+            try:
+                first = await self._d.prefill.run(self.model, self.token_ids, request, sel.instance_id,
+                                                  sel.overlap_blocks, self.request_id, self.pending)
+            except BaseException:
+                self._release()
+                raise
+            if first is not None:
+                handoff = first.kv_handoff
+                self._first = msgspec.structs.replace(first, kv_handoff=None)
+                if first.finish_reason is not None:  # the first token ended it: no decode worker needed
+                    self._release()
+                    return
+                self.output_ids.extend(first.token_ids)
         sp = self.sampling
         done = len(self.output_ids)
         if done:
             sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - done, min_tokens=max(0, sp.min_tokens - done))
-        spec = self.speculative
-        request = GenerateRequest(self.token_ids, sp, self.model, output_ids=list(self.output_ids),
-                                  num_speculative_tokens=spec.num_draft_tokens if spec else None,
-                                  speculative_tree_topk=spec.eagle_topk if spec else None,
-                                  speculative_tree_depth=spec.num_steps if spec else None)
+        request = msgspec.structs.replace(request, sampling=sp, output_ids=list(self.output_ids), kv_transfer=handoff)
         rid = self.request_id if self.attempt == 0 else f"{self.request_id}-m{self.attempt}"
         try:
             self._stream = await self._d.client.call(sel.instance_id, request, TokenDelta, request_id=rid,
@@ -122,6 +140,11 @@ class Generation:
         return self
 
     async def __anext__(self) -> TokenDelta:
+        if self._first is not None:  # the prefill worker's first token
+            first, self._first = self._first, None
+            if first.finish_reason is not None:
+                self._done = True
+            return first
         while True:
             if self._finishing:
                 await self.aclose()

@@ -51,6 +51,9 @@ class FrontendMetrics:
         self.osl = Histogram(P + "output_sequence_tokens", "completion length of each request (tokens, all choices)",
                              ("model",), buckets=SEQ_BUCKETS, registry=r)
         self.migrations = Counter(P + "migrations", "requests moved to another worker after theirs failed", registry=r)
+        self.prefills = Counter(P + "prefills", "where prompts were prefilled when prefill workers serve the model "
+                                "(where: remote or local; reason: ok, short, busy, not_decode, no_prefill, "
+                                "prefill_failed)", ("where", "reason"), registry=r)
         self.streams_dropped = Counter(P + "streams_dropped", "streams dropped because their client stopped reading, "
                                        "by reason (write_timeout, buffer: too much output waiting)", ("reason",), registry=r)
         self._series: dict[str, ModelSeries] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +53,30 @@ def nixl_module():
         except ImportError:
             continue
     return None
+
+
+PROGRESS_DELAY_US = 1000  # the agent's progress thread sleeps this long between rounds
+_construct = threading.Lock()
+
+
+def make_agent(nixl, name: str):
+    """A NIXL agent with UCX whose progress thread sleeps between rounds. (The Python API starts it
+    with no delay, and it then spins a whole core even when idle; without the thread a one-sided
+    READ from this agent's memory over TCP never progresses. The delay is set on the bindings'
+    config on its way to the agent, which the Python API offers no other way to do.)"""
+    api = sys.modules[nixl.nixl_agent.__module__]
+    real = api.nixlBind.nixlAgent
+
+    def with_delay(agent_name, config):
+        config.pthrDelay = PROGRESS_DELAY_US
+        return real(agent_name, config)
+
+    with _construct:
+        api.nixlBind.nixlAgent = with_delay
+        try:
+            return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        finally:
+            api.nixlBind.nixlAgent = real
 
 
 def kv_regions(engine) -> list[torch.Tensor]:
@@ -124,7 +149,7 @@ class KvAgent:
         self.layout = layout
         self.poll_interval = poll_interval
         self._lock = threading.RLock()
-        self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        self._agent = make_agent(nixl, name)
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend here (check UCX_TLS; unset it or try UCX_TLS=tcp)")
         self._registered = self._agent.register_memory(regions)

@@ -157,12 +157,39 @@ class TargetCollector(Collector):
             for reason, count in sorted(dict(loop.pool.refused).items()):
                 refused.add_metric([self.model, reason], count)
             yield refused
+        yield from self._disagg(w, engine, gauge, counter)
         finished = CounterMetricFamily("tandem_target_requests_finished", "Requests ended, by finish reason.",
                                        labels=["model", "reason"])
         for reason, count in sorted(w.stats.finished.items()):
             finished.add_metric([self.model, reason], count)
         yield finished
         yield from self._vllm(w, engine)
+
+    def _disagg(self, w, engine, gauge, counter):
+        """Prefill/decode disaggregation (``--role prefill|decode``): handoffs, pulls, failures."""
+        d = w.disagg
+        yield counter("kv_handoffs", "Prompts this prefill worker computed and handed to a decode worker.", d.handoffs)
+        yield counter("kv_handoffs_released", "Handoffs their decode worker released.", d.released)
+        yield counter("kv_handoffs_expired", "Handoffs freed unpulled when their ttl ran out.", engine.handoffs_expired)
+        yield gauge("kv_parked_blocks", "KV blocks held for decode workers to pull.", engine.parked_blocks)
+        yield counter("kv_remote_prefills", "Requests whose prompt KV was pulled from a prefill worker.",
+                      d.remote_prefills)
+        yield counter("kv_transfer_bytes", "Bytes of KV and hidden rows pulled from prefill workers.", d.transfer_bytes)
+        yield counter("kv_reused_blocks", "Handed-off blocks found in this worker's prefix cache (not pulled).",
+                      d.reused_blocks)
+        yield gauge("kv_quarantined_blocks", "Blocks taken out of use after a pull that could not be cancelled.",
+                    engine.quarantined_blocks)
+        for name, doc, by, label in (
+                ("kv_local_prefills", "Requests sent with a KV handoff that prefilled here instead, by why.",
+                 d.local_prefills, "reason"),
+                ("kv_transfer_failures", "KV pulls that failed, by kind (error, timeout).", d.failures, "kind")):
+            c = CounterMetricFamily(f"tandem_target_{name}", doc, labels=["model", label])
+            for key, count in sorted(by.items()):
+                c.add_metric([self.model, key], count)
+            yield c
+        h = HistogramMetricFamily("tandem_target_kv_transfer_seconds", "Seconds per KV pull.", labels=["model"])
+        h.add_metric([self.model], d.transfer_seconds.buckets(), d.transfer_seconds.total)
+        yield h
 
     def _vllm(self, w, engine):
         """vLLM's names and labels (model_name, engine)."""
