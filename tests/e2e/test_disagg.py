@@ -20,7 +20,7 @@ from deploy.binaries import free_port
 from tests.support.http import wait_for_model
 from tests.support.procs import ManagedProcess
 from tests.support.servers import env_for
-from workers.demo_model import DEMO_NAME, demo_model_dir
+from workers.demo_model import DEMO_HEAD, DEMO_NAME, demo_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -106,3 +106,90 @@ async def test_greedy_output_is_equal_disaggregated_and_aggregated(stack):
     assert total(front, "tandem_frontend_prefills_total", where="remote", reason="ok") == len(PROMPTS)
     assert await decode_metrics(stack, "tandem_target_kv", "tandem_target_kv_transfer_bytes_total") > 0
     assert await decode_metrics(stack, "tandem_target_kv", "tandem_target_kv_remote_prefills_total") == len(PROMPTS)
+
+
+async def spec_counts(stack) -> tuple[float, float]:
+    """(drafts, accepted tokens) verified so far by the live decode workers."""
+    drafts = await decode_metrics(stack, "vllm:spec_decode", "vllm:spec_decode_num_drafts_total")
+    accepted = await decode_metrics(stack, "vllm:spec_decode", "vllm:spec_decode_num_accepted_tokens_total")
+    return drafts, accepted
+
+
+async def test_with_the_eagle3_draft_on_the_decode_side_output_and_acceptance_match(stack):
+    await wait_ready(stack)
+    stack["spawn"]("draft", "workers.draft", "--method", "eagle3", "--eagle-model", str(DEMO_HEAD), "--target-model",
+                   stack["model"], "--served-model-name", DEMO_NAME, "--lease-ttl", "3")
+    await asyncio.to_thread(stack["procs"]["draft"].wait_for_log, "draft worker", 240)
+    deadline = asyncio.get_running_loop().time() + 120
+    while (await spec_counts(stack))[0] == 0:  # both decode workers found the draft
+        assert asyncio.get_running_loop().time() < deadline, "the decode workers never speculated"
+        await asyncio.gather(*(complete(stack["url"]("agg"), p, 4) for p in PROMPTS[:4]))
+    prompts = [p + " Then:" for p in PROMPTS]  # not cached anywhere yet
+    start = await spec_counts(stack)
+    disagg = list(await asyncio.gather(*(complete(stack["url"]("disagg"), p) for p in prompts)))
+    mid = await spec_counts(stack)
+    agg = list(await asyncio.gather(*(complete(stack["url"]("agg"), p) for p in prompts)))  # the same concurrency
+    end = await spec_counts(stack)
+    assert disagg == agg
+    drafts_d, drafts_a = mid[0] - start[0], end[0] - mid[0]
+    assert drafts_d > 0 and drafts_a > 0
+    tau_d, tau_a = 1 + (mid[1] - start[1]) / drafts_d, 1 + (end[1] - mid[1]) / drafts_a
+    logging.getLogger("tests").info("acceptance length: disaggregated %.3f, aggregated %.3f", tau_d, tau_a)
+    assert abs(tau_d - tau_a) <= 0.1 * tau_a  # the bench measures it closely (bench/disagg_bench.py)
+
+
+async def load(url: str, prompts: list[str], expected: dict[str, str], results: list, stop: asyncio.Event,
+               max_tokens: int) -> None:
+    i = 0
+    while not stop.is_set():
+        p = prompts[i % len(prompts)]
+        try:
+            results.append(await complete(url, p, max_tokens) == expected[p])
+        except AssertionError as exc:  # a non-200: counted as lost
+            logging.getLogger("tests").error("request failed: %s", exc)
+            results.append(None)
+        i += 1
+
+
+async def run_through(stack, kill: str, max_tokens: int, warm: int) -> list:
+    """Three clients loop over fresh prompts on the disaggregating frontend; ``kill`` is SIGKILLed once
+    ``warm`` requests are done; 12 more complete. Returns each request's outcome (True: equal text)."""
+    prompts = [p + f" Case {kill}:" for p in PROMPTS]
+    expected = {p: await complete(stack["url"]("agg"), p, max_tokens) for p in prompts}
+    for p in prompts:  # the aggregated run cached them on a decode worker: vary the text past its blocks
+        expected[p + " Again."] = await complete(stack["url"]("agg"), p + " Again.", max_tokens)
+    fresh = [p + " Again." for p in prompts]
+    results: list = []
+    stop = asyncio.Event()
+    clients = [asyncio.create_task(load(stack["url"]("disagg"), fresh[k::3], expected, results, stop, max_tokens))
+               for k in range(3)]
+    while len(results) < warm:
+        await asyncio.sleep(0.05)
+    stack["procs"][kill].kill()
+    killed_at = len(results)
+    while len(results) < killed_at + 12:
+        await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.gather(*clients)
+    return results
+
+
+async def test_a_decode_worker_killed_after_handovers_loses_nothing(stack):
+    await wait_ready(stack)
+    results = await run_through(stack, "decode-0", max_tokens=40, warm=3)
+    assert None not in results and all(results), results
+    front = await metrics(stack["addr"]("disagg"), "tandem_frontend_migrations")
+    assert total(front, "tandem_frontend_migrations_total") >= 1
+
+
+async def test_the_prefill_worker_killed_under_load_loses_nothing(stack):
+    await wait_ready_after_kill(stack)
+    results = await run_through(stack, "prefill", max_tokens=12, warm=4)
+    assert None not in results and all(results), results
+    front = await metrics(stack["addr"]("disagg"), "tandem_frontend_prefills")
+    assert total(front, "tandem_frontend_prefills_total", where="remote", reason="ok") > 0
+
+
+async def wait_ready_after_kill(stack) -> None:
+    for name in ("disagg", "agg"):
+        await wait_for_model(stack["url"](name), DEMO_NAME, timeout=60)
