@@ -30,11 +30,14 @@ from .signals import Signals
 log = logging.getLogger("planner")
 
 
-def _seconds(text: str) -> float:
+def _seconds(flag: str, value) -> float | None:
+    """A duration flag's value in seconds (durations stay text until here, so the environment sets them too)."""
+    if value is None:
+        return None
     try:
-        return parse_seconds(text)
+        return parse_seconds(value)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Tandem planner: sizes prefill, target and draft pools to SLAs")
     add_runtime_args(parser)
     sla = parser.add_argument_group("SLA (p90; durations take ms or s, a bare number is seconds)")
-    sla.add_argument("--ttft-p90", type=_seconds, default=None, help="time to first token, 90th percentile")
-    sla.add_argument("--itl-p90", type=_seconds, default=None, help="inter-token latency, 90th percentile")
+    sla.add_argument("--ttft-p90", default=None, help="time to first token, 90th percentile")
+    sla.add_argument("--itl-p90", default=None, help="inter-token latency, 90th percentile")
     pools = parser.add_argument_group("pool bounds")
     for pool, low, high, what in (("prefill", 0, 0, "prefill workers (component prefill)"),
                                   ("targets", 1, 4, "target workers (component target: decode or aggregated)"),
@@ -51,16 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
         pools.add_argument(f"--min-{pool}", type=int, default=low, help=f"fewest {what}")
         pools.add_argument(f"--max-{pool}", type=int, default=high, help=f"most {what}")
     timing = parser.add_argument_group("timing")
-    timing.add_argument("--adjustment-interval", type=_seconds, default=5.0, help="time between decisions")
-    timing.add_argument("--latency-window", type=_seconds, default=15.0,
+    timing.add_argument("--adjustment-interval", default=5.0, help="time between decisions")
+    timing.add_argument("--latency-window", default=15.0,
                         help="time behind each latency percentile and work share")
-    timing.add_argument("--up-cooldown", type=_seconds, default=10.0, help="after a change, no scale-up for this long")
-    timing.add_argument("--down-cooldown", type=_seconds, default=30.0,
+    timing.add_argument("--up-cooldown", default=10.0, help="after a change, no scale-up for this long")
+    timing.add_argument("--down-cooldown", default=30.0,
                         help="after a change, no scale-down for this long")
     timing.add_argument("--down-ratio", type=float, default=0.7,
                         help="scale down only when the estimate with one worker fewer is below this share of the SLA")
     timing.add_argument("--min-samples", type=int, default=5, help="latency observations a window needs to count")
-    timing.add_argument("--start-timeout", type=_seconds, default=180.0,
+    timing.add_argument("--start-timeout", default=180.0,
                         help="how long a worker asked for may take to register before it is no longer waited for")
     draft = parser.add_argument_group("draft:target rule")
     draft.add_argument("--draft-wait-high", type=float, default=DraftRule.wait_high,
@@ -98,9 +101,11 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
               "draft": Bounds(args.min_drafts, args.max_drafts)}
     rule = DraftRule(args.draft_wait_high, args.draft_busy_high, args.draft_busy_low, args.min_accepted_length,
                      args.max_draft_ratio)
-    return PlannerConfig(args.ttft_p90, args.itl_p90, bounds, args.adjustment_interval, args.latency_window,
-                         args.up_cooldown, args.down_cooldown, args.down_ratio, args.min_samples, args.start_timeout,
-                         rule, args.connector, tuple(args.frontend_url))
+    return PlannerConfig(_seconds("--ttft-p90", args.ttft_p90), _seconds("--itl-p90", args.itl_p90), bounds,
+                         _seconds("--adjustment-interval", args.adjustment_interval),
+                         _seconds("--latency-window", args.latency_window), _seconds("--up-cooldown", args.up_cooldown),
+                         _seconds("--down-cooldown", args.down_cooldown), args.down_ratio, args.min_samples,
+                         _seconds("--start-timeout", args.start_timeout), rule, args.connector, tuple(args.frontend_url))
 
 
 def k8s_deployments(args: argparse.Namespace) -> dict[str, str]:
