@@ -1,12 +1,16 @@
 """Engine throughput against transformers' ``generate`` on the same weights, same machine, same run.
 
 Usage: .venv/bin/python bench/engine_bench.py [--models tiny,smollm2] [--new-tokens 64] [--repeats 3] [--threads 1]
+                                             [--async-scheduling] [--no-hf]
 
 For each model, child processes measure (one implementation per process, so peak RSS is its own):
   ours:       the engine at batch 1 and with 16 concurrent requests (continuous batching, greedy);
   ours-torch: the same with ``TANDEM_CPU_LINEAR=torch`` (torch's default CPU matmul, as transformers
               uses) — shows how much of the gap is the matmul kernel and how much the engine;
-  hf:         ``model.generate`` at batch 1 and on a left-padded batch of 16 (greedy, same prompts).
+  hf:         ``model.generate`` at batch 1 and on a left-padded batch of 16 (greedy, same prompts);
+  ours-async: with ``--async-scheduling``, the engine with ``EngineConfig(async_scheduling=True)``
+              beside the synchronous one (on a CPU nothing overlaps: this shows what the bookkeeping
+              one step behind costs; on a GPU, what it gains).
 Three workloads: batch 1 (``--new-tokens`` tokens); 16 requests that all want ``--new-tokens``
 tokens; and a served stream ("mixed") of 64 requests wanting 16–128 tokens each, at most 16 in
 flight: the engine admits the next request as soon as one finishes, while ``generate`` takes them
@@ -31,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BATCH = 16
-IMPLS = ("ours", "ours-torch", "hf")
+IMPLS = ("ours", "ours-torch", "hf", "ours-async")
 KEYS = (("batch1", "1"), ("batch16", "16 concurrent / padded 16, equal lengths"),
         ("mixed16", "64 requests of 16–128 tokens, 16 in flight / 4 padded batches of 16"))
 
@@ -72,7 +76,7 @@ def model_dir(name: str) -> Path:
     return demo_model_dir()
 
 
-def run_ours(path: Path, new_tokens: int) -> dict:
+def run_ours(path: Path, new_tokens: int, async_scheduling: bool = False) -> dict:
     import torch
 
     from runtime.messages import SamplingParams
@@ -80,25 +84,27 @@ def run_ours(path: Path, new_tokens: int) -> dict:
     from workers.engine.weights import load_model
 
     model = load_model(path, max_positions=1024)
-    engine = Engine(model, EngineConfig(num_blocks=256, max_model_len=1024, max_num_batched_tokens=1024),
-                    eos_token_ids=())
+    engine = Engine(model, EngineConfig(num_blocks=256, max_model_len=1024, max_num_batched_tokens=1024,
+                                        async_scheduling=async_scheduling), eos_token_ids=())
     ps = prompts(model.cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate({"warm": ps[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.blocks.clear()  # no prefix hits from the warm-up
     out = {}
     with torch.inference_mode():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         res = engine.generate({"b1": ps[0]}, params)
         out["batch1"] = len(res["b1"]) / (time.perf_counter() - start)
+        out["cpu_batch1"] = len(res["b1"]) / (time.process_time() - cpu)
         engine.blocks.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         res = engine.generate({f"r{i}": p for i, p in enumerate(ps)}, params)
         out["batch16"] = sum(map(len, res.values())) / (time.perf_counter() - start)
+        out["cpu_batch16"] = sum(map(len, res.values())) / (time.process_time() - cpu)
         engine.blocks.clear()
         queue = list(zip(prompts(model.cfg.vocab_size, MIXED), mixed_lengths()))
         in_flight = done = 0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         while queue or in_flight:
             while queue and in_flight < BATCH:  # keep 16 requests in flight, as 16 concurrent clients do
                 p, n = queue.pop(0)
@@ -108,6 +114,7 @@ def run_ours(path: Path, new_tokens: int) -> dict:
                 done += len(delta.token_ids)
                 in_flight -= delta.finish_reason is not None
         out["mixed16"] = done / (time.perf_counter() - start)
+        out["cpu_mixed16"] = done / (time.process_time() - cpu)  # per CPU-second: what another process's load hides
         assert done == sum(mixed_lengths()), (done, sum(mixed_lengths()))
     return out
 
@@ -151,7 +158,10 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     path = model_dir(args.model)
-    result = (run_hf if args.child == "hf" else run_ours)(path, args.new_tokens)
+    if args.child == "hf":
+        result = run_hf(path, args.new_tokens)
+    else:
+        result = run_ours(path, args.new_tokens, async_scheduling=args.child == "ours-async")
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result))
 
@@ -162,6 +172,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (same for both)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run the engine with async scheduling, alternating with the others")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="with --async-scheduling: only the engine, synchronous and async (no transformers, no "
+                             "torch-matmul run)")
     parser.add_argument("--child", choices=IMPLS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,33 +185,51 @@ def main() -> None:
         return
     from runtime.config import child_env
 
+    if args.no_hf and not args.async_scheduling:
+        parser.error("--no-hf leaves only the --async-scheduling comparison")
+    impls = [i for i in IMPLS if (i not in ("hf", "ours-torch") or not args.no_hf)
+             and (i != "ours-async" or args.async_scheduling)]
     rows = []
     for name in args.models.split(","):
         model_dir(name)  # build / convert once, outside the timed children
         best: dict[str, dict] = {}
         for _ in range(args.repeats):
-            for impl in IMPLS:
+            for impl in impls:
                 cmd = [sys.executable, __file__, "--child", impl, "--model", name,
                        "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
                 env = child_env(TANDEM_CPU_LINEAR="torch" if impl == "ours-torch" else "onednn")
                 done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
                 res = json.loads(done.stdout.strip().splitlines()[-1])
                 prev = best.setdefault(impl, res)
-                for key, _ in KEYS:
-                    prev[key] = max(prev[key], res[key])
+                for key in res:
+                    if key != "peak_rss_mb":
+                        prev[key] = max(prev[key], res[key])
                 prev["peak_rss_mb"] = max(prev["peak_rss_mb"], res["peak_rss_mb"])
         rows.append((name, best))
-    print("| model | batch | ours tok/s | ours, torch matmul tok/s | transformers tok/s | ours / transformers |")
-    print("|---|---|---|---|---|---|")
-    for name, best in rows:
-        ours, plain, hf = best["ours"], best["ours-torch"], best["hf"]
-        for key, label in KEYS:
-            print(f"| {name} | {label} | {ours[key]:.1f} | {plain[key]:.1f} | {hf[key]:.1f} | {ours[key] / hf[key]:.2f}× |")
-    print()
-    print("| model | ours peak RSS | transformers peak RSS |")
-    print("|---|---|---|")
-    for name, best in rows:
-        print(f"| {name} | {best['ours']['peak_rss_mb']:.0f} MB | {best['hf']['peak_rss_mb']:.0f} MB |")
+    if not args.no_hf:
+        print("| model | batch | ours tok/s | ours, torch matmul tok/s | transformers tok/s | ours / transformers |")
+        print("|---|---|---|---|---|---|")
+        for name, best in rows:
+            ours, plain, hf = best["ours"], best["ours-torch"], best["hf"]
+            for key, label in KEYS:
+                print(f"| {name} | {label} | {ours[key]:.1f} | {plain[key]:.1f} | {hf[key]:.1f} "
+                      f"| {ours[key] / hf[key]:.2f}× |")
+        print()
+        print("| model | ours peak RSS | transformers peak RSS |")
+        print("|---|---|---|")
+        for name, best in rows:
+            print(f"| {name} | {best['ours']['peak_rss_mb']:.0f} MB | {best['hf']['peak_rss_mb']:.0f} MB |")
+    if args.async_scheduling:
+        print()
+        print("| model | batch | ours tok/s | ours, async scheduling tok/s | async / sync "
+              "| per CPU-second: sync | async | async / sync |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, best in rows:
+            ours, fast = best["ours"], best["ours-async"]
+            for key, label in KEYS:
+                cpu = f"cpu_{key}"
+                print(f"| {name} | {label} | {ours[key]:.1f} | {fast[key]:.1f} | {fast[key] / ours[key]:.3f}× "
+                      f"| {ours[cpu]:.1f} | {fast[cpu]:.1f} | {fast[cpu] / ours[cpu]:.3f}× |")
 
 
 if __name__ == "__main__":

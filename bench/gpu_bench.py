@@ -2,7 +2,7 @@
 against transformers' ``generate`` on the same weights, in one run.
 
 Usage (on a CUDA machine; ``bench/gpu_check.sh`` runs it with the GPU tests):
-    python bench/gpu_bench.py [--layers 32] [--batches 1,16,64] [--out DIR]
+    python bench/gpu_bench.py [--layers 32] [--batches 1,16,64] [--async-scheduling] [--out DIR]
 
 Model: hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336, vocab 128256, bf16
 (≈ 16 GB), weights drawn on the device from a seeded normal (no checkpoint can travel here).
@@ -13,7 +13,9 @@ Measured, each with the same prompts (random ids, ``--prompt-len`` tokens):
   token bookkeeping) once every request has its first token, i.e. what a served step costs.
 - Roofline: bytes a decode step must move (every weight except the embedding table, plus each
   sequence's KV cache read and its new KV written) / measured bandwidth → the most tokens/s the
-  memory system allows; decode efficiency = measured / roofline.
+  memory system allows; decode efficiency = measured / roofline. With ``--async-scheduling`` each
+  batch size is measured twice on the same engine, synchronous and then with async scheduling (step
+  N+1 launched before step N's tokens reach the host), rows marked in the "async" column.
 - Verify: one target step over γ+1 = 5 tokens per sequence against a 1-token decode step, both
   replayed from CUDA graphs (model runner level, host preparation included; graph replay alone too).
 - An EAGLE-3 head shaped for this model (fc 3·4096 → 4096, one decoder layer over 8192-wide
@@ -130,7 +132,9 @@ def start_decoding(engine, batch: int, prompt_len: int, steps: int, vocab: int) 
     return ids
 
 
-def decode_throughput(engine, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+def decode_throughput(engine, batch: int, prompt_len: int, steps: int, vocab: int,
+                      async_scheduling: bool = False) -> dict:
+    engine.async_scheduling = async_scheduling  # read at every step; the engine is idle here
     ids = start_decoding(engine, batch, prompt_len, steps, vocab)
     replays = engine.runner.graphs.replays
     t0 = time.perf_counter()
@@ -141,8 +145,11 @@ def decode_throughput(engine, batch: int, prompt_len: int, steps: int, vocab: in
     graphed = engine.runner.graphs.replays - replays
     for rid in ids:
         engine.abort(rid)
+    engine.flush()  # the last step left pending (async scheduling): its aborted sequences drop their tokens
+    engine.async_scheduling = False
     return {"batch": batch, "step_ms": 1e3 * seconds / steps, "tokens_per_s": batch * steps / seconds,
-            "graphed_steps": graphed, "steps": steps, "mean_context": prompt_len + 4 + steps / 2}
+            "graphed_steps": graphed, "steps": steps, "mean_context": prompt_len + 4 + steps / 2,
+            "async": async_scheduling}
 
 
 def profile_steps(engine, batch: int, prompt_len: int, steps: int, vocab: int) -> str:
@@ -320,16 +327,17 @@ def markdown(res: dict) -> str:
              f"Model: Llama-3.1-8B shape, {res['layers']} layers, bf16, random weights; "
              f"weights read per step {res['weight_gb']:.2f} GB; measured copy bandwidth {res['bandwidth_gbs']:.0f} GB/s",
              f"CUDA graphs captured: {res['graphs']} in {res['capture_s']:.1f} s", "",
-             "| batch | ours tok/s | step ms | roofline tok/s | of roofline | HF default tok/s | ours / HF default "
-             "| HF static tok/s | ours / HF static |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | async | ours tok/s | step ms | roofline tok/s | of roofline | HF default tok/s "
+             "| ours / HF default | HF static tok/s | ours / HF static |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in res["decode"]:
         b = row["batch"]
         hf_d = res["hf_default"].get(str(b), {}).get("tokens_per_s")
         hf_s = res["hf_static"].get(str(b), {}).get("tokens_per_s")
         fmt = lambda x: f"{x:.0f}" if x else "–"  # noqa: E731
         ratio = lambda x: f"{row['tokens_per_s'] / x:.2f}×" if x else "–"  # noqa: E731
-        lines.append(f"| {b} | {row['tokens_per_s']:.0f} | {row['step_ms']:.2f} | {row['roofline_tokens_per_s']:.0f} "
+        lines.append(f"| {b} | {'on' if row.get('async') else 'off'} | {row['tokens_per_s']:.0f} | {row['step_ms']:.2f} "
+                     f"| {row['roofline_tokens_per_s']:.0f} "
                      f"| {row['of_roofline']:.2f} | {fmt(hf_d)} | {ratio(hf_d)} | {fmt(hf_s)} | {ratio(hf_s)} |")
     lines += ["", f"| batch | context | decode ms | verify γ+1={GAMMA + 1} ms | verify / decode "
               "| decode replay ms | verify replay ms | replay ratio |", "|---|---|---|---|---|---|---|---|"]
@@ -340,7 +348,8 @@ def markdown(res: dict) -> str:
     lines += ["", "| batch | EAGLE-3 head eager ms | graphed ms | target decode ms | c (graphed / target) |",
               "|---|---|---|---|---|"]
     for row in res["eagle3"]:
-        target = next((r["step_ms"] for r in res["decode"] if r["batch"] == row["batch"]), None)
+        target = next((r["step_ms"] for r in res["decode"] if r["batch"] == row["batch"] and not r.get("async")),
+                      None)
         c = f"{row['graph_ms'] / target:.3f}" if target else "–"
         lines.append(f"| {row['batch']} | {row['eager_ms']:.2f} | {row['graph_ms']:.2f} | "
                      f"{target:.2f} | {c} |" if target else f"| {row['batch']} | {row['eager_ms']:.2f} | "
@@ -357,6 +366,9 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--no-hf-static", action="store_true", help="skip transformers' static cache (it compiles)")
     ap.add_argument("--profile", action="store_true", help="also write a host profile of decode steps (gpu_profile.txt)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="measure decode at each batch size with async scheduling too (same engine, after the "
+                         "synchronous row)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -393,13 +405,14 @@ def main() -> None:
     kv_per_token = 2 * cfg.num_layers * cfg.kv_size * 2
     bw = res["bandwidth_gbs"] * 1e9
     for b in batches:
-        row = decode_throughput(engine, b, args.prompt_len, args.steps, cfg.vocab_size)
-        step_bytes = weight_bytes(model) + b * (row["mean_context"] + 1) * kv_per_token
-        row["roofline_tokens_per_s"] = b / (step_bytes / bw)
-        row["of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
-        res["decode"].append(row)
-        print(json.dumps(row), flush=True)
-        save()
+        for async_scheduling in (False, True) if args.async_scheduling else (False,):
+            row = decode_throughput(engine, b, args.prompt_len, args.steps, cfg.vocab_size, async_scheduling)
+            step_bytes = weight_bytes(model) + b * (row["mean_context"] + 1) * kv_per_token
+            row["roofline_tokens_per_s"] = b / (step_bytes / bw)
+            row["of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
+            res["decode"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
     if args.profile:
         text = "\n".join(profile_steps(engine, b, args.prompt_len, args.steps, cfg.vocab_size)
                          for b in (batches[0], batches[-1]))

@@ -128,7 +128,10 @@ class ModelRunner:
         pairs = [(at, row) for at, row in zip(places, rows) if row >= 0]
         if not pairs:
             return None
-        index = torch.tensor(pairs, dtype=torch.long).to(self.device, non_blocking=True)  # [m, 2], one copy
+        index = torch.tensor(pairs, dtype=torch.long)  # [m, 2], one copy up
+        if self.device.type == "cuda":  # from pinned memory: a pageable copy may wait for the step before
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
         return index[:, 0], tokens.index_select(0, index[:, 1])
 
     def _forward(self, chunks, logits_last, hidden_layers, trees, last_from=None) -> ModelOutput:

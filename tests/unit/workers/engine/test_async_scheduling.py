@@ -16,6 +16,7 @@ from runtime.messages import KvEventKind, SamplingParams, TokenDelta
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import make_proposer, run_spec
 from tests.unit.workers.engine.test_spec_engine import prompts as spec_prompts
+from workers.engine.cuda_graphs import GraphConfig
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.target.step_loop import StepLoop
@@ -336,6 +337,29 @@ def test_many_mixed_requests_with_aborts_leave_nothing_behind(model):
     events = engine.drain_kv_events()
     assert any(e.kind == KvEventKind.REMOVED for e in events)
     assert engine.device_fed > 50
+    _idle(engine)
+
+
+class _GraphedEngine(Engine):
+    """Decode steps through the CUDA-graph runner's static, padded layout (run eagerly on a CPU)."""
+
+    def _graph_config(self, model):
+        return GraphConfig(8, (1,), (), capture=False)
+
+
+def test_graphed_decode_steps_take_their_inputs_from_the_device(model):
+    """In the graph runner's padded layout the previous step's tokens land in the static input buffer."""
+    prompts = _prompts(6, seed=15)
+    params = {rid: GREEDY if i % 2 else SamplingParams(temperature=0.9, seed=i, max_tokens=24, ignore_eos=True)
+              for i, rid in enumerate(prompts)}
+    arrivals = {i: [(rid, prompts[rid], params[rid])] for i, rid in enumerate(prompts)}
+    sync = _drive(_engine(model, False), arrivals)
+    engine = _GraphedEngine(model, EngineConfig(num_blocks=256, block_size=4, max_num_batched_tokens=48,
+                                                async_scheduling=True), eos_token_ids=())
+    _count_device_inputs(engine)
+    fast = _drive(engine, arrivals)
+    _same(sync, fast)
+    assert engine.runner.graphs.replays > 10 and engine.device_fed > 10
     _idle(engine)
 
 
