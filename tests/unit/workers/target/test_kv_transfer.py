@@ -211,3 +211,54 @@ def test_a_first_token_that_ends_the_request_hands_nothing_off(pair):
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     delta, handoff = prefill_one(prefill, "one", list(range(5, 15)), params)
     assert delta.finish_reason == "length" and handoff is None and "one" not in prefill.parked
+
+
+def _stalling_server(queue, done) -> None:
+    import os
+
+    os.environ["UCX_TLS"] = "tcp"  # a READ over TCP needs the remote agent to progress: a stopped one stalls it
+    regions = [torch.arange(16 * 256, dtype=torch.float32).reshape(16, 256)]
+    from runtime.messages import KvLayout
+
+    layout = KvLayout("tiny", 4, "float32", 1, 1, 1, [], 0, 16, "DRAM", 0, [regions[0].data_ptr()], [1024])
+    agent = KvAgent("stalling", regions, layout)
+    queue.put(agent.record("stalling"))
+    done.get()
+
+
+def test_a_pull_from_a_stalled_prefill_worker_times_out_and_is_cancelled(monkeypatch):
+    """A prefill worker that stops answering mid-pull: the READ is given up after the timeout and
+    cancelled (so its blocks may be reused); a live one is read exactly."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from runtime.messages import KvLayout
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_stalling_server, args=(queue, done), daemon=True)
+    server.start()
+    try:
+        record = queue.get(timeout=60)
+        mine = [torch.zeros(16, 256)]
+        agent = KvAgent("puller", mine, KvLayout("tiny", 4, "float32", 1, 1, 1, [], 0, 16, "DRAM", 0,
+                                                 [mine[0].data_ptr()], [1024]))
+        got = asyncio.run(agent.pull(record, [0, 1, 5], [2, 3, 9], 10.0))
+        assert got.descriptors == 2 and got.bytes == 3 * 1024
+        want = torch.arange(16 * 256, dtype=torch.float32).reshape(16, 256)
+        assert torch.equal(mine[0][[0, 1, 5]], want[[2, 3, 9]])
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferFailed, match="timed out") as failed:
+                asyncio.run(agent.pull(record, list(range(8, 16)), list(range(8)), 1.0))
+            assert failed.value.cancelled
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        agent.close()
+    finally:
+        done.put(1)
+        server.join(10)
+        if server.is_alive():
+            server.kill()
