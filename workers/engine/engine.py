@@ -141,6 +141,7 @@ class Engine:
         # prefill/decode disaggregation: blocks handed off (prefill side) and being pulled (decode side)
         self.parked: dict[str, Parked] = {}
         self.receiving: dict[str, Receiving] = {}
+        self._joining: list[Sequence] = []  # received sequences that join the running batch after a step
         self._handoffs: dict[str, KvHandoff] = {}
         self.handoff_ttl = 30.0
         self.handoffs_expired = 0
@@ -225,7 +226,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._immediate) or self.scheduler.has_work() or self._pending is not None
+        return bool(self._immediate or self._joining) or self.scheduler.has_work() or self._pending is not None
 
     # ------------------------------------------------------------------ speculation: the draft worker's side
 
@@ -324,7 +325,17 @@ class Engine:
         if self.time_steps:
             self.spec.observe_cycle(stats.tokens, stats.verified, stats.decoding, stats.emitted,
                                     time.perf_counter() - started)
+        self._join_received()
         return outputs
+
+    def _join_received(self) -> None:
+        """Sequences whose pulled prompt is in place join the running batch after a step, as a
+        sequence does after its local prefill step: a draft is asked for them before they decode."""
+        joining, self._joining = self._joining, []
+        for seq in joining:
+            if self.seqs.get(seq.request_id) is seq:  # not aborted meanwhile
+                seq.status = SeqStatus.RUNNING
+                self.scheduler.running.append(seq)
 
     def observe_cycle(self, seconds: float, asked: bool = False) -> None:
         """Feed the cost model the latest step as part of a serving cycle that took ``seconds``
@@ -422,7 +433,7 @@ class Engine:
             return False
         drafting = bool(self.spec.draft_id)
         for s, _ in plain:
-            if s.grammar is not None or penalised(s):
+            if s.grammar is not None or penalised(s) or s.prefill_only:  # a handoff is its first token
                 return False
             st = self.spec.states.get(s.request_id) if drafting else None
             if st is not None and st.gamma > 0:
@@ -720,9 +731,8 @@ class Engine:
             return
         if ok:
             seq.num_computed = r.num_tokens
-            seq.status = SeqStatus.RUNNING
-            self.scheduler.running.append(seq)
             self._register_blocks(seq, self.config.block_size)
+            self._joining.append(seq)  # runs from the next step (see _join_received)
             return
         self.scheduler.finish(seq)
         seq.reset_for_recompute()

@@ -15,6 +15,7 @@ import torch
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.draft.draft_model import DraftModelProposer
+from workers.draft.ngram import NgramProposer
 from workers.engine.engine import HANDOFF, Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.target.kv_transfer import KvAgent, TransferFailed, block_runs, incompatibility, kv_regions, layout_of
@@ -66,19 +67,22 @@ def prefill_one(engine: Engine, rid: str, prompt: list[int], params=GREEDY):
     return delta, engine.take_handoffs().get(rid)
 
 
-def decode_rest(engine: Engine, rid: str, proposer=None) -> list[int]:
-    tokens = []
+def decode_rest(engine: Engine, rid: str, proposer=None, usage: list | None = None) -> list[int]:
+    """Run ``engine`` to the end the way the step loop does: each cycle steps with the proposals
+    asked for at the end of the cycle before, then asks for the next round."""
+    tokens, proposals = [], {}
     while engine.has_work():
-        proposals = {}
-        if proposer is not None:
-            inputs = engine.draft_inputs()
-            proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
         for got, delta in engine.step(proposals):
             assert got == rid
             tokens.extend(delta.token_ids)
+            if delta.usage is not None and usage is not None:
+                usage.append(delta.usage)
+        proposals = {}
         if proposer is not None:
             proposer.verified(engine.take_verdicts())
             proposer.release(engine.take_released())
+            inputs = engine.draft_inputs()
+            proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
     return tokens
 
 
@@ -87,7 +91,8 @@ def rest_of(params: SamplingParams) -> SamplingParams:
     return msgspec.structs.replace(params, max_tokens=params.max_tokens - 1)
 
 
-def hand_over(pair, rid: str, prompt: list[int], params=GREEDY, proposer=None, timeout: float = 5.0):
+def hand_over(pair, rid: str, prompt: list[int], params=GREEDY, proposer=None, timeout: float = 5.0,
+              usage: list | None = None):
     prefill, a, decode, b = pair
     delta, handoff = prefill_one(prefill, rid, prompt, params)
     assert delta.finish_reason == HANDOFF and len(delta.token_ids) == 1
@@ -99,7 +104,7 @@ def hand_over(pair, rid: str, prompt: list[int], params=GREEDY, proposer=None, t
         pulled = asyncio.run(b.pull(a.record("p"), receiving.local, receiving.remote, timeout))
     decode.finish_receive(rid, True)
     assert prefill.release_parked([handoff.handoff_id]) == 1
-    return delta.token_ids + decode_rest(decode, rid, proposer), receiving, pulled
+    return delta.token_ids + decode_rest(decode, rid, proposer, usage), receiving, pulled
 
 
 def test_block_runs_merge_blocks_consecutive_on_both_sides():
@@ -153,7 +158,8 @@ def test_speculation_after_a_handoff_gets_the_prompts_hidden_rows_and_stays_loss
         asyncio.run(b.pull(a.record("p"), receiving.local, receiving.remote, 5.0))
     decode.finish_receive("rows", True)
     prefill.release_parked(["rows"])
-    [inp] = decode.draft_inputs()
+    assert decode.draft_inputs() == [] and decode.step() == []  # it joins the batch after a step, like after
+    [inp] = decode.draft_inputs()  # a local prefill step: a draft is asked for before it decodes
     fresh = engine_of(target_dir)
     fresh.add_request("rows", prompt, GREEDY)
     fresh.step()
@@ -162,6 +168,23 @@ def test_speculation_after_a_handoff_gets_the_prompts_hidden_rows_and_stays_loss
     for got, want in zip(inp.hidden_states, ref.hidden_states):
         torch.testing.assert_close(got, want)
     decode.abort("rows")
+
+
+def test_a_draft_after_a_handoff_runs_the_same_rounds_as_after_a_local_prefill(pair, target_dir):
+    """Acceptance is not just close but the same: the draft sees the same tokens and hidden rows at
+    the same steps, so every round drafts and accepts what it would in one engine."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    motif = [5, 17, 33, 2, 41]
+    prompt = motif * 3 + [9, 60] + motif  # repeats, so prompt lookup drafts; some of it is accepted
+    ref, ref_usage = engine_of(target_dir), []
+    ref.add_request("a", prompt, params)
+    want = decode_rest(ref, "a", NgramProposer(1, 3), ref_usage)
+    usage = []
+    tokens, _, _ = hand_over(pair, "b", prompt, params, NgramProposer(1, 3), usage=usage)
+    assert tokens == want
+    [got], [expected] = [u.spec for u in usage], [u.spec for u in ref_usage]
+    assert expected.num_drafts > 0 and expected.num_accepted_tokens > 0
+    assert got == expected  # drafts, accepted per position, and every plain step and why
 
 
 def test_a_failed_pull_prefills_on_the_decode_engine_with_the_same_output(pair, target_dir):
