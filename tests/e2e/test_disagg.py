@@ -50,6 +50,32 @@ def total(found: dict[tuple, float], name: str, **labels) -> float:
     return sum(v for k, v in found.items() if k[0] == name and all((n, x) in k[1:] for n, x in labels.items()))
 
 
+def test_tandem_up_with_a_prefill_worker_disaggregates_long_prompts():
+    """``tandem up --prefill-workers 1``: a prefill worker and a decode worker of the demo model; a long
+    prompt is prefilled remotely and a short one on the decode worker (the default --disagg-min-tokens)."""
+    from tests.e2e.test_deploy_up import Launcher
+
+    up = Launcher("--prefill-workers", "1", "--draft-method", "none")
+    try:
+        up.wait_ready(timeout=300)
+        logs = up.logs()
+        assert "started prefill-0" in logs and "started target-0" in logs
+        long_prompt = " ".join(PROMPTS) * 2  # about 500 tokens
+        with httpx.Client(timeout=300) as http:
+            for prompt in (long_prompt, "Hello!"):
+                resp = http.post(f"{up.url}/v1/completions", json={"model": DEMO_NAME, "prompt": prompt,
+                                                                   "max_tokens": 8, "temperature": 0})
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["usage"]["completion_tokens"] == 8
+            text = http.get(f"{up.url}/metrics").text
+        found = {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+                 for s in f.samples if s.name.startswith("tandem_frontend_prefills")}
+        assert total(found, "tandem_frontend_prefills_total", where="remote", reason="ok") == 1
+        assert total(found, "tandem_frontend_prefills_total", where="local", reason="short") == 1
+    finally:
+        up.cleanup()
+
+
 @pytest.fixture(scope="module")
 def stack(servers):
     """etcd, NATS, a prefill worker, two decode workers and two frontends, in their own namespace."""
