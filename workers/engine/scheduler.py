@@ -84,7 +84,9 @@ class Scheduler:
             budget -= n
             i += 1
         if not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            # a sequence whose pending token ends it (async scheduling) no longer takes a place
+            ending = sum(1 for s in self.running if s.ends_at_pending)
+            while self.waiting and budget > 0 and len(self.running) - ending < self.max_num_seqs:
                 seq = self.waiting[0]
                 n = self._admit(seq, budget)
                 if n == 0:

@@ -56,12 +56,13 @@ def _count_device_inputs(engine: Engine) -> None:
     """``engine.device_fed``: steps whose inputs took a token from the device; ``engine.computed``:
     tokens the forward passes computed (a step scheduled for nothing shows here)."""
     forward = engine.runner.forward
-    engine.device_fed = engine.computed = 0
+    engine.device_fed = engine.computed = engine.forwards = 0
 
     def counting(chunks, logits_last, hidden_layers=(), trees=None, last_from=None):
         if last_from is not None and any(r >= 0 for r in last_from[1]):
             engine.device_fed += 1
         engine.computed += sum(len(c) for c, _, _ in chunks)
+        engine.forwards += 1
         return forward(chunks, logits_last, hidden_layers, trees, last_from)
 
     engine.runner.forward = counting
@@ -134,6 +135,18 @@ def test_mixed_batch_with_chunked_prefill_and_staggered_arrivals_equals_sync(mod
     assert engine.device_fed > 24
     # every request ends by max_tokens, which is known at launch: not one token computed in vain
     assert engine.computed == reference.computed
+    _idle(engine)
+
+
+def test_a_queue_longer_than_max_num_seqs_runs_in_as_many_steps(model):
+    """A sequence ending by length frees its place for a waiting one in the step it would have in the
+    synchronous engine, although its last token is still on the device."""
+    prompts = _prompts(12, seed=16)
+    arrivals = {0: [(rid, p, SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True))
+                    for i, (rid, p) in enumerate(prompts.items())]}
+    sync, fast, engine, reference = _both(model, arrivals, max_num_seqs=4)
+    _same(sync, fast)
+    assert (engine.forwards, engine.computed) == (reference.forwards, reference.computed)
     _idle(engine)
 
 
