@@ -153,6 +153,7 @@ class KvHandoff(_Wire):
     num_tokens: int
     ttl: float = 30.0
     cached_tokens: int = 0  # prompt tokens the prefill worker found in its own prefix cache
+    expires_at: float = 0.0  # the prefill worker's wall clock (time.time()) when it frees the blocks unpulled
 
 
 class KvRelease(_Wire):

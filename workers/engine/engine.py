@@ -647,7 +647,8 @@ class Engine:
         blocks, seq.block_table = seq.block_table, []
         self.parked[seq.request_id] = Parked(blocks, time.monotonic() + self.handoff_ttl)
         self._handoffs[seq.request_id] = KvHandoff(self.blocks.worker_id, seq.request_id, list(blocks),
-                                                   seq.num_computed, self.handoff_ttl, max(seq.num_cached_tokens, 0))
+                                                   seq.num_computed, self.handoff_ttl, max(seq.num_cached_tokens, 0),
+                                                   time.time() + self.handoff_ttl)
 
     def take_handoffs(self) -> dict[str, KvHandoff]:
         """Handoffs of the requests that finished with :data:`HANDOFF` since the last call."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .step_loop import StepLoop
 log = logging.getLogger(__name__)
 
 ROLES = ("aggregated", "prefill", "decode")
+EXPIRY_MARGIN = 2.0  # seconds a pull must leave before a handoff expires (clock skew between hosts)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -110,6 +112,8 @@ class KvReceiver:
         handoff = req.kv_transfer
         record = self.record_of(handoff.worker_id)
         why = "no_agent" if record is None else ("incompatible" if self.agent.incompatibility(record) else None)
+        if why is None and self._time_left(handoff) < self.timeout / 2:
+            why = "expired"  # its blocks may be freed (and reused) before a pull could end: do not read them
         if why is not None:
             if record is not None:
                 log.warning("request %s: cannot pull KV from %s: %s", rid, handoff.worker_id,
@@ -142,7 +146,9 @@ class KvReceiver:
         self.stats.reused_blocks += receiving.first_block
         if receiving.local:
             try:
-                pulled = await self.agent.pull(record, receiving.local, receiving.remote, self.timeout)
+                # the pull must end before the prefill worker may free the blocks: within its ttl, less a margin
+                timeout = min(self.timeout, self._time_left(handoff))
+                pulled = await self.agent.pull(record, receiving.local, receiving.remote, timeout)
                 self.stats.transfer_bytes += pulled.bytes
                 self.stats.transfer_descriptors += pulled.descriptors
                 self.stats.transfer_seconds.observe(pulled.seconds)
@@ -163,6 +169,14 @@ class KvReceiver:
             self.stats.local_prefills["pull_failed"] += 1
         await loop.call(lambda engine: engine.finish_receive(rid, ok, quarantine))
         await self._release(handoff, ok)
+
+    @staticmethod
+    def _time_left(handoff: KvHandoff) -> float:
+        """Seconds a pull of ``handoff`` may still take: until it expires, less a margin for clock skew
+        between the two hosts (EXPIRY_MARGIN)."""
+        if not handoff.expires_at:
+            return float("inf")
+        return handoff.expires_at - time.time() - EXPIRY_MARGIN
 
     async def _release(self, handoff: KvHandoff, ok: bool) -> None:
         try:

@@ -285,3 +285,52 @@ def test_a_pull_from_a_stalled_prefill_worker_times_out_and_is_cancelled(monkeyp
         server.join(10)
         if server.is_alive():
             server.kill()
+
+
+@pytest.mark.parametrize("expired", [False, True])
+async def test_the_decode_workers_receiver_pulls_or_prefills_itself_and_releases_the_handoff(pair, target_dir,
+                                                                                              expired):
+    """The served path on the decode side (KvReceiver on a running StepLoop): a fresh handoff is pulled;
+    one too close to its expiry is not read at all (its blocks may be reused) and the prompt is
+    prefilled here. Either way the output equals one engine's and the prefill worker is told."""
+    import time as _time
+
+    from runtime.messages import GenerateRequest
+    from workers.target.disagg import DisaggStats, KvReceiver
+    from workers.target.step_loop import StepLoop
+
+    prefill, a, _, _ = pair
+    decode = engine_of(target_dir)
+    b = KvAgent(f"decode-loop-{expired}", kv_regions(decode), layout_of(decode, "tiny"))
+    released = []
+
+    async def publish(topic, msg):
+        released.append((topic, msg))
+
+    prompt = [(17 * i + 6) % VOCAB for i in range(22)]
+    reference = engine_of(target_dir).generate({"r": prompt}, GREEDY)["r"]
+    delta, handoff = prefill_one(prefill, f"loop{expired}", prompt)
+    if expired:
+        handoff = msgspec.structs.replace(handoff, expires_at=_time.time() + 1.0)
+    stats = DisaggStats()
+    receiver = KvReceiver(b, lambda: [a.record(handoff.worker_id)], publish, stats, timeout=5.0)
+    loop = StepLoop(decode)
+    loop.start()
+    try:
+        req = GenerateRequest(prompt, rest_of(GREEDY), output_ids=list(delta.token_ids), kv_transfer=handoff)
+        queue = await receiver.admit(loop, "x", req, None)
+        tokens = list(delta.token_ids)
+        while True:
+            d = await asyncio.wait_for(queue.get(), 30)
+            tokens.extend(d.token_ids)
+            if d.finish_reason:
+                break
+    finally:
+        await loop.stop()
+        b.close()
+    assert tokens == reference
+    assert (stats.remote_prefills, dict(stats.local_prefills)) == ((0, {"expired": 1}) if expired else (1, {}))
+    assert stats.transfer_bytes == (0 if expired else sum(layout_of(decode, "tiny").block_bytes) * 6)
+    [(topic, msg)] = released
+    assert topic == f"kv_release.{handoff.worker_id}" and msg.handoff_ids == [handoff.handoff_id]
+    prefill.release_parked(msg.handoff_ids)
