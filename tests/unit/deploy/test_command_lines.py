@@ -31,7 +31,7 @@ def parse(component: str, args: list[str]) -> None:
 
 def k8s_command_lines() -> list[tuple[str, list[str]]]:
     out = []
-    for overlay in ("base", "overlays/cpu-demo", "overlays/gpu"):
+    for overlay in ("base", "overlays/cpu-demo", "overlays/gpu", "overlays/gpu-disagg"):
         for obj in build(ROOT / "k8s" / overlay):
             for spec in pod_specs(obj):
                 for container in spec["containers"]:

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
-TANDEM_SERVICES = {"frontend", "router", "target", "draft", "mock"}
+TANDEM_SERVICES = {"frontend", "router", "target", "draft", "mock", "prefill", "decode"}
+# the module each service runs, where it is not the service's name (prefill and decode are target workers)
+RUNS = {"prefill": "target", "decode": "target"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def test_compose_schema_rejects_a_broken_file(compose, compose_validator):
     reason="the docker CLI with the compose plugin is not installed here (the schema test covers the file)",
 )
 def test_docker_compose_config_accepts_every_profile():
-    for profile in ("tandem", "mock"):
+    for profile in ("tandem", "mock", "disagg"):
         out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "GRAFANA_ADMIN_PASSWORD": "test-only"})
@@ -91,12 +93,12 @@ def test_tandem_services_are_profiled_built_from_the_dockerfile_and_gpu_where_ne
         svc = services[name]
         assert svc["profiles"], name
         assert svc["build"]["context"] == ".." and (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
-        assert svc["command"][0] == name or svc["command"][0] == "mock"
+        assert svc["command"][0] == RUNS.get(name, name)
         assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert svc["environment"]["TANDEM_ETCD"] == "http://etcd:2379"
         assert svc["stop_grace_period"] == "35s"  # the 30 s drain plus a margin
         devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-        assert bool(devices) == (name in ("target", "draft")), name
+        assert bool(devices) == (name in ("target", "draft", "prefill", "decode")), name
         if devices:
             assert devices[0]["capabilities"] == ["gpu"]
     assert {"tandem"} <= set(services["target"]["profiles"]) and "mock" in services["frontend"]["profiles"]
@@ -106,7 +108,7 @@ def test_the_frontend_mounts_what_the_workers_mount(compose):
     # The frontend loads the tokenizer from the local path in a worker's model card.
     services = compose["services"]
     frontend = set(services["frontend"]["volumes"])
-    for name in ("target", "draft", "mock"):
+    for name in ("target", "draft", "mock", "prefill", "decode"):
         assert set(services[name]["volumes"]) <= frontend, name
 
 

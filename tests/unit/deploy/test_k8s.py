@@ -20,6 +20,8 @@ pytestmark = pytest.mark.unit
 
 K8S = Path(__file__).resolve().parents[3] / "k8s"
 OVERLAYS = ["base", "overlays/cpu-demo", "overlays/gpu"]
+# Overlays made of another overlay and a component: every check on OVERLAYS holds for them too.
+VARIANTS = ["overlays/gpu-disagg"]
 # Oldest and newest Kubernetes minor versions the manifests are checked against.
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.utils.latest_version()]
 
@@ -69,7 +71,7 @@ SERVICE_MONITOR_SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
+@pytest.fixture(scope="module", params=OVERLAYS + VARIANTS)
 def built(request) -> tuple[str, list[dict]]:
     return request.param, build(K8S / request.param)
 
@@ -407,8 +409,9 @@ def test_credentials_come_from_the_secret_and_each_component_reads_them(built, m
         assert {v["name"] for v in refs.values()} == {"tandem-secrets"}
         for ref_name, ref in refs.items():
             # Optional, so a cluster without the key runs without that setting; the API key is required
-            # in the production (gpu) overlay.
-            assert ref["optional"] is (not (overlay == "overlays/gpu" and ref_name == "TANDEM_API_KEY")), (overlay, name, ref_name)
+            # in the production overlays (gpu and those built on it).
+            assert ref["optional"] is (not (overlay.startswith("overlays/gpu") and ref_name == "TANDEM_API_KEY")), \
+                (overlay, name, ref_name)
         words = " ".join(container["args"])
         assert "--api-key" not in words and "--etcd-password" not in words  # flags show in ps
         # The component reads every variable it is given.
@@ -453,9 +456,21 @@ def _peer_matches(peer: dict, namespace: str, src_ns: dict, src_pod: dict) -> bo
     return _selects(peer.get("podSelector", {}), src_pod)
 
 
+def _port_matches(entry: dict, ports: dict, port: int) -> bool:
+    """Whether a rule's port entry admits TCP ``port``: no port is every port of its protocol, a number
+    is that port (up to ``endPort``), a name is the pods' port of that name."""
+    if entry.get("protocol", "TCP") != "TCP":
+        return False  # every flow Tandem needs is TCP
+    if "port" not in entry:
+        return True
+    if isinstance(entry["port"], int):
+        return entry["port"] <= port <= entry.get("endPort", entry["port"])
+    return ports.get(entry["port"]) == port
+
+
 def ingress_allowed(objs: list[dict], src: tuple[dict, dict], dst: str, port: int) -> bool:
-    """Whether NetworkPolicy lets a pod with (namespace labels, pod labels) ``src`` reach ``port`` on
-    the pods of workload ``dst``."""
+    """Whether NetworkPolicy lets a pod with (namespace labels, pod labels) ``src`` reach TCP ``port``
+    on the pods of workload ``dst``."""
     labels, ports = _pods(objs)[dst]
     policies = [p for p in objs if p["kind"] == "NetworkPolicy" and "Ingress" in p["spec"]["policyTypes"]
                 and _selects(p["spec"]["podSelector"], labels)]
@@ -465,7 +480,7 @@ def ingress_allowed(objs: list[dict], src: tuple[dict, dict], dst: str, port: in
         namespace = policy["metadata"]["namespace"]
         for rule in policy["spec"].get("ingress", []):
             peers_ok = "from" not in rule or any(_peer_matches(peer, namespace, *src) for peer in rule["from"])
-            ports_ok = "ports" not in rule or any(ports.get(p["port"]) == port for p in rule["ports"])
+            ports_ok = "ports" not in rule or any(_port_matches(p, ports, port) for p in rule["ports"])
             if peers_ok and ports_ok:
                 return True
     return False

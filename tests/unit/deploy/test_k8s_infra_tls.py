@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 K8S = Path(__file__).resolve().parents[3] / "k8s"
 SECRET_KEYS = {"ca.crt", "tls.crt", "tls.key"}
-OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "overlays/gpu-tp2"]
+OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "overlays/gpu-tp2", "overlays/gpu-disagg"]
 
 
 def build_with(overlay: str, components: list[str], root: Path) -> list[dict]:
