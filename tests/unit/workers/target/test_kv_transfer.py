@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
+from tests.unit.workers.engine.conftest import _one_torch_thread  # noqa: F401 (autouse: one torch thread)
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.unit
 VOCAB = 96
 CFG = EngineConfig(block_size=4, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
