@@ -14,6 +14,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.speculation.payloads import DraftOutput
 from workers.target.draft_watch import DraftWatch
+from workers.target.disagg import DisaggStats
 from workers.target.metrics import RequestStats, TargetCollector
 from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
 
@@ -238,7 +239,8 @@ async def test_plain_steps_say_no_draft_and_draft_backoff(model, expected, pool,
         deltas = await run_one(loop, "a")
         assert [t for d in deltas for t in d.token_ids] == expected
         assert deltas[-1].usage.spec.plain_steps == {why: PARAMS.max_tokens - 1}
-        worker = type("W", (), {"loop": loop, "engine": loop.engine, "stats": RequestStats()})()
+        worker = type("W", (), {"loop": loop, "engine": loop.engine, "stats": RequestStats(),
+                                "disagg": DisaggStats()})()
         samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
                    for m in TargetCollector(worker, "m").collect() for x in m.samples}
         assert samples[("tandem_target_spec_plain_steps_total", (("model", "m"), ("reason", why)))] == 7
