@@ -169,21 +169,20 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
             # prepare the demo files there too (targets and mock workers do it on theirs).
             _get(actors["frontend"].prepare_demo.remote(config.mock), stop, wait, "preparing the demo tokenizer")
         env = {"TANDEM_ETCD": options.etcd_url, "TANDEM_NATS": options.nats_url, "TANDEM_NAMESPACE": config.namespace}
-        for comp in components:
-            args = list(comp.args)
-            if comp.kind == "draft":
-                # Targets on other nodes dial the gRPC address a draft registers: make it the node's IP.
-                args += ["--grpc-host", _get(actors[comp.name].node_ip.remote(), stop, 60, f"{comp.name} address")]
-            _get(actors[comp.name].start.remote(comp.module, args, env), stop, 60, f"starting {comp.name}")
-            started.append(comp.name)
-        frontend_ip = _get(actors["frontend"].node_ip.remote(), stop, 60, "frontend address")
-        _wait_ready(actors, components, wait, stop)
+        scaler = RayScaler(config, options, model_path, remote_cls, actors, components, started, env, stop)
         if config.planner:
-            scaler = RayScaler(config, options, model_path, remote_cls, actors, components, started, env, stop)
+            # before the planner starts, so that it finds the endpoint at its first tick
             service = ScaleService(RuntimeConfig.from_env(etcd_url=options.etcd_url, nats_url=options.nats_url,
                                                           namespace=config.namespace, handle_signals=False,
                                                           drain_timeout=5.0), scaler.scale)
-            service.start()
+            try:
+                service.start()
+            except RuntimeError as exc:
+                raise _Abort(str(exc)) from None
+        for comp in components:
+            scaler.start(comp)
+        frontend_ip = _get(actors["frontend"].node_ip.remote(), stop, 60, "frontend address")
+        _wait_ready(actors, components, wait, stop)
         url = f"http://{frontend_ip if config.host == '0.0.0.0' else config.host}:{ports['frontend']}"
         print(f"\nTandem is ready on Ray at {url}/v1 (model {config.model_name(model_path)!r}). "
               "Press Ctrl-C to stop.\n", flush=True)
@@ -198,14 +197,15 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        stop.set()  # a worker the planner asked for and not yet started is not started now
         if service is not None:
             service.stop()
-        for name in reversed(started):
+        for name in reversed(list(started)):
             try:
                 ray.get(actors[name].stop.remote(config.drain_timeout + 5), timeout=config.drain_timeout + 15)
             except Exception:  # the actor or its node is gone: nothing left to stop there
                 log.warning("could not stop %s cleanly", name, exc_info=True)
-        for actor in actors.values():
+        for actor in list(actors.values()):
             ray.kill(actor)
         ray.shutdown()
         log.info("all stopped")
@@ -237,7 +237,7 @@ class RayScaler:
         self.config, self.options, self.model_path = config, options, model_path
         self.remote_cls, self.actors, self.components, self.started = remote_cls, actors, components, started
         self.env, self.stop = env, stop
-        self.pids: dict[str, int] = {}
+        self.pids: dict[str, int] = {}  # component name -> pid of its process (what remove_first names)
         self.stopping: set[str] = set()
         self._lock = threading.Lock()
 
@@ -274,19 +274,26 @@ class RayScaler:
                 stopping.append(name)
             return ScaleReply(self._sizes(), started, stopping)
 
+    def start(self, comp: Component) -> None:
+        """Start ``comp``'s process through its (placed) actor and remember its pid."""
+        actor = self.actors[comp.name]
+        args = list(comp.args)
+        if comp.kind == "draft":
+            # Targets on other nodes dial the gRPC address a draft registers: make it the node's IP.
+            args += ["--grpc-host", _get(actor.node_ip.remote(), self.stop, 60, f"{comp.name} address")]
+        self.pids[comp.name] = _get(actor.start.remote(comp.module, args, self.env), self.stop, 60,
+                                    f"starting {comp.name}")
+        self.started.append(comp.name)
+
     def _add(self, kind: str) -> str:
         taken = [int(c.name.rsplit("-", 1)[1]) for c in self.components if c.kind == kind]
         name = f"{kind}-{max(taken, default=-1) + 1}"
-        actor = self.remote_cls.options(**_actor_options(kind, self.config, self.options)).remote(name)
+        # in the actors map at once, so that the launcher kills it at shutdown even if it never starts
+        actor = self.actors[name] = self.remote_cls.options(**_actor_options(kind, self.config, self.options)).remote(name)
         port = _get(actor.free_port.remote(), self.stop, self.options.startup_timeout, f"placing {name}")
         comp = worker_component(self.config, self.model_path, kind, int(name.rsplit("-", 1)[1]), port)
-        args = list(comp.args)
-        if kind == "draft":
-            args += ["--grpc-host", _get(actor.node_ip.remote(), self.stop, 60, f"{name} address")]
-        self.actors[name] = actor
         self.components.append(comp)
-        self.pids[name] = _get(actor.start.remote(comp.module, args, self.env), self.stop, 60, f"starting {name}")
-        self.started.append(name)
+        self.start(comp)
         return name
 
     def _remove(self, name: str) -> None:
