@@ -6,7 +6,7 @@ For each new request the decode worker is chosen first (the usual KV-aware choic
 decode worker does not hold is at least ``min_tokens`` long, and the least-loaded prefill worker
 has fewer than ``max_queue`` requests waiting or in flight from here (conditional
 disaggregation). The prefill worker is chosen KV-aware among ``prefill.generate`` instances; its
-one delta carries the first token and a :class:`runtime.messages.KvHandoff`, which goes to the
+one frame (:class:`runtime.messages.PrefillDelta`) carries the first token and a :class:`runtime.messages.KvHandoff`, which goes to the
 decode worker with the rest of the request.
 
 Everything else prefills on the decode worker, as without prefill workers. A prefill worker that
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from router.base import Router
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, NoInstances, PendingBytes, ShuttingDown
 from runtime.errors import EngineFailed
-from runtime.messages import GenerateRequest, TokenDelta
+from runtime.messages import GenerateRequest, PrefillDelta
 
 from .dispatch import close_stream
 
@@ -59,9 +59,9 @@ class RemotePrefill:
         return any(r.instance_id == instance_id and r.role == "decode" for r in self.decode.instances())
 
     async def run(self, model: str, token_ids: list[int], request: GenerateRequest, decode_id: str, overlap_blocks: int,
-                  request_id: str, pending: PendingBytes | None = None) -> TokenDelta | None:
-        """The prefill worker's delta for ``request`` (first token, and ``kv_handoff`` unless the
-        request ended with it), or None: prefill on the decode worker ``decode_id`` instead."""
+                  request_id: str, pending: PendingBytes | None = None) -> PrefillDelta | None:
+        """The prefill worker's answer for ``request`` (the first token's delta, and the handoff unless
+        the request ended with it), or None: prefill on the decode worker ``decode_id`` instead."""
         if not self.client.instances(model):
             return None  # no prefill pool: not counted, as without disaggregation
         if not self._is_decode_worker(decode_id):
@@ -87,16 +87,16 @@ class RemotePrefill:
             self.router.release(sel)
 
     async def _call(self, instance_id: str, request: GenerateRequest, request_id: str,
-                    pending: PendingBytes | None) -> TokenDelta | None:
+                    pending: PendingBytes | None) -> PrefillDelta | None:
         stream = None
         try:
-            stream = await self.client.call(instance_id, request, TokenDelta, request_id=f"{request_id}-p",
+            stream = await self.client.call(instance_id, request, PrefillDelta, request_id=f"{request_id}-p",
                                             pending=pending)
             first = None
-            async for delta in stream:
+            async for answer in stream:
                 if first is None:
-                    first = delta
-            if first is None or (first.kv_handoff is None and first.finish_reason is None):
+                    first = answer
+            if first is None or (first.handoff is None and first.delta.finish_reason is None):
                 raise InstanceGone(instance_id, "the prefill stream ended without a handoff")
             self._decided("remote", "ok")
             return first

@@ -112,8 +112,8 @@ class Generation:
                 self._release()
                 raise
             if first is not None:
-                handoff = first.kv_handoff
-                self._first = msgspec.structs.replace(first, kv_handoff=None)
+                handoff = first.handoff
+                self._first = first = first.delta
                 if first.finish_reason is not None:  # the first token ended it: no decode worker needed
                     self._release()
                     return

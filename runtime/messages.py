@@ -254,7 +254,14 @@ class TokenDelta(_Wire):
     top_logprobs: list[list[TopLogprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled"
     usage: Usage | None = None
-    kv_handoff: KvHandoff | None = None  # a prefill worker's only delta: where the prompt's KV waits
+
+
+class PrefillDelta(_Wire):
+    """A prefill worker's one frame (``prefill.generate``): the first token's delta and, unless that
+    token ended the request (then ``delta`` has the finish reason and usage), where its KV waits."""
+
+    delta: TokenDelta
+    handoff: KvHandoff | None = None
 
 
 # --------------------------------------------------------------------------- event plane (NATS)

@@ -33,8 +33,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import msgspec
-
 from runtime.errors import EngineFailed
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import KvEvent, SamplingParams, TokenDelta
@@ -104,6 +102,7 @@ class Cycle:
     dropped: int = 0  # proposals the engine refused as malformed this step
     kv_events: list[KvEvent] = field(default_factory=list)
     has_work: bool = False
+    handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
 
 
 class StepLoop:
@@ -144,6 +143,7 @@ class StepLoop:
         self.step_failures = 0
         self.loop_errors = 0
         self.proposals_dropped = 0
+        self.handoffs: dict = {}  # request id -> KvHandoff, taken by the prefill handler with its last delta
 
     # ------------------------------------------------------------------ handlers' side
 
@@ -179,7 +179,7 @@ class StepLoop:
         """Validate (raises InvalidRequest here, on the caller's side) and queue a request; its
         deltas, or the exception that ended it, arrive on the returned queue. ``grammar``: the
         compiled ``params.structured`` (see :meth:`compile_grammar`). ``prefill_only``: the request
-        ends after its first token, whose delta carries a ``kv_handoff``."""
+        ends after its first token, with finish reason ``handoff`` and its KvHandoff in :attr:`handoffs`."""
         self.engine.validate(token_ids, params, output_ids)
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out
@@ -214,6 +214,7 @@ class StepLoop:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (no more deltas are delivered)."""
+        self.handoffs.pop(request_id, None)
         if self._queues.pop(request_id, None) is not None:
             self._push(AbortRequest(request_id))
 
@@ -263,6 +264,7 @@ class StepLoop:
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
             self._resolve(cmd, result, error)
+        self.handoffs.update(cycle.handoffs)  # before the deltas whose finish reason says "handoff"
         self._deliver(cycle.outputs)
         for rid, error in cycle.failed:
             self._fail(rid, error)
@@ -294,10 +296,7 @@ class StepLoop:
             started = time.perf_counter()
             try:
                 out.outputs = engine.step(proposals)
-                handoffs = engine.take_handoffs()  # prefill role: handed-off requests' last deltas say where
-                if handoffs:  # their KV waits
-                    out.outputs = [(rid, msgspec.structs.replace(d, kv_handoff=handoffs[rid]) if rid in handoffs else d)
-                                   for rid, d in out.outputs]
+                out.handoffs = engine.take_handoffs()  # prefill role: where handed-off requests' KV waits
                 self._failures_in_a_row = 0
                 if engine.last_step.tokens:
                     out.decode_seconds = time.perf_counter() - started

@@ -16,10 +16,10 @@ import msgspec
 
 from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
-from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, KvRelease, LoadEvent, TokenDelta
+from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, KvRelease, LoadEvent, PrefillDelta, TokenDelta
 from runtime.names import kv_release_topic
 
-from ..engine.engine import Engine
+from ..engine.engine import HANDOFF, Engine
 from .disagg import DisaggStats, HandoffKeeper, KvReceiver
 from .draft_client import DraftPool
 from .metrics import RequestStats
@@ -39,7 +39,7 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     logprobs = [x for d in deltas for x in d.logprobs] if all(d.logprobs is not None for d in deltas) else None
     top = [x for d in deltas for x in d.top_logprobs] if all(d.top_logprobs is not None for d in deltas) else None
     last = deltas[-1]
-    return TokenDelta(tokens, logprobs, top, last.finish_reason, last.usage, last.kv_handoff)
+    return TokenDelta(tokens, logprobs, top, last.finish_reason, last.usage)
 
 
 class TargetWorker:
@@ -95,21 +95,23 @@ class TargetWorker:
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[TokenDelta]:
         """Token ids in, token deltas out; the last delta has the finish reason and usage. A request
         with ``kv_transfer`` (decode role) has its prompt's KV pulled from a prefill worker."""
-        async for delta in self._serve(req, ctx, prefill_only=False):
+        async for _, delta in self._serve(req, ctx, prefill_only=False):
             yield delta
 
-    async def prefill(self, req: GenerateRequest, ctx) -> AsyncIterator[TokenDelta]:
-        """Prefill role: compute the prompt and its first token; the one delta carries that token and,
-        unless the request ended with it, the ``kv_handoff`` saying where its KV waits."""
+    async def prefill(self, req: GenerateRequest, ctx) -> AsyncIterator[PrefillDelta]:
+        """Prefill role: compute the prompt and its first token; the one frame carries that token and,
+        unless the request ended with it, the handoff saying where its KV waits."""
         if req.kv_transfer is not None:
             raise InvalidRequest("a prefill worker computes prompts; it takes no kv_transfer", field="kv_transfer")
-        async for delta in self._serve(req, ctx, prefill_only=True):
-            if delta.kv_handoff is not None:
+        async for rid, delta in self._serve(req, ctx, prefill_only=True):
+            if delta.finish_reason == HANDOFF:
                 self.disagg.handoffs += 1
-                delta = msgspec.structs.replace(delta, finish_reason=None, usage=None)
-            yield delta
+                yield PrefillDelta(msgspec.structs.replace(delta, finish_reason=None, usage=None),
+                                   self.loop.handoffs.pop(rid))
+            else:
+                yield PrefillDelta(delta)
 
-    async def _serve(self, req: GenerateRequest, ctx, prefill_only: bool) -> AsyncIterator[TokenDelta]:
+    async def _serve(self, req: GenerateRequest, ctx, prefill_only: bool) -> AsyncIterator[tuple[str, TokenDelta]]:
         if req.model and req.model != self.model_name:
             raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
         rid = f"{ctx.request_id}#{next(self._ids)}"
@@ -144,7 +146,7 @@ class TargetWorker:
                 self.stats.observe_delta(delta)
                 if delta.token_ids or finished:
                     last = self.stats.observe_timing(started, last, delta)
-                yield delta
+                yield rid, delta
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled += 1
             self.stats.observe_cancel()

@@ -10,7 +10,7 @@ from frontend.dispatch import Dispatcher
 from router.base import RoundRobinRouter
 from router.kv_router import KvRouter
 from runtime import InstanceGone
-from runtime.messages import InstanceRecord, KvHandoff, LoadEvent, SamplingParams, TokenDelta
+from runtime.messages import InstanceRecord, KvHandoff, LoadEvent, PrefillDelta, SamplingParams, TokenDelta
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +86,7 @@ async def run(dispatcher, prompt_len: int = 40, max_tokens: int = 10) -> list[in
 
 
 async def test_a_long_prompt_prefills_remotely_and_the_decode_worker_gets_the_handoff():
-    dispatcher, remote, prefills, decodes, _ = setup(lambda i: Stream(i, [TokenDelta([7], kv_handoff=HANDOFF)]))
+    dispatcher, remote, prefills, decodes, _ = setup(lambda i: Stream(i, [PrefillDelta(TokenDelta([7]), HANDOFF)]))
     assert await run(dispatcher) == [7, 8, 9, 10]
     [(pid, preq)] = prefills.requests
     [(did, dreq)] = decodes.requests
@@ -97,7 +97,7 @@ async def test_a_long_prompt_prefills_remotely_and_the_decode_worker_gets_the_ha
 
 
 async def test_a_first_token_that_finishes_needs_no_decode_worker():
-    dispatcher, _, _, decodes, _ = setup(lambda i: Stream(i, [TokenDelta([2], finish_reason="stop")]))
+    dispatcher, _, _, decodes, _ = setup(lambda i: Stream(i, [PrefillDelta(TokenDelta([2], finish_reason="stop"))]))
     assert await run(dispatcher) == [2]
     assert decodes.requests == []
 
@@ -106,7 +106,7 @@ async def test_a_first_token_that_finishes_needs_no_decode_worker():
                                        ("failing", "prefill_failed")])
 async def test_otherwise_the_decode_worker_prefills(case, why):
     answer = (lambda i: Stream(i, [], InstanceGone(i, "killed"))) if case == "failing" else (
-        lambda i: Stream(i, [TokenDelta([7], kv_handoff=HANDOFF)]))
+        lambda i: Stream(i, [PrefillDelta(TokenDelta([7]), HANDOFF)]))
     dispatcher, remote, prefills, decodes, router = setup(answer, decode_role="target" if case == "aggregated" else "decode")
     if case == "busy":
         router.on_load_event(LoadEvent("p1", running=1, queued=2))
