@@ -2,14 +2,14 @@
 
 Every child runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which then
 stops the children in order) and gets ``PR_SET_PDEATHSIG`` = SIGTERM on Linux (so even a launcher
-killed with SIGKILL leaves no orphans behind). Its stdout and stderr are forwarded line by line as
+killed with SIGKILL leaves no orphans behind), set by :mod:`deploy.pdeathsig` before it execs the
+child's command (no ``preexec_fn``: see there why the launcher must not fork). Its stdout and stderr are forwarded line by line as
 ``[name] line``; the last lines are kept for error messages.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import signal
@@ -22,19 +22,14 @@ from typing import TextIO
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _write_lock = threading.Lock()
 
 
-try:  # looked up once here, so the forked child only makes one foreign call before exec
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-except (OSError, AttributeError):
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM me when my parent dies."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` run through :mod:`deploy.pdeathsig`: SIGTERMed when this process dies (Linux)."""
+    if sys.platform != "linux":
+        return list(argv)
+    return [sys.executable, "-m", "deploy.pdeathsig", str(os.getpid()), *argv]
 
 
 class Child:
@@ -54,9 +49,8 @@ class Child:
 
     def start(self) -> Child:
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            die_with_parent(self.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self.env, cwd=self.cwd, start_new_session=True,
-            preexec_fn=_die_with_parent if _prctl is not None else None,  # noqa: PLW1509 (no locks taken)
         )
         self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
         self._reader.start()
