@@ -98,7 +98,7 @@ def planner_metrics_url(launcher_log: str) -> str:
 async def test_planner_scales_targets_up_and_down_with_the_load(rt, spawn):
     port = free_port()
     up = spawn("deploy.cli", "up", "--mock", "--http-port", str(port), "--mock-token-latency-ms", "5",
-               "--mock-token-latency-per-running-ms", "4", "--drain-timeout", "20", "--planner", "--planner-args",
+               "--mock-token-latency-per-running-ms", "6", "--drain-timeout", "20", "--planner", "--planner-args",
                "--itl-p90 25ms --adjustment-interval 1 --latency-window 3 --up-cooldown 2 --down-cooldown 3 "
                "--max-targets 3", name="tandem-up")
     targets = await rt.client("target", "generate")
@@ -114,10 +114,12 @@ async def test_planner_scales_targets_up_and_down_with_the_load(rt, spawn):
 
     clients = Clients(port)
     try:
-        clients.set(12)  # 5 + 4 * 11 = 49 ms per token on one worker: twice the SLA
+        # ms per token = 5 + 6 * (running - 1): 71 on one worker, 35 on two (6 each), 23 on three: up to 3,
+        # each step clear of the 25 ms SLA (with 4 ms per running request two workers sat right at it)
+        clients.set(12)
         await until(lambda: count() == 3, 45, "scaling up to 3 targets")
         await asyncio.sleep(3)
-        clients.set(3)
+        clients.set(2)  # 11 ms on one worker: far below 0.7 * SLA, so down to 1
         await until(lambda: count() == 1, 45, "scaling back down to 1 target")
         served_during_scaling = clients.done
     finally:
