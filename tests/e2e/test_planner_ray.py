@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from deploy.infra import etcd_argv, nats_argv
 from tests.e2e.test_ray_up import BIN, ETCD_PORT, HTTP_PORT, NATS_PORT, RAY_PORT, cmdlines, netns  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -92,14 +91,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_ray_launcher_adds_a_target_and_drains_one_away(netns):
-    netns.start("etcd", *etcd_argv(ETCD_PORT, ETCD_PORT + 1, netns.workdir))
-    netns.start("nats", *nats_argv(NATS_PORT))
-    netns.start("ray", str(BIN / "ray"), "start", "--head", "--block", f"--port={RAY_PORT}", "--num-cpus=8",
-                "--num-gpus=0", f"--temp-dir={netns.workdir / 'ray'}", "--disable-usage-stats",
-                "--include-dashboard=false")
-    for port in (ETCD_PORT, NATS_PORT, RAY_PORT):
-        netns.wait_port(port)
+def test_ray_launcher_adds_a_target_and_drains_one_away(netns):  # noqa: F811 (fixture)
+    netns.start_cluster()
 
     up = netns.start("tandem", sys.executable, "-m", "deploy.cli", "ray", "up", "--mock",
                      f"--address=127.0.0.1:{RAY_PORT}", f"--etcd=http://127.0.0.1:{ETCD_PORT}",

@@ -73,6 +73,16 @@ class NetNs:
             time.sleep(0.5)
         raise TimeoutError(f"nothing listens on {port} in {self.name}")
 
+    def start_cluster(self) -> None:
+        """etcd, NATS and a Ray head on their usual ports, listening before this returns."""
+        self.start("etcd", *etcd_argv(ETCD_PORT, ETCD_PORT + 1, self.workdir))
+        self.start("nats", *nats_argv(NATS_PORT))
+        self.start("ray", str(BIN / "ray"), "start", "--head", "--block", f"--port={RAY_PORT}", "--num-cpus=8",
+                   "--num-gpus=0", f"--temp-dir={self.workdir / 'ray'}", "--disable-usage-stats",
+                   "--include-dashboard=false")
+        for port in (ETCD_PORT, NATS_PORT, RAY_PORT):
+            self.wait_port(port)
+
     def pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
@@ -121,14 +131,7 @@ def cmdlines(pids: list[int]) -> list[str]:
 
 
 def test_tandem_ray_up_mock_serves_a_request(netns):
-    netns.start("etcd", *etcd_argv(ETCD_PORT, ETCD_PORT + 1, netns.workdir))
-    netns.start("nats", *nats_argv(NATS_PORT))
-    netns.start("ray", str(BIN / "ray"), "start", "--head", "--block", f"--port={RAY_PORT}", "--num-cpus=8",
-                "--num-gpus=0", f"--temp-dir={netns.workdir / 'ray'}", "--disable-usage-stats",
-                "--include-dashboard=false")
-    netns.wait_port(ETCD_PORT)
-    netns.wait_port(NATS_PORT)
-    netns.wait_port(RAY_PORT)
+    netns.start_cluster()
 
     up = netns.start("tandem", sys.executable, "-m", "deploy.cli", "ray", "up", "--mock",
                      f"--address=127.0.0.1:{RAY_PORT}", f"--etcd=http://127.0.0.1:{ETCD_PORT}",
