@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_ray_up import BIN, ETCD_PORT, HTTP_PORT, NATS_PORT, RAY_PORT, cmdlines, netns  # noqa: F401
+from tests.e2e.test_ray_up import ETCD_PORT, HTTP_PORT, NATS_PORT, RAY_PORT, cmdlines, netns  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
