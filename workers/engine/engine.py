@@ -37,6 +37,7 @@ from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, Verify
 from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
+from .handoff import Handoffs, Receiving
 from .hidden import HiddenStore
 from .logits import Row, penalised, process
 from .model import DecoderModel
@@ -139,12 +140,9 @@ class Engine:
         self.time_steps = True  # the cost model times step(); a serving loop times whole cycles instead
         self.last_batch: list[str] = []  # request ids of the latest step's batch (what a failure concerns)
         # prefill/decode disaggregation: blocks handed off (prefill side) and being pulled (decode side)
-        self.parked: dict[str, Parked] = {}
+        self.handoffs = Handoffs(self.blocks)
         self.receiving: dict[str, Receiving] = {}
         self._joining: list[Sequence] = []  # received sequences that join the running batch after a step
-        self._handoffs: dict[str, KvHandoff] = {}
-        self.handoff_ttl = 30.0
-        self.handoffs_expired = 0
         self.quarantined_blocks = 0
         self.last_step = StepStats()
         # async scheduling (not under tensor parallelism: the other ranks take token ids from the host)
@@ -181,7 +179,7 @@ class Engine:
         ``num_speculative_tokens``, ``tree_topk``, ``tree_depth``: this request's speculation (None:
         the engine's settings). ``prefill_only``: a prefill worker's request, which ends after its
         first token with finish reason :data:`HANDOFF`, its blocks kept for a decode worker to pull
-        (:meth:`take_handoffs`)."""
+        (:class:`.handoff.Handoffs`)."""
         seq = self._new_sequence(request_id, token_ids, params, output_ids, grammar, num_speculative_tokens,
                                  tree_topk, tree_depth)
         if seq is not None:
@@ -634,52 +632,12 @@ class Engine:
         self.spec.forget(seq.request_id)
         self.seqs.pop(seq.request_id, None)
         if seq.handed_off:
-            self._park(seq)  # its blocks stay for the decode worker: the scheduler frees none
+            self.handoffs.park(seq)  # its blocks stay for the decode worker: the scheduler frees none
         self.scheduler.finish(seq)
         return Usage(seq.num_prompt_tokens, seq.num_prefilled_outputs + seq.num_generated,
                      max(seq.num_cached_tokens, 0), spec)
 
     # ------------------------------------------------------------------ prefill/decode disaggregation
-
-    def _park(self, seq: Sequence) -> None:
-        """A prefill-only sequence's first token is out: keep its blocks (positions ``[0,
-        num_computed)``) for the decode worker, and say where they are (:meth:`take_handoffs`)."""
-        blocks, seq.block_table = seq.block_table, []
-        self.parked[seq.request_id] = Parked(blocks, time.monotonic() + self.handoff_ttl)
-        self._handoffs[seq.request_id] = KvHandoff(self.blocks.worker_id, seq.request_id, list(blocks),
-                                                   seq.num_computed, self.handoff_ttl, max(seq.num_cached_tokens, 0),
-                                                   time.time() + self.handoff_ttl)
-
-    def take_handoffs(self) -> dict[str, KvHandoff]:
-        """Handoffs of the requests that finished with :data:`HANDOFF` since the last call."""
-        out, self._handoffs = self._handoffs, {}
-        return out
-
-    def release_parked(self, handoff_ids: list[str]) -> int:
-        """Free the blocks of handoffs a decode worker has pulled (or given up on); returns how many
-        were still parked (a late or repeated release is a no-op)."""
-        released = 0
-        for hid in handoff_ids:
-            parked = self.parked.pop(hid, None)
-            if parked is not None:
-                self.blocks.free(parked.blocks)
-                released += 1
-        return released
-
-    def expire_parked(self, now: float | None = None) -> int:
-        """Free handoffs nobody pulled within their ttl (a decode worker that died, a request that
-        went elsewhere); returns how many."""
-        now = time.monotonic() if now is None else now
-        expired = [hid for hid, p in self.parked.items() if p.deadline <= now]
-        self.release_parked(expired)
-        self.handoffs_expired += len(expired)
-        if expired:
-            log.info("freed %d handoffs no decode worker pulled in %gs", len(expired), self.handoff_ttl)
-        return len(expired)
-
-    @property
-    def parked_blocks(self) -> int:
-        return sum(len(p.blocks) for p in self.parked.values())
 
     def receive(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
                 handoff: KvHandoff, grammar: Grammar | None = None, *, num_speculative_tokens: int | None = None,
@@ -762,27 +720,6 @@ class Engine:
             for rid, delta in self.step():
                 result[rid].extend(delta.token_ids)
         return result
-
-
-@dataclass
-class Parked:
-    """A handed-off prompt's blocks on a prefill worker, freed when pulled or at ``deadline``."""
-
-    blocks: list[int]
-    deadline: float  # time.monotonic()
-
-
-@dataclass
-class Receiving:
-    """A decode-side request whose prompt KV is being pulled: blocks ``[first_block:]`` of its table
-    (``local``) are read from the prefill worker's ``remote`` blocks; the ones before are this
-    engine's own prefix-cache hits."""
-
-    seq: Sequence
-    num_tokens: int
-    first_block: int
-    local: list[int]
-    remote: list[int]
 
 
 @dataclass

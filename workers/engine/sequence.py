@@ -53,7 +53,7 @@ class Sequence:
     num_pending: int = 0
     ends_at_pending: bool = False
     prefill_only: bool = False  # a prefill worker's request: ends after its first token, KV handed off
-    handed_off: bool = False  # it did: its blocks are parked for a decode worker (Engine.take_handoffs)
+    handed_off: bool = False  # it did: its blocks are parked for a decode worker (engine.handoff.Handoffs)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -344,7 +344,7 @@ async def amain(args: argparse.Namespace) -> None:
                 rt.shutdown()
 
             followers.on_failure(lambda reason: loop.call_soon_threadsafe(rank_failed, reason))
-        engine.handoff_ttl = cfg.kv_handoff_ttl
+        engine.handoffs.ttl = cfg.kv_handoff_ttl
         kv_agent = None
         if cfg.role != "aggregated":
             from workers.target.kv_transfer import KvAgent, kv_regions, layout_of

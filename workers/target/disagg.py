@@ -27,7 +27,7 @@ from runtime.histogram import Histogram
 from runtime.messages import GenerateRequest, KvAgentRecord, KvHandoff, KvRelease
 from runtime.names import kv_release_topic
 
-from ..engine.engine import Receiving
+from ..engine.handoff import Receiving
 from .kv_transfer import KvAgent, TransferFailed
 from .step_loop import StepLoop
 
@@ -74,16 +74,16 @@ class HandoffKeeper:
         ids = list(msg.handoff_ids)
 
         def release(engine) -> None:
-            self.stats.released += engine.release_parked(ids)
+            self.stats.released += engine.handoffs.release(ids)
 
         asyncio.ensure_future(self.loop.call(release))
 
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            if self.loop.engine.parked:
+            if self.loop.engine.handoffs.parked:
                 try:
-                    await self.loop.call(lambda engine: engine.expire_parked())
+                    await self.loop.call(lambda engine: engine.handoffs.expire())
                 except Exception as exc:
                     log.warning("expiring handoffs failed: %r", exc)
 

@@ -170,8 +170,8 @@ class TargetCollector(Collector):
         d = w.disagg
         yield counter("kv_handoffs", "Prompts this prefill worker computed and handed to a decode worker.", d.handoffs)
         yield counter("kv_handoffs_released", "Handoffs their decode worker released.", d.released)
-        yield counter("kv_handoffs_expired", "Handoffs freed unpulled when their ttl ran out.", engine.handoffs_expired)
-        yield gauge("kv_parked_blocks", "KV blocks held for decode workers to pull.", engine.parked_blocks)
+        yield counter("kv_handoffs_expired", "Handoffs freed unpulled when their ttl ran out.", engine.handoffs.expired)
+        yield gauge("kv_parked_blocks", "KV blocks held for decode workers to pull.", engine.handoffs.num_blocks)
         yield counter("kv_remote_prefills", "Requests whose prompt KV was pulled from a prefill worker.",
                       d.remote_prefills)
         yield counter("kv_transfer_bytes", "Bytes of KV and hidden rows pulled from prefill workers.", d.transfer_bytes)

@@ -296,7 +296,7 @@ class StepLoop:
             started = time.perf_counter()
             try:
                 out.outputs = engine.step(proposals)
-                out.handoffs = engine.take_handoffs()  # prefill role: where handed-off requests' KV waits
+                out.handoffs = engine.handoffs.take()  # prefill role: where handed-off requests' KV waits
                 self._failures_in_a_row = 0
                 if engine.last_step.tokens:
                     out.decode_seconds = time.perf_counter() - started

@@ -57,7 +57,7 @@ def prefill_one(engine: Engine, rid: str, prompt: list[int], params=GREEDY):
         outputs.extend(engine.step())
     [(got, delta)] = outputs
     assert got == rid
-    return delta, engine.take_handoffs().get(rid)
+    return delta, engine.handoffs.take().get(rid)
 
 
 def decode_rest(engine: Engine, rid: str, proposer=None, usage: list | None = None) -> list[int]:
@@ -89,14 +89,14 @@ def hand_over(pair, rid: str, prompt: list[int], params=GREEDY, proposer=None, t
     prefill, a, decode, b = pair
     delta, handoff = prefill_one(prefill, rid, prompt, params)
     assert delta.finish_reason == HANDOFF and len(delta.token_ids) == 1
-    assert handoff.num_tokens == len(prompt) and rid in prefill.parked
+    assert handoff.num_tokens == len(prompt) and rid in prefill.handoffs.parked
     receiving = decode.receive(rid, prompt, rest_of(params), delta.token_ids, handoff)
     assert receiving is not None
     pulled = None
     if receiving.local:
         pulled = asyncio.run(b.pull(a.record("p"), receiving.local, receiving.remote, timeout))
     decode.finish_receive(rid, True)
-    assert prefill.release_parked([handoff.handoff_id]) == 1
+    assert prefill.handoffs.release([handoff.handoff_id]) == 1
     return delta.token_ids + decode_rest(decode, rid, proposer, usage), receiving, pulled
 
 
@@ -150,7 +150,7 @@ def test_speculation_after_a_handoff_gets_the_prompts_hidden_rows_and_stays_loss
     if receiving.local:
         asyncio.run(b.pull(a.record("p"), receiving.local, receiving.remote, 5.0))
     decode.finish_receive("rows", True)
-    prefill.release_parked(["rows"])
+    prefill.handoffs.release(["rows"])
     assert decode.draft_inputs() == [] and decode.step() == []  # it joins the batch after a step, like after
     [inp] = decode.draft_inputs()  # a local prefill step: a draft is asked for before it decodes
     fresh = engine_of(target_dir)
@@ -193,7 +193,7 @@ def test_a_failed_pull_prefills_on_the_decode_engine_with_the_same_output(pair, 
     decode.finish_receive("fail", False)
     assert decode.blocks.num_free_blocks == free_before + len(receiving.local)
     assert delta.token_ids + decode_rest(decode, "fail") == reference
-    prefill.release_parked(["fail"])
+    prefill.handoffs.release(["fail"])
 
 
 def test_abort_while_pulling_frees_the_blocks_only_when_the_pull_ends(pair):
@@ -207,7 +207,7 @@ def test_abort_while_pulling_frees_the_blocks_only_when_the_pull_ends(pair):
     assert decode.blocks.num_free_blocks <= free - len(receiving.local)  # still held: a READ may be landing
     decode.finish_receive("gone", True)
     assert decode.blocks.num_free_blocks >= free - (held - len(receiving.local)) and not decode.has_work()
-    prefill.release_parked(["gone"])
+    prefill.handoffs.release(["gone"])
 
 
 def test_parked_blocks_are_freed_on_release_and_on_expiry(pair):
@@ -215,10 +215,10 @@ def test_parked_blocks_are_freed_on_release_and_on_expiry(pair):
     free = prefill.blocks.num_free_blocks
     _, h1 = prefill_one(prefill, "x1", list(range(10, 30)))
     _, h2 = prefill_one(prefill, "x2", list(range(40, 60)))
-    assert prefill.parked_blocks == 10 and prefill.blocks.num_free_blocks == free - 10
-    assert prefill.release_parked(["x1", "x1"]) == 1  # a repeated release is a no-op
-    assert prefill.expire_parked(now=0.0) == 0
-    assert prefill.expire_parked(now=float("inf")) == 1 and not prefill.parked
+    assert prefill.handoffs.num_blocks == 10 and prefill.blocks.num_free_blocks == free - 10
+    assert prefill.handoffs.release(["x1", "x1"]) == 1  # a repeated release is a no-op
+    assert prefill.handoffs.expire(now=0.0) == 0
+    assert prefill.handoffs.expire(now=float("inf")) == 1 and not prefill.handoffs.parked
     assert prefill.blocks.num_free_blocks == free
 
 
@@ -226,7 +226,7 @@ def test_a_first_token_that_ends_the_request_hands_nothing_off(pair):
     prefill, *_ = pair
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     delta, handoff = prefill_one(prefill, "one", list(range(5, 15)), params)
-    assert delta.finish_reason == "length" and handoff is None and "one" not in prefill.parked
+    assert delta.finish_reason == "length" and handoff is None and "one" not in prefill.handoffs.parked
 
 
 def _stalling_server(queue, done) -> None:
@@ -326,4 +326,4 @@ async def test_the_decode_workers_receiver_pulls_or_prefills_itself_and_releases
     assert stats.transfer_bytes == (0 if expired else sum(layout_of(decode, "tiny").block_bytes) * 6)
     [(topic, msg)] = released
     assert topic == f"kv_release.{handoff.worker_id}" and msg.handoff_ids == [handoff.handoff_id]
-    prefill.release_parked(msg.handoff_ids)
+    prefill.handoffs.release(msg.handoff_ids)
