@@ -33,7 +33,6 @@ from .step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
-ROLES = ("aggregated", "prefill", "decode")
 EXPIRY_MARGIN = 2.0  # seconds a pull must leave before a handoff expires (clock skew between hosts)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -48,9 +47,17 @@ class DisaggStats:
     local_prefills: Counter = field(default_factory=Counter)  # decode: kv_transfer requests prefilled here, by why
     failures: Counter = field(default_factory=Counter)  # decode: pulls that failed, by kind
     transfer_bytes: int = 0
-    transfer_descriptors: int = 0
     reused_blocks: int = 0  # decode: handed-off blocks found in the local prefix cache, not pulled
     transfer_seconds: Histogram = field(default_factory=lambda: Histogram(TRANSFER_BUCKETS))
+
+
+async def release_handoff(publish: Callable[[str, object], Awaitable[None]], handoff: KvHandoff, ok: bool) -> None:
+    """Tell the prefill worker holding ``handoff`` to free its blocks (``ok``: they were pulled).
+    Best effort: if the message is lost, the handoff's ttl frees them."""
+    try:
+        await publish(kv_release_topic(handoff.worker_id), KvRelease([handoff.handoff_id], ok))
+    except Exception as exc:
+        log.debug("KV release to %s not sent: %r", handoff.worker_id, exc)
 
 
 class HandoffKeeper:
@@ -150,7 +157,6 @@ class KvReceiver:
                 timeout = min(self.timeout, self._time_left(handoff))
                 pulled = await self.agent.pull(record, receiving.local, receiving.remote, timeout)
                 self.stats.transfer_bytes += pulled.bytes
-                self.stats.transfer_descriptors += pulled.descriptors
                 self.stats.transfer_seconds.observe(pulled.seconds)
                 log.debug("request %s: pulled %d blocks (%d bytes, %d descriptors) from %s in %.2f ms", rid,
                           len(receiving.local), pulled.bytes, pulled.descriptors, handoff.worker_id,
@@ -179,10 +185,7 @@ class KvReceiver:
         return handoff.expires_at - time.time() - EXPIRY_MARGIN
 
     async def _release(self, handoff: KvHandoff, ok: bool) -> None:
-        try:
-            await self._publish(kv_release_topic(handoff.worker_id), KvRelease([handoff.handoff_id], ok))
-        except Exception as exc:  # its ttl frees them
-            log.debug("KV release to %s not sent: %r", handoff.worker_id, exc)
+        await release_handoff(self._publish, handoff, ok)
 
     async def stop(self) -> None:
         """Wait for pulls in flight (their blocks must not be freed under them)."""

@@ -16,11 +16,10 @@ import msgspec
 
 from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
-from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, KvRelease, LoadEvent, PrefillDelta, TokenDelta
-from runtime.names import kv_release_topic
+from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, PrefillDelta, TokenDelta
 
 from ..engine.engine import HANDOFF, Engine
-from .disagg import DisaggStats, HandoffKeeper, KvReceiver
+from .disagg import DisaggStats, HandoffKeeper, KvReceiver, release_handoff
 from .draft_client import DraftPool
 from .metrics import RequestStats
 from .draft_watch import DraftWatch
@@ -130,7 +129,7 @@ class TargetWorker:
             else:
                 if req.kv_transfer is not None:  # not a decode worker: prefill here, and free the handoff
                     self.disagg.local_prefills["not_decode"] += 1
-                    await self._release_handoff(req.kv_transfer)
+                    await release_handoff(self._publish, req.kv_transfer, ok=False)
                 out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids),
                                        req.num_speculative_tokens,
                                        (req.speculative_tree_topk, req.speculative_tree_depth), grammar, prefill_only)
@@ -155,12 +154,6 @@ class TargetWorker:
         finally:
             if not finished:
                 self.loop.abort(rid)
-
-    async def _release_handoff(self, handoff) -> None:
-        try:
-            await self._publish(kv_release_topic(handoff.worker_id), KvRelease([handoff.handoff_id], False))
-        except Exception as exc:  # its ttl frees it
-            log.debug("KV release to %s not sent: %r", handoff.worker_id, exc)
 
     @property
     def healthy(self) -> bool:
