@@ -95,6 +95,19 @@ def _hold(view: PoolView, reason: str, detail: str) -> Decision:
     return Decision(view.pool, view.replicas, view.replicas, reason, detail)
 
 
+def _up(view: PoolView, limit: int, at_limit: str, reason: str, detail: str, timing: Timing) -> Decision:
+    """One more worker for ``reason``, unless the pool is at ``limit`` (held as ``at_limit``), a worker
+    asked for earlier has not registered yet, or the pool changed within the up cooldown."""
+    n = view.replicas
+    if n >= limit:
+        return _hold(view, at_limit, f"{reason}: {detail}")
+    if view.starting(timing):
+        return _hold(view, "starting", f"{reason}, {n - view.live} asked for not registered yet: {detail}")
+    if view.since_change < timing.up_cooldown:
+        return _hold(view, "cooldown", f"{reason}, changed {view.since_change:.0f}s ago: {detail}")
+    return Decision(view.pool, n, n + 1, reason, detail)
+
+
 def decide_latency_pool(view: PoolView, checks: list[SlaCheck], bounds: Bounds, timing: Timing) -> Decision:
     """Scale a prefill or target pool against its SLAs (see the module docstring)."""
     n = view.replicas
@@ -106,14 +119,7 @@ def decide_latency_pool(view: PoolView, checks: list[SlaCheck], bounds: Bounds, 
     trusted = [c for c in checks if c.observed is not None and c.samples >= timing.min_samples]
     over = [c for c in trusted if c.observed > c.sla]
     if over:
-        reason = f"{over[0].name}_over_sla"
-        if n >= bounds.high:
-            return _hold(view, "at_max", f"{reason}: {detail}")
-        if view.starting(timing):
-            return _hold(view, "starting", f"{reason}, {n - view.live} asked for not registered yet: {detail}")
-        if view.since_change < timing.up_cooldown:
-            return _hold(view, "cooldown", f"{reason}, changed {view.since_change:.0f}s ago: {detail}")
-        return Decision(view.pool, n, n + 1, reason, detail)
+        return _up(view, bounds.high, "at_max", f"{over[0].name}_over_sla", detail, timing)
     if n <= bounds.low:
         return _hold(view, "at_min", detail)
     idle = view.load == 0 and all(c.samples == 0 for c in checks)
@@ -169,14 +175,7 @@ def decide_drafts(view: PoolView, signals: DraftSignals, bounds: Bounds, rule: D
     waits = signals.wait_share is not None and signals.wait_share >= rule.wait_high
     busy = signals.busy is not None and signals.busy >= rule.busy_high
     if pays and (waits or busy):
-        reason = "targets_wait" if waits else "drafts_busy"
-        if n >= cap:
-            return _hold(view, "at_cap", f"{reason}: {detail}")
-        if view.starting(timing):
-            return _hold(view, "starting", f"{reason}, {n - view.live} asked for not registered yet: {detail}")
-        if view.since_change < timing.up_cooldown:
-            return _hold(view, "cooldown", f"{reason}, changed {view.since_change:.0f}s ago: {detail}")
-        return Decision(view.pool, n, n + 1, reason, detail)
+        return _up(view, cap, "at_cap", "targets_wait" if waits else "drafts_busy", detail, timing)
     if n == 1 and signals.accepted_length is not None and not pays:
         reason = "does_not_pay"  # the last draft goes only when drafting is measured not to pay
     elif signals.busy is None:
