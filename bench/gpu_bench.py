@@ -194,6 +194,21 @@ def verify_cost(engine, batch: int, context: int, iters: int = 30) -> dict:
             "verify_replay_ms": 1e3 * replay[GAMMA + 1], "replay_ratio": replay[GAMMA + 1] / replay[1]}
 
 
+def padding_cost(engine, batch: int, context: int, iters: int = 30) -> list[dict]:
+    """Graph replay of a verify step of q < γ+1 tokens per sequence: in a graph captured for exactly
+    q against padded to the γ+1 graph (what the engine does by default: it captures 1 and γ+1 only).
+    Adaptive γ and load-aware budgets produce every q in between."""
+    graphs = engine.runner.graphs
+    bucket = next(b for b in graphs.buckets if b >= batch)
+    padded = cuda_time(graphs._graph(bucket, GAMMA + 1, ()).graph.replay, iters)
+    rows = []
+    for q in range(2, GAMMA + 1):
+        exact = cuda_time(graphs._graph(bucket, q, ()).graph.replay, iters)  # captured on first use
+        rows.append({"batch": batch, "q": q, "exact_ms": 1e3 * exact, "padded_ms": 1e3 * padded,
+                     "padded_over_exact": padded / exact})
+    return rows
+
+
 def eagle3_step(target_cfg: ModelConfig, batch: int, context: int, iters: int = 30) -> dict:
     """One EAGLE-3 drafting step (midlayer + draft LM head → target-vocab logits), eager and graphed."""
     from dataclasses import replace
@@ -345,6 +360,12 @@ def markdown(res: dict) -> str:
         lines.append(f"| {row['batch']} | {row['context']} | {row['decode_ms']:.2f} | {row['verify_ms']:.2f} "
                      f"| {row['ratio']:.3f} | {row['decode_replay_ms']:.2f} | {row['verify_replay_ms']:.2f} "
                      f"| {row['replay_ratio']:.3f} |")
+    if res.get("padding"):
+        lines += ["", f"| batch | verify q | graph for exactly q, ms | padded to the γ+1={GAMMA + 1} graph, ms "
+                  "| padded / exact |", "|---|---|---|---|---|"]
+        for row in res["padding"]:
+            lines.append(f"| {row['batch']} | {row['q']} | {row['exact_ms']:.2f} | {row['padded_ms']:.2f} "
+                         f"| {row['padded_over_exact']:.3f} |")
     lines += ["", "| batch | EAGLE-3 head eager ms | graphed ms | target decode ms | c (graphed / target) |",
               "|---|---|---|---|---|"]
     for row in res["eagle3"]:
@@ -384,7 +405,7 @@ def main() -> None:
     cfg = llama8b_config(args.layers)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "transformers": transformers.__version__, "layers": args.layers, "decode": [], "verify": [],
-                 "eagle3": [], "hf_default": {}, "hf_static": {}}
+                 "eagle3": [], "padding": [], "hf_default": {}, "hf_static": {}}
 
     def save() -> None:
         (out_dir / "gpu_bench.json").write_text(json.dumps(res, indent=1))
@@ -420,6 +441,13 @@ def main() -> None:
     for b in batches:
         res["verify"].append(verify_cost(engine, b, args.prompt_len + args.steps // 2))
         print(json.dumps(res["verify"][-1]), flush=True)
+    save()
+    for b in batches:
+        try:
+            res["padding"] += padding_cost(engine, b, args.prompt_len + args.steps // 2)
+            print(json.dumps(res["padding"][-GAMMA + 1:]), flush=True)
+        except Exception as exc:  # a new measurement: record why, keep the rest of the report
+            print(f"padding cost at batch {b} failed: {exc!r}", flush=True)
     save()
     for b in batches:
         res["eagle3"].append(eagle3_step(cfg, b, args.prompt_len + args.steps // 2))
