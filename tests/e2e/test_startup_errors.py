@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.config import importable_env
 from tests.support.servers import EtcdServer, NatsServer, env_for, free_port
 from tests.unit.workers.target.test_draft_tls import make_pki
 
@@ -22,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start(module: str, *args: str, env: dict) -> tuple[int, list[str], float]:
     began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, check=False)
+    done = subprocess.run([sys.executable, "-m", module, *args], env=importable_env(env), capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, check=False)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     return done.returncode, lines, time.monotonic() - began
 
