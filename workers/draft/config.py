@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .methods import BENCH_METHODS, METHODS
+from .methods import BENCH_METHODS, DTYPES, METHODS
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 TENSOR_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")  # methods with a model to place
 
 
