@@ -102,7 +102,8 @@ class StackConfig:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
-        if not (self.draft_device in ("auto", "cpu", "cuda") or self.draft_device.startswith("cuda:")):
+        if not (self.draft_device in ("auto", "cpu", "cuda") or
+                (self.draft_device.startswith("cuda:") and self.draft_device[5:].isdigit())):
             raise ValueError(f"--draft-device must be auto, cpu, cuda or cuda:N, got {self.draft_device!r}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")

@@ -17,24 +17,28 @@ from .methods import BENCH_METHODS, DTYPES, METHODS
 TENSOR_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")  # methods with a model to place
 
 
+def check_device_name(spec: str) -> None:
+    """``ValueError`` unless ``spec`` is auto, cpu, cuda or cuda:N."""
+    if spec in ("auto", "cpu", "cuda") or (spec.startswith("cuda:") and spec[5:].isdigit()):
+        return
+    raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+
+
 def resolve_device(spec: str) -> torch.device:
     """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> the device; ``ValueError`` for a malformed name or a
     CUDA device that is not there (a clear start-up error, not a traceback from the first tensor)."""
+    check_device_name(spec)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec == "cpu":
         return torch.device("cpu")
-    if spec == "cuda" or spec.startswith("cuda:"):
-        index = spec.partition(":")[2]
-        if index and not index.isdigit():
-            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {spec}: CUDA is not available here (no GPU visible to torch, or a CPU-only "
-                             "torch build); use --device cpu or auto")
-        if index and int(index) >= torch.cuda.device_count():
-            raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        return torch.device(spec)
-    raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available here (no GPU visible to torch, or a CPU-only "
+                         "torch build); use --device cpu or auto")
+    index = spec.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return torch.device(spec)
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
@@ -101,10 +105,9 @@ class DraftConfig:
             raise ValueError("--num-blocks, --block-size and --num-speculative-tokens must be positive")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_device_name(self.device)
         if self.method in TENSOR_METHODS:
             resolve_device(self.device)  # raises for a device that is not there
-        elif self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for flag, path in (("--draft-model", self.draft_model), ("--eagle-model", self.eagle_model),
                            ("--target-model", self.target_model), ("--oracle-file", self.oracle_file)):
             if path and not os.path.exists(path):
