@@ -242,8 +242,9 @@ def followed_weights(proposer, path, target_model: str) -> dict:
     head = proposer.head
     embed, lm_head, target_cfg = load_target_parts(target_model)
     new, _ = load_eagle(path, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
-    if not torch.equal(new.d2t.cpu(), head.d2t.cpu()) or not torch.allclose(new.fc.weight.float().cpu(),
-                                                                               head.fc.weight.float().cpu()):
+    serving_fc = head.fc.weight.float().cpu()  # in the serving dtype: compare the new one rounded alike
+    if not torch.equal(new.d2t.cpu(), head.d2t.cpu()) or not torch.allclose(
+            new.fc.weight.to(head.fc.weight.dtype).float().cpu(), serving_fc):
         raise ValueError("its draft vocabulary or projection differs from the serving head's (not trained from it)")
     return trainable_state(new)
 

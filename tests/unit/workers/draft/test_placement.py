@@ -236,3 +236,13 @@ def test_float32_weights_from_the_trainer_load_into_a_bfloat16_head(dirs):
     own = served.head.state_dict()
     for k, v in state.items():
         assert own[k].dtype == torch.bfloat16 and torch.equal(own[k], v.to(torch.bfloat16))
+
+
+def test_a_bfloat16_head_follows_heads_written_in_float32(dirs):
+    """--distill-follow compares the new head's projection with the serving one's in the serving dtype."""
+    from workers.draft.__main__ import followed_weights
+
+    served = make_proposer(config(dirs, "eagle3", device="cpu", dtype="bfloat16"))
+    state = followed_weights(served, dirs["eagle3"], str(dirs["target"]))
+    assert state and not any(k.startswith("fc.") for k in state)
+    served.load_weights(state)
