@@ -8,7 +8,8 @@ float32 round differently, so the CUDA head's first draft token must be a near-a
 float32 head's logits (within a quarter of the way from the row's mean to its max: a wrong kernel,
 position or feature picks tokens near the mean) and equal its argmax for most sequences. Greedy
 speculation with the CUDA draft on a float32 CPU target must equal plain decoding exactly: the
-target decides every token, whatever the draft's device and dtype.
+target decides every token, whatever the draft's device and dtype. Chain steps after the first
+replay CUDA graphs (:mod:`workers.draft.head_graphs`); in float32 they draft what eager steps draft.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def test_the_demo_head_is_built_on_cuda_in_bfloat16(target_dir):
     assert head.d2t.device.type == "cuda" and head.d2t.dtype == torch.long
     assert proposer.kv[0][0].device.type == "cuda" and proposer.kv[0][0].dtype == torch.bfloat16
     assert proposer.hidden_dtype == "bfloat16" and proposer.hidden_layers == [2, 15, 27]
+    assert proposer.graphs is not None and all(graph is not None for graph, _ in proposer.graphs.graphs.values())
 
 
 def test_cuda_bfloat16_chains_match_the_cpu_float32_head(target_dir):
@@ -109,6 +111,22 @@ def test_cuda_bfloat16_chains_match_the_cpu_float32_head(target_dir):
     same = sum(g.token_ids[0] == w.token_ids[0] for g, w in zip(got, want))
     assert same >= len(batch) * 3 // 4, f"{same} of {len(batch)} first drafts equal the float32 head's"
     assert cuda.forward_calls > 0 and not any(s.broken for s in cuda._seqs.values())
+    assert cuda.graphs.replays > 0  # steps 2 and 3 of every chain replayed
+
+
+def test_replayed_head_steps_draft_what_eager_steps_draft(target_dir):
+    """In float32 (no TF32) the Triton attention the graphs hold and the eager SDPA attention agree
+    to rounding: the chains are the same."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graphs = make_proposer(_config(target_dir, "cuda", "float32"))
+    eager = make_proposer(_config(target_dir, "cuda", "float32", cuda_graphs=False))
+    assert graphs.graphs is not None and eager.graphs is None
+    for n in (1, 5, 16):
+        batch = _inputs(graphs, n, seed=10 + n, num_tokens=4)
+        got, want = graphs.propose(batch), eager.propose(batch)
+        same = sum(g.token_ids == w.token_ids for g, w in zip(got, want))
+        assert same >= n - n // 8, [(g.token_ids, w.token_ids) for g, w in zip(got, want)]
+    assert graphs.graphs.replays > 0
 
 
 def test_trees_and_seeded_draws_on_cuda(target_dir):
@@ -142,5 +160,5 @@ def test_greedy_speculation_with_the_cuda_draft_equals_plain_decoding(target_dir
     proposer = make_proposer(_config(target_dir, "cuda"))
     engine = Engine(load_model(target_dir), cfg, num_speculative_tokens=3, hidden_layers=tuple(proposer.hidden_layers))
     assert run_spec(engine, proposer, batch, params) == want
-    assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0
+    assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0 and proposer.graphs.replays > 0
     assert not any(s.broken for s in proposer._seqs.values())

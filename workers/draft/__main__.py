@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "auto, cpu, cuda or cuda:N; auto = cuda if a GPU is visible. ngram and suffix ignore it")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="the draft's weights and compute dtype; auto = bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run an EAGLE head's chain steps eagerly on CUDA instead of replaying CUDA graphs")
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
@@ -126,6 +128,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         grpc_host=args.grpc_host, grpc_port=args.grpc_port, advertise_host=args.advertise_host,
         draft_model=args.draft_model, eagle_model=args.eagle_model, target_model=args.target_model,
         num_blocks=args.num_blocks, block_size=args.block_size, overlap=not args.no_overlap,
+        cuda_graphs=not args.no_cuda_graphs,
         oracle_file=args.oracle_file, oracle_error_rate=args.oracle_error_rate, oracle_vocab_size=args.oracle_vocab_size,
         oracle_token_cost_ms=args.oracle_token_cost_ms, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         suffix_max_depth=args.suffix_max_depth, suffix_spec_factor=args.suffix_spec_factor,
@@ -177,7 +180,8 @@ def make_proposer(cfg: DraftConfig) -> Proposer:
         embed, lm_head, target_cfg = load_target_parts(cfg.target_model)
         head, layers = load_eagle(cfg.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
         return EagleProposer(place_head(head, device, dtype), layers, cfg.num_blocks, cfg.block_size,
-                             tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth)
+                             tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
+                             cuda_graphs=cfg.cuda_graphs and device.type == "cuda")
     if cfg.method in ("medusa", "mlp_speculator"):
         if not cfg.eagle_model or not cfg.target_model:
             raise SystemExit(f"--method {cfg.method} needs --head-model PATH and --target-model PATH")

@@ -67,6 +67,7 @@ class DraftConfig:
     num_blocks: int = 2048
     block_size: int = 16
     overlap: bool = True  # draft ahead while the target verifies (methods that can)
+    cuda_graphs: bool = True  # replay EAGLE head steps as CUDA graphs (on CUDA only)
     oracle_file: str | None = None
     oracle_error_rate: float = 0.0
     oracle_vocab_size: int = 49152

@@ -32,6 +32,7 @@ from ..engine.attention import AttentionMetadata, allocate_kv_cache
 from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
+from .head_graphs import HeadGraphs
 from ..speculation.payloads import ROOT
 from .tree_search import DraftTree, frontier_batch, grow, split_batch
 from .proposer import (DraftInput, DraftOutput, Proposer, SamplingSpec, SparseDist, VerifyResult, grow_blocks,
@@ -64,7 +65,10 @@ class EagleProposer(Proposer):
     method = "eagle"
 
     def __init__(self, head: EagleHead, hidden_layers: list[int], num_blocks: int, block_size: int = 16,
-                 max_support: int = 64, tree_topk: int = 1, tree_depth: int = 0):
+                 max_support: int = 64, tree_topk: int = 1, tree_depth: int = 0, cuda_graphs: bool = False,
+                 graph_batch: int = 64):
+        """``cuda_graphs``: replay chain steps after the first as CUDA graphs (:mod:`.head_graphs`) of up
+        to ``graph_batch`` sequences; on a CPU head the same static steps run eagerly (tests)."""
         if tree_topk < 1 or tree_depth < 0:
             raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")
         self.head = head
@@ -77,8 +81,9 @@ class EagleProposer(Proposer):
         self.hidden_dtype = dtype_name(param.dtype)  # targets send hidden states in it
         self.hidden_layers = list(hidden_layers)
         cfg = head.cfg
-        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    param.dtype, param.device)
+        # with graphs, one block more than the manager hands out: padding rows write there
+        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks + cuda_graphs, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.block_size = block_size
         self.max_support = max_support
@@ -86,6 +91,17 @@ class EagleProposer(Proposer):
         self.forward_calls = 0
         self.recorder = None  # online distillation's :class:`.online.Recorder`, when on
         self.weight_swaps = 0
+        self.graphs: HeadGraphs | None = None
+        if cuda_graphs:
+            graphs = HeadGraphs(head, self.kv, block_size, head.rotary.cos.shape[0], num_blocks, graph_batch,
+                                capture=self.device.type == "cuda")
+            try:
+                graphs.capture_all()
+            except Exception:  # drafting goes on eagerly: slower, as correct
+                log.warning("CUDA graphs of the draft head could not be captured; its steps run eagerly",
+                            exc_info=True)
+            else:
+                self.graphs = graphs
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -237,10 +253,12 @@ class EagleProposer(Proposer):
                  clens: list[int], tables: list[list[int]]) -> torch.Tensor:
         """The head over pairs (ids [T], feats T × [H], positions [T]) of sequences with ``qlens`` new
         pairs each, ``clens`` pairs in all: outputs [T, H]. Inputs and metadata built on the head's device."""
+        self.forward_calls += 1
+        if self.graphs is not None and self.graphs.fits(qlens, tables):  # one pair per sequence: replay
+            return self.graphs.run(ids, torch.stack(feats), pos, tables)
         meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, self.device)
         out = self.head(torch.tensor(ids, device=self.device), torch.stack(feats),
                         torch.tensor(pos, device=self.device), meta, self.kv)
-        self.forward_calls += 1
         return out
 
     def _ends(self, qlens: list[int]) -> torch.Tensor:

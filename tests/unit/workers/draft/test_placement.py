@@ -246,3 +246,37 @@ def test_a_bfloat16_head_follows_heads_written_in_float32(dirs):
     state = followed_weights(served, dirs["eagle3"], str(dirs["target"]))
     assert state and not any(k.startswith("fc.") for k in state)
     served.load_weights(state)
+
+
+# ------------------------------------------------------------------ head steps as graphs
+
+
+def test_static_head_steps_draft_what_eager_steps_draft(dirs):
+    """The padded, static steps CUDA graphs replay (run eagerly here: no capture on the CPU) give the
+    same chains as the eager steps, one sequence or many, and speculation with them stays lossless."""
+    embed_cfg = config(dirs, "eagle3", device="cpu")
+    eager = make_proposer(embed_cfg)
+    static = make_proposer(embed_cfg)
+    static_graphs = EagleProposer(static.head, static.hidden_layers, 512, 4, cuda_graphs=True, graph_batch=8)
+    assert eager.graphs is None and static_graphs.graphs is not None
+    assert static_graphs.graphs.buckets == (1, 2, 4, 8)
+    for n in (1, 3, 11):  # 11: more than the largest bucket, so those steps run eagerly
+        batch = [DraftInput(f"s{i}", 0, prompt, 4, hidden_states=[torch.randn(len(prompt) - 1, 64) for _ in range(3)])
+                 for i, prompt in enumerate(prompts(n, seed=20 + n).values())]
+        assert [o.token_ids for o in static_graphs.propose(batch)] == [o.token_ids for o in eager.propose(batch)]
+        static_graphs.release([d.seq_id for d in batch])
+        eager.release([d.seq_id for d in batch])
+    assert static_graphs.graphs.replays > 0
+    batch = prompts(8, seed=91)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(load_model(dirs["target"]), CFG, num_speculative_tokens=4,
+                    hidden_layers=tuple(static_graphs.hidden_layers))
+    replays = static_graphs.graphs.replays
+    assert run_spec(engine, static_graphs, batch, params) == plain(dirs["target"], batch, params)
+    assert static_graphs.graphs.replays > replays
+
+
+def test_the_worker_asks_for_graphs_only_on_cuda(dirs):
+    assert make_proposer(config(dirs, "eagle3", device="cpu")).graphs is None
+    assert draft_config(parse_args(["--no-cuda-graphs"])).cuda_graphs is False
+    assert draft_config(parse_args([])).cuda_graphs is True
