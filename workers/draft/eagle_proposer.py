@@ -82,8 +82,8 @@ class EagleProposer(Proposer):
         self.hidden_layers = list(hidden_layers)
         cfg = head.cfg
         # with graphs, one block more than the manager hands out: padding rows write there
-        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks + cuda_graphs, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, param.dtype, param.device)
+        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks + (1 if cuda_graphs else 0), block_size,
+                                    cfg.num_kv_heads, cfg.head_dim, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.block_size = block_size
         self.max_support = max_support
