@@ -11,7 +11,7 @@ import logging
 import shlex
 import sys
 
-from deploy.stack import DRAFT_METHODS, ROUTER_MODES, StackConfig
+from deploy.stack import DRAFT_DTYPES, DRAFT_METHODS, ROUTER_MODES, StackConfig
 from runtime.config import DEFAULT_NAMESPACE, apply_env_defaults
 from runtime.service import check_log_level
 
@@ -34,6 +34,11 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="draft trees (every draft method): children per node and depth; 1: chains (the default)")
     parser.add_argument("--speculative-num-steps", type=int, default=None,
                         help="draft trees: depth, the draft steps per proposal (default: as deep as the budget)")
+    parser.add_argument("--draft-device", default="auto",
+                        help="where draft workers run a model-based draft (eagle3, eagle, draft_model, medusa, "
+                             "mlp_speculator): auto, cpu, cuda or cuda:N (default auto: the GPU when one is visible)")
+    parser.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
+                        help="the draft's dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--targets", type=int, default=1, help="target workers (default 1)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks each target worker's model is split over, one process per device (default 1; "
@@ -96,6 +101,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         model=args.model, served_model_name=args.served_model_name, draft_method=args.draft_method,
         draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
         speculative_eagle_topk=args.speculative_eagle_topk, speculative_num_steps=args.speculative_num_steps,
+        draft_device=args.draft_device, draft_dtype=args.draft_dtype,
         load_aware=not args.no_load_aware_speculation, targets=args.targets,
         tensor_parallel_size=args.tensor_parallel_size, drafts=args.drafts, router_mode=args.router_mode,
         standalone_router=args.standalone_router, http_port=args.http_port, host=args.host, mock=args.mock,

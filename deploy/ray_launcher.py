@@ -20,7 +20,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deploy.scaling import ScaleService
 from deploy.stack import WORKER_POOLS, Component, StackConfig, component_names, plan, worker_component
@@ -116,6 +116,15 @@ class ComponentActor:
         return self.child.returncode
 
 
+def draft_placement(config: StackConfig, options: RayOptions) -> StackConfig:
+    """Drafts run on the GPU their actor reserves: ``--draft-device auto`` becomes ``cuda`` when
+    actors hold GPUs (Ray sets CUDA_VISIBLE_DEVICES for the actor and its child to the reserved one),
+    so a draft that finds none fails at start-up instead of drafting on the CPU."""
+    if config.draft_device == "auto" and options.gpus_per_worker > 0 and not config.mock:
+        return replace(config, draft_device="cuda")
+    return config
+
+
 def _actor_options(comp_kind: str, config: StackConfig, options: RayOptions) -> dict:
     gpus = options.gpus_per_worker if comp_kind in ("target", "draft") and not config.mock else 0
     return {"num_cpus": options.cpus_per_component, "num_gpus": gpus, "max_concurrency": 4}
@@ -150,6 +159,7 @@ def run_ray(config: StackConfig, options: RayOptions) -> int:
     except ImportError:
         raise SystemExit("tandem ray up needs Ray: pip install 'tandem[ray]'") from None
 
+    config = draft_placement(config, options)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
+from workers.draft.methods import DTYPES as DRAFT_DTYPES
 from workers.draft.methods import HEAD_METHODS, METHODS
 
 DRAFT_METHODS = (*METHODS, "none")  # none: no draft workers (the targets decode plainly)
@@ -29,6 +30,8 @@ class StackConfig:
     num_speculative_tokens: int | None = None
     speculative_eagle_topk: int | None = None  # draft trees: children per node (1: chains); None: the worker's
     speculative_num_steps: int | None = None  # draft trees: depth; None: the worker's
+    draft_device: str = "auto"  # where model-based drafts run: auto (cuda when a GPU is visible), cpu, cuda[:N]
+    draft_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     load_aware: bool = True  # False: targets get --no-load-aware-speculation
     targets: int = 1
     tensor_parallel_size: int = 1  # ranks (processes, devices) per target worker
@@ -99,6 +102,11 @@ class StackConfig:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not (self.draft_device in ("auto", "cpu", "cuda") or
+                (self.draft_device.startswith("cuda:") and self.draft_device[5:].isdigit())):
+            raise ValueError(f"--draft-device must be auto, cpu, cuda or cuda:N, got {self.draft_device!r}")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
 
     @property
     def num_drafts(self) -> int:
@@ -145,6 +153,8 @@ def draft_component(config: StackConfig, model_path: str | None, index: int, por
         args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
     elif config.draft_model:
         args += ["--draft-model", config.draft_model]
+    if config.draft_method in ("draft_model", *HEAD_METHODS):  # on the GPU reserved for it, where there is one
+        args += ["--device", config.draft_device, "--dtype", config.draft_dtype]
     if config.num_speculative_tokens is not None:
         args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
     if config.speculative_eagle_topk is not None:

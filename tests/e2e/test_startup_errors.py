@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.config import importable_env
 from tests.support.servers import EtcdServer, NatsServer, env_for, free_port
@@ -57,6 +58,9 @@ def env(servers):
     ("workers.target", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
     ("workers.draft", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
     ("workers.target", ["--dtype", "int3"], "--dtype must be auto, float32, bfloat16 or float16, got int3"),
+    ("workers.draft", ["--method", "eagle3", "--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N"),
+    pytest.param("workers.draft", ["--method", "eagle3", "--device", "cuda"], "--device cuda: CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
     ("workers.mock", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     ("frontend", ["--router-mode", "nope"], "invalid choice: 'nope'"),
 ])

@@ -1,6 +1,7 @@
 """Draft worker: serves proposals to target workers over gRPC; registers as component ``draft``.
 
 Usage: python -m workers.draft --method ngram --grpc-port 0
+       python -m workers.draft --method eagle3 --eagle-model HEAD --target-model TARGET --device cuda
        (etcd / NATS / namespace from --etcd/--nats/--namespace or TANDEM_ETCD/TANDEM_NATS/TANDEM_NAMESPACE)
 """
 
@@ -24,9 +25,11 @@ from runtime.messages import ModelCard
 from runtime.errors import StartupError
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 
+from .config import DTYPES, TENSOR_METHODS, DraftConfig
 from .methods import BENCH_METHODS, METHODS
 from .metrics import DraftCollector
 from .ngram import NgramProposer
+from .proposer import Proposer
 from ..speculation.tls import ServerTls
 from .service import DraftService
 
@@ -50,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-model", default=None,
                         help="the target's model directory: heads use its config, embedding and LM head "
                              "(methods eagle3, eagle, medusa, mlp_speculator)")
+    parser.add_argument("--device", default="auto",
+                        help="where a model-based draft (eagle3, eagle, draft_model, medusa, mlp_speculator) runs: "
+                             "auto, cpu, cuda or cuda:N; auto = cuda if a GPU is visible. ngram and suffix ignore it")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="the draft's weights and compute dtype; auto = bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run an EAGLE head's chain steps eagerly on CUDA instead of replaying CUDA graphs")
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
@@ -111,86 +121,89 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def make_proposer(args: argparse.Namespace):
-    if args.speculative_eagle_topk < 1 or args.speculative_num_steps < 0:
-        raise SystemExit("--speculative-eagle-topk must be >= 1 and --speculative-num-steps >= 0")
-    if args.method == "ngram":
-        return NgramProposer(args.ngram_min, args.ngram_max, args.speculative_eagle_topk)
-    if args.method == "suffix":
+def draft_config(args: argparse.Namespace) -> DraftConfig:
+    """The worker's :class:`DraftConfig` from its flags (``ValueError`` for a bad combination)."""
+    return DraftConfig(
+        method=args.method, model_name=args.model_name, device=args.device, dtype=args.dtype,
+        grpc_host=args.grpc_host, grpc_port=args.grpc_port, advertise_host=args.advertise_host,
+        draft_model=args.draft_model, eagle_model=args.eagle_model, target_model=args.target_model,
+        num_blocks=args.num_blocks, block_size=args.block_size, overlap=not args.no_overlap,
+        cuda_graphs=not args.no_cuda_graphs,
+        oracle_file=args.oracle_file, oracle_error_rate=args.oracle_error_rate, oracle_vocab_size=args.oracle_vocab_size,
+        oracle_token_cost_ms=args.oracle_token_cost_ms, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        suffix_max_depth=args.suffix_max_depth, suffix_spec_factor=args.suffix_spec_factor,
+        suffix_min_token_prob=args.suffix_min_token_prob, suffix_max_cached_outputs=args.suffix_max_cached_outputs,
+        suffix_max_cached_nodes=args.suffix_max_cached_nodes, max_speculative_tokens=args.max_speculative_tokens,
+        tree_topk=args.speculative_eagle_topk, tree_depth=args.speculative_num_steps,
+        online_distill=args.online_distill, distill_share=args.distill_share, distill_threads=args.distill_threads,
+        distill_buffer_tokens=args.distill_buffer_tokens, distill_min_tokens=args.distill_min_tokens,
+        distill_lr=args.distill_lr, distill_eval_every=args.distill_eval_every, distill_min_gain=args.distill_min_gain,
+        distill_dir=args.distill_dir, distill_follow=args.distill_follow, grpc_tls_cert=args.grpc_tls_cert,
+        grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca, drain_timeout=args.drain_timeout)
+
+
+def make_proposer(cfg: DraftConfig) -> Proposer:
+    """The proposer ``cfg`` asks for, a model-based one on ``cfg``'s device in its dtype."""
+    if cfg.method == "ngram":
+        return NgramProposer(cfg.ngram_min, cfg.ngram_max, cfg.tree_topk)
+    if cfg.method == "suffix":
         from .suffix import SuffixConfig, SuffixProposer
 
         try:
-            return SuffixProposer(SuffixConfig(args.suffix_max_depth, args.suffix_spec_factor, args.suffix_min_token_prob,
-                                               args.suffix_max_cached_outputs, args.suffix_max_cached_nodes,
-                                               args.speculative_eagle_topk, args.speculative_num_steps))
+            return SuffixProposer(SuffixConfig(cfg.suffix_max_depth, cfg.suffix_spec_factor, cfg.suffix_min_token_prob,
+                                               cfg.suffix_max_cached_outputs, cfg.suffix_max_cached_nodes,
+                                               cfg.tree_topk, cfg.tree_depth))
         except ValueError as exc:
             raise SystemExit(f"--method suffix: {exc}") from None
-    if args.method == "draft_model":
-        if not args.draft_model:
+    if cfg.method == "oracle":
+        from .oracle import OracleProposer
+
+        if not cfg.oracle_file:
+            raise SystemExit("--method oracle needs --oracle-file")
+        return OracleProposer.from_file(cfg.oracle_file, cfg.oracle_error_rate, cfg.oracle_vocab_size,
+                                        token_cost_s=cfg.oracle_token_cost_ms / 1000)
+    device, dtype = cfg.torch_device, cfg.torch_dtype
+    if cfg.method == "draft_model":
+        if not cfg.draft_model:
             raise SystemExit("--method draft_model needs --draft-model PATH")
         from ..engine.weights import load_model
         from .draft_model import DraftModelProposer
 
-        return DraftModelProposer(load_model(args.draft_model), args.num_blocks, args.block_size,
-                                  tree_topk=args.speculative_eagle_topk, tree_depth=args.speculative_num_steps)
-    if args.method == "oracle":
-        from .oracle import OracleProposer
-
-        if not args.oracle_file:
-            raise SystemExit("--method oracle needs --oracle-file")
-        return OracleProposer.from_file(args.oracle_file, args.oracle_error_rate, args.oracle_vocab_size,
-                                        token_cost_s=args.oracle_token_cost_ms / 1000)
-    if args.method in ("eagle", "eagle3"):  # the head's config says which EAGLE it is
-        if not args.eagle_model or not args.target_model:
-            raise SystemExit(f"--method {args.method} needs --eagle-model PATH and --target-model PATH")
-        from .eagle import load_eagle, load_target_parts
+        return DraftModelProposer(load_model(cfg.draft_model, dtype=dtype, device=device), cfg.num_blocks,
+                                  cfg.block_size, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth)
+    if cfg.method in ("eagle", "eagle3"):  # the head's config says which EAGLE it is
+        if not cfg.eagle_model or not cfg.target_model:
+            raise SystemExit(f"--method {cfg.method} needs --eagle-model PATH and --target-model PATH")
+        from .eagle import load_eagle, load_target_parts, place_head
         from .eagle_proposer import EagleProposer
 
-        embed, lm_head, target_cfg = load_target_parts(args.target_model)
-        head, layers = load_eagle(args.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
-        return EagleProposer(head, layers, args.num_blocks, args.block_size, tree_topk=args.speculative_eagle_topk,
-                             tree_depth=args.speculative_num_steps)
-    if args.method in ("medusa", "mlp_speculator"):
-        if not args.eagle_model or not args.target_model:
-            raise SystemExit(f"--method {args.method} needs --head-model PATH and --target-model PATH")
+        embed, lm_head, target_cfg = load_target_parts(cfg.target_model)
+        head, layers = load_eagle(cfg.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
+        return EagleProposer(place_head(head, device, dtype), layers, cfg.num_blocks, cfg.block_size,
+                             tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
+                             cuda_graphs=cfg.cuda_graphs and device.type == "cuda")
+    if cfg.method in ("medusa", "mlp_speculator"):
+        if not cfg.eagle_model or not cfg.target_model:
+            raise SystemExit(f"--method {cfg.method} needs --head-model PATH and --target-model PATH")
         from .eagle import load_target_parts
         from .head_proposer import HeadProposer
         from .spec_heads import head_kind, load_spec_head
 
-        kind = head_kind(args.eagle_model)
-        if kind != args.method:
-            raise SystemExit(f"--method {args.method}: {args.eagle_model} holds "
+        kind = head_kind(cfg.eagle_model)
+        if kind != cfg.method:
+            raise SystemExit(f"--method {cfg.method}: {cfg.eagle_model} holds "
                              f"{'a ' + kind + ' head' if kind else 'no Medusa or MLP speculator head'}")
-        _, lm_head, target_cfg = load_target_parts(args.target_model)
+        _, lm_head, target_cfg = load_target_parts(cfg.target_model)
         try:
-            head = load_spec_head(args.eagle_model, target_cfg.hidden_size, target_cfg.vocab_size, lm_head)
+            head = load_spec_head(cfg.eagle_model, target_cfg.hidden_size, target_cfg.vocab_size, lm_head)
         except ValueError as exc:
-            raise SystemExit(f"--method {args.method}: {exc}") from None
-        return HeadProposer(head.float(), target_cfg.num_layers, tree_topk=args.speculative_eagle_topk,
-                            tree_depth=args.speculative_num_steps)
-    raise ValueError(f"unknown draft method {args.method!r}")
+            raise SystemExit(f"--method {cfg.method}: {exc}") from None
+        return HeadProposer(head.to(device=device, dtype=dtype), target_cfg.num_layers, tree_topk=cfg.tree_topk,
+                            tree_depth=cfg.tree_depth)
+    raise ValueError(f"unknown draft method {cfg.method!r}")
 
 
-def distill_flags(args: argparse.Namespace) -> None:
-    """``ValueError`` for online-distillation flags that cannot work with the rest."""
-    if (args.online_distill or args.distill_follow) and args.method != "eagle3":
-        raise ValueError("--online-distill and --distill-follow train or take EAGLE-3 heads: they need --method eagle3")
-    if args.distill_dir and not args.online_distill:
-        raise ValueError("--distill-dir is where --online-distill writes heads: give --online-distill too")
-    if args.online_distill:
-        distill_config(args)  # raises for out-of-range values
-
-
-def distill_config(args: argparse.Namespace, device: str = "cpu"):
-    from .online import DistillConfig
-
-    return DistillConfig(head_dir=args.eagle_model, target_dir=args.target_model, buffer_tokens=args.distill_buffer_tokens,
-                         min_tokens=args.distill_min_tokens, lr=args.distill_lr, eval_every=args.distill_eval_every,
-                         min_gain=args.distill_min_gain, share=args.distill_share, threads=args.distill_threads,
-                         out_dir=args.distill_dir, device=device)
-
-
-def start_distillation(args: argparse.Namespace, proposer, service: DraftService) -> list:
+def start_distillation(cfg: DraftConfig, proposer: Proposer, service: DraftService) -> list:
     """Online distillation and/or following another worker's heads, as the flags ask; returns what
     to stop at shutdown. New weights reach the proposer through the service's queue."""
     loop = asyncio.get_running_loop()
@@ -199,22 +212,23 @@ def start_distillation(args: argparse.Namespace, proposer, service: DraftService
         loop.call_soon_threadsafe(service.swap_weights, state)
 
     started = []
-    if getattr(getattr(proposer, "head", None), "version", 0) != 3:
-        if args.online_distill or args.distill_follow:
-            raise StartupError(f"--online-distill / --distill-follow: {args.eagle_model} is not an EAGLE-3 head")
+    if not proposer.distillable:
+        if cfg.online_distill or cfg.distill_follow:
+            raise StartupError(f"--online-distill / --distill-follow: {cfg.eagle_model} is not an EAGLE-3 head")
         return started
-    if args.online_distill:
+    if cfg.online_distill:
         from .online import Distiller
 
-        distiller = Distiller(distill_config(args, str(next(proposer.head.parameters()).device)), on_swap)
+        # the trainer computes where the head serves (float32 master weights there, whatever the serving dtype)
+        distiller = Distiller(cfg.distill_config(str(proposer.device)), on_swap)
         proposer.recorder = distiller.recorder
         service.distiller = distiller
         distiller.start()
         started.append(distiller)
-    if args.distill_follow:
+    if cfg.distill_follow:
         from .online import Follower
 
-        follower = Follower(args.distill_follow, lambda path: followed_weights(proposer, path, args.target_model),
+        follower = Follower(cfg.distill_follow, lambda path: followed_weights(proposer, path, cfg.target_model),
                             on_swap)
         follower.start()
         started.append(follower)
@@ -232,63 +246,58 @@ def followed_weights(proposer, path, target_model: str) -> dict:
     head = proposer.head
     embed, lm_head, target_cfg = load_target_parts(target_model)
     new, _ = load_eagle(path, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
-    if not torch.equal(new.d2t.cpu(), head.d2t.cpu()) or not torch.allclose(new.fc.weight.float().cpu(),
-                                                                               head.fc.weight.float().cpu()):
+    serving_fc = head.fc.weight.float().cpu()  # in the serving dtype: compare the new one rounded alike
+    if not torch.equal(new.d2t.cpu(), head.d2t.cpu()) or not torch.allclose(
+            new.fc.weight.to(head.fc.weight.dtype).float().cpu(), serving_fc):
         raise ValueError("its draft vocabulary or projection differs from the serving head's (not trained from it)")
     return trainable_state(new)
 
 
-def model_paths(args: argparse.Namespace) -> None:
-    """``ValueError`` for a model, head or file flag naming a path that does not exist."""
-    for flag, path in (("--draft-model", args.draft_model), ("--eagle-model", args.eagle_model),
-                       ("--target-model", args.target_model), ("--oracle-file", args.oracle_file)):
-        if path and not os.path.exists(path):
-            raise ValueError(f"{flag} {path} does not exist")
-
-
-def server_tls(args: argparse.Namespace) -> ServerTls | None:
+def server_tls(cfg: DraftConfig) -> ServerTls | None:
     """TLS for the gRPC server from the flags (None: plaintext); ValueError for a half-given pair."""
-    if not (args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca):
+    if not (cfg.grpc_tls_cert or cfg.grpc_tls_key or cfg.grpc_tls_client_ca):
         return None
-    if not (args.grpc_tls_cert and args.grpc_tls_key):
+    if not (cfg.grpc_tls_cert and cfg.grpc_tls_key):
         raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
-    tls = ServerTls(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
+    tls = ServerTls(cfg.grpc_tls_cert, cfg.grpc_tls_key, cfg.grpc_tls_client_ca)
     tls.credentials()  # the files exist and read
     return tls
 
 
-async def amain(args: argparse.Namespace) -> None:
-    tls = server_tls(args)
+async def amain(args: argparse.Namespace, cfg: DraftConfig) -> None:
+    tls = server_tls(cfg)
     try:
-        proposer = make_proposer(args)
+        proposer = await asyncio.to_thread(make_proposer, cfg)
     except (ValueError, OSError) as exc:  # a checkpoint that does not load: one line, not a traceback
-        raise StartupError(f"--method {args.method}: cannot load the draft: {exc}") from None
-    config = config_from_args(args, drain_timeout=args.drain_timeout)
+        raise StartupError(f"--method {cfg.method}: cannot load the draft: {exc}") from None
+    if cfg.method in TENSOR_METHODS:
+        log.info("draft %s on %s in %s", cfg.method, proposer.device, str(cfg.torch_dtype).removeprefix("torch."))
+    config = config_from_args(args, drain_timeout=cfg.drain_timeout)
     async with Runtime.connect(config) as rt:
-        service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
-        REGISTRY.register(DraftCollector(service, args.model_name or "draft", args.method))
+        service = DraftService(proposer, rt.instance_id, cfg.max_speculative_tokens, overlap=cfg.overlap)
+        REGISTRY.register(DraftCollector(service, cfg.model_name or "draft", cfg.method))
         await service.start()
-        distilling = start_distillation(args, proposer, service)
+        distilling = start_distillation(cfg, proposer, service)
         # gRPC sets SO_REUSEPORT by default: a second server could then bind a port already in use
         # (asked-for or picked by port 0, grpc/grpc#10755) and targets would reach the wrong process.
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.max_send_message_length", 64 << 20),
                                           ("grpc.so_reuseport", 0)])
         spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
-        listen = f"{args.grpc_host}:{args.grpc_port}"
+        listen = f"{cfg.grpc_host}:{cfg.grpc_port}"
         try:
             port = server.add_secure_port(listen, tls.credentials()) if tls else server.add_insecure_port(listen)
         except RuntimeError as exc:
             raise SystemExit(f"draft worker: cannot listen for gRPC on {listen} (address in use?)") from exc
         await server.start()
-        address = f"{args.advertise_host or args.grpc_host}:{port}"
-        await rt.register_model(ModelCard(name=args.model_name or "draft", role="draft", spec_method=args.method,
-                                          num_speculative_tokens=args.max_speculative_tokens))
+        address = f"{cfg.advertise_host or cfg.grpc_host}:{port}"
+        await rt.register_model(ModelCard(name=cfg.model_name or "draft", role="draft", spec_method=cfg.method,
+                                          num_speculative_tokens=cfg.max_speculative_tokens))
         # Discovery carries the gRPC address; targets never reach a draft worker over NATS.
-        await rt.register("draft", "speculate", role="draft", model=args.model_name, grpc_address=address)
-        log.info("draft worker %s ready: method %s, gRPC on %s", rt.instance_id, args.method, address)
+        await rt.register("draft", "speculate", role="draft", model=cfg.model_name, grpc_address=address)
+        log.info("draft worker %s ready: method %s, gRPC on %s", rt.instance_id, cfg.method, address)
         await rt.wait_for_shutdown()
-        await server.stop(grace=args.drain_timeout)
+        await server.stop(grace=cfg.drain_timeout)
         for part in distilling:
             await asyncio.to_thread(part.stop)
         await service.stop()
@@ -296,11 +305,12 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    exit_on_bad_config("python -m workers.draft", lambda: server_tls(args), lambda: model_paths(args),
-                       lambda: distill_flags(args),
+    cfg: list[DraftConfig] = []
+    exit_on_bad_config("python -m workers.draft", lambda: cfg.append(draft_config(args)),
+                       lambda: server_tls(cfg[0]),
                        lambda: check_log_level(args.log_level),
                        lambda: config_from_args(args, drain_timeout=args.drain_timeout))
-    run_service(lambda: amain(args), args.log_level)
+    run_service(lambda: amain(args, cfg[0]), args.log_level)
 
 
 if __name__ == "__main__":

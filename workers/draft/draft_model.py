@@ -28,8 +28,8 @@ from ..engine.block_manager import BlockManager
 from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
 from ..speculation.payloads import ROOT
-from .proposer import (DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft,
-                       sequence_for)
+from .proposer import (DraftInput, DraftOutput, Proposer, SamplingSpec, SparseDist, VerifyResult, grow_blocks,
+                       sample_draft, sequence_for)
 from .tree_search import DraftTree, frontier_batch, grow, split_batch
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,11 @@ class _Seq:
         return self.tokens[self.committed :]
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """A draft LM with its own paged KV cache and rollback."""
 
     method = "draft_model"
-    hidden_layers: list[int] = []
+    drafts_ahead = True
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int = 16, max_support: int = 64,
                  tree_topk: int = 1, tree_depth: int = 0):
@@ -64,6 +64,7 @@ class DraftModelProposer:
         self.tree_depth = tree_depth  # 0: as deep as the node budget allows
         self.model = model
         self.runner = ModelRunner(model, num_blocks, block_size)
+        self.device = self.runner.device  # the model's: its cache, inputs and draws live there
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.block_size = block_size
         self.max_support = max_support
@@ -75,7 +76,7 @@ class DraftModelProposer:
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         for item in batch:
-            seq = sequence_for(self._seqs, item, _Seq)
+            seq = sequence_for(self._seqs, item, _Seq, self.device)
             if item.new_tokens:
                 self._rollback(seq, seq.committed)
                 seq.tokens.extend(item.new_tokens)

@@ -264,6 +264,21 @@ def load_eagle(path: str | Path, target_embed: nn.Embedding, target_lm_head: nn.
     return head, layers
 
 
+def place_head(head: EagleHead, device: torch.device | str, dtype: torch.dtype) -> EagleHead:
+    """``head`` moved to ``device`` in ``dtype`` with the target embedding (and EAGLE-1's LM head) it
+    holds outside its state; the rotary tables stay float32 (as the target's: positions past a few
+    hundred lose their angle in bfloat16), integer buffers (``d2t``) keep their dtype."""
+    device = torch.device(device)
+    cos, sin = head.rotary.cos.float(), head.rotary.sin.float()
+    head.to(device=device, dtype=dtype)
+    head.rotary.cos, head.rotary.sin = cos.to(device), sin.to(device)
+    head.rotary._last = None
+    outside = head.embed + (head.lm_head if isinstance(head, Eagle1Head) else [])  # lists: not submodules
+    for part in outside:
+        part.to(device=device, dtype=dtype)
+    return head
+
+
 def load_target_parts(path: str | Path) -> tuple[nn.Embedding, nn.Linear, ModelConfig]:
     """The target's embedding, LM head and config, read from its checkpoint without the layers."""
     from ..engine.weights import iter_safetensors, load_model

@@ -32,10 +32,11 @@ from ..engine.attention import AttentionMetadata, allocate_kv_cache
 from ..engine.block_manager import BlockManager
 from ..speculation.convert import dtype_name
 from .eagle import EagleHead
+from .head_graphs import HeadGraphs
 from ..speculation.payloads import ROOT
 from .tree_search import DraftTree, frontier_batch, grow, split_batch
-from .proposer import (DraftInput, DraftOutput, SamplingSpec, SparseDist, VerifyResult, grow_blocks, sample_draft,
-                       sequence_for)
+from .proposer import (DraftInput, DraftOutput, Proposer, SamplingSpec, SparseDist, VerifyResult, grow_blocks,
+                       sample_draft, sequence_for)
 
 log = logging.getLogger(__name__)
 
@@ -57,23 +58,32 @@ class _Seq:
         return self.tokens[self.committed :]
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
+    """Every tensor it builds (inputs, positions, attention metadata, the KV cache, seeded generators)
+    lives on the head's device; target hidden states go there in the head's dtype in one copy."""
+
     method = "eagle"
 
     def __init__(self, head: EagleHead, hidden_layers: list[int], num_blocks: int, block_size: int = 16,
-                 max_support: int = 64, tree_topk: int = 1, tree_depth: int = 0):
+                 max_support: int = 64, tree_topk: int = 1, tree_depth: int = 0, cuda_graphs: bool = False,
+                 graph_batch: int = 64):
+        """``cuda_graphs``: replay chain steps after the first as CUDA graphs (:mod:`.head_graphs`) of up
+        to ``graph_batch`` sequences; on a CPU head the same static steps run eagerly (tests)."""
         if tree_topk < 1 or tree_depth < 0:
             raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")
         self.head = head
         self.tree_topk = tree_topk  # defaults for requests that do not ask for a shape (1: chains)
         self.tree_depth = tree_depth  # 0: as deep as the node budget allows
         self.method = "eagle3" if head.version == 3 else "eagle"
-        self.hidden_dtype = dtype_name(next(head.parameters()).dtype)  # targets send hidden states in it
+        self.distillable = head.version == 3
+        param = next(head.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.hidden_dtype = dtype_name(param.dtype)  # targets send hidden states in it
         self.hidden_layers = list(hidden_layers)
         cfg = head.cfg
-        param = next(head.parameters())
-        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    param.dtype, param.device)
+        # with graphs, one block more than the manager hands out: padding rows write there
+        self.kv = allocate_kv_cache(head.num_kv_layers, num_blocks + (1 if cuda_graphs else 0), block_size,
+                                    cfg.num_kv_heads, cfg.head_dim, param.dtype, param.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.block_size = block_size
         self.max_support = max_support
@@ -81,6 +91,17 @@ class EagleProposer:
         self.forward_calls = 0
         self.recorder = None  # online distillation's :class:`.online.Recorder`, when on
         self.weight_swaps = 0
+        self.graphs: HeadGraphs | None = None
+        if cuda_graphs:
+            graphs = HeadGraphs(head, self.kv, block_size, head.rotary.cos.shape[0], num_blocks, graph_batch,
+                                capture=self.device.type == "cuda")
+            try:
+                graphs.capture_all()
+            except Exception:  # drafting goes on eagerly: slower, as correct
+                log.warning("CUDA graphs of the draft head could not be captured; its steps run eagerly",
+                            exc_info=True)
+            else:
+                self.graphs = graphs
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -90,7 +111,7 @@ class EagleProposer:
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         chains, trees = split_batch(batch, self.tree_topk, self.tree_depth)
         for item in batch:
-            seq = sequence_for(self._seqs, item, _Seq)
+            seq = sequence_for(self._seqs, item, _Seq, self.device)
             if item.new_tokens:
                 self._truncate_tail(seq)
                 first = len(seq.tokens)
@@ -181,7 +202,7 @@ class EagleProposer:
         if len(hidden) != len(self.hidden_layers) or any(h.shape[0] != rows for h in hidden):
             seq.broken = True
             return
-        feats = self.head.project([h.to(next(self.head.parameters()).dtype) for h in hidden])
+        feats = self.head.project([h.to(device=self.device, dtype=self.dtype) for h in hidden])
         for i in range(rows):
             seq.feats[start + i] = feats[i]
         self._rollback(seq, min(seq.computed, start))
@@ -214,11 +235,9 @@ class EagleProposer:
                 qlens.append(len(span))
                 clens.append(last + 1)
                 tables.append(seq.blocks)
-            meta = AttentionMetadata.build(qlens, clens, tables, self.block_size)
-            out = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
-            self.forward_calls += 1
+            out = self._forward(ids, feats, pos, qlens, clens, tables)
             # each sequence's newest output: its next feature, whose logits give its next token
-            last = out if len(ids) == len(ready) else out[torch.tensor(qlens).cumsum(0) - 1]
+            last = out if len(ids) == len(ready) else out[self._ends(qlens)]
             if all(seq.sampling.greedy for seq in ready):  # argmax rows in one pass and one sync (an
                 drafts = [(t, None) for t in self.head.greedy_tokens(last)]  # EAGLE-3 head: its draft vocabulary only)
             else:
@@ -230,9 +249,25 @@ class EagleProposer:
                 seq.tokens.append(token)
                 seq.dists.append(dist)
 
+    def _forward(self, ids: list[int], feats: list[torch.Tensor], pos: list[int], qlens: list[int],
+                 clens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """The head over pairs (ids [T], feats T × [H], positions [T]) of sequences with ``qlens`` new
+        pairs each, ``clens`` pairs in all: outputs [T, H]. Inputs and metadata built on the head's device."""
+        self.forward_calls += 1
+        if self.graphs is not None and self.graphs.fits(qlens, tables):  # one pair per sequence: replay
+            return self.graphs.run(ids, torch.stack(feats), pos, tables)
+        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size, self.device)
+        out = self.head(torch.tensor(ids, device=self.device), torch.stack(feats),
+                        torch.tensor(pos, device=self.device), meta, self.kv)
+        return out
+
+    def _ends(self, qlens: list[int]) -> torch.Tensor:
+        """The row of each sequence's last pair in a forward's output [B]."""
+        return torch.tensor(qlens, device=self.device).cumsum(0) - 1
+
     def _run_frontier(self, batch: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over every tree's frontier: pairs (node token, its parent's output)."""
-        ids, pos, meta = frontier_batch(batch, self.block_size)
+        ids, pos, meta = frontier_batch(batch, self.block_size, self.device)
         feats = torch.stack([tree.state[tree.parents[n]] for tree in batch for n in tree.front])
         hidden = self.head(ids, feats, pos, meta, self.kv)
         self.forward_calls += 1
@@ -271,10 +306,8 @@ class EagleProposer:
             qlens.append(len(span))
             clens.append(tree.base)
             tables.append(seq.blocks)
-        meta = AttentionMetadata.build(qlens, clens, tables, self.block_size)
-        hidden = self.head(torch.tensor(ids), torch.stack(feats), torch.tensor(pos), meta, self.kv)
-        self.forward_calls += 1
-        ends = torch.tensor(qlens).cumsum(0) - 1
+        hidden = self._forward(ids, feats, pos, qlens, clens, tables)
+        ends = self._ends(qlens)
         for tree, feat, logp in zip(batch, hidden[ends], self.head.logits(hidden[ends]).log_softmax(-1)):
             tree.seq.computed = tree.base
             tree.expand(ROOT, logp, feat)

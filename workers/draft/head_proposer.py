@@ -28,7 +28,7 @@ import torch
 
 from ..speculation.convert import dtype_name
 from ..speculation.payloads import ROOT
-from .proposer import DraftInput, DraftOutput, SamplingSpec, VerifyResult, sample_draft, sequence_for
+from .proposer import DraftInput, DraftOutput, Proposer, SamplingSpec, VerifyResult, sample_draft, sequence_for
 from .spec_heads import SpecHead
 from .tree_search import DraftTree, grow, split_batch
 
@@ -44,7 +44,10 @@ class _Seq:
     broken: bool = False
 
 
-class HeadProposer:
+class HeadProposer(Proposer):
+    """Runs where the head's parameters are, in their dtype: the hidden row, token ids and seeded
+    generators go there."""
+
     def __init__(self, head: SpecHead, target_num_layers: int, max_support: int = 64, tree_topk: int = 1,
                  tree_depth: int = 0):
         if tree_topk < 1 or tree_depth < 0:
@@ -67,7 +70,7 @@ class HeadProposer:
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         for item in batch:
-            seq = sequence_for(self._seqs, item, _Seq)
+            seq = sequence_for(self._seqs, item, _Seq, self.device)
             if item.new_tokens:
                 first = seq.last_token < 0
                 self._commit(seq, item.new_tokens, item.hidden_states, len(item.new_tokens) - first)

@@ -4,3 +4,4 @@ launchers' (``tandem up``, ``tandem ray up``). Plain names only, so a launcher c
 HEAD_METHODS = ("eagle3", "eagle", "medusa", "mlp_speculator")  # heads on the target's hidden states
 METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)  # what a deployment drafts with
 BENCH_METHODS = ("oracle",)  # benchmarks only: replays known outputs
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype of a model-based draft (auto: bf16 on CUDA)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..speculation.payloads import ROOT
-from .proposer import DraftInput, DraftOutput, VerifyResult
+from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 
 MAX_OCCURRENCES = 8  # ends remembered per n-gram, for tree proposals
 
@@ -29,11 +29,10 @@ class _History:
     indexed_to: int = 0  # n-grams ending at positions < indexed_to are in ``index``
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup over each sequence's own tokens."""
 
     method = "ngram"
-    hidden_layers: list[int] = []
 
     def __init__(self, min_n: int = 1, max_n: int = 4, tree_topk: int = 1):
         if not 1 <= min_n <= max_n:

@@ -20,12 +20,12 @@ import random
 import time
 from pathlib import Path
 
-from .proposer import DraftInput, DraftOutput, VerifyResult
+from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     method = "oracle"
-    hidden_layers: list[int] = []
+    drafts_ahead = True
 
     def __init__(self, references: list[list[int]], error_rate: float, vocab_size: int, seed: int = 0,
                  token_cost_s: float = 0.0):

@@ -6,7 +6,7 @@ on top of them. The payloads it takes and returns are :mod:`workers.speculation.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 
@@ -16,23 +16,40 @@ __all__ = ["DraftInput", "DraftOutput", "Proposer", "SamplingSpec", "SparseDist"
            "sample_draft", "sequence_for"]
 
 
-class Proposer(Protocol):
-    """A draft method. Calls for one sequence arrive in order: propose, verified, propose, ..., release."""
+class Proposer:
+    """A draft method. Calls for one sequence arrive in order: propose, verified, propose, ..., release.
 
-    method: str
-    hidden_layers: list[int]  # target layers whose hidden states it needs (empty: none)
+    Every method subclasses this; the class attributes below are its capabilities, with the
+    defaults of a method that has none of them (the service reads them, it never probes)."""
+
+    method: str = ""
+    hidden_layers: Sequence[int] = ()  # target layers whose hidden states it needs (empty: none)
+    hidden_dtype: str = ""  # the wire dtype it wants hidden states in ('': the target's choice)
+    vocab_size: int = 0  # the vocabulary its drafts come from, when it knows it (0: unknown)
+    device: torch.device = torch.device("cpu")  # where its tensors live
+    drafts_ahead: bool = False  # implements :meth:`predraft`
+    distillable: bool = False  # an EAGLE-3 head online distillation can train (:meth:`load_weights`, ``recorder``)
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         """Draft for every sequence of the batch (one output per input, same order)."""
-        ...
+        raise NotImplementedError
 
     def verified(self, results: list[VerifyResult]) -> None:
         """Commit what the target accepted and emitted; roll back the rest."""
-        ...
+        raise NotImplementedError
 
     def release(self, seq_ids: list[str]) -> None:
         """Forget sequences that finished."""
-        ...
+        raise NotImplementedError
+
+    def predraft(self, seq_ids: list[str], num_tokens: int) -> None:
+        """Extend the drafted tails of ``seq_ids`` to ``num_tokens`` tokens ahead of the next request
+        (only where :attr:`drafts_ahead`)."""
+        raise NotImplementedError(f"draft method {self.method!r} does not draft ahead")
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take new weights between proposal batches (only where :attr:`distillable`)."""
+        raise ValueError(f"draft method {self.method!r} takes no new weights")
 
 
 def sample_draft(logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None,
@@ -51,14 +68,15 @@ def sample_draft(logits: torch.Tensor, sampling: SamplingSpec, generator: torch.
     return int(top_ids[choice]), SparseDist(top_ids.tolist(), probs.tolist())
 
 
-def sequence_for(seqs: dict, item: DraftInput, make):
-    """A proposer's state for ``item``'s sequence: ``make()`` on first sight (with a generator seeded
-    from the request's seed, if any, in its ``generator``), its ``sampling`` refreshed from ``item``."""
+def sequence_for(seqs: dict, item: DraftInput, make, device: torch.device | str = "cpu"):
+    """A proposer's state for ``item``'s sequence: ``make()`` on first sight (with a generator on
+    ``device``, where the draft's draws are made, seeded from the request's seed, if any, in its
+    ``generator``), its ``sampling`` refreshed from ``item``."""
     seq = seqs.get(item.seq_id)
     if seq is None:
         seq = seqs[item.seq_id] = make()
         if item.sampling.seed is not None:
-            seq.generator = torch.Generator().manual_seed(item.sampling.seed)
+            seq.generator = torch.Generator(device=device).manual_seed(item.sampling.seed)
     seq.sampling = item.sampling
     return seq
 

@@ -48,7 +48,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True):
         self.proposer = proposer
         # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
-        self.overlap = overlap and hasattr(proposer, "predraft")
+        self.overlap = overlap and proposer.drafts_ahead
         self._ahead: dict[str, int] = {}  # seq id -> γ of its last proposal, to draft ahead for
         self._proposed: dict[str, int] = {}  # seq id -> tokens in its last proposal
         self._full_rate: dict[str, float] = {}  # seq id -> moving average of whole proposals accepted
@@ -192,8 +192,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         draft_id=self.draft_id, method=self.proposer.method,
                         hidden_layers=self.proposer.hidden_layers,
                         max_speculative_tokens=self.max_speculative_tokens,
-                        hidden_dtype=getattr(self.proposer, "hidden_dtype", ""),
-                        vocab_size=getattr(self.proposer, "vocab_size", 0))))
+                        hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size)))
                 elif body == "propose":
                     self.stats.hidden_bytes += sum(len(t.data) for r in msg.propose.requests for t in r.hidden_states)
                     inputs = []

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .proposer import DraftInput, DraftOutput, VerifyResult
+from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 from .suffix_tree import SuffixTree
 from .tree_search import tree_shape
 
@@ -65,11 +65,10 @@ class SuffixConfig:
             raise ValueError(f"need tree_topk >= 1 and tree_depth >= 0, got {self.tree_topk}, {self.tree_depth}")
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding over each request's tokens and a bounded global tree of earlier outputs."""
 
     method = "suffix"
-    hidden_layers: list[int] = []
 
     def __init__(self, config: SuffixConfig = SuffixConfig()):
         self.config = config

@@ -31,6 +31,9 @@ def ports_for(config: StackConfig) -> dict[str, int]:
     ({"draft_method": "suffix", "draft_model": "/h"}, "not --draft-method suffix"),
     ({"draft_method": "none", "drafts": 1}, "--draft-method none"),
     ({"mock": True, "drafts": 1}, "no draft workers"),
+    ({"draft_device": "gpu"}, "--draft-device"),
+    ({"draft_device": "cuda:x"}, "--draft-device"),
+    ({"draft_dtype": "int8"}, "--draft-dtype"),
 ])
 def test_bad_configs_raise_value_error_naming_the_problem(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -117,6 +120,37 @@ def test_head_methods_get_the_head_and_the_target(method):
     assert args[args.index("--draft-method") + 1] == method
     assert args[args.index("--eagle-model") + 1] == "/h" and args[args.index("--target-model") + 1] == "/m/target"
     assert "--draft-model" not in args
+
+
+@pytest.mark.parametrize("method,placed", [("eagle3", True), ("medusa", True), ("draft_model", True),
+                                           ("ngram", False), ("suffix", False)])
+def test_model_based_drafts_are_placed_on_the_device_asked_for(method, placed):
+    """Draft workers get --device/--dtype when they have a model to place (auto: the GPU when one is
+    visible, bfloat16 there)."""
+    head = method not in ("ngram", "suffix")
+    cfg = StackConfig(model="/m/target", draft_method=method, draft_model="/h" if head else None,
+                      draft_device="cuda:1", draft_dtype="float16")
+    draft = next(c for c in plan(cfg, "/m/target", ports_for(cfg)) if c.kind == "draft")
+    args = list(draft.args)
+    if placed:
+        assert args[args.index("--device") + 1] == "cuda:1" and args[args.index("--dtype") + 1] == "float16"
+    else:
+        assert "--device" not in args and "--dtype" not in args
+    default = StackConfig()  # the demo: EAGLE-3
+    draft = next(c for c in plan(default, None, ports_for(default)) if c.kind == "draft")
+    assert draft.args[draft.args.index("--device") + 1] == "auto"
+    cli = stack_config(build_parser().parse_args(["up", "--draft-device", "cpu", "--draft-dtype", "bfloat16"]))
+    assert (cli.draft_device, cli.draft_dtype) == ("cpu", "bfloat16")
+
+
+def test_ray_drafts_take_the_gpu_their_actor_reserves():
+    from deploy.ray_launcher import RayOptions, draft_placement
+
+    options = RayOptions(etcd_url="http://e:2379", nats_url="nats://n:4222")
+    assert draft_placement(StackConfig(), options).draft_device == "cuda"
+    assert draft_placement(StackConfig(draft_device="cpu"), options).draft_device == "cpu"  # asked for
+    no_gpus = RayOptions(etcd_url="http://e:2379", nats_url="nats://n:4222", gpus_per_worker=0)
+    assert draft_placement(StackConfig(), no_gpus).draft_device == "auto"
 
 
 def test_cli_flags_and_defaults():

@@ -76,7 +76,7 @@ class _Trainer:
         for name, p in head.named_parameters():
             p.requires_grad_(not name.startswith(FROZEN))
         self.head, self.embed = head.train(), embed
-        ids = torch.arange(head.d2t.shape[0]) + head.d2t.long()
+        ids = torch.arange(head.d2t.shape[0], device=head.d2t.device) + head.d2t.long()
         self.t2d = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
         self.t2d[ids] = torch.arange(ids.shape[0], device=ids.device)
         self.draft_ids = ids.cpu()

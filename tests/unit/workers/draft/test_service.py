@@ -7,14 +7,14 @@ import asyncio
 import pytest
 
 from workers.draft.service import AHEAD_MIN, DraftService, _Stream
-from workers.draft.proposer import DraftInput, DraftOutput, VerifyResult
+from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 
 pytestmark = pytest.mark.unit
 
 
-class CountingProposer:
+class CountingProposer(Proposer):
     method = "fake"
-    hidden_layers: list[int] = []
+    drafts_ahead = True
 
     def __init__(self):
         self.predrafted: list[str] = []

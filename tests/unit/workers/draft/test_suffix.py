@@ -148,12 +148,13 @@ def test_bad_settings_raise():
 
 
 def test_the_draft_worker_builds_it_from_its_flags():
-    from workers.draft.__main__ import make_proposer, parse_args
+    from workers.draft.__main__ import draft_config, make_proposer, parse_args
 
-    p = make_proposer(parse_args(["--method", "suffix", "--suffix-max-depth", "16", "--suffix-spec-factor", "2",
-                                  "--suffix-max-cached-nodes", "5000", "--speculative-eagle-topk", "3"]))
+    p = make_proposer(draft_config(parse_args(["--method", "suffix", "--suffix-max-depth", "16",
+                                               "--suffix-spec-factor", "2", "--suffix-max-cached-nodes", "5000",
+                                               "--speculative-eagle-topk", "3"])))
     assert isinstance(p, SuffixProposer) and p.method == "suffix"
     cfg = p.config
     assert (cfg.max_depth, cfg.spec_factor, cfg.max_cached_nodes, cfg.tree_topk) == (16, 2.0, 5000, 3)
     with pytest.raises(SystemExit, match="suffix"):
-        make_proposer(parse_args(["--method", "suffix", "--suffix-min-token-prob", "2"]))
+        make_proposer(draft_config(parse_args(["--method", "suffix", "--suffix-min-token-prob", "2"])))

@@ -12,7 +12,7 @@ import pytest
 
 from proto import spec_pb2_grpc
 from runtime.messages import InstanceRecord
-from workers.draft.proposer import DraftInput, DraftOutput
+from workers.draft.proposer import DraftInput, DraftOutput, Proposer
 from workers.draft.service import DraftService
 from workers.speculation.tls import ClientTls, ServerTls
 from workers.target.draft_client import DraftClient
@@ -36,9 +36,8 @@ def make_pki(d: Path) -> dict[str, str]:
                                        "client_cert": "client.pem", "client_key": "client.key"}.items()}
 
 
-class EchoProposer:
+class EchoProposer(Proposer):
     method = "echo"
-    hidden_layers: list[int] = []
 
     def propose(self, batch):
         return [DraftOutput(d.seq_id, d.round, [42]) for d in batch]

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.unit.workers.draft.loopback import draft_on_loopback
-from workers.draft.proposer import DraftInput, DraftOutput, VerifyResult
+from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 from workers.draft.service import DraftService
 from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.unit
 
 
-class RecordingProposer:
+class RecordingProposer(Proposer):
     method = "recording"
     hidden_layers = [1, 2]
     hidden_dtype = "bfloat16"
