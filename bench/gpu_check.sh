@@ -4,10 +4,10 @@
 # then runs, each part under its own time cap so that one hang does not lose the rest:
 #
 #   tests   the GPU tests and the engine / kernel / sampler unit tests, compiled on CUDA
-#   bench   bench/gpu_bench.py: an 8B-shaped random target, decode and verify, sync and async
 #   served  bench/served_bench.py: the demo stack (tandem up: target and EAGLE-3 draft worker, both
 #           on the GPU) through the frontend on hand-written chat: the default, forced EAGLE-3 and
 #           forced n-gram speculation, each against plain decoding, outputs compared
+#   bench   bench/gpu_bench.py: an 8B-shaped random target, decode and verify, sync and async
 #   sweep   bench/load_sweep.py at 1 and 16 in flight: off, default, adaptive
 #   oracle  bench/spec_pipeline_bench.py --gpu (when it exists): an 8B-shaped target with the oracle
 #           draft at acceptance 0.8 served through the stack, against its ideal
@@ -22,6 +22,8 @@
 #   --dry-run     on any machine, CUDA or not, inside 3 minutes: every part starts; the parts that
 #                 need a GPU skip with the reason; the served stack runs one short request on the CPU
 #   --cap-scale X multiply every part's time cap (default 1)
+#   --budget S    the whole check's seconds (default 480): a part's cap is cut to what is left, and a
+#                 part that would start with under 30 s left is skipped, so the summary always comes
 # Exit status: 0 when every part that ran passed (skipped parts do not fail the check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,12 +32,14 @@ DRY=0
 PARTS_DIR=""
 ONLY="tests,bench,served,sweep,oracle"
 CAP_SCALE=1
+BUDGET=480
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
         --parts) PARTS_DIR=$2; shift ;;
         --only) ONLY=$2; shift ;;
         --cap-scale) CAP_SCALE=$2; shift ;;
+        --budget) BUDGET=$2; shift ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -68,7 +72,10 @@ row() { printf '| %s | %s | %s | %s |\n' "$1" "$2" "$3" "$4" >>"$SUMMARY"; }
 run() {
     local part=$1 limit=$2 figures=$3
     shift 4
-    local log="$OUT/$part.log" t0 status rc
+    local log="$OUT/$part.log" t0 status rc left
+    left=$((STARTED + BUDGET - $(date +%s)))
+    if [ "$left" -lt 30 ]; then skip "$part" "out of time (--budget ${BUDGET}s)"; FAILED=1; return; fi
+    [ "$limit" -le "$left" ] || limit=$left
     t0=$(date +%s)
     echo "=== $part (cap ${limit}s): $*" | tee "$log"
     timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1 &
@@ -106,24 +113,14 @@ if wanted tests; then
         run tests "$(cap 90)" fig_tests -- "$PY" -m pytest -p no:cacheprovider -q --collect-only "${TEST_PATHS[@]}"
     elif cuda; then
         xdist=()
-        "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 4)
+        "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
         # the SmolLM2 tests need the demo package; without it they are deselected (said in the log)
         select=()
         has_demo || { select=(-k "not smollm2"); echo "demo package absent: smollm2 tests deselected" >>"$OUT/tests.log"; }
-        run tests "$(cap 240)" fig_tests -- "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout 120 \
+        run tests "$(cap 200)" fig_tests -- "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout 120 \
             "${xdist[@]}" "${select[@]}" "${TEST_PATHS[@]}"
     else
         skip tests "no CUDA device"
-    fi
-fi
-
-if wanted bench; then
-    if cuda && [ $DRY = 0 ]; then
-        run bench "$(cap 240)" fig_bench -- "$PY" bench/gpu_bench.py --no-hf-static --async-scheduling \
-            --batches 1,16,64 --out "$OUT"
-    else
-        run bench-args 20 fig_none -- "$PY" bench/gpu_bench.py --help
-        skip bench "$(why)"
     fi
 fi
 
@@ -143,6 +140,16 @@ if wanted served; then
             "--spec-args=--draft-method ngram --no-load-aware-speculation" --json "$OUT/served-ngram.json"
     else
         skip served "no CUDA device"
+    fi
+fi
+
+if wanted bench; then
+    if cuda && [ $DRY = 0 ]; then
+        run bench "$(cap 180)" fig_bench -- "$PY" bench/gpu_bench.py --no-hf-static --async-scheduling \
+            --batches 1,16,64 --out "$OUT"
+    else
+        run bench-args 20 fig_none -- "$PY" bench/gpu_bench.py --help
+        skip bench "$(why)"
     fi
 fi
 
