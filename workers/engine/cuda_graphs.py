@@ -13,6 +13,11 @@ rows' block tables point only at it, so padding never touches a real sequence's 
 outputs are computed and dropped. Real tokens attend only to keys up to their own position in
 their own blocks, so what padding computes cannot reach them.
 
+Query lengths. The engine captures every verify length 2 … γ+1 (chains) beside decode (1): adaptive
+γ and load-aware budgets produce them all, and padding a q-token verify to the γ+1 graph cost 1.4-1.8×
+the exact graph's replay at batch 64 on an H200 (1.02× at batch 1; ``bench/gpu_bench.py``'s padding
+table). Tree verify graphs exist at γ+1 only, and smaller trees pad to it.
+
 Only uniform steps are graphed: every sequence wants logits for all of its new tokens (decode:
 1 of 1; verify: q_b of q_b). Prefill chunks and mixed batches run eagerly. Graphs share one
 memory pool, captured largest first; outputs are copied out before the next replay.
@@ -141,7 +146,7 @@ class GraphRunner:
         started = time.perf_counter()
         hidden = tuple(sorted(set(self.config.hidden_layers)))
         for q in reversed(self.query_lens):
-            for tree in ((False, True) if self.config.trees and q > 1 else (False,)):
+            for tree in ((False, True) if self.config.trees and q == self.query_lens[-1] > 1 else (False,)):
                 for bucket in reversed(self.buckets):
                     self._graph(bucket, q, hidden, tree)
         if self.config.capture:
@@ -212,7 +217,11 @@ class GraphRunner:
             if want != len(tokens):  # a prefill chunk, or one that wants only some rows
                 return None
             longest = max(longest, want)
+        # chains: the smallest captured length that holds the batch; trees: the longest (their graphs
+        # carry mask buffers, captured at one length only)
         q = next((x for x in self.query_lens if x >= longest), None)
+        if tree and q is not None:
+            q = self.query_lens[-1]
         if q is None or (tree and q == 1):
             return None
         bucket = next(b for b in self.buckets if b >= len(chunks))

@@ -67,6 +67,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # on CUDA with Triton kernels: decode/verify steps replay captured graphs
     cuda_graph_max_batch: int | None = None  # largest graphed batch (None: max_num_seqs)
+    # graphs for every verify length 2..γ+1 (False: γ+1 only, shorter verifies padded to it)
+    cuda_graph_every_length: bool = True
     # launch step N+1 from step N's tokens on the device; N's host bookkeeping runs one step behind
     async_scheduling: bool = False
 
@@ -160,7 +162,8 @@ class Engine:
         if not (cfg.cuda_graphs and next(model.parameters()).is_cuda and model.static_capable):
             return None
         gamma = self.spec.num_speculative_tokens
-        return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, (1, gamma + 1) if gamma else (1,),
+        lens = tuple(range(1, gamma + 2)) if cfg.cuda_graph_every_length else (1, gamma + 1)
+        return GraphConfig(cfg.cuda_graph_max_batch or cfg.max_num_seqs, lens if gamma else (1,),
                            tuple(sorted(set(self.hidden_layers))), trees=gamma > 1)
 
     # ------------------------------------------------------------------ requests

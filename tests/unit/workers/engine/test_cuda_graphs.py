@@ -130,6 +130,20 @@ def test_non_uniform_batches_run_eagerly(model_dir):
     assert shape([([1, 2, 3], 4, [0, 1])], [3], (), [[-1, -1]]) is None  # a tree, and no tree graphs configured
 
 
+def test_chains_replay_the_exact_length_and_trees_the_longest(model_dir):
+    """With every length captured (the engine's default), a q-token chain verify uses the q graph, not
+    one padded to γ+1 (1.4-1.8x the cost at batch 64 on an H200); a tree uses the γ+1 tree graph."""
+    model = load_model(model_dir, device=DEVICE)
+    runner = ModelRunner(model, 32, 4, GraphConfig(2, (1, 2, 3, 4), capture=False, trees=True), max_model_len=64)
+    shape = runner.graphs.shape_for
+    assert shape([([1, 2], 4, [0, 1])], [2], ()) == (1, 2, (), False)
+    assert shape([([1, 2, 3], 4, [0, 1]), ([1], 4, [2, 3])], [3, 1], ()) == (2, 3, (), False)
+    assert shape([([1, 2], 4, [0, 1])], [2], (), [[-1]]) == (1, 4, (), True)
+    runner.graphs.capture_all()
+    assert {(q, tree) for (_, q, _, tree) in runner.graphs.graphs} == {(1, False), (2, False), (3, False), (4, False),
+                                                                        (4, True)}
+
+
 class _GraphedEngine(Engine):
     """Graphs on any device (captured only on CUDA): decode and verify of up to γ drafts."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_tandem_cpu_linear_torch_turns_it_off():
     code = "from workers.engine import layers; print(layers._ONEDNN)"
     # importable from any working directory, the project installed or not
     env_off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
-                             env=importable_env({"TANDEM_CPU_LINEAR": "torch", "PATH": ""})).stdout.strip()
+                             env=importable_env({**os.environ, "TANDEM_CPU_LINEAR": "torch"})).stdout.strip()
     assert env_off == "False"
 
 
