@@ -84,7 +84,8 @@ def test_malformed_bodies_are_400(http, raw):
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"min_tokens": 10}, "min_tokens"),
-        ({"whatever": True}, "whatever"),
+        ({"prompt_logprobs": 2}, "prompt_logprobs"),
+        ({"prompt": "x"}, "prompt"),
     ],
 )
 def test_chat_field_errors_name_the_field(http, patch, param):
