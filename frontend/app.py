@@ -397,11 +397,12 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     async def tokenizing(request: Request, handler) -> Response:
         try:
-            body = await asyncio.wait_for(read_body(request, frontend.config.max_body_bytes),
-                                          frontend.config.body_timeout_s)
+            try:
+                body = await asyncio.wait_for(read_body(request, frontend.config.max_body_bytes),
+                                              frontend.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise BodyTimeout(frontend.config.body_timeout_s) from None
             return Response(encode_json(await handler(body)), media_type=JSON)
-        except asyncio.TimeoutError:
-            err = to_http(BodyTimeout(frontend.config.body_timeout_s))
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as exc:

@@ -40,13 +40,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class _Open(BaseModel):
+class Lenient(BaseModel):
     """Strict about the fields it declares; keeps unknown ones aside (``model_extra``), see :func:`unknown_fields`."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Open):
+class StreamOptions(Lenient):
     include_usage: bool = False
     # vLLM's extension (GuideLLM sends it): with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
@@ -74,7 +74,7 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
-class ChatMessage(_Open):
+class ChatMessage(Lenient):
     """One chat message. Content is a string or a list of ``{"type": "text", "text": ...}`` parts;
     an assistant turn may carry ``tool_calls``, a ``tool`` message answers one (``tool_call_id``)."""
 
@@ -125,7 +125,7 @@ class NamedToolChoice(_Strict):
     function: ToolChoiceFunction
 
 
-class _Sampling(_Open):
+class _Sampling(Lenient):
     """Parameters shared by chat and text completions."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -422,7 +422,7 @@ def unknown_fields(req: BaseModel) -> list[str]:
     for i, msg in enumerate(getattr(req, "messages", None) or ()):
         out += [f"messages[{i}].{name}" for name in msg.model_extra or ()]
     options = getattr(req, "stream_options", None)
-    if options is not None:
+    if isinstance(options, BaseModel):
         out += [f"stream_options.{name}" for name in options.model_extra or ()]
     return out
 

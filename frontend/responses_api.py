@@ -25,14 +25,15 @@ from pydantic import Field
 from runtime import InvalidRequest
 
 from .output import ChoiceOutput, Piece
-from .protocol import MAX_MESSAGES, MAX_TOKENS_LIMIT, ChatCompletionRequest, _Open, check_supported, parse, unknown_fields
+from .protocol import (MAX_MESSAGES, MAX_TOKENS_LIMIT, ChatCompletionRequest, Lenient, check_supported, parse,
+                       unknown_fields)
 from .responses import encode_json, new_id, usage
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(Lenient):
     """The fields of OpenAI's ``responses.create`` this server knows (unknown ones: see :mod:`.protocol`)."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -182,7 +183,8 @@ class ResponsesBuilder:
     @staticmethod
     def _usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> dict:
         u = usage(prompt_tokens, choices)
-        out = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+        details = {**u["prompt_tokens_details"], "cache_write_tokens": 0}
+        out = {"input_tokens": u["prompt_tokens"], "input_tokens_details": details,
                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                "total_tokens": u["total_tokens"]}
         if "spec_decode" in u:

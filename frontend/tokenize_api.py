@@ -18,14 +18,14 @@ from pydantic import Field
 from runtime import InvalidRequest
 
 from .models import ModelRegistry, ServedModel
-from .protocol import (MAX_INT64, MAX_MESSAGES, RESERVED_TEMPLATE_KWARGS, ChatMessage, ToolDefinition, _Open,
+from .protocol import (MAX_INT64, MAX_MESSAGES, RESERVED_TEMPLATE_KWARGS, ChatMessage, Lenient, ToolDefinition,
                        check_messages, message_dicts, parse)
 from .tokenizer import Tokenizer
 
 INLINE_CHARS = 16_384  # longer texts are tokenized in a thread
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(Lenient):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: ``prompt`` or ``messages``."""
 
     model: str | None = Field(None, min_length=1, max_length=256)
@@ -39,7 +39,7 @@ class TokenizeRequest(_Open):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(_Open):
+class DetokenizeRequest(Lenient):
     model: str | None = Field(None, min_length=1, max_length=256)
     tokens: list[int]
 
