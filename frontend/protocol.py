@@ -226,7 +226,8 @@ _COMPLETION_ONLY = ("prompt", "suffix", "best_of")
 # what a chat template is called with already: chat_template_kwargs may not set these
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
                                       "add_generation_prompt", "continue_final_message", "return_dict",
-                                      "return_tensors", "tokenizer_kwargs"})
+                                      "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask", "padding",
+                                      "truncation", "max_length"})
 
 
 _MAPS = frozenset({"logit_bias"})  # object parameters whose keys are data (token ids), not field names

@@ -126,12 +126,15 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
         try:
-            return self._hf.apply_chat_template(
+            text = self._hf.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools or None, **(template_kwargs or {}),
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in the template
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+        if not isinstance(text, str):  # a template variable that changed what the call returns
+            raise InvalidRequest("chat_template_kwargs changed what the chat template returns", "chat_template_kwargs")
+        return text
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from frontend.responses import chat_logprobs
 from frontend.output import LogprobEntry
 from frontend.tokenizer import Tokenizer
+from runtime import InvalidRequest
 from workers.demo_model import demo_tokenizer_dir
 
 pytestmark = pytest.mark.unit
@@ -57,3 +60,18 @@ def test_chat_template_options_reach_the_template(tok):
                            continue_final_message=True)
     assert cont.endswith("<|im_start|>assistant\nOnce upon")  # no <|im_end|>: the model goes on from here
     assert tok.encode_chat(msgs, add_special_tokens=True) == tok.encode(tok.render_chat(msgs), add_special_tokens=True)
+
+
+NAMES = ["tokenize", "return_dict", "messages", "conversation", "tools", "padding", "truncation", "max_length",
+         "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "enable_thinking"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=6),
+                       st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4), max_size=4))
+def test_any_template_kwargs_render_text_or_raise_invalid_request(tok, kwargs):
+    """Even the names protocol.py refuses up front: text or a 400, never another exception."""
+    try:
+        assert isinstance(tok.render_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs), str)
+    except InvalidRequest as exc:
+        assert exc.field in ("messages", "chat_template_kwargs")
