@@ -420,9 +420,10 @@ def unknown_fields(req: BaseModel) -> list[str]:
     """The fields of ``req`` that no schema here declares: at the top level, in chat messages
     (``messages[2].refusal``) and in ``stream_options``."""
     out = [name for name in req.model_extra or ()]
-    for i, msg in enumerate(getattr(req, "messages", None) or ()):
-        out += [f"messages[{i}].{name}" for name in msg.model_extra or ()]
-    options = getattr(req, "stream_options", None)
+    if "messages" in type(req).model_fields:  # (not an unknown field of that name)
+        for i, msg in enumerate(req.messages or ()):
+            out += [f"messages[{i}].{name}" for name in msg.model_extra or ()]
+    options = req.stream_options if "stream_options" in type(req).model_fields else None
     if isinstance(options, BaseModel):
         out += [f"stream_options.{name}" for name in options.model_extra or ()]
     return out

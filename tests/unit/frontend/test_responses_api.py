@@ -71,6 +71,11 @@ def test_neutral_values_and_unknown_fields_pass():
                     reasoning={"effort": None}, truncation="disabled", include=[], background=False,
                     stream_options={"include_obfuscation": False}, service_tier="auto")
     assert req.model_extra == {"service_tier": "auto"}
+    from frontend.protocol import unknown_fields
+
+    # a field named like a chat request's is unknown here, whatever it holds (was a 500)
+    req, _ = parsed(input="x", messages=[None], stream_options={"include_usage": 3})
+    assert unknown_fields(req) == ["messages"]
 
 
 def finished_output(text_ids=(1, 2, 3), finish="length") -> ChoiceOutput:
