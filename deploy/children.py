@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from runtime.config import importable_env
+
 log = logging.getLogger(__name__)
 
 _write_lock = threading.Lock()
@@ -48,9 +50,11 @@ class Child:
         self.expected_exit = False  # set when the launcher itself stops it
 
     def start(self) -> Child:
+        # deploy.pdeathsig (and any python -m child) must import from wherever this process did
+        env = importable_env(os.environ if self.env is None else self.env)
         self.proc = subprocess.Popen(
             die_with_parent(self.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.env, cwd=self.cwd, start_new_session=True,
+            env=env, cwd=self.cwd, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
         self._reader.start()

@@ -1,8 +1,9 @@
 """``tandem up``: the whole stack on 127.0.0.1 as child processes of one command.
 
 Start order: etcd, nats-server (unless external URLs are given), the standalone router (if asked),
-draft workers, target workers, the frontend. Each child runs in its own process group and its
-output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200
+draft workers, target workers, the frontend. Each child runs in its own process group, in the
+launcher's working directory with this checkout first on ``PYTHONPATH`` (so a plain checkout, not
+installed, starts them too), and its output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200
 and lists a model (readiness alone says only that the frontend takes traffic),
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
@@ -38,8 +39,6 @@ from planner.messages import PoolReplicas, ScaleReply, ScaleRequest
 from runtime.config import RuntimeConfig, child_env, redact_url
 
 log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class LaunchError(RuntimeError):
@@ -88,7 +87,8 @@ def serves_a_model(url: str, timeout: float = 2.0) -> bool:
 def resolve_demo_model() -> str:
     """The bundled demo model's directory, via ``python -m workers.demo_model`` (converts once)."""
     log.info("preparing the bundled demo model (the first run converts it, about 20 s)")
-    out = subprocess.run([sys.executable, "-m", "workers.demo_model"], capture_output=True, text=True, cwd=REPO_ROOT)
+    out = subprocess.run([sys.executable, "-m", "workers.demo_model"], capture_output=True, text=True,
+                         env=child_env())
     if out.returncode != 0:
         raise LaunchError(f"python -m workers.demo_model failed:\n{out.stderr[-2000:]}")
     return out.stdout.strip().splitlines()[-1]
@@ -164,7 +164,7 @@ class Launcher:
                 raise LaunchError(str(exc)) from None
         for comp in self._components:
             self._check_stop()
-            self._children[comp.name] = Child(comp.name, comp.argv(), env=env, cwd=str(REPO_ROOT)).start()
+            self._children[comp.name] = Child(comp.name, comp.argv(), env=env).start()
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
         self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
@@ -342,7 +342,7 @@ class Launcher:
         taken = [int(c.name.rsplit("-", 1)[1]) for c in self._components if c.kind == kind]
         comp = worker_component(self.config, self._model_path, kind, max(taken, default=-1) + 1, free_port())
         self._components.append(comp)
-        child = self._children[comp.name] = Child(comp.name, comp.argv(), env=self._child_env, cwd=str(REPO_ROOT))
+        child = self._children[comp.name] = Child(comp.name, comp.argv(), env=self._child_env)
         return child.start()
 
 

@@ -84,8 +84,10 @@ class ComponentActor:
         import subprocess
         import sys
 
+        from runtime.config import child_env
+
         argv = [sys.executable, "-m", "workers.demo_model", *(["--tokenizer-only"] if tokenizer_only else [])]
-        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+        out = subprocess.run(argv, capture_output=True, text=True, check=False, env=child_env())
         if out.returncode != 0:
             raise RuntimeError(f"python -m workers.demo_model failed on this node:\n{out.stderr[-2000:]}")
         return out.stdout.strip().splitlines()[-1]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from runtime import InvalidRequest
+from runtime.grammar_tokenizer import grammar_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +108,13 @@ class Tokenizer:
     def grammar_info(self):
         """llguidance's tokenizer info, as the workers build it (``tokenizer.json``, vocabulary, EOS),
         to check that grammars can be followed (:func:`frontend.structured.probe`); None when there is
-        no ``tokenizer.json`` or EOS id. Blocking the first time (a fraction of a second)."""
+        no ``tokenizer.json`` or EOS id. Blocking the first time (a fraction of a second); raises
+        :class:`~runtime.grammar_tokenizer.TokenizerMismatch` for a tokenizer llguidance misreads."""
         if self._grammar_info is None:
             path = Path(self.path) / "tokenizer.json" if self.path else None
             if path is None or not path.exists() or not self.eos_token_ids:
                 return None
-            from llguidance import LLTokenizer
-
-            self._grammar_info = LLTokenizer(str(path), n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
+            self._grammar_info = grammar_tokenizer(path, self.vocab_size, self.eos_token_ids)
         return self._grammar_info
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,

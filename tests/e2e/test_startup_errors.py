@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.config import importable_env
 from tests.support.servers import EtcdServer, NatsServer, env_for, free_port
 from tests.unit.workers.target.test_draft_tls import make_pki
 
@@ -22,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start(module: str, *args: str, env: dict) -> tuple[int, list[str], float]:
     began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, check=False)
+    done = subprocess.run([sys.executable, "-m", module, *args], env=importable_env(env), capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, check=False)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     return done.returncode, lines, time.monotonic() - began
 
@@ -108,3 +109,30 @@ def test_a_server_that_may_still_come_is_waited_for(env):
                                  env={**env, "TANDEM_NATS": "nats://10.255.255.1:4222"})  # unroutable: no answer
     assert code == 1 and len(lines) == 1 and "cannot reach NATS" in lines[0] and "gave up after 2s" in lines[0], lines
     assert 1.5 < seconds < 15
+
+
+def test_a_tokenizer_the_grammar_engine_misreads_stops_a_target(env, tmp_path):
+    """Structured outputs on such a tokenizer would refuse valid text: the worker says so at start."""
+    import json
+
+    from tests.support.tokenizer_files import converted_as
+    from tests.unit.workers.engine.helpers import tiny_hf_model
+    from workers.demo_model import demo_tokenizer_dir
+
+    try:
+        canonical = demo_tokenizer_dir()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2's tokenizer is not installed")
+    model = tmp_path / "model"
+    tiny_hf_model("llama", model, vocab=49152, layers=1)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    tokenizer = json.loads((converted_as(canonical, "5.17.0", tmp_path / "tok") / "tokenizer.json").read_text())
+    # a decoder step the grammar side does not know: llguidance reads the byte-level pieces as text
+    tokenizer["decoder"]["decoders"].append({"type": "Strip", "content": " ", "start": 0, "stop": 0})
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    code, lines, _ = start("workers.target", "--model", str(model), "--device", "cpu", env=env)
+    # after the model loads (its progress logged at INFO): one line that names the file
+    assert code != 0 and not any("Traceback" in line for line in lines), "\n".join(lines)
+    assert "grammar engine (llguidance) reads the tokens of" in lines[-1], "\n".join(lines)
+    assert str(model / "tokenizer.json") in lines[-1]

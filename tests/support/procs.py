@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime.config import importable_env
+
 
 class ManagedProcess:
     """``python -m module args...`` with its output captured to a log file."""
@@ -31,7 +33,7 @@ class ManagedProcess:
             [sys.executable, "-m", self.module, *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            env=importable_env(self.env),  # the project need not be installed
             cwd=root,
             start_new_session=True,
         )

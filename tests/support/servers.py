@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -10,6 +9,7 @@ from pathlib import Path
 
 # One lookup for binaries and ports, shared with the launcher (tests may import deploy/).
 from deploy.binaries import find_binary, free_port, wait_port
+from runtime.config import child_env
 
 __all__ = ["EtcdServer", "NatsServer", "env_for", "find_binary", "free_port", "start_servers", "wait_port"]
 
@@ -118,7 +118,6 @@ def start_servers() -> tuple[EtcdServer, NatsServer]:
 
 
 def env_for(etcd: EtcdServer, nats_: NatsServer, namespace: str) -> dict[str, str]:
-    """Environment for a child process that should join this etcd / NATS / namespace."""
-    env = dict(os.environ)
-    env.update(TANDEM_ETCD=etcd.url, TANDEM_NATS=nats_.url, TANDEM_NAMESPACE=namespace, PYTHONUNBUFFERED="1")
-    return env
+    """Environment for a child process that should join this etcd / NATS / namespace (and import this
+    checkout, installed or not)."""
+    return child_env(TANDEM_ETCD=etcd.url, TANDEM_NATS=nats_.url, TANDEM_NAMESPACE=namespace, PYTHONUNBUFFERED="1")

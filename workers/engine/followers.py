@@ -43,10 +43,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import BinaryIO, Union
 
 import msgspec
+
+from runtime.config import child_env
 
 from .parallel import TensorParallel, TensorParallelFailed
 
@@ -159,9 +160,7 @@ class Followers:
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
         procs = []
-        # the followers import this package from where rank 0 did, whatever their working directory
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        env = child_env()  # the followers import this package from where rank 0 did, whatever their cwd
         for rank in range(1, size):
             cmd = [sys.executable, "-m", "workers.engine.followers", "--rank", str(rank), "--size", str(size),
                    "--port", str(store.port), "--backend", backend, "--timeout", str(timeout)]

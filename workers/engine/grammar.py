@@ -2,10 +2,10 @@
 
 The grammar engine is llguidance (github.com/guidance-ai/llguidance: Rust, no Python dependencies,
 a token-mask API and JSON Schema, regex and Lark front ends). A :class:`GrammarBackend` per worker
-holds the tokenizer info, built from the model directory's ``tokenizer.json`` on the first
-constrained request (about 0.3 s for a 49k vocabulary; requests without a grammar never pay it),
-and a small cache of compiled grammars: every request gets its own :class:`Grammar`, a copy of the
-cached matcher.
+holds the tokenizer info, built from the model directory's ``tokenizer.json`` and checked against
+the detokenizer (:mod:`runtime.grammar_tokenizer`; about 0.3 s for a 49k vocabulary, paid once at
+the worker's start, so that a tokenizer llguidance misreads stops the start), and a small cache
+of compiled grammars: every request gets its own :class:`Grammar`, a copy of the cached matcher.
 
 Masks are bitmasks, int32 [rows, ceil(V / 32)]: bit j of word w allows token 32·w + j
 (llguidance's layout; :func:`~.sampling.apply_token_bitmask` turns a mask into -inf logits).
@@ -31,6 +31,7 @@ import torch
 
 from runtime import structured
 from runtime.errors import InvalidRequest
+from runtime.grammar_tokenizer import grammar_tokenizer
 from runtime.messages import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,12 @@ class GrammarBackend:
         return cls(str(path), vocab_size, eos_token_ids)
 
     def tokenizer(self):
-        """llguidance's tokenizer info (built once, on first use)."""
+        """llguidance's tokenizer info (built once, on first use; the worker builds it at start-up).
+        Raises :class:`~runtime.grammar_tokenizer.TokenizerMismatch` when llguidance would read the
+        tokens otherwise than the detokenizer."""
         with self._lock:
             if self._tokenizer is None:
-                from llguidance import LLTokenizer
-
-                self._tokenizer = LLTokenizer(self.tokenizer_file, n_vocab=self.vocab_size,
-                                              eos_token=self.eos_token_ids)
+                self._tokenizer = grammar_tokenizer(self.tokenizer_file, self.vocab_size, self.eos_token_ids)
                 log.info("grammar tokenizer info built from %s", self.tokenizer_file)
             return self._tokenizer
 

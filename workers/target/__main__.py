@@ -239,6 +239,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     import torch
 
     from runtime.errors import StartupError
+    from runtime.grammar_tokenizer import TokenizerMismatch
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.grammar import GrammarBackend
     from workers.engine.weights import load_model
@@ -289,6 +290,13 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
                                                    engine.vocab_size, sorted(engine.eos_token_ids))
+    if engine.grammars is not None:
+        try:  # now, not on the first constrained request: a tokenizer llguidance misreads stops the start
+            engine.grammars.tokenizer()
+        except TokenizerMismatch as exc:
+            if followers is not None:
+                followers.close()
+            raise StartupError(str(exc)) from None
     return engine
 
 

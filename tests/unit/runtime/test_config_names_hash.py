@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from runtime.config import RuntimeConfig, add_runtime_args, config_from_args, redact_url
+from runtime.config import SOURCE_ROOT, RuntimeConfig, add_runtime_args, config_from_args, importable_env, redact_url
 from runtime.kv_hash import block_hash, block_hashes
 from runtime.names import check_token, instance_key, model_key
 
@@ -64,6 +64,15 @@ def test_etcd_security_from_flags_env_and_url(monkeypatch, tmp_path):
         RuntimeConfig(etcd_user="root")
     with pytest.raises(ValueError, match="does not exist"):
         RuntimeConfig(etcd_tls_ca=str(tmp_path / "missing.pem"))
+
+
+def test_a_child_environment_imports_this_checkout_first():
+    root = str(SOURCE_ROOT)
+    assert (SOURCE_ROOT / "runtime" / "config.py").exists()
+    assert importable_env({"A": "1"}) == {"A": "1", "PYTHONPATH": root}
+    assert importable_env({"PYTHONPATH": "/x:/y"})["PYTHONPATH"] == f"{root}:/x:/y"  # theirs kept, after it
+    once = importable_env({"PYTHONPATH": "/x"})
+    assert importable_env(once) == once  # not added twice (a Child of a child)
 
 
 def test_names():

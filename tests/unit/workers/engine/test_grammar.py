@@ -10,6 +10,7 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.messages import StructuredOutput
+from tests.support.tokenizer_files import VERSIONS, converted_as
 from workers.demo_model import demo_tokenizer_dir
 from workers.engine.grammar import GrammarBackend
 from workers.engine.sampling import apply_token_bitmask
@@ -22,12 +23,17 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def tokenizer_file() -> str:
+@pytest.fixture(scope="module", params=["canonical", *VERSIONS])
+def tokenizer_file(request, tmp_path_factory) -> str:
+    """The demo tokenizer as this checkout writes it, and as each recorded transformers version's GGUF
+    conversion wrote it (4.57 and 5.17: a Sequence decoder llguidance misread as literal text)."""
     try:
-        return str(demo_tokenizer_dir() / "tokenizer.json")
+        canonical = demo_tokenizer_dir()
     except FileNotFoundError:  # a machine without the demo model's package (the GPU check)
         pytest.skip("SmolLM2's tokenizer is not installed")
+    if request.param == "canonical":
+        return str(canonical / "tokenizer.json")
+    return str(converted_as(canonical, request.param, tmp_path_factory.mktemp("tok")) / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +43,13 @@ def backend(tokenizer_file) -> GrammarBackend:
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_file):
+    """Encodes text into the tokens a model would write: without the BOS that the 4.57 conversion's
+    post-processor adds."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(tokenizer_file)
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    tokenizer.post_processor = None
+    return tokenizer
 
 
 def allowed(row: torch.Tensor) -> set[int]:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.config import importable_env
 from workers.engine import layers
 from workers.engine.layers import Linear
 
 pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[4]
 
 needs_onednn = pytest.mark.skipif(not layers._ONEDNN, reason="this torch build has no oneDNN linear")
 
@@ -62,8 +66,9 @@ def test_small_weights_and_other_dtypes_use_the_default_path():
 
 def test_tandem_cpu_linear_torch_turns_it_off():
     code = "from workers.engine import layers; print(layers._ONEDNN)"
-    env_off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={"TANDEM_CPU_LINEAR": "torch", "PATH": ""}).stdout.strip()
+    # importable from any working directory, the project installed or not
+    env_off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                             env=importable_env({"TANDEM_CPU_LINEAR": "torch", "PATH": ""})).stdout.strip()
     assert env_off == "False"
 
 
