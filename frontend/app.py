@@ -1,9 +1,11 @@
 """The HTTP routes of the frontend and the object that wires them to the runtime.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``GET /v1/models``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``,
 ``GET /health`` (readiness: 200 while this frontend takes traffic, listing the models live target
-workers serve; with none, requests get a 503 and Retry-After), ``GET /live``, ``GET /metrics``,
-and FastAPI's ``/openapi.json`` and ``/docs``. Request bodies are read by hand, so that the size
+workers serve; with none, requests get a 503 and Retry-After), ``GET|POST /ping`` (SageMaker's
+health check: 200 only while a model is served too), ``GET /live``, ``GET /metrics``, and FastAPI's
+``/openapi.json`` and ``/docs``. Request bodies are read by hand, so that the size
 limit (413) applies before parsing and parsing errors keep OpenAI's error format.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import logging
 import re
 import time
@@ -33,17 +37,38 @@ from .dispatch import Dispatcher
 from .errors import BodyTimeout, BodyTooLarge, install, to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
-from .protocol import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components, parse_request
+from .protocol import (ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components, parse_request,
+                       unknown_fields)
 from .responses import encode_json
+from .responses_api import ResponsesBuilder, ResponsesRequest, parse_responses, renamed
 from .server import TRANSPORT
 from .serving import CompletionService, close_all
 from .streaming import ClientDisconnected, until_disconnect
+from .tokenize_api import DetokenizeRequest, TokenizeRequest, TokenizeService
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are validated in a thread, off the event loop
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+try:
+    VERSION = importlib.metadata.version("tandem")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0.1.0"
+
+
+def _parse_completion(kind: type, body: bytes, strict: bool = False) -> tuple:
+    req = parse_request(kind, body, strict)
+    return req, req
+
+
+# endpoint -> body parser: (the request as sent, the chat or text completion request that serves it),
+# or InvalidRequest naming the field
+_PARSERS = {
+    "chat": functools.partial(_parse_completion, ChatCompletionRequest),
+    "completions": functools.partial(_parse_completion, CompletionRequest),
+    "responses": parse_responses,
+}
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -181,12 +206,14 @@ class Frontend:
             prefill.on_decision = lambda where, why: self.metrics.prefills.labels(where, why).inc()
         self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
+        self.tokenizing = TokenizeService(registry, self.served_models, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
         self.ready: Callable[[], bool] = lambda: True  # the runtime's readiness (connected, not draining)
         self.app = ApiKeyAuth(FastPath(self.fastapi, {
-            "/v1/chat/completions": lambda request: self.complete(request, chat=True),
-            "/v1/completions": lambda request: self.complete(request, chat=False),
+            "/v1/chat/completions": lambda request: self.complete(request, "chat"),
+            "/v1/completions": lambda request: self.complete(request, "completions"),
+            "/v1/responses": lambda request: self.complete(request, "responses"),
         }), config.api_keys, config.metrics_require_key)
 
     @classmethod
@@ -218,14 +245,15 @@ class Frontend:
         served = {r.model for r in self.client.instances()}
         return [m.name for m in self.registry.list() if m.name in served]
 
-    async def complete(self, request: Request, chat: bool) -> Response:
-        """Serve one chat or text completion request, streaming or not."""
+    async def complete(self, request: Request, endpoint: str) -> Response:
+        """Serve one chat completion (``endpoint`` "chat"), text completion ("completions") or
+        Responses API ("responses") request, streaming or not."""
         start = time.perf_counter()
-        endpoint = "chat" if chat else "completions"
         # Unique even when clients reuse an X-Request-Id: workers key streams and cancels by this id.
         header_id = request.headers.get("x-request-id", "")
         request_id = f"{header_id}-{uuid.uuid4().hex[:8]}" if _REQUEST_ID.match(header_id) else uuid.uuid4().hex
-        metrics, model, status, streaming, gauge = self.metrics, "", 200, False, None
+        metrics, model, status, streaming, gauge, timer = self.metrics, "", 200, False, None, None
+        streaming_request = False
         limit = self.config.max_inflight
         counted = False
         try:
@@ -239,13 +267,23 @@ class Frontend:
             counted = True
             if limit and self.inflight > limit:
                 raise Overloaded(f"{limit} requests are in flight")
-            kind = ChatCompletionRequest if chat else CompletionRequest
             # a large body's validation goes to a thread; it holds the GIL, but in steps of tens of
             # milliseconds at most (the prompt and grammar checks are built so), so the loop still runs
-            req = parse_request(kind, body) if len(body) <= INLINE_PARSE_BYTES else \
-                await asyncio.to_thread(parse_request, kind, body)
-            job = await self.service.prepare(req, request_id)
+            parse_body = functools.partial(_PARSERS[endpoint], strict=self.config.strict_fields)
+            parsed, req = parse_body(body) if len(body) <= INLINE_PARSE_BYTES else \
+                await asyncio.to_thread(parse_body, body)
+            ignored = unknown_fields(parsed)
+            if ignored:
+                log.info("request %s: ignored fields this server does not know: %s", request_id, ", ".join(ignored))
+                metrics.observe_ignored(ignored)
+            try:
+                job = await self.service.prepare(req, request_id)
+            except InvalidRequest as exc:
+                raise (renamed(exc) if endpoint == "responses" else exc) from None
+            if endpoint == "responses":
+                job.builder, job.include_usage = ResponsesBuilder(parsed, job.model.name), True
             model = job.model.name
+            streaming_request = job.stream
             series = metrics.series(model)
             gauge = series.in_flight
             gauge.inc()
@@ -266,7 +304,7 @@ class Frontend:
                     self.inflight -= 1
                     timer.done()
                     gauge.dec()
-                    metrics.observe_request(model, endpoint, code)
+                    metrics.observe_request(model, endpoint, code, stream=True)
                     self.service.account(job, outs)
 
                 async def cleanup() -> None:  # for a stream that never started: the client left at once
@@ -303,7 +341,9 @@ class Frontend:
                     self.inflight -= 1
                 if gauge is not None:
                     gauge.dec()
-                metrics.observe_request(model, endpoint, status)
+                if timer is not None:
+                    timer.unqueue()
+                metrics.observe_request(model, endpoint, status, streaming_request)
 
 
 class FastPath:
@@ -326,14 +366,15 @@ class FastPath:
 
 
 def build_app(frontend: Frontend) -> FastAPI:
-    app = FastAPI(title="Tandem", version="0.1.0", summary="OpenAI-compatible API of a Tandem deployment")
+    app = FastAPI(title="Tandem", version=VERSION, summary="OpenAI-compatible API of a Tandem deployment")
     install(app, frontend.config.retry_after_s)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-            schemas.update(openapi_components(ChatCompletionRequest, CompletionRequest))
+            schemas.update(openapi_components(ChatCompletionRequest, CompletionRequest, ResponsesRequest,
+                                              TokenizeRequest, DetokenizeRequest))
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -342,12 +383,56 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest), tags=["openai"])
     async def chat_completions(request: Request) -> Response:
         """Chat completion (``stream: true`` for server-sent events)."""
-        return await frontend.complete(request, chat=True)
+        return await frontend.complete(request, "chat")
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest), tags=["openai"])
     async def completions(request: Request) -> Response:
         """Text completion (``stream: true`` for server-sent events)."""
-        return await frontend.complete(request, chat=False)
+        return await frontend.complete(request, "completions")
+
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest), tags=["openai"])
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, text in and out (``stream: true`` for its server-sent events)."""
+        return await frontend.complete(request, "responses")
+
+    async def tokenizing(request: Request, handler) -> Response:
+        try:
+            try:
+                body = await asyncio.wait_for(read_body(request, frontend.config.max_body_bytes),
+                                              frontend.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise BodyTimeout(frontend.config.body_timeout_s) from None
+            return Response(encode_json(await handler(body)), media_type=JSON)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            err = to_http(exc, frontend.config.retry_after_s)
+            if err.status == 500:
+                log.error("%s failed", request.url.path, exc_info=exc)
+        return err.response()
+
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest), tags=["vllm"])
+    async def tokenize(request: Request) -> Response:
+        """vLLM's: the token ids of ``prompt`` or of chat ``messages``, as a request would send them."""
+        return await tokenizing(request, frontend.tokenizing.tokenize)
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest), tags=["vllm"])
+    async def detokenize(request: Request) -> Response:
+        """vLLM's: the text of ``tokens``."""
+        return await tokenizing(request, frontend.tokenizing.detokenize)
+
+    @app.get("/version", tags=["vllm"])
+    async def version() -> Response:
+        """The server's version."""
+        return Response(encode_json({"version": VERSION}), media_type=JSON)
+
+    @app.api_route("/ping", methods=["GET", "POST"], tags=["ops"])
+    async def ping() -> Response:
+        """SageMaker's health check: 200 while this frontend takes traffic and a live target worker
+        serves a model; else 503 with Retry-After."""
+        if frontend.ready() and frontend.served_models():
+            return Response(b"{}", media_type=JSON)
+        return Response(b"{}", 503, {"Retry-After": str(frontend.config.retry_after_s)}, media_type=JSON)
 
     @app.get("/v1/models", tags=["openai"])
     async def models() -> Response:

@@ -2,7 +2,7 @@
 
 With keys configured (``--api-key``, repeatable, ``@FILE`` for one key per line, or
 ``TANDEM_API_KEY`` with comma-separated keys), every request needs one of them, except the probes
-``/health`` and ``/live`` (and ``/metrics`` unless ``--metrics-require-key``). A missing or wrong key
+``/health``, ``/live`` and ``/ping`` (and ``/metrics`` unless ``--metrics-require-key``). A missing or wrong key
 is a 401 in OpenAI's error format (``code: invalid_api_key``) with ``WWW-Authenticate: Bearer``;
 keys are compared in constant time.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .responses import encode_json
 
-OPEN_PATHS = frozenset({"/health", "/live"})
+OPEN_PATHS = frozenset({"/health", "/live", "/ping"})
 
 
 def read_keys(values: Iterable[str]) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ class FrontendConfig:
     # on a prefill worker when the decode worker lacks at least this many of its tokens ...
     disagg_min_tokens: int = 256
     prefill_max_queue: int = 8  # ... and the chosen prefill worker has fewer requests queued or in flight
+    strict_fields: bool = False  # unknown request fields are 400s (default: accepted, logged, counted, ignored)
 
     def __post_init__(self) -> None:
         if not self.host:

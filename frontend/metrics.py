@@ -6,13 +6,19 @@ Acceptance in PromQL, over the last five minutes (definitions in :mod:`runtime.s
       / rate(tandem_frontend_spec_decode_num_draft_tokens_total[5m])             # acceptance rate
     1 + rate(tandem_frontend_spec_decode_num_accepted_tokens_total[5m])
       / rate(tandem_frontend_spec_decode_num_drafts_total[5m])                   # mean accepted length
+
+Dynamo's dashboards read ``dynamo_frontend_*``: the families Dynamo's frontend exports are exported
+under its names too, from the same observations (:class:`Aliases`), except the request counter,
+whose labels are Dynamo's own (``endpoint`` chat_completions/completions/responses,
+``request_type`` unary/stream, ``status`` success/error).
 """
 
 from __future__ import annotations
 
+import re
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 
 from runtime.messages import SpecUsage
 from runtime.spec_stats import acceptance_rate
@@ -24,6 +30,27 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0
 
 SEQ_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
+DYNAMO = "dynamo_frontend_"
+DYNAMO_ENDPOINTS = {"chat": "chat_completions", "completions": "completions", "responses": "responses"}
+MAX_IGNORED_FIELD_LABELS = 64  # distinct field names counted by name; any further ones as "other"
+_FIELD_LABEL = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+
+
+class Aliases:
+    """A collector that exports other metrics again under other names: the same samples, so one
+    observation serves both (``tandem_frontend_x`` and ``dynamo_frontend_x`` never disagree)."""
+
+    def __init__(self, names: dict[object, str]):
+        self.names = names  # metric -> its other name (a counter's without ``_total``)
+
+    def collect(self):
+        for metric, name in self.names.items():
+            for family in metric.collect():
+                out = Metric(name, family.documentation, family.type, family.unit)
+                for s in family.samples:
+                    out.add_sample(name + s.name[len(family.name):], s.labels, s.value, s.timestamp, s.exemplar)
+                yield out
+
 
 class FrontendMetrics:
     """All frontend metrics; ``observe_*`` methods take plain values."""
@@ -32,6 +59,8 @@ class FrontendMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(P + "requests", "HTTP requests by model, endpoint and status", ("model", "endpoint", "status"), registry=r)
         self.in_flight = Gauge(P + "inflight_requests", "requests being served", ("model",), registry=r)
+        self.queued = Gauge(P + "queued_requests", "requests being served whose first token has not come yet "
+                            "(tokenized, routed, waiting or prefilling on a worker)", ("model",), registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "time from request arrival to the first token",
                               ("model",), buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "time between tokens of one choice",
@@ -56,8 +85,21 @@ class FrontendMetrics:
                                 "prefill_failed)", ("where", "reason"), registry=r)
         self.streams_dropped = Counter(P + "streams_dropped", "streams dropped because their client stopped reading, "
                                        "by reason (write_timeout, buffer: too much output waiting)", ("reason",), registry=r)
+        self.ignored_fields = Counter(P + "ignored_fields", "request fields accepted and ignored because this server "
+                                      "does not know them (messages[i].x counted as messages.x; more than "
+                                      f"{MAX_IGNORED_FIELD_LABELS} names: the rest as other)", ("field",), registry=r)
+        self.dynamo_requests = Counter(DYNAMO + "requests", "requests by model, endpoint, request_type (unary, stream) "
+                                       "and status (success, error), as Dynamo's frontend counts them",
+                                       ("model", "endpoint", "request_type", "status"), registry=r)
+        r.register(Aliases({self.in_flight: DYNAMO + "inflight_requests", self.queued: DYNAMO + "queued_requests",
+                            self.ttft: DYNAMO + "time_to_first_token_seconds",
+                            self.itl: DYNAMO + "inter_token_latency_seconds",
+                            self.duration: DYNAMO + "request_duration_seconds",
+                            self.isl: DYNAMO + "input_sequence_tokens", self.osl: DYNAMO + "output_sequence_tokens",
+                            self.completion_tokens: DYNAMO + "output_tokens"}))
         self._series: dict[str, ModelSeries] = {}
-        self._requests: dict[tuple[str, str, int], object] = {}
+        self._requests: dict[tuple[str, str, int, bool], tuple[object, object]] = {}
+        self._field_labels: set[str] = set()
 
     def series(self, model: str) -> ModelSeries:
         """The label-bound series of one model (built once: ``labels()`` is not free)."""
@@ -66,12 +108,27 @@ class FrontendMetrics:
             found = self._series[model] = ModelSeries(self, model)
         return found
 
-    def observe_request(self, model: str, endpoint: str, status: int) -> None:
-        key = (model, endpoint, status)
-        child = self._requests.get(key)
-        if child is None:
-            child = self._requests[key] = self.requests.labels(model, endpoint, str(status))
-        child.inc()
+    def observe_request(self, model: str, endpoint: str, status: int, stream: bool = False) -> None:
+        key = (model, endpoint, status, stream)
+        children = self._requests.get(key)
+        if children is None:
+            children = self._requests[key] = (
+                self.requests.labels(model, endpoint, str(status)),
+                self.dynamo_requests.labels(model, DYNAMO_ENDPOINTS.get(endpoint, endpoint),
+                                            "stream" if stream else "unary", "success" if status == 200 else "error"))
+        for child in children:
+            child.inc()
+
+    def observe_ignored(self, fields: list[str]) -> None:
+        """Count fields that were accepted and ignored (``messages[3].refusal`` as ``messages.refusal``)."""
+        for field in fields:
+            label = re.sub(r"\[\d+\]", "", field)
+            if label not in self._field_labels:
+                if len(self._field_labels) >= MAX_IGNORED_FIELD_LABELS or not _FIELD_LABEL.match(label):
+                    label = "other"
+                else:
+                    self._field_labels.add(label)
+            self.ignored_fields.labels(label).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -82,6 +139,7 @@ class ModelSeries:
 
     def __init__(self, m: FrontendMetrics, model: str):
         self.in_flight = m.in_flight.labels(model)
+        self.queued = m.queued.labels(model)
         self.ttft = m.ttft.labels(model)
         self.itl = m.itl.labels(model)
         self.duration = m.duration.labels(model)
@@ -112,15 +170,24 @@ class ModelSeries:
 
 
 class RequestTimer:
-    """Time to first token, inter-token latency (per choice) and duration of one request."""
+    """Time to first token, inter-token latency (per choice) and duration of one request; the
+    request counts as queued from here until its first token (or its end)."""
 
-    __slots__ = ("_s", "start", "first", "_last")
+    __slots__ = ("_s", "start", "first", "_last", "_queued")
 
     def __init__(self, series: ModelSeries, start: float):
         self._s = series
         self.start = start
         self.first: float | None = None
         self._last: dict[int, float] = {}
+        self._queued = True
+        series.queued.inc()
+
+    def unqueue(self) -> None:
+        """No longer queued (its first token came, or it ended without one); once only."""
+        if self._queued:
+            self._queued = False
+            self._s.queued.dec()
 
     def tokens(self, count: int, choice: int = 0) -> None:
         """``count`` tokens of choice ``choice`` arrived now."""
@@ -130,6 +197,7 @@ class RequestTimer:
         if self.first is None:
             self.first = now
             self._s.ttft.observe(now - self.start)
+            self.unqueue()
         last = self._last.get(choice)
         if last is not None:
             gap = (now - last) / count
@@ -139,4 +207,5 @@ class RequestTimer:
         self._last[choice] = now
 
     def done(self) -> None:
+        self.unqueue()
         self._s.duration.observe(time.perf_counter() - self.start)

@@ -2,9 +2,13 @@
 
 Contract: :func:`parse` turns a raw JSON body into a validated request or raises
 :class:`runtime.InvalidRequest` whose ``field`` names the offending parameter (``messages[0].role``).
-Validation is strict: wrong JSON types are rejected rather than coerced, unknown fields are
-rejected (nothing is silently ignored), and parameters we know but do not support are rejected by
-:func:`check_supported` unless they carry their neutral value (``echo: false``, ``suffix: ""``, ...).
+Validation is strict about what it knows: wrong JSON types are rejected rather than coerced, and
+parameters we know but do not support are rejected by :func:`check_supported` unless they carry their
+neutral value (``suffix: ""``, ``prompt_logprobs: null``, ...). Fields nobody here knows, at the top
+level of a request, of a chat message or of ``stream_options`` (SDKs and agent frameworks send vendor
+extras), are accepted and listed by :func:`unknown_fields` for the caller to log and count, as vLLM
+does; ``strict`` makes them a 400 naming the field. Everything nested deeper (tools, response formats,
+speculation options) stays closed: a typo there would change what is generated.
 Structured outputs and tools are checked further in :mod:`.structured`; the ranges of the sampling
 parameters once, for the frontend and the workers alike, in :func:`runtime.validation.validate_request`.
 """
@@ -36,7 +40,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class Lenient(BaseModel):
+    """Strict about the fields it declares; keeps unknown ones aside (``model_extra``), see :func:`unknown_fields`."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
     # vLLM's extension (GuideLLM sends it): with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
@@ -64,7 +74,7 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Lenient):
     """One chat message. Content is a string or a list of ``{"type": "text", "text": ...}`` parts;
     an assistant turn may carry ``tool_calls``, a ``tool`` message answers one (``tool_call_id``)."""
 
@@ -115,7 +125,7 @@ class NamedToolChoice(_Strict):
     function: ToolChoiceFunction
 
 
-class _Sampling(_Strict):
+class _Sampling(Lenient):
     """Parameters shared by chat and text completions."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -146,9 +156,10 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None
     # Known but unsupported: accepted only with their neutral value (see check_supported).
-    echo: bool | None = None
+    echo: bool | None = None  # honoured by text completions (the prompt's text before the completion's)
     functions: list[Any] | None = None
     function_call: Any = None
+    prompt_logprobs: int | None = None  # the workers return no prompt logprobs
 
 
 class ChatCompletionRequest(_Sampling):
@@ -161,6 +172,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat-template extensions
+    add_generation_prompt: bool = True  # open the assistant's turn after the messages
+    continue_final_message: bool = False  # leave the last (assistant) message open, for the model to continue
+    add_special_tokens: bool = False  # the tokenizer's own BOS etc. on top of what the template writes
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
 
 
 def _prompt(value: Any) -> Any:
@@ -191,17 +207,27 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
 
 # name -> whether a value is the parameter's neutral one
 _NEUTRAL = {
-    "echo": lambda v: not v,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "modalities": lambda v: v is None or v == ["text"],
     "store": lambda v: not v,
     "suffix": lambda v: not v,
+    "prompt_logprobs": lambda v: v is None,
 }
+# fields of the other endpoint: known, so a 400 naming them rather than ignored
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "top_logprobs",
+              "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "modalities")
+_COMPLETION_ONLY = ("prompt", "suffix", "best_of")
+# what a chat template is called with already: chat_template_kwargs may not set these
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                                      "add_generation_prompt", "continue_final_message", "return_dict",
+                                      "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask", "padding",
+                                      "truncation", "max_length"})
 
 
 _MAPS = frozenset({"logit_bias"})  # object parameters whose keys are data (token ids), not field names
@@ -383,15 +409,33 @@ def _validate(model: type[R], body: bytes) -> R:
     raise InvalidRequest(f"invalid value for '{param}': {first['msg'].removeprefix('Value error, ')}", param)
 
 
-def parse_request(model: type[R], body: bytes) -> R:
+def parse_request(model: type[R], body: bytes, strict: bool = False) -> R:
     """:func:`parse` and :func:`check_supported`: a request ready to prepare, or InvalidRequest."""
     req = parse(model, body)
-    check_supported(req)
+    check_supported(req, strict)
     return req
 
 
-def check_supported(req: _Sampling) -> None:
-    """Reject known parameters set to anything but their neutral value, and bad combinations."""
+def unknown_fields(req: BaseModel) -> list[str]:
+    """The fields of ``req`` that no schema here declares: at the top level, in chat messages
+    (``messages[2].refusal``) and in ``stream_options``."""
+    out = [name for name in req.model_extra or ()]
+    if "messages" in type(req).model_fields:  # (not an unknown field of that name)
+        for i, msg in enumerate(req.messages or ()):
+            out += [f"messages[{i}].{name}" for name in msg.model_extra or ()]
+    options = req.stream_options if "stream_options" in type(req).model_fields else None
+    if isinstance(options, BaseModel):
+        out += [f"stream_options.{name}" for name in options.model_extra or ()]
+    return out
+
+
+def check_supported(req: _Sampling, strict: bool = False) -> None:
+    """Reject known parameters set to anything but their neutral value, and bad combinations;
+    ``strict``: unknown fields too."""
+    if strict:
+        unknown = unknown_fields(req)
+        if unknown:
+            raise InvalidRequest(f"Unsupported parameter: '{unknown[0]}'", unknown[0])
     for name, neutral in _NEUTRAL.items():
         if name in req.model_fields_set and not neutral(getattr(req, name)):
             raise InvalidRequest(f"'{name}' is not supported by this server", name)
@@ -414,9 +458,29 @@ def check_supported(req: _Sampling) -> None:
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
-    if not req.messages:
+    _not_here(req, _COMPLETION_ONLY, "text completions (/v1/completions)")
+    check_messages(req.messages)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise InvalidRequest("give either 'max_tokens' or 'max_completion_tokens', not two different values", "max_completion_tokens")
+    if req.echo:
+        raise InvalidRequest("'echo' is not supported for chat completions", "echo")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise InvalidRequest("'continue_final_message' needs 'add_generation_prompt': false (the model continues "
+                                 "the last message instead of opening a new turn)", "continue_final_message")
+    bad = next((k for k in req.chat_template_kwargs or () if k in RESERVED_TEMPLATE_KWARGS), None)
+    if bad is not None:
+        raise InvalidRequest(f"'{bad}' is set by the request itself, not by chat_template_kwargs",
+                             f"chat_template_kwargs.{bad}")
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Chat messages a template can render: text content, tool calls only on assistant turns."""
+    if not messages:
         raise InvalidRequest("'messages' must contain at least one message", "messages")
-    for i, msg in enumerate(req.messages):
+    for i, msg in enumerate(messages):
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
                 kind = part.get("type")
@@ -431,19 +495,25 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         if (msg.tool_call_id is None) == (msg.role == "tool"):
             raise InvalidRequest("a tool message needs 'tool_call_id' (and only a tool message has one)",
                                  f"messages[{i}].tool_call_id")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequest("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-        raise InvalidRequest("give either 'max_tokens' or 'max_completion_tokens', not two different values", "max_completion_tokens")
+
+
+def _not_here(req: _Sampling, names: tuple[str, ...], where: str) -> None:
+    found = next((n for n in names if n in (req.model_extra or ())), None)
+    if found is not None:
+        raise InvalidRequest(f"'{found}' is a parameter of {where} only", found)
 
 
 def _check_completion(req: CompletionRequest) -> None:
+    _not_here(req, _CHAT_ONLY, "chat completions (/v1/chat/completions)")
     prompt = req.prompt
     # (a token id 0 is not an empty prompt: only strings and token-id lists inside a list are checked)
     if not prompt or (isinstance(prompt[0], (str, list)) and not all(prompt)):
         raise InvalidRequest("'prompt' must not be empty", "prompt")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("'best_of' other than 'n' is not supported", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest("'echo' with 'logprobs' needs the prompt's logprobs, which the workers do not return",
+                             "echo")
 
 
 def _is_token_id(key: str) -> bool:

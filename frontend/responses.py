@@ -130,6 +130,8 @@ class ResponseBuilder:
         self._offsets: dict[int, int] = {}
         # stream_options.continuous_usage_stats: the usage so far, for every chunk that carries one
         self.running_usage: Callable[[], dict] | None = None
+        # text completions' echo: the prompt text each choice's text starts with (sent with its first chunk)
+        self.echo: dict[int, str] = {}
 
     def _logprobs(self, index: int, entries: Sequence[LogprobEntry]) -> dict | None:
         if not self._with_logprobs:
@@ -155,7 +157,7 @@ class ResponseBuilder:
                 else:
                     item["message"] = {"role": "assistant", "content": c.text}
             else:
-                item["text"] = c.text
+                item["text"] = self.echo.get(c.index, "") + c.text
             item["logprobs"] = self._logprobs(c.index, c.logprobs)
             item["finish_reason"] = finish
             items.append(item)
@@ -187,6 +189,8 @@ class ResponseBuilder:
 
     def piece_chunk(self, index: int, piece: Piece, with_usage: bool) -> bytes | None:
         """A content chunk (and/or the finish chunk) for one piece; None when there is nothing to say."""
+        if not self.chat and index in self.echo:
+            piece = Piece(self.echo.pop(index) + piece.text, piece.logprobs, piece.finish_reason)
         if not piece.text and not piece.logprobs and piece.finish_reason is None:
             return None
         if self.tools is not None:
@@ -270,6 +274,12 @@ class ResponseBuilder:
     def usage_chunk(self, choices: Sequence[ChoiceOutput], prompt_tokens: int) -> bytes:
         """The last chunk before ``[DONE]`` when ``stream_options.include_usage`` is set."""
         return self._chunk([], usage(prompt_tokens, choices), True)
+
+    def done(self) -> bytes:
+        return DONE
+
+    def error_chunk(self, body: dict) -> bytes:
+        return error_event(body)
 
 
 DONE = b"data: [DONE]\n\n"

@@ -28,7 +28,7 @@ from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
 from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, logit_bias, message_dicts,
                        prompts_of, stop_strings)
-from .responses import DONE, ResponseBuilder, error_event, usage
+from .responses import ResponseBuilder, usage
 from .streaming import merge
 from .structured import asks_for_grammar, probe, structured_output
 from .tokenizer import Tokenizer
@@ -101,10 +101,15 @@ class CompletionService:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools]
             # templating costs per message too: many short messages go to the thread as well
             size = sum(len(m["content"]) for m in messages) + 64 * len(messages) + (len(repr(tools)) if tools else 0)
-            prompts = [await self._maybe_thread(size, functools.partial(tok.encode_chat, tools=tools), messages)]
+            encode = functools.partial(tok.encode_chat, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message,
+                                       template_kwargs=req.chat_template_kwargs,
+                                       add_special_tokens=req.add_special_tokens)
+            prompts = [await self._maybe_thread(size, encode, messages)]
             field, max_tokens = "messages", req.max_completion_tokens or req.max_tokens
         else:
-            prompts = [await self._maybe_thread(len(p), tok.encode, p) if isinstance(p, str) else list(p)
+            encode = functools.partial(tok.encode, add_special_tokens=req.add_special_tokens)
+            prompts = [await self._maybe_thread(len(p), encode, p) if isinstance(p, str) else list(p)
                        for p in prompts_of(req)]
             field, max_tokens = "prompt", req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         context = model.card.context_length
@@ -145,6 +150,9 @@ class CompletionService:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         builder = ResponseBuilder(chat, model.name, tok.token_text, top is not None, tool_calls, tok.token_bytes)
+        if not chat and req.echo:  # each choice's text starts with its prompt's
+            texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts_of(req)]
+            builder.echo = {i: texts[p] for i, p in enumerate(prompt_of)}
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
                    stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
                    req.speculative)
@@ -248,18 +256,18 @@ class CompletionService:
             if usage_on:
                 yield b.usage_chunk(outs, job.prompt_tokens)
             status = 200
-            yield DONE
+            yield b.done()
         except TandemError as exc:
             err = to_http(exc, retry_after)
             status = err.status
             log.warning("request %s: failed mid-stream: %s", job.request_id, exc)
-            yield error_event(err.body())
-            yield DONE
+            yield b.error_chunk(err.body())
+            yield b.done()
         except Exception as exc:
             status = 500
             log.exception("request %s: failed mid-stream", job.request_id)
-            yield error_event(to_http(exc).body())
-            yield DONE
+            yield b.error_chunk(to_http(exc).body())
+            yield b.done()
         finally:
             on_finish(status)
             await close_all(gens)

@@ -117,22 +117,31 @@ class Tokenizer:
             self._grammar_info = grammar_tokenizer(path, self.vocab_size, self.eos_token_ids)
         return self._grammar_info
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The chat template applied to ``messages`` with the assistant's turn opened; ``tools``
-        (OpenAI's function definitions) go to templates that render them."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """The chat template applied to ``messages``, with the assistant's turn opened (or, with
+        ``continue_final_message``, the last message left open); ``tools`` (OpenAI's function
+        definitions) go to templates that render them, ``template_kwargs`` are further template
+        variables (Qwen3's ``enable_thinking``)."""
         if not self.chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
         try:
-            return self._hf.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
-                tools=tools or None,
+            text = self._hf.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools or None, **(template_kwargs or {}),
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in the template
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+        if not isinstance(text, str):  # a template variable that changed what the call returns
+            raise InvalidRequest("chat_template_kwargs changed what the chat template returns", "chat_template_kwargs")
+        return text
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         # The template already writes the special tokens (BOS, role markers) it wants.
-        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+        text = self.render_chat(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _byte_level_decoder() -> dict[str, int]:

@@ -26,9 +26,12 @@ def test_keys_from_flags_and_files_work_and_a_wrong_or_missing_key_is_401(stack)
     import time
 
     deadline = time.monotonic() + 60
-    while httpx.get(stack.url + "/health", timeout=5).status_code != 200:  # probes need no key
+    # probes need no key; /ping is 200 once a worker serves the model (/health already before: a
+    # request sent then got a 503)
+    while httpx.get(stack.url + "/ping", timeout=5).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    assert httpx.get(stack.url + "/health", timeout=5).status_code == 200
     assert httpx.get(stack.url + "/live", timeout=5).status_code == 200
     assert httpx.get(stack.url + "/metrics", timeout=5).status_code == 200
     for key in ("k1", "k2", "file-key"):

@@ -84,7 +84,8 @@ def test_malformed_bodies_are_400(http, raw):
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"min_tokens": 10}, "min_tokens"),
-        ({"whatever": True}, "whatever"),
+        ({"prompt_logprobs": 2}, "prompt_logprobs"),
+        ({"prompt": "x"}, "prompt"),
     ],
 )
 def test_chat_field_errors_name_the_field(http, patch, param):
@@ -168,7 +169,8 @@ JSON_VALUES = st.recursive(
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "logit_bias",
           "user", "min_tokens", "ignore_eos", "stop_token_ids", "echo", "presence_penalty", "response_format",
-          "frequency_penalty", "repetition_penalty", "min_p"]
+          "frequency_penalty", "repetition_penalty", "min_p", "chat_template_kwargs", "add_generation_prompt",
+          "continue_final_message", "add_special_tokens", "prompt_logprobs", "suffix", "best_of"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"])},
                                 optional={"content": JSON_VALUES | st.text(max_size=20), "name": JSON_VALUES})
 
@@ -192,6 +194,40 @@ def test_fuzzed_requests_never_get_a_5xx(http, base, patch, messages, path):
         assert resp.text.rstrip().endswith("data: [DONE]")
     else:
         assert resp.json()["object"] in ("chat.completion", "text_completion")
+
+
+RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "user",
+                    "metadata", "store", "tools", "tool_choice", "text", "reasoning", "truncation", "include",
+                    "previous_response_id", "stream_options", "top_logprobs"]
+TOKENIZE_FIELDS = ["model", "prompt", "messages", "tokens", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"]
+INPUT_ITEM = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["message", "function_call", "x"]) | JSON_VALUES,
+                                                 "role": st.sampled_from(["user", "assistant", "developer", "x"]),
+                                                 "content": JSON_VALUES | st.lists(st.fixed_dictionaries(
+                                                     {"type": st.sampled_from(["input_text", "output_text", "x"])},
+                                                     optional={"text": JSON_VALUES}), max_size=2)})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(["/v1/responses", "/tokenize", "/detokenize"]),
+    patch=st.dictionaries(st.sampled_from(RESPONSES_FIELDS + TOKENIZE_FIELDS), JSON_VALUES, max_size=4),
+    items=st.none() | st.lists(INPUT_ITEM, max_size=3) | st.lists(MESSAGE, max_size=2),
+)
+def test_fuzzed_responses_and_tokenize_requests_never_get_a_5xx(http, path, patch, items):
+    base = {"/v1/responses": {"model": "mock", "input": "hi", "max_output_tokens": 4},
+            "/tokenize": {"model": "mock", "prompt": "hi"}, "/detokenize": {"model": "mock", "tokens": [1, 2]}}[path]
+    body = {**base, **patch}
+    if items is not None:
+        body["input" if path == "/v1/responses" else "messages"] = items
+    resp = post(http, path, body)
+    assert resp.status_code < 500, resp.text
+    if resp.status_code >= 400:
+        assert_error(resp, resp.status_code)
+    elif path == "/v1/responses" and body.get("stream") is True:
+        assert "event: response.completed" in resp.text
+    elif path == "/v1/responses":
+        assert resp.json()["object"] == "response"
 
 
 def _status_count(http: httpx.Client, status: int) -> float:

@@ -304,7 +304,7 @@ def test_logits_processors_are_accepted(client):
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"extra_body": {"min_p": 1.5}}, "min_p"),
-        ({"extra_body": {"best_of_luck": 1}}, "best_of_luck"),
+        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),  # unknown fields are ignored: conformance
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 100000}, "max_tokens"),
         ({"extra_body": {"speculative": {"eagle_topk": 0}}}, "speculative.eagle_topk"),
@@ -317,9 +317,9 @@ def test_unsupported_or_invalid_parameters_are_400s_naming_them(client, kwargs, 
     assert info.value.status_code == 400 and info.value.body["param"] == param
 
 
-def test_completion_echo_is_rejected_and_unknown_models_are_404(client):
+def test_completion_echo_with_logprobs_is_rejected_and_unknown_models_are_404(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="mock", prompt="x", echo=True)
+        client.completions.create(model="mock", prompt="x", echo=True, logprobs=1)
     assert info.value.body["param"] == "echo"
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])

@@ -18,10 +18,10 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"model": "m", "prompt": "hi"}
 
 
-def reject(schema, body, extra=None) -> InvalidRequest:
+def reject(schema, body, extra=None, strict=False) -> InvalidRequest:
     raw = body if isinstance(body, bytes) else json.dumps({**body, **(extra or {})}).encode()
     with pytest.raises(InvalidRequest) as info:
-        check_supported(parse(schema, raw))
+        check_supported(parse(schema, raw), strict)
     return info.value
 
 
@@ -65,8 +65,11 @@ def test_valid_requests_parse():
         ({"guided_choice": []}, "guided_choice"),
         ({"echo": True}, "echo"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
-        ({"mystery": 1}, "mystery"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (default true)
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+        ({"chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
@@ -97,10 +100,35 @@ def test_chat_rejections_name_the_parameter(extra, param):
         ({"logprobs": True}, "logprobs"),
         ({"tools": []}, "tools"),
         ({"tool_choice": "none"}, "tool_choice"),
+        ({"prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"echo": "yes"}, "echo"),
     ],
 )
 def test_completion_rejections_name_the_parameter(extra, param):
     assert reject(CompletionRequest, TEXT, extra).field == param
+
+
+def test_unknown_fields_are_kept_aside_and_named_or_rejected_when_strict():
+    from frontend.protocol import unknown_fields
+
+    body = {**CHAT, "mystery": 1, "stream": True, "stream_options": {"include_usage": True, "x": 1},
+            "messages": [{"role": "assistant", "content": "a", "refusal": None}, {"role": "user", "content": "b"}]}
+    req = parse(ChatCompletionRequest, json.dumps(body).encode())
+    check_supported(req)
+    assert unknown_fields(req) == ["mystery", "messages[0].refusal", "stream_options.x"]
+    assert reject(ChatCompletionRequest, body, strict=True).field == "mystery"
+    assert reject(CompletionRequest, {**TEXT, "vendor": {"a": 1}}, strict=True).field == "vendor"
+    assert unknown_fields(parse(CompletionRequest, json.dumps(TEXT).encode())) == []
+
+
+def test_chat_template_fields_parse():
+    body = {**CHAT, "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
+            "chat_template_kwargs": {"enable_thinking": False}, "prompt_logprobs": None}
+    req = parse(ChatCompletionRequest, json.dumps(body).encode())
+    check_supported(req)
+    assert (req.add_generation_prompt, req.continue_final_message, req.add_special_tokens) == (False, True, True)
+    assert req.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_missing_fields_and_bad_json():

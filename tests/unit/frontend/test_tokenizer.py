@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from frontend.responses import chat_logprobs
 from frontend.output import LogprobEntry
 from frontend.tokenizer import Tokenizer
+from runtime import InvalidRequest
 from workers.demo_model import demo_tokenizer_dir
 
 pytestmark = pytest.mark.unit
@@ -40,3 +43,35 @@ def test_encoding_a_long_prompt_in_a_thread_leaves_the_event_loop_free(tok):
     ids, took, worst = loop_lag_of(tok.encode, text, False)
     assert len(ids) > 100_000
     assert worst < max(0.25, took / 3), (took, worst)  # the loop kept ticking while the thread encoded
+
+
+def test_chat_template_options_reach_the_template(tok):
+    """chat_template_kwargs become template variables (Qwen3's enable_thinking); the turn is opened,
+    not opened, or the last message left open for the model to continue."""
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or not continue_open %}</>"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>"
+                "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}{% endif %}")
+    t = Tokenizer(tok._hf, template.replace("continue_open", "false"))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t.render_chat(msgs) == "<user>hi</><assistant>"
+    assert t.render_chat(msgs, template_kwargs={"enable_thinking": False}) == "<user>hi</><assistant><no-think>"
+    assert t.render_chat(msgs, add_generation_prompt=False) == "<user>hi</>"
+    cont = tok.render_chat(msgs + [{"role": "assistant", "content": "Once upon"}], add_generation_prompt=False,
+                           continue_final_message=True)
+    assert cont.endswith("<|im_start|>assistant\nOnce upon")  # no <|im_end|>: the model goes on from here
+    assert tok.encode_chat(msgs, add_special_tokens=True) == tok.encode(tok.render_chat(msgs), add_special_tokens=True)
+
+
+NAMES = ["tokenize", "return_dict", "messages", "conversation", "tools", "padding", "truncation", "max_length",
+         "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "enable_thinking"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=6),
+                       st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4), max_size=4))
+def test_any_template_kwargs_render_text_or_raise_invalid_request(tok, kwargs):
+    """Even the names protocol.py refuses up front: text or a 400, never another exception."""
+    try:
+        assert isinstance(tok.render_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs), str)
+    except InvalidRequest as exc:
+        assert exc.field in ("messages", "chat_template_kwargs")
