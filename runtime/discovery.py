@@ -242,6 +242,9 @@ class Snapshot(Generic[T]):
         if kept:
             log.warning("etcd came back without its data (revision %d, was %d): keeping %d entries under %s for up "
                         "to %.0fs while they register again", revision, self._revision, kept, self._prefix, self._hold)
+        elif data_lost:  # everything under the prefix registered again before this re-read: nothing to hold
+            log.warning("etcd came back without its data (revision %d, was %d); every entry under %s is back",
+                        revision, self._revision, self._prefix)
         self._revision, self._term = revision, term
         self._items = items
         self.syncs += 1

@@ -63,7 +63,11 @@ async def test_an_etcd_wipe_under_load_answers_every_request(nats_server, namesp
         await asyncio.gather(*load)
         assert sum(statuses.values()) - before > 50, statuses
         assert set(statuses) == {200}, f"non-200 answers across the etcd wipe: {dict(statuses)}"
-        assert "etcd came back without its data" in frontend.logs()
+        # The frontend noticed (its watch retries every ≤ 2 s; the workers may have registered again first)
+        deadline = time.monotonic() + 15
+        while "etcd came back without its data" not in frontend.logs():
+            assert time.monotonic() < deadline, "the frontend never re-read etcd after the wipe"
+            await asyncio.sleep(0.2)
     finally:
         for proc in reversed(procs):
             proc.stop(timeout=10)
