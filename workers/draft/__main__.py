@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
+    parser.add_argument("--stage-alternatives", type=int, default=1,
+                        help="pipelined seam (ngram, suffix, oracle): bonus-token guesses staged per rejected depth "
+                             "(0: only the branch where everything is accepted, a rolling tail)")
     parser.add_argument("--oracle-file", default=None,
                         help="benchmarks only (method oracle): JSON list of reference token sequences")
     parser.add_argument("--oracle-error-rate", type=float, default=0.0, help="method oracle: wrong-token probability")
@@ -265,7 +268,8 @@ async def amain(args: argparse.Namespace) -> None:
         raise StartupError(f"--method {args.method}: cannot load the draft: {exc}") from None
     config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(config) as rt:
-        service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap)
+        service = DraftService(proposer, rt.instance_id, args.max_speculative_tokens, overlap=not args.no_overlap,
+                               alternatives=args.stage_alternatives)
         REGISTRY.register(DraftCollector(service, args.model_name or "draft", args.method))
         await service.start()
         distilling = start_distillation(args, proposer, service)

@@ -10,7 +10,14 @@ Drafting costs nothing unless ``token_cost_s`` is set: then every drafted token 
 take the target's CPU cores instead), and a batch of sequences costs as much as its longest
 proposal, as a batched draft forward does. Like the draft model, it can draft ahead
 (:meth:`predraft`) while the target verifies; a tail drafted ahead is kept while the target's
-emitted tokens agree with it and paid for only once. Not for serving.
+emitted tokens agree with it and paid for only once.
+
+For the pipelined seam it drafts branches (:mod:`.stager`) with the same error process; all the
+branches of one call cost as one batched draft pass per depth (``token_cost_s`` × the deepest).
+Where it drafted a wrong token, its one alternative there is the reference's token: it stands for a
+draft model whose second choice is the target's (the bonus guess after a rejection is then right;
+after a full acceptance the guess is its own next draft, right with probability 1 − ``error_rate``).
+Not for serving.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 from pathlib import Path
 
 from .proposer import DraftInput, DraftOutput, VerifyResult
+from .stager import Branch, Chain
 
 
 class OracleProposer:
@@ -85,6 +93,29 @@ class OracleProposer:
     def predraft(self, seq_ids: list[str], num_tokens: int) -> None:
         """Draft ahead: extend the tails of ``seq_ids`` to ``num_tokens`` tokens."""
         self._extend({s: num_tokens for s in seq_ids if s in self._seqs})
+
+    def commit(self, seq_id: str, tokens: list[int]) -> None:
+        self._seqs.setdefault(seq_id, [])
+        self._commit(seq_id, list(tokens))
+
+    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+        out = []
+        deepest = 0
+        for br in branches:
+            committed = self._seqs.get(br.seq_id)
+            truth = self._continuation(committed + list(br.extra), br.num_tokens) if committed is not None else []
+            tokens: list[int] = []
+            alternatives: list[list[int]] = []
+            for t in truth:
+                token = t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
+                tokens.append(token)
+                alternatives.append([t] if token != t and br.alternatives else [])
+            deepest = max(deepest, len(truth))
+            self.drafted_tokens += len(truth)
+            out.append(Chain(tokens, alternatives))
+        if self.token_cost_s and deepest:
+            time.sleep(self.token_cost_s * deepest)
+        return out
 
     def verified(self, results: list[VerifyResult]) -> None:
         for result in results:

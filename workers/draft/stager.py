@@ -1,0 +1,200 @@
+"""The draft side of the pipelined seam: what to draft ahead for each sequence, and the proposals that
+come of it. No gRPC, no asyncio: the service calls it from its worker thread.
+
+The target steps without waiting; after each step it sends what it committed (a verdict, and a
+round request carrying the tokens since). For each sequence the stager keeps the committed tokens
+it has heard of and the proposals it has streamed. On news of a sequence it works out, by the rule
+the target uses (:func:`workers.speculation.staging.overlap`), which streamed proposal the target
+will verify next (the one that fits its committed tokens with the most tokens left), and then:
+
+- **answer**: when none fits, it drafts one from the committed tokens and streams it at once (the
+  target uses it if it comes in time, else decodes plainly and may still use it trimmed);
+- **stage** (SGLang's decoupled speculation): for the proposal the target verifies next,
+  x_1..x_k, every outcome is a = 0..k accepted tokens followed by a bonus token the target draws.
+  It guesses the bonus (a = k: the draft's own next token x_{k+1}; a < k: the draft's top
+  ``alternatives`` tokens at that depth other than x_{a+1}, which the target rejected) and drafts
+  γ tokens after each guess, every branch in one batched call
+  (:meth:`Stager.Drafter.draft_branches`: one draft pass per depth for all of them). Each staged
+  proposal names the prefix it assumes (``start``, ``assumed``), so the target can tell which one
+  came true. ``alternatives = 0`` is the rolling tail: only the a = k branch, the draft continuing
+  its own chain as if everything were accepted.
+
+Staging happens once per proposal in use: news that does not change it (a plain step that the
+proposal already covers, trimmed) drafts nothing new. A staged proposal is only a guess; the
+target validates and verifies it like any other, so nothing here affects what the target emits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..speculation.payloads import DraftOutput, VerifyResult
+from ..speculation.staging import overlap
+
+ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
+SENT_MAX = 64  # proposals remembered per sequence
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Draft ``num_tokens`` tokens after a sequence's committed tokens followed by ``extra``, with up to
+    ``alternatives`` other likely tokens at each depth."""
+
+    seq_id: str
+    extra: tuple[int, ...]
+    num_tokens: int
+    alternatives: int
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What a branch drafted: ``tokens``, and per depth the alternatives to each (best first)."""
+
+    tokens: list[int]
+    alternatives: list[list[int]] = field(default_factory=list)
+
+
+class Drafter(Protocol):
+    """What a proposer offers to stage (ngram, suffix, oracle)."""
+
+    def commit(self, seq_id: str, tokens: list[int]) -> None:
+        """The target committed ``tokens`` after the ones already heard of (the first call: the prompt)."""
+        ...
+
+    def verified(self, results: list[VerifyResult]) -> None: ...
+
+    def release(self, seq_ids: list[str]) -> None: ...
+
+    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+        """One chain per branch, drafted together (a model-based drafter: one pass per depth)."""
+        ...
+
+
+@dataclass
+class _Sent:
+    prop: DraftOutput  # as streamed (positioned)
+    chain: Chain  # as drafted: one token more than streamed (the guess of the bonus after it)
+
+
+@dataclass
+class _Seq:
+    tokens: list[int] = field(default_factory=list)  # committed, as heard
+    sent: list[_Sent] = field(default_factory=list)  # oldest first
+    staged_from: _Sent | None = None  # the proposal whose outcomes were staged last
+    round: int = 0  # the latest round heard of
+    gamma: int = 0
+
+
+class Stager:
+    """Per-sequence staging for one proposer; plain values in."""
+
+    def __init__(self, drafter: Drafter, alternatives: int = 1):
+        if alternatives < 0:
+            raise ValueError(f"alternatives must be >= 0, got {alternatives}")
+        self.drafter = drafter
+        self.alternatives = alternatives
+        self._seqs: dict[str, _Seq] = {}
+        self.answered = 0  # proposals drafted from the committed tokens (nothing streamed fitted)
+        self.staged = 0  # staged proposals streamed
+        self.stagings = 0  # proposals whose outcomes were staged
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------------ news from the target
+
+    def commit(self, seq_id: str, round_: int, tokens: list[int], gamma: int) -> None:
+        """A round request: the tokens committed since the last news, and the budget to draft."""
+        seq = self._seqs.setdefault(seq_id, _Seq())
+        seq.tokens.extend(tokens)
+        seq.round, seq.gamma = max(seq.round, round_), gamma
+        self.drafter.commit(seq_id, list(tokens))
+
+    def verified(self, results: list[VerifyResult]) -> None:
+        self.drafter.verified(results)
+        for result in results:
+            seq = self._seqs.get(result.seq_id)
+            if seq is not None:
+                seq.tokens.extend(result.emitted_tokens)
+
+    def release(self, seq_ids: list[str]) -> None:
+        self.drafter.release(seq_ids)
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ drafting
+
+    def _in_use(self, seq: _Seq) -> tuple[_Sent, int] | None:
+        """The streamed proposal the target verifies next (by its own rule), and how much of it is committed."""
+        best, best_left = None, 0
+        n = len(seq.tokens)
+        for sent in seq.sent:
+            if sent.prop.start > n:
+                continue
+            over = overlap(sent.prop, seq.tokens)
+            if over is not None and len(sent.prop.token_ids) - over >= best_left:
+                best, best_left = (sent, over), len(sent.prop.token_ids) - over
+        return best
+
+    def answer(self, seq_ids: list[str]) -> list[DraftOutput]:
+        """Proposals from the committed tokens for the sequences none of whose streamed proposals fits."""
+        todo = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.gamma <= 0:
+                continue
+            seq.sent = [s for s in seq.sent if s.prop.start > len(seq.tokens) or overlap(s.prop, seq.tokens) is not None]
+            if self._in_use(seq) is None:
+                todo.append((seq_id, Branch(seq_id, (), seq.gamma + 1, self.alternatives)))
+        out = self._draft(todo)
+        self.answered += len(out)
+        return out
+
+    def stage(self, seq_ids: list[str]) -> list[DraftOutput]:
+        """Staged proposals for the outcomes of the proposal each sequence verifies next (once per proposal)."""
+        todo = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.gamma <= 0:
+                continue
+            found = self._in_use(seq)
+            if found is None or found[0] is seq.staged_from:
+                continue
+            sent, over = found
+            seq.staged_from = sent
+            self.stagings += 1
+            x = sent.prop.token_ids[over:]
+            k = len(x)
+            drafted = sent.chain.tokens
+            for a in range(k + 1):
+                if a < k:
+                    alts = sent.chain.alternatives[over + a] if over + a < len(sent.chain.alternatives) else []
+                    guesses = [t for t in alts if t != x[a]][: self.alternatives]
+                else:  # the chain drafted one token past the streamed ones: the guess of a = k's bonus
+                    guesses = drafted[over + k : over + k + 1]
+                for b in guesses:
+                    todo.append((seq_id, Branch(seq_id, tuple(x[:a]) + (b,), seq.gamma + 1, self.alternatives)))
+        out = self._draft(todo)
+        self.staged += len(out)
+        return out
+
+    def _draft(self, todo: list[tuple[str, Branch]]) -> list[DraftOutput]:
+        if not todo:
+            return []
+        chains = self.drafter.draft_branches([b for _, b in todo])
+        out = []
+        for (seq_id, branch), chain in zip(todo, chains):
+            seq = self._seqs[seq_id]
+            tokens = chain.tokens[: seq.gamma]
+            if not tokens:
+                continue
+            context = seq.tokens + list(branch.extra)
+            start = len(context)
+            assumed = context[max(0, start - len(branch.extra) - ASSUMED_CONTEXT) :]
+            prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
+            seq.sent.append(_Sent(prop, chain))
+            if len(seq.sent) > SENT_MAX:
+                del seq.sent[0]
+            out.append(prop)
+        return out
