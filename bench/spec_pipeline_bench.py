@@ -1,7 +1,7 @@
 """The draft seam under load: the synchronous seam, the pipelined seam and the ideal, side by side.
 
 Usage: .venv/bin/python bench/spec_pipeline_bench.py [--tokens 96] [--batches 1,8] [--alphas 0.6,0.8]
-       [--costs 0.05,0.3] [--gamma 4] [--costly-gamma 2] [--repeats 2]
+       [--cells 0.05:4,0.3:1,0.3:2] [--repeats 3]
 
 The target is the target worker's own step loop (``StepLoop``) on a small random Llama built in code
 (``--hidden``, ``--layers``; one torch thread), in this process. The draft is a real ``DraftService``
@@ -11,16 +11,20 @@ each token wrong with probability 1 − α; each drafted token costs ``cost`` ×
 time at that batch, spent as a sleep (as on its own device), once per draft depth for a whole batch
 of sequences and branches.
 
-For each batch size: a plain run (no draft) gives the plain step time T_plain and tokens/s; per α,
-an in-process oracle that answers at once with no wire (a draft fully hidden behind verification)
-gives the verify step time T_verify; then per (α, cost) one run per seam. The ideal speedup is
-E(α, γ) × T_plain / T_verify with E = (1 − α^(γ+1)) / (1 − α), the expected tokens of a round.
+For each batch size and (α, cost, γ): a plain run (no draft) gives the plain step time T_plain and
+tokens/s; an in-process oracle that answers at once with no wire (a draft fully hidden behind verification)
+gives the verify step time T_verify; then one run per seam; the four runs are repeated, interleaved,
+and each ratio's median over the repeats is reported. A step time is the median
+duration of the loop's iterations that stepped (the whole cycle: step, conversions, delivery). The
+ideal speedup is E(α, γ) × T_plain / T_verify with E = (1 − α^(γ+1)) / (1 − α), the expected tokens
+of a round. Every speculative run's outputs are checked equal to the plain run's.
 Speedups are decode-phase tokens/s (tokens after each request's first, from the moment every request
 has its first token to the last token) over the plain run's. ``draft wait`` is the loop's time
-waiting on proposals (``tandem_target_draft_wait_seconds_total``) over its busy time. γ is
-``--gamma`` at the smaller cost and ``--costly-gamma`` at the larger: a draft that is to hide behind
-verification must draft the γ + 1 tokens a round can advance within one verify step, so a draft
-costing 0.3 of a step per token can hide γ ≤ 2.
+waiting on proposals (``tandem_target_draft_wait_seconds_total``) over its busy time. ``--cells``
+pairs each draft cost with a γ: a draft that is to hide behind verification must draft the γ + 1
+tokens a round can advance within one verify step (its staging is γ + 1 batched draft passes), so a
+draft costing 0.3 of a plain step per token hides γ = 1 and, on a verify step barely longer than a
+plain one, not quite γ = 2.
 """
 
 from __future__ import annotations
@@ -143,6 +147,16 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
     from workers.target.step_loop import StepLoop
 
     loop = StepLoop(engine, pool, "bench-target", propose_timeout=2.0)
+    cycles: list[float] = []  # seconds of each iteration that stepped (its median: the step time)
+    iteration = loop._iteration
+
+    async def timed_iteration():
+        steps, started = loop.steps, time.perf_counter()
+        await iteration()
+        if loop.steps > steps:
+            cycles.append(time.perf_counter() - started)
+
+    loop._iteration = timed_iteration
     loop.start()
     if pool is not None:
         deadline = time.monotonic() + 30
@@ -176,8 +190,8 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
     row = {"tok_s": sum(len(o) - 1 for o in outputs.values()) / decode, "wall": wall,
            "steps": loop.steps - steps0, "busy": loop.busy_seconds - busy0,
            "wait": loop.draft_wait_seconds - wait0, "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))],
-           "plain_steps": dict(engine.spec.plain_steps)}
-    row["step_s"] = row["busy"] / max(row["steps"], 1)
+           "plain_steps": dict(engine.spec.plain_steps), "dropped": dict(engine.spec.dropped)}
+    row["step_s"] = statistics.median(cycles[1:] or cycles)  # the first is the prefill
     if counters is not None:
         row["drafts"] = counters.num_drafts
         row["tokens_per_round"] = 1 + counters.num_accepted_tokens / max(counters.num_drafts, 1)
@@ -205,61 +219,62 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
     from workers.target.draft_client import DraftPool
 
     prompts = prompts_for(batch, args.vocab)
-    gammas = {c: (args.gamma if c == min(args.costs) else args.costly_gamma) for c in args.costs}
-    # plain: the references the oracle drafts from, and the baseline
-    plain = [await run_once(engine_for(model, 0), None, prompts, args.tokens, f"plain{k}") for k in range(args.repeats)]
-    base = median_row(plain)
+    # plain: the references the oracle drafts from, and the step time the draft's cost is set from
+    first = await run_once(engine_for(model, 0), None, prompts, args.tokens, "plain-ref")
     refs = work / f"refs-{batch}.json"
-    refs.write_text(json.dumps([p + o for p, o in zip(prompts, base["outputs"])]))
-    t_plain = min(r["step_s"] for r in plain)
-    print(f"batch {batch}: plain {base['tok_s']:.0f} tok/s, step {1e3 * t_plain:.2f} ms", flush=True)
+    refs.write_text(json.dumps([p + o for p, o in zip(prompts, first["outputs"])]))
+    t_plain0 = first["step_s"]
+    print(f"batch {batch}: plain {first['tok_s']:.0f} tok/s, step {1e3 * t_plain0:.2f} ms", flush=True)
     rows = []
     for alpha in args.alphas:
         error = round(1 - alpha, 3)
-        for cost in args.costs:
-            gamma = gammas[cost]
-            ideal_runs = [await run_once(engine_for(model, gamma), FixedPool(LocalOracle(
-                json.loads(refs.read_text()), error, args.vocab)), prompts, args.tokens, f"ideal{k}")
-                for k in range(args.repeats)]
-            t_verify = min(r["step_s"] for r in ideal_runs)
+        for cost, gamma in args.cells:
             e = expected_tokens(alpha, gamma)
-            row = {"batch": batch, "alpha": alpha, "cost": cost, "gamma": gamma, "plain_tok_s": base["tok_s"],
-                   "t_plain_ms": 1e3 * t_plain, "t_verify_ms": 1e3 * t_verify, "E": e,
-                   "ideal": e * t_plain / t_verify, "local": median_row(ideal_runs)["tok_s"] / base["tok_s"]}
-            child, port = start_draft(refs, error, cost * t_plain * 1e3, args.vocab)
+            child, port = start_draft(refs, error, cost * t_plain0 * 1e3, args.vocab)
+            record = InstanceRecord("bench-draft", "bench", "draft", "speculate", "", role="draft",
+                                    grpc_address=f"127.0.0.1:{port}")
+            reps = []
             try:
-                record = InstanceRecord("bench-draft", "bench", "draft", "speculate", "", role="draft",
-                                        grpc_address=f"127.0.0.1:{port}")
-                for seam in ("sync", "pipelined"):
-                    runs = []
-                    for k in range(args.repeats):
+                for k in range(args.repeats):  # interleaved, so that a slow spell of the machine hits all alike
+                    plain = await run_once(engine_for(model, 0), None, prompts, args.tokens, f"plain{k}")
+                    ideal = await run_once(engine_for(model, gamma), FixedPool(LocalOracle(
+                        json.loads(refs.read_text()), error, args.vocab)), prompts, args.tokens, f"ideal{k}")
+                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"], "t_verify": ideal["step_s"],
+                           "ideal": e * plain["step_s"] / ideal["step_s"], "local": ideal["tok_s"] / plain["tok_s"]}
+                    for seam in ("sync", "pipelined"):
                         pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
                         r = await run_once(engine_for(model, gamma), pool, prompts, args.tokens, f"{seam}{k}")
                         await pool.close()
-                        assert r["outputs"] == base["outputs"], f"{seam}: outputs differ from plain decoding"
-                        runs.append(r)
-                    r = median_row(runs)
-                    row[seam] = r["tok_s"] / base["tok_s"]
-                    row[f"{seam}_wait"] = r["wait"] / r["busy"]
-                    row[f"{seam}_tpr"] = r.get("tokens_per_round", 0.0)
-                    row[f"{seam}_plain_steps"] = r["plain_steps"]
+                        assert r["outputs"] == first["outputs"], f"{seam}: outputs differ from plain decoding"
+                        rep[seam] = r["tok_s"] / plain["tok_s"]
+                        rep[f"{seam}_wait"] = r["wait"] / r["busy"]
+                        rep[f"{seam}_tpr"] = r.get("tokens_per_round", 0.0)
+                        rep[f"{seam}_plain_steps"] = r["plain_steps"]
+                        rep[f"{seam}_dropped"] = r["dropped"]
+                    rep["of_ideal"] = rep["pipelined"] / rep["ideal"]
+                    reps.append(rep)
             finally:
                 child.kill()
                 child.wait()
-            print(json.dumps({k: v for k, v in row.items()}), flush=True)
+            row = {"batch": batch, "alpha": alpha, "cost": cost, "gamma": gamma, "E": e, "repeats": reps}
+            for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "local", "sync", "pipelined", "of_ideal",
+                        "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr"):
+                row[key] = statistics.median(r[key] for r in reps)
+            row["pipelined_plain_steps"] = reps[len(reps) // 2]["pipelined_plain_steps"]
+            print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
             rows.append(row)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print("| batch | α | draft cost (× plain step) | γ | plain tok/s | T_plain ms | T_verify ms | ideal | sync | "
-          "pipelined | pipelined / ideal | draft wait sync | draft wait pipelined | tokens/round pipelined |")
+          "pipelined | pipelined / ideal | draft wait sync | draft wait pipelined | tokens/round sync / pipelined |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['alpha']} | {r['cost']} | {r['gamma']} | {r['plain_tok_s']:.0f} | "
-              f"{r['t_plain_ms']:.2f} | {r['t_verify_ms']:.2f} | {r['ideal']:.2f}× | {r['sync']:.2f}× | "
-              f"{r['pipelined']:.2f}× | {r['pipelined'] / r['ideal']:.2f} | {100 * r['sync_wait']:.0f} % | "
-              f"{100 * r['pipelined_wait']:.1f} % | {r['pipelined_tpr']:.2f} |")
+              f"{1e3 * r['t_plain']:.2f} | {1e3 * r['t_verify']:.2f} | {r['ideal']:.2f}× | {r['sync']:.2f}× | "
+              f"{r['pipelined']:.2f}× | {r['of_ideal']:.2f} | {100 * r['sync_wait']:.0f} % | "
+              f"{100 * r['pipelined_wait']:.1f} % | {r['sync_tpr']:.2f} / {r['pipelined_tpr']:.2f} |")
 
 
 def main() -> None:
@@ -267,13 +282,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96, help="tokens per request")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--alphas", default="0.6,0.8")
-    ap.add_argument("--costs", default="0.05,0.3", help="draft cost per token, in plain target steps")
-    ap.add_argument("--gamma", type=int, default=4, help="γ at the smaller cost")
-    ap.add_argument("--costly-gamma", type=int, default=2, help="γ at the larger cost")
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--cells", default="0.05:4,0.3:1,0.3:2",
+                    help="draft cost per token (in plain target steps) : γ, comma separated")
+    ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per cell (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--serve-draft", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -283,17 +297,17 @@ def main() -> None:
         return
     args.batches = [int(x) for x in args.batches.split(",")]
     args.alphas = [float(x) for x in args.alphas.split(",")]
-    args.costs = [float(x) for x in args.costs.split(",")]
+    args.cells = [(float(c), int(g)) for c, g in (x.split(":") for x in args.cells.split(","))]
     model = build_model(args.hidden, args.layers, args.vocab)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batches:
             rows.extend(asyncio.run(bench_batch(args, model, batch, Path(tmp))))
     print_table(rows)
-    worst = min(r["pipelined"] / r["ideal"] for r in rows)
+    worst = min(r["of_ideal"] for r in rows)
     wait = max(r["pipelined_wait"] for r in rows)
     print(f"pipelined / ideal: worst {worst:.2f} (target ≥ 0.9); pipelined draft wait: worst {100 * wait:.1f} % "
-          f"of busy time (target ≤ 5 %); median pipelined / ideal {statistics.median(r['pipelined'] / r['ideal'] for r in rows):.2f}")
+          f"of busy time (target ≤ 5 %); median pipelined / ideal {statistics.median(r['of_ideal'] for r in rows):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

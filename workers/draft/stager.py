@@ -8,11 +8,16 @@ the target uses (:func:`workers.speculation.staging.overlap`), which streamed pr
 will verify next (the one that fits its committed tokens with the most tokens left), and then:
 
 - **answer**: when none fits, it drafts one from the committed tokens and streams it at once (the
-  target uses it if it comes in time, else decodes plainly and may still use it trimmed);
+  target uses it if it comes in time, else decodes plainly and may still use it trimmed). Every
+  proposal carries a few spare tokens past γ (the target verifies γ): one per plain target step it
+  may arrive after (an answer: 1 + the lag; a staged one: the lag, 0 when the stager keeps up, the
+  lag being the target steps between its last two draftings for the sequence, less one), so that
+  what is left after those steps committed its first tokens is still a whole round;
 - **stage** (SGLang's decoupled speculation): for the proposal the target verifies next,
   x_1..x_k, every outcome is a = 0..k accepted tokens followed by a bonus token the target draws.
-  It guesses the bonus (a = k: the draft's own next token x_{k+1}; a < k: the draft's top
-  ``alternatives`` tokens at that depth other than x_{a+1}, which the target rejected) and drafts
+  It guesses the bonus (a = k: the draft's own next token x_{k+1} and its top ``alternatives``
+  others; a < k: the draft's top ``alternatives`` tokens at that depth other than x_{a+1}, which the
+  target rejected) and drafts
   γ tokens after each guess, every branch in one batched call
   (:meth:`Stager.Drafter.draft_branches`: one draft pass per depth for all of them). Each staged
   proposal names the prefix it assumes (``start``, ``assumed``), so the target can tell which one
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..speculation.payloads import DraftOutput, VerifyResult
-from ..speculation.staging import overlap
+from ..speculation.staging import SPARE_MAX, overlap
 
 ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
 SENT_MAX = 64  # proposals remembered per sequence
@@ -75,6 +80,7 @@ class Drafter(Protocol):
 class _Sent:
     prop: DraftOutput  # as streamed (positioned)
     chain: Chain  # as drafted: one token more than streamed (the guess of the bonus after it)
+    expect: int = 0  # its first tokens the target is expected to commit plainly before it arrives
 
 
 @dataclass
@@ -83,7 +89,15 @@ class _Seq:
     sent: list[_Sent] = field(default_factory=list)  # oldest first
     staged_from: _Sent | None = None  # the proposal whose outcomes were staged last
     round: int = 0  # the latest round heard of
+    drafted_round: int = 0  # the latest round heard of when it was last drafted for
+    lag: int = 1  # target steps between its last two draftings: how far the target gets meanwhile
     gamma: int = 0
+
+    def spare(self, answer: bool) -> int:
+        """Plain target steps a proposal is expected to arrive after (each commits one of its tokens, so
+        it carries as many past γ): an answer comes a step late (the target decoded plainly while it was
+        drafted) plus the lag; a staged proposal, the lag only (0 when the stager keeps up)."""
+        return min(max(self.lag, 1) - (0 if answer else 1), SPARE_MAX)
 
 
 class Stager:
@@ -145,11 +159,19 @@ class Stager:
             if seq is None or seq.gamma <= 0:
                 continue
             seq.sent = [s for s in seq.sent if s.prop.start > len(seq.tokens) or overlap(s.prop, seq.tokens) is not None]
+            self._note_round(seq)
             if self._in_use(seq) is None:
-                todo.append((seq_id, Branch(seq_id, (), seq.gamma + 1, self.alternatives)))
+                spare = seq.spare(True)
+                todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare))
         out = self._draft(todo)
         self.answered += len(out)
         return out
+
+    @staticmethod
+    def _note_round(seq: _Seq) -> None:
+        if seq.drafted_round:
+            seq.lag = seq.round - seq.drafted_round
+        seq.drafted_round = seq.round
 
     def stage(self, seq_ids: list[str]) -> list[DraftOutput]:
         """Staged proposals for the outcomes of the proposal each sequence verifies next (once per proposal)."""
@@ -164,36 +186,58 @@ class Stager:
             sent, over = found
             seq.staged_from = sent
             self.stagings += 1
-            x = sent.prop.token_ids[over:]
+            drafted, alternatives = sent.chain.tokens, sent.chain.alternatives
+            # the target verifies it after committing ``pre`` plainly (it was expected to arrive that
+            # late), γ tokens at most: ``x``
+            skip = over + max(0, sent.expect - over)
+            pre = tuple(drafted[over:skip])
+            x = drafted[skip : skip + seq.gamma]
             k = len(x)
-            drafted = sent.chain.tokens
+            spare = seq.spare(False)
+            size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
             for a in range(k + 1):
                 if a < k:
-                    alts = sent.chain.alternatives[over + a] if over + a < len(sent.chain.alternatives) else []
-                    guesses = [t for t in alts if t != x[a]][: self.alternatives]
-                else:  # the chain drafted one token past the streamed ones: the guess of a = k's bonus
-                    guesses = drafted[over + k : over + k + 1]
-                for b in guesses:
-                    todo.append((seq_id, Branch(seq_id, tuple(x[:a]) + (b,), seq.gamma + 1, self.alternatives)))
+                    alts = alternatives[skip + a] if skip + a < len(alternatives) else []
+                    for b in [t for t in alts if t != x[a]][: self.alternatives]:
+                        todo.append((seq_id, Branch(seq_id, pre + tuple(x[:a]) + (b,), size, self.alternatives),
+                                     False, spare))
+                elif skip + k < len(drafted):  # its draft of the token after them, and the alternatives to
+                    # that: the guesses of a = k's bonus
+                    alts = alternatives[skip + k] if skip + k < len(alternatives) else []
+                    nxt = drafted[skip + k]
+                    for b in [nxt] + [t for t in alts if t != nxt][: self.alternatives]:
+                        todo.append((seq_id, Branch(seq_id, pre + tuple(x) + (b,), size, self.alternatives),
+                                     False, spare))
+                else:  # no such draft (a proposal trimmed to its end): the branch drafts its own guess first
+                    todo.append((seq_id, Branch(seq_id, pre + tuple(x), size + 1, self.alternatives), True, spare))
         out = self._draft(todo)
         self.staged += len(out)
         return out
 
-    def _draft(self, todo: list[tuple[str, Branch]]) -> list[DraftOutput]:
+    def _draft(self, todo: list[tuple[str, Branch, bool, int]]) -> list[DraftOutput]:
+        """Draft the branches in one call; ``guess_first``: the chain's first token is the guess of the
+        bonus token (part of the assumed prefix), the proposal what follows it."""
         if not todo:
             return []
-        chains = self.drafter.draft_branches([b for _, b in todo])
+        chains = self.drafter.draft_branches([b for _, b, _, _ in todo])
         out = []
-        for (seq_id, branch), chain in zip(todo, chains):
+        for (seq_id, branch, guess_first, expect), chain in zip(todo, chains):
             seq = self._seqs[seq_id]
-            tokens = chain.tokens[: seq.gamma]
+            extra = list(branch.extra)
+            if guess_first:
+                if not chain.tokens:
+                    continue
+                extra.append(chain.tokens[0])
+                chain = Chain(chain.tokens[1:], chain.alternatives[1:])
+            # the last one drafted only guesses what follows (and a guess-first branch's first was the bonus)
+            tokens = chain.tokens[: branch.num_tokens - 1 - guess_first]
             if not tokens:
                 continue
-            context = seq.tokens + list(branch.extra)
+            context = seq.tokens + extra
             start = len(context)
-            assumed = context[max(0, start - len(branch.extra) - ASSUMED_CONTEXT) :]
+            assumed = context[max(0, start - len(extra) - ASSUMED_CONTEXT) :]
             prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
-            seq.sent.append(_Sent(prop, chain))
+            seq.sent.append(_Sent(prop, chain, expect))
             if len(seq.sent) > SENT_MAX:
                 del seq.sent[0]
             out.append(prop)

@@ -29,7 +29,7 @@ from runtime.spec_stats import SpecCounters
 from ..speculation.budget import Acceptance, RealizedRates, StepCost, plan
 from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput, SparseDist
-from ..speculation.staging import Staged, position_problem
+from ..speculation.staging import SPARE_MAX, Staged, position_problem
 from ..speculation.tree import tree_depths
 from .sequence import Sequence
 
@@ -281,8 +281,10 @@ class Speculator:
             if st is None:
                 self._drop("stale")
                 continue
+            # a streamed proposal may carry a few more tokens than a round verifies, so that after the
+            # target decoded its first ones plainly the rest is still a whole round
             problem = ("round" if prop.round >= st.round else position_problem(prop, self.vocab_size)
-                       or proposal_problem(prop, max(st.gamma, 1), self.vocab_size))
+                       or proposal_problem(prop, max(st.gamma, 1) + SPARE_MAX, self.vocab_size))
             if problem is not None:
                 self._drop(problem)
                 continue

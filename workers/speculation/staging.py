@@ -34,6 +34,7 @@ from .payloads import DraftOutput
 
 ASSUMED_MAX = 64  # most assumed tokens a proposal may carry
 KEEP = 32  # proposals kept per sequence (a round's staged branches: (γ + 1) × a few guesses)
+SPARE_MAX = 4  # tokens a streamed proposal may carry past γ (it may arrive after a few plain steps)
 
 
 def position_problem(prop: DraftOutput, vocab_size: int) -> str | None:

@@ -13,9 +13,9 @@ Only the engine's thread touches torch or the engine. Each iteration of :meth:`S
    queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`, :class:`EngineCall`),
    the engine step, the verdicts and the next round's proposal requests, already converted to
    protobuf, and the KV events;
-3. on the event loop again: delivers token deltas to the requests' queues, KV events to their
-   publisher, verdicts and released sequences to the draft stream, and sends the next round's
-   requests so that the draft works while the loop delivers.
+3. on the event loop again: sends verdicts, released sequences and the next round's requests to
+   the draft stream first, so that the draft works while the loop delivers token deltas to the
+   requests' queues and KV events to their publisher.
 
 Without a draft worker (none registered, its stream broke, it is backed off, or speculation is
 off) nothing is asked and the engine decodes plainly. Nothing that goes wrong ends the loop: an
@@ -269,6 +269,7 @@ class StepLoop:
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
             self._resolve(cmd, result, error)
+        self._talk_to_draft(cycle)  # first: the draft works while the loop delivers
         self.handoffs.update(cycle.handoffs)  # before the deltas whose finish reason says "handoff"
         self._deliver(cycle.outputs)
         for rid, error in cycle.failed:
@@ -278,7 +279,6 @@ class StepLoop:
         if cycle.stepped:
             self.steps += 1
         self._observe_step(cycle)
-        self._talk_to_draft(cycle)
         self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
         self.busy_seconds += time.perf_counter() - started
         self._last_asked = asked

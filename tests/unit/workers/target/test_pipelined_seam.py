@@ -190,7 +190,7 @@ async def test_malformed_streamed_proposals_are_dropped_and_counted(model, expec
                  "assumed": DraftOutput(seq_id, round_, ref[n : n + 3], start=n, assumed=[-5]),
                  "position": DraftOutput(seq_id, round_, ref[n : n + 3], start=0),
                  "round": DraftOutput(seq_id, round_ + 5, ref[n : n + 3], start=n, assumed=committed[-2:]),
-                 "too_long": DraftOutput(seq_id, round_, ref[n : n + 9], start=n, assumed=committed[-2:]),
+                 "too_long": DraftOutput(seq_id, round_, ref[n : n + 8], start=n, assumed=committed[-2:]),
                  }[bad], good]
 
     engine, loop, deltas = await run_scripted(model, hostile)
