@@ -153,18 +153,21 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         stream staged proposals for the outcomes of what each verifies next (see :mod:`.stager`)."""
         stager = self.stager
 
-        def apply_and_answer() -> list:
+        def apply_and_answer() -> tuple[list, list | None]:
             for kind, x in news:
                 if kind == "commit":
                     stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length)
                 else:
                     stager.verified(x)
-            return stager.answer(list(streams))
+            answers = stager.answer(list(streams))
+            # answers go out before staging starts; without any, one thread hop does both
+            return answers, None if answers else stager.stage(list(streams))
 
         started = time.perf_counter()
-        answers = await asyncio.to_thread(apply_and_answer)
+        answers, staged = await asyncio.to_thread(apply_and_answer)
         self._send_staged(answers, streams)
-        staged = await asyncio.to_thread(stager.stage, list(streams))
+        if staged is None:
+            staged = await asyncio.to_thread(stager.stage, list(streams))
         self._send_staged(staged, streams)
         stats = self.stats
         stats.latency.observe(time.perf_counter() - started)
