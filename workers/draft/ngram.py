@@ -128,6 +128,11 @@ class NgramProposer:
                 out.append(DraftOutput(item.seq_id, item.round, self.lookup(hist.tokens, item.chain_length, hist)))
         return out
 
+    @property
+    def stages(self) -> bool:
+        """Branches are chains: set to draft trees, it serves the synchronous seam."""
+        return self.tree_topk <= 1
+
     def commit(self, seq_id: str, tokens: list[int]) -> None:
         self._extend(self._seqs.setdefault(seq_id, _History()), tokens)
 

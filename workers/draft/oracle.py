@@ -34,6 +34,7 @@ from .stager import Branch, Chain
 class OracleProposer:
     method = "oracle"
     hidden_layers: list[int] = []
+    stages = True  # drafts branches for the pipelined seam
 
     def __init__(self, references: list[list[int]], error_rate: float, vocab_size: int, seed: int = 0,
                  token_cost_s: float = 0.0):

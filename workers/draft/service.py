@@ -9,7 +9,7 @@ batcher takes everything queued, runs one ``propose`` call in a worker thread (m
 proposers run torch there, off the event loop) and routes each proposal back to its stream.
 
 A target that runs the pipelined seam (``Hello.staged``) gets, from a proposer that stages
-(ngram, suffix, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
+(ngram and suffix drafting chains, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
 (:class:`.stager.Stager`): the news of everything queued is applied in order, then, once per
 sequence, a proposal from its committed tokens if none streamed fits them, and staged proposals for
 the outcomes of the one the target verifies next. Other methods (eagle, draft_model, heads) serve
@@ -58,7 +58,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                  alternatives: int = 1):
         self.proposer = proposer
         # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
-        self.stager = Stager(proposer, alternatives) if callable(getattr(proposer, "draft_branches", None)) else None
+        self.stager = Stager(proposer, alternatives) if getattr(proposer, "stages", False) else None
         # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
         self.overlap = overlap and hasattr(proposer, "predraft")
         self._ahead: dict[str, int] = {}  # seq id -> γ of its last proposal, to draft ahead for

@@ -63,6 +63,8 @@ class Chain:
 class Drafter(Protocol):
     """What a proposer offers to stage (ngram, suffix, oracle)."""
 
+    stages: bool  # it drafts branches now (chains: a proposer set to draft trees serves the synchronous seam)
+
     def commit(self, seq_id: str, tokens: list[int]) -> None:
         """The target committed ``tokens`` after the ones already heard of (the first call: the prompt)."""
         ...

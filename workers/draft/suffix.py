@@ -147,6 +147,11 @@ class SuffixProposer:
             out.append(DraftOutput(item.seq_id, item.round, best[1], [], best[2]))
         return out
 
+    @property
+    def stages(self) -> bool:
+        """Branches are chains: set to draft trees, it serves the synchronous seam."""
+        return self.config.tree_topk <= 1
+
     def commit(self, seq_id: str, tokens: list[int]) -> None:
         self._append(seq_id, list(tokens))
 
