@@ -11,13 +11,14 @@ each token wrong with probability 1 − α; each drafted token costs ``cost`` ×
 time at that batch, spent as a sleep (as on its own device), once per draft depth for a whole batch
 of sequences and branches.
 
-For each batch size and (α, cost, γ): a plain run (no draft) gives the plain step time T_plain and
-tokens/s; an in-process oracle that answers at once with no wire (a draft fully hidden behind verification)
-gives the verify step time T_verify; then one run per seam; the four runs are repeated, interleaved,
-and each ratio's median over the repeats is reported. A step time is the median
-duration of the loop's iterations that stepped (the whole cycle: step, conversions, delivery). The
-ideal speedup is E(α, γ) × T_plain / T_verify with E = (1 − α^(γ+1)) / (1 − α), the expected tokens
-of a round. Every speculative run's outputs are checked equal to the plain run's.
+For each batch size and (α, cost, γ): a plain run (no draft) and one run per seam, repeated
+interleaved (so that a slow spell of this shared machine hits all alike); each ratio's median over
+the repeats is reported. Step times are medians over the loop's iterations that stepped, each the
+whole cycle (step, conversions, delivery) less its wait for proposals: T_plain over the plain run's,
+T_verify over the synchronous run's iterations that verified proposals (a verify step with the
+draft's time taken out: the draft fully hidden). The ideal speedup is E(α, γ) × T_plain / T_verify
+with E = (1 − α^(γ+1)) / (1 − α), the expected tokens of a round. Every speculative run's outputs are
+checked equal to the plain run's.
 Speedups are decode-phase tokens/s (tokens after each request's first, from the moment every request
 has its first token to the last token) over the plain run's. ``draft wait`` is the loop's time
 waiting on proposals (``tandem_target_draft_wait_seconds_total``) over its busy time. ``--cells``
@@ -95,66 +96,26 @@ def prompts_for(batch: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % vocab for j in range(24 + i)] for i in range(batch)]
 
 
-class LocalOracle:
-    """A draft stream stand-in for the ideal: the oracle in this process, answering every round at once."""
-
-    def __init__(self, refs: list[list[int]], error_rate: float, vocab: int):
-        from workers.draft.oracle import OracleProposer
-
-        self.proposer = OracleProposer(refs, error_rate, vocab, seed=1)
-        self.draft_id, self.method, self.hidden_layers, self.hidden_dtype = "ideal", "oracle", [], ""
-        self.broken, self.pipelined = False, False
-
-    def send(self, requests):
-        from workers.speculation.convert import draft_input_from_pb
-
-        loop = asyncio.get_running_loop()
-        out = {}
-        for prop in self.proposer.propose([draft_input_from_pb(r) for r in requests]):
-            out[prop.seq_id] = loop.create_future()
-            out[prop.seq_id].set_result(prop)
-        return out
-
-    async def collect(self, futures, timeout):
-        return {k: f.result() for k, f in futures.items()}
-
-    def verified(self, outcomes):
-        from workers.speculation.convert import verify_from_pb
-
-        self.proposer.verified([verify_from_pb(o) for o in outcomes])
-
-    def release(self, ids):
-        self.proposer.release(ids)
-
-
-class FixedPool:
-    def __init__(self, client):
-        self.client, self.refused = client, {}
-
-    async def poll(self):
-        return self.client
-
-    async def prune(self):
-        pass
-
-    async def close(self):
-        pass
-
-
 async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str) -> dict:
     """Serve ``prompts`` on a fresh step loop; decode-phase tokens/s and the loop's counters."""
     from runtime.messages import SamplingParams
     from workers.target.step_loop import StepLoop
 
     loop = StepLoop(engine, pool, "bench-target", propose_timeout=2.0)
-    cycles: list[float] = []  # seconds of each iteration that stepped (its median: the step time)
+    cycles: list[float] = []  # seconds of each iteration that stepped, less its wait for proposals
+    verify_cycles: list[float] = []  # of those, the iterations that verified proposals
     iteration = loop._iteration
 
+    def drafts() -> int:
+        return sum(c.num_drafts for c in engine.counters.values())
+
     async def timed_iteration():
-        steps, started = loop.steps, time.perf_counter()
+        steps, verified, waited, started = loop.steps, drafts(), loop.draft_wait_seconds, time.perf_counter()
         await iteration()
         if loop.steps > steps:
-            cycles.append(time.perf_counter() - started)
+            cycles.append(time.perf_counter() - started - (loop.draft_wait_seconds - waited))
+            if drafts() > verified:
+                verify_cycles.append(cycles[-1])
 
     loop._iteration = timed_iteration
     loop.start()
@@ -192,6 +153,7 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
            "wait": loop.draft_wait_seconds - wait0, "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))],
            "plain_steps": dict(engine.spec.plain_steps), "dropped": dict(engine.spec.dropped)}
     row["step_s"] = statistics.median(cycles[1:] or cycles)  # the first is the prefill
+    row["verify_s"] = statistics.median(verify_cycles) if verify_cycles else None
     if counters is not None:
         row["drafts"] = counters.num_drafts
         row["tokens_per_round"] = 1 + counters.num_accepted_tokens / max(counters.num_drafts, 1)
@@ -237,10 +199,7 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
             try:
                 for k in range(args.repeats):  # interleaved, so that a slow spell of the machine hits all alike
                     plain = await run_once(engine_for(model, 0), None, prompts, args.tokens, f"plain{k}")
-                    ideal = await run_once(engine_for(model, gamma), FixedPool(LocalOracle(
-                        json.loads(refs.read_text()), error, args.vocab)), prompts, args.tokens, f"ideal{k}")
-                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"], "t_verify": ideal["step_s"],
-                           "ideal": e * plain["step_s"] / ideal["step_s"], "local": ideal["tok_s"] / plain["tok_s"]}
+                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"]}
                     for seam in ("sync", "pipelined"):
                         pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
                         r = await run_once(engine_for(model, gamma), pool, prompts, args.tokens, f"{seam}{k}")
@@ -251,13 +210,17 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                         rep[f"{seam}_tpr"] = r.get("tokens_per_round", 0.0)
                         rep[f"{seam}_plain_steps"] = r["plain_steps"]
                         rep[f"{seam}_dropped"] = r["dropped"]
+                        rep[f"{seam}_verify_s"] = r["verify_s"]
+                    # the verify step: the synchronous run's verifying cycles, less their wait for proposals
+                    rep["t_verify"] = rep["sync_verify_s"]
+                    rep["ideal"] = e * rep["t_plain"] / rep["t_verify"]
                     rep["of_ideal"] = rep["pipelined"] / rep["ideal"]
                     reps.append(rep)
             finally:
                 child.kill()
                 child.wait()
             row = {"batch": batch, "alpha": alpha, "cost": cost, "gamma": gamma, "E": e, "repeats": reps}
-            for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "local", "sync", "pipelined", "of_ideal",
+            for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "sync", "pipelined", "of_ideal",
                         "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr"):
                 row[key] = statistics.median(r[key] for r in reps)
             row["pipelined_plain_steps"] = reps[len(reps) // 2]["pipelined_plain_steps"]

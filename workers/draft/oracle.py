@@ -49,6 +49,7 @@ class OracleProposer:
         self._rng = random.Random(seed)
         self._seqs: dict[str, list[int]] = {}  # committed tokens
         self._tails: dict[str, list[int]] = {}  # drafted past the committed tokens, already paid for
+        self._ref_of: dict[str, tuple[int, int]] = {}  # seq id -> (its reference, committed tokens checked)
         self.drafted_tokens = 0  # tokens paid for (incl. drafted ahead)
 
     @classmethod
@@ -99,12 +100,28 @@ class OracleProposer:
         self._seqs.setdefault(seq_id, [])
         self._commit(seq_id, list(tokens))
 
+    def _reference(self, seq_id: str) -> list[int] | None:
+        """The reference the sequence's committed tokens are a prefix of (remembered, checked as it grows)."""
+        committed = self._seqs.get(seq_id)
+        if committed is None:
+            return None
+        index, checked = self._ref_of.get(seq_id, (-1, 0))
+        ref = self.references[index] if index >= 0 else None
+        if ref is None or len(ref) < len(committed) or ref[checked : len(committed)] != committed[checked:]:
+            index = next((i for i, r in enumerate(self.references)
+                          if len(r) >= len(committed) and r[: len(committed)] == committed), -1)
+            ref = self.references[index] if index >= 0 else None
+        self._ref_of[seq_id] = (index, len(committed))
+        return ref
+
     def draft_branches(self, branches: list[Branch]) -> list[Chain]:
         out = []
         deepest = 0
         for br in branches:
-            committed = self._seqs.get(br.seq_id)
-            truth = self._continuation(committed + list(br.extra), br.num_tokens) if committed is not None else []
+            ref, n = self._reference(br.seq_id), len(self._seqs.get(br.seq_id, ()))
+            at = n + len(br.extra)
+            truth = (ref[at : at + br.num_tokens] if ref is not None and list(ref[n:at]) == list(br.extra)
+                     else [])
             tokens: list[int] = []
             alternatives: list[list[int]] = []
             for t in truth:
@@ -127,6 +144,7 @@ class OracleProposer:
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
             self._tails.pop(seq_id, None)
+            self._ref_of.pop(seq_id, None)
 
     def __len__(self) -> int:
         return len(self._seqs)
