@@ -169,6 +169,10 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         if staged is None:
             staged = await asyncio.to_thread(stager.stage, list(streams))
         self._send_staged(staged, streams)
+        if self._work.empty():  # no news yet: one level further for the likeliest outcome
+            ahead = await asyncio.to_thread(stager.stage_ahead, list(streams))
+            self._send_staged(ahead, streams)
+            staged += ahead
         stats = self.stats
         stats.latency.observe(time.perf_counter() - started)
         stats.batch_size.observe(len(streams))

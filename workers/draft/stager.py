@@ -24,8 +24,10 @@ will verify next (the one that fits its committed tokens with the most tokens le
   came true. ``alternatives = 0`` is the rolling tail: only the a = k branch, the draft continuing
   its own chain as if everything were accepted.
 
-Staging happens once per proposal in use: news that does not change it (a plain step that the
-proposal already covers, trimmed) drafts nothing new. A staged proposal is only a guess; the
+Staging happens once per proposal: news that does not change the one in use (a plain step that
+it already covers, trimmed) drafts nothing new. With no news waiting, it stages one level further
+for the likeliest outcome (:meth:`Stager.stage_ahead`: everything accepted and the bonus as the
+draft guessed it), so that a stager running a step late still serves that case in time. A staged proposal is only a guess; the
 target validates and verifies it like any other, so nothing here affects what the target emits.
 """
 
@@ -83,13 +85,14 @@ class _Sent:
     prop: DraftOutput  # as streamed (positioned)
     chain: Chain  # as drafted: one token more than streamed (the guess of the bonus after it)
     expect: int = 0  # its first tokens the target is expected to commit plainly before it arrives
+    staged: bool = False  # the outcomes of verifying it were staged
 
 
 @dataclass
 class _Seq:
     tokens: list[int] = field(default_factory=list)  # committed, as heard
     sent: list[_Sent] = field(default_factory=list)  # oldest first
-    staged_from: _Sent | None = None  # the proposal whose outcomes were staged last
+    likely: tuple[_Sent, tuple[int, ...]] | None = None  # the latest likeliest staged one, and what it assumes
     round: int = 0  # the latest round heard of
     drafted_round: int = 0  # the latest round heard of when it was last drafted for
     lag: int = 1  # target steps between its last two draftings: how far the target gets meanwhile
@@ -164,7 +167,7 @@ class Stager:
             self._note_round(seq)
             if self._in_use(seq) is None:
                 spare = seq.spare(True)
-                todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare))
+                todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
         out = self._draft(todo)
         self.answered += len(out)
         return out
@@ -183,47 +186,70 @@ class Stager:
             if seq is None or seq.gamma <= 0:
                 continue
             found = self._in_use(seq)
-            if found is None or found[0] is seq.staged_from:
+            if found is None or found[0].staged:
                 continue
             sent, over = found
-            seq.staged_from = sent
-            self.stagings += 1
-            drafted, alternatives = sent.chain.tokens, sent.chain.alternatives
-            # the target verifies it after committing ``pre`` plainly (it was expected to arrive that
-            # late), γ tokens at most: ``x``
-            skip = over + max(0, sent.expect - over)
-            pre = tuple(drafted[over:skip])
-            x = drafted[skip : skip + seq.gamma]
-            k = len(x)
-            spare = seq.spare(False)
-            size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
-            for a in range(k + 1):
-                if a < k:
-                    alts = alternatives[skip + a] if skip + a < len(alternatives) else []
-                    for b in [t for t in alts if t != x[a]][: self.alternatives]:
-                        todo.append((seq_id, Branch(seq_id, pre + tuple(x[:a]) + (b,), size, self.alternatives),
-                                     False, spare))
-                elif skip + k < len(drafted):  # its draft of the token after them, and the alternatives to
-                    # that: the guesses of a = k's bonus
-                    alts = alternatives[skip + k] if skip + k < len(alternatives) else []
-                    nxt = drafted[skip + k]
-                    for b in [nxt] + [t for t in alts if t != nxt][: self.alternatives]:
-                        todo.append((seq_id, Branch(seq_id, pre + tuple(x) + (b,), size, self.alternatives),
-                                     False, spare))
-                else:  # no such draft (a proposal trimmed to its end): the branch drafts its own guess first
-                    todo.append((seq_id, Branch(seq_id, pre + tuple(x), size + 1, self.alternatives), True, spare))
+            todo += self._outcomes(seq_id, seq, sent, over, (), seq.spare(False))
         out = self._draft(todo)
         self.staged += len(out)
         return out
 
-    def _draft(self, todo: list[tuple[str, Branch, bool, int]]) -> list[DraftOutput]:
+    def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
+        """One level further, before any news: the outcomes of each sequence's likeliest staged proposal
+        (the one after a fully accepted round, the bonus guessed by the draft itself), so that a stager
+        a step late still has them out in time when that is what happens."""
+        todo = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            likely = seq.likely if seq is not None else None
+            if likely is None or likely.staged:
+                continue
+            sent, extra = likely
+            todo += self._outcomes(seq_id, seq, sent, 0, extra, sent.expect)
+        out = self._draft(todo)
+        self.staged += len(out)
+        return out
+
+    def _outcomes(self, seq_id: str, seq: _Seq, sent: _Sent, over: int, base: tuple[int, ...], spare: int) -> list:
+        """The branches for the outcomes of verifying ``sent`` (``over`` of its tokens committed; ``base``:
+        the tokens it assumes past the committed ones)."""
+        sent.staged = True
+        self.stagings += 1
+        drafted, alternatives = sent.chain.tokens, sent.chain.alternatives
+        # the target verifies it after committing ``pre`` plainly (it was expected to arrive that late),
+        # γ tokens at most: ``x``
+        skip = over + max(0, sent.expect - over)
+        pre = base + tuple(drafted[over:skip])
+        x = drafted[skip : skip + seq.gamma]
+        k = len(x)
+        size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
+        todo = []
+        for a in range(k + 1):
+            if a < k:
+                alts = alternatives[skip + a] if skip + a < len(alternatives) else []
+                for b in [t for t in alts if t != x[a]][: self.alternatives]:
+                    todo.append((seq_id, Branch(seq_id, pre + tuple(x[:a]) + (b,), size, self.alternatives),
+                                 False, spare, False))
+            elif skip + k < len(drafted):  # its draft of the token after them, and the alternatives to that:
+                # the guesses of a = k's bonus (the first is the likeliest outcome of all)
+                alts = alternatives[skip + k] if skip + k < len(alternatives) else []
+                nxt = drafted[skip + k]
+                for i, b in enumerate([nxt] + [t for t in alts if t != nxt][: self.alternatives]):
+                    todo.append((seq_id, Branch(seq_id, pre + tuple(x) + (b,), size, self.alternatives),
+                                 False, spare, i == 0))
+            else:  # no such draft (a proposal trimmed to its end): the branch drafts its own guess first
+                todo.append((seq_id, Branch(seq_id, pre + tuple(x), size + 1, self.alternatives), True, spare, True))
+        return todo
+
+    def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]]) -> list[DraftOutput]:
         """Draft the branches in one call; ``guess_first``: the chain's first token is the guess of the
-        bonus token (part of the assumed prefix), the proposal what follows it."""
+        bonus token (part of the assumed prefix), the proposal what follows it; ``likely``: the
+        likeliest outcome's branch, which :meth:`stage_ahead` goes on from."""
         if not todo:
             return []
-        chains = self.drafter.draft_branches([b for _, b, _, _ in todo])
+        chains = self.drafter.draft_branches([item[1] for item in todo])
         out = []
-        for (seq_id, branch, guess_first, expect), chain in zip(todo, chains):
+        for (seq_id, branch, guess_first, expect, likely), chain in zip(todo, chains):
             seq = self._seqs[seq_id]
             extra = list(branch.extra)
             if guess_first:
@@ -239,7 +265,10 @@ class Stager:
             start = len(context)
             assumed = context[max(0, start - len(extra) - ASSUMED_CONTEXT) :]
             prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
-            seq.sent.append(_Sent(prop, chain, expect))
+            sent = _Sent(prop, chain, expect)
+            seq.sent.append(sent)
+            if likely:
+                seq.likely = (sent, tuple(extra))
             if len(seq.sent) > SENT_MAX:
                 del seq.sent[0]
             out.append(prop)
