@@ -202,7 +202,7 @@ class Stager:
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
             likely = seq.likely if seq is not None else None
-            if likely is None or likely.staged:
+            if likely is None or likely[0].staged:
                 continue
             sent, extra = likely
             todo += self._outcomes(seq_id, seq, sent, 0, extra, sent.expect)

@@ -70,3 +70,21 @@ def test_ngram_branches_draft_after_the_assumed_tokens_with_alternatives():
     [plain, branch] = ngram.draft_branches([Branch("s", (), 2, 1), Branch("s", (3,), 2, 1)])
     assert plain.tokens == [4, 1] and plain.alternatives[0] == [3]  # "1 2" was followed by 4, before that 3
     assert branch.tokens[0] == 9  # "1 2 3" was followed by 9
+
+
+def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
+    stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.answer(["s"])
+    [level1] = stager.stage(["s"])
+    [level2] = stager.stage_ahead(["s"])
+    assert level2.start == level1.start + 3 and level2.token_ids == REF[level2.start : level2.start + 2]
+    [level3] = stager.stage_ahead(["s"])  # each call one level further
+    assert level3.start == level2.start + 3
+    # the target verifies the answer (after one plain step), then level 1 whole: level 2 fits, and
+    # staging from it does not repeat
+    committed = REF[: level1.start + 3]
+    stager.commit("s", 1, committed[10:], gamma=2)
+    target = Staged()
+    target.offer(level2)
+    assert target.take("s", committed).token_ids == level2.token_ids
