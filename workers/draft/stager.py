@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..speculation.payloads import DraftOutput, VerifyResult
-from ..speculation.staging import SPARE_MAX, overlap
+from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, overlap
 
 ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
 SENT_MAX = 64  # proposals remembered per sequence
@@ -205,8 +205,9 @@ class Stager:
             if likely is None or likely[0].staged:
                 continue
             sent, extra = likely
+            seq.likely = None
             todo += self._outcomes(seq_id, seq, sent, 0, extra, sent.expect)
-        out = self._draft(todo)
+        out = self._draft(todo, remember=False)  # one level ahead of what is in use, not more
         self.staged += len(out)
         return out
 
@@ -241,10 +242,10 @@ class Stager:
                 todo.append((seq_id, Branch(seq_id, pre + tuple(x), size + 1, self.alternatives), True, spare, True))
         return todo
 
-    def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]]) -> list[DraftOutput]:
+    def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]], remember: bool = True) -> list[DraftOutput]:
         """Draft the branches in one call; ``guess_first``: the chain's first token is the guess of the
         bonus token (part of the assumed prefix), the proposal what follows it; ``likely``: the
-        likeliest outcome's branch, which :meth:`stage_ahead` goes on from."""
+        likeliest outcome's branch, which :meth:`stage_ahead` goes on from (when ``remember``)."""
         if not todo:
             return []
         chains = self.drafter.draft_branches([item[1] for item in todo])
@@ -259,7 +260,7 @@ class Stager:
                 chain = Chain(chain.tokens[1:], chain.alternatives[1:])
             # the last one drafted only guesses what follows (and a guess-first branch's first was the bonus)
             tokens = chain.tokens[: branch.num_tokens - 1 - guess_first]
-            if not tokens:
+            if not tokens or len(extra) + ASSUMED_CONTEXT > ASSUMED_MAX:
                 continue
             context = seq.tokens + extra
             start = len(context)
@@ -267,7 +268,7 @@ class Stager:
             prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
             sent = _Sent(prop, chain, expect)
             seq.sent.append(sent)
-            if likely:
+            if likely and remember:
                 seq.likely = (sent, tuple(extra))
             if len(seq.sent) > SENT_MAX:
                 del seq.sent[0]
