@@ -92,7 +92,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             except Exception:
                 log.exception("draft batch failed; answering with empty proposals")
                 for kind, stream, payload in items:
-                    if kind == "propose" and not stream.staged:  # a pipelined target waits for nothing  # empty proposals: the target decodes these rounds plainly
+                    # empty proposals: the target decodes these rounds plainly (a pipelined one waits for nothing)
+                    if kind == "propose" and not stream.staged:
                         empty = [spec_pb2.Proposal(seq_id=d.seq_id, round=d.round) for d in payload]
                         stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
 
@@ -131,8 +132,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             else:
                 if news:  # what was heard of these sequences before they ended must not revive them
                     gone = set(payload)
-                    news = [(k, x) for k, x in news if k != "commit" or x.seq_id not in gone]
-                    news = [(k, x if k == "commit" else [r for r in x if r.seq_id not in gone]) for k, x in news]
+                    news = [("commit", x) if kind == "commit" else ("verify", [r for r in x if r.seq_id not in gone])
+                            for kind, x in news if kind != "commit" or x.seq_id not in gone]
                     for seq_id in gone:
                         staged.pop(seq_id, None)
                 if self.stager is not None:
