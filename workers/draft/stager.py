@@ -25,9 +25,9 @@ will verify next (the one that fits its committed tokens with the most tokens le
   its own chain as if everything were accepted.
 
 Staging happens once per proposal: news that does not change the one in use (a plain step that
-it already covers, trimmed) drafts nothing new. With no news waiting, it stages one level further
-for the likeliest outcome (:meth:`Stager.stage_ahead`: everything accepted and the bonus as the
-draft guessed it), so that a stager running a step late still serves that case in time. A staged proposal is only a guess; the
+it already covers, trimmed) drafts nothing new. With no news waiting, a stager running late stages
+one level further for the likeliest outcome (:meth:`Stager.stage_ahead`: everything accepted and the
+bonus as the draft guessed it), so that it still serves that case in time. A staged proposal is only a guess; the
 target validates and verifies it like any other, so nothing here affects what the target emits.
 """
 
@@ -195,14 +195,14 @@ class Stager:
         return out
 
     def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
-        """One level further, before any news: the outcomes of each sequence's likeliest staged proposal
-        (the one after a fully accepted round, the bonus guessed by the draft itself), so that a stager
-        a step late still has them out in time when that is what happens."""
+        """One level further, before any news: for each sequence the stager is late for (its lag over
+        one step), the outcomes of its likeliest staged proposal (the one after a fully accepted round,
+        the bonus guessed by the draft itself), so that they are out in time when that is what happens."""
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
             likely = seq.likely if seq is not None else None
-            if likely is None or likely[0].staged:
+            if likely is None or likely[0].staged or seq.lag <= 1:  # keeping up: the news comes in time
                 continue
             sent, extra = likely
             seq.likely = None
