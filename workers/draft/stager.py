@@ -7,7 +7,9 @@ it has heard of and the proposals it has streamed. On news of a sequence it work
 the target uses (:func:`workers.speculation.staging.overlap`), which streamed proposal the target
 will verify next (the one that fits its committed tokens with the most tokens left), and then:
 
-- **answer**: when none fits, it drafts one from the committed tokens and streams it at once (the
+- **answer**: when none fits (nor one that fits after the plain step the target takes meanwhile, if
+  its token is the one that proposal assumes last: then it stages from that one instead), it
+  drafts one from the committed tokens and streams it at once (the
   target uses it if it comes in time, else decodes plainly and may still use it trimmed). Every
   proposal carries a few spare tokens past γ (the target verifies γ): one per plain target step it
   may arrive after (an answer: 1 + the lag; a staged one: the lag, 0 when the stager keeps up, the
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..speculation.payloads import DraftOutput, VerifyResult
-from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, overlap
+from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, one_ahead, overlap
 
 ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
 SENT_MAX = 64  # proposals remembered per sequence
@@ -156,8 +158,15 @@ class Stager:
                 best, best_left = (sent, over), len(sent.prop.token_ids) - over
         return best
 
+    def _next_up(self, seq: _Seq) -> _Sent | None:
+        """When none fits: a streamed proposal that fits once the target commits one token more, the one
+        it guessed (the target decodes plainly now: its staged proposal came late; if its token is the
+        guess, it verifies this one next). The likeliest such one: the latest drafted."""
+        return next((s for s in reversed(seq.sent) if one_ahead(s.prop, seq.tokens)), None)
+
     def answer(self, seq_ids: list[str]) -> list[DraftOutput]:
-        """Proposals from the committed tokens for the sequences none of whose streamed proposals fits."""
+        """Proposals from the committed tokens for the sequences none of whose streamed proposals fits
+        now or, likely, after the plain step the target takes meanwhile."""
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
@@ -165,7 +174,7 @@ class Stager:
                 continue
             seq.sent = [s for s in seq.sent if s.prop.start > len(seq.tokens) or overlap(s.prop, seq.tokens) is not None]
             self._note_round(seq)
-            if self._in_use(seq) is None:
+            if self._in_use(seq) is None and self._next_up(seq) is None:
                 spare = seq.spare(True)
                 todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
         out = self._draft(todo)
@@ -186,10 +195,14 @@ class Stager:
             if seq is None or seq.gamma <= 0:
                 continue
             found = self._in_use(seq)
-            if found is None or found[0].staged:
+            if found is not None:
+                sent, over = found
+                if not sent.staged:
+                    todo += self._outcomes(seq_id, seq, sent, over, (), seq.spare(False))
                 continue
-            sent, over = found
-            todo += self._outcomes(seq_id, seq, sent, over, (), seq.spare(False))
+            nxt = self._next_up(seq)  # after the plain step the target takes now
+            if nxt is not None and not nxt.staged:
+                todo += self._outcomes(seq_id, seq, nxt, 0, (nxt.prop.assumed[-1],), seq.spare(False))
         out = self._draft(todo)
         self.staged += len(out)
         return out

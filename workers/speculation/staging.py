@@ -62,6 +62,16 @@ def overlap(prop: DraftOutput, committed: Sequence[int]) -> int | None:
     return over if list(committed[start:n]) == list(prop.token_ids[:over]) else None
 
 
+def one_ahead(prop: DraftOutput, committed: Sequence[int]) -> bool:
+    """Whether ``prop`` would fit once the target commits one more token, the one it assumes last
+    (what it does in a plain step when that guess is right)."""
+    start, assumed = prop.start, prop.assumed
+    if start != len(committed) + 1 or not assumed or len(assumed) > start:
+        return False
+    before = assumed[:-1]
+    return list(committed[len(committed) - len(before) :]) == list(before) if before else True
+
+
 def trimmed(prop: DraftOutput, over: int) -> DraftOutput:
     """``prop`` without its first ``over`` tokens (already committed), positioned after them."""
     if over == 0:

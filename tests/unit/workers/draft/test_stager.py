@@ -89,3 +89,20 @@ def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
     target = Staged()
     target.offer(level2)
     assert target.take("s", committed).token_ids == level2.token_ids
+
+
+def test_after_a_plain_step_it_stages_from_the_proposal_one_token_ahead_instead_of_answering():
+    stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.answer(["s"])
+    [level1] = stager.stage(["s"])  # expected after the answer's round: start 14, assumes REF[13]
+    # the answer came late and the target decoded REF[10..12] plainly: level 1 fits once REF[13] is in
+    stager.commit("s", 1, REF[10:13], gamma=2)
+    assert stager.answer(["s"]) == []  # no answer: the target verifies level 1 after its next plain step
+    staged = stager.stage(["s"])
+    assert staged and all(p.start >= level1.start + 1 for p in staged)
+    target = Staged()
+    for p in staged:
+        target.offer(p)
+    done = REF[: level1.start + 3]  # the plain step (REF[13]), then level 1 verified whole + its bonus
+    assert target.take("s", done).token_ids == REF[len(done) : len(done) + 2]
