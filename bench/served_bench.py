@@ -4,7 +4,16 @@ hand-written natural chat prompts, greedy, batch 1, through the OpenAI HTTP API.
 
 Usage: .venv/bin/python bench/served_bench.py [--prompts N] [--rounds 2] [--max-tokens 96]
        [--prompts-file bench/prompts/natural_chat.jsonl] [--spec-args "--num-speculative-tokens 4"]
-       [--json results.json]
+       [--tiny-target] [--spec-seam sync|pipelined] [--json results.json]
+
+``--tiny-target`` serves, in both stacks, a random 2-layer Llama (hidden 64, the demo tokenizer, built
+in code with a fixed seed and saved under the cache) instead of the demo model, on repetitive prompts
+(``bench/prompts/repetitive.jsonl``) unless ``--prompts-file`` says otherwise: a target fast enough
+that the draft seam, not the verify pass, decides what speculation costs (with e.g. ``--spec-args
+"--draft-method ngram --no-load-aware-speculation"``). ``--spec-seam`` sets the speculative stack's
+target seam (``TANDEM_SPEC_SEAM``). The speculative stack's target is scraped (``/metrics``) after the
+warm-up and at the end: the share of its busy time spent waiting on drafts over the measured rounds
+(``tandem_target_draft_wait_seconds_total`` / ``tandem_target_busy_seconds_total``) is reported.
 
 Both stacks are started at once by ``tandem up`` (each with its own etcd and NATS, on free loopback
 ports); the speculative one gets ``--spec-args`` appended (e.g. ``--draft-model DIR`` to serve another
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -49,6 +59,38 @@ STACKS = ("plain", "spec")
 WARMUP = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
+DEFAULT_PROMPTS = str(ROOT / "bench" / "prompts" / "natural_chat.jsonl")
+
+
+def tiny_target() -> Path:
+    """A random 2-layer Llama (hidden 64, seed 0, weights drawn with std 0.05: its greedy text often falls
+    into short loops, which an n-gram draft can follow) with the demo tokenizer, saved once under the cache."""
+    from runtime.config import cache_dir
+    from workers.demo_model import demo_model_dir
+
+    path = cache_dir() / "tiny-llama-h64-l2-init05"
+    if (path / "model.safetensors").exists():
+        return path
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    demo = demo_model_dir()
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=2048,
+                         tie_word_embeddings=False, initializer_range=0.05)  # greedy text falls into short loops
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(tmp)
+    for item in demo.iterdir():
+        if item.is_file() and not item.name.startswith(".") and item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, tmp / item.name)
+    tmp.rename(path)
+    return path
+
+
 # --- processes ---------------------------------------------------------------------------------------
 
 
@@ -61,13 +103,13 @@ def free_port() -> int:
 class Stack:
     """One ``tandem up`` on free loopback ports, and every process it starts."""
 
-    def __init__(self, name: str, extra: list[str], startup_timeout: float):
+    def __init__(self, name: str, extra: list[str], startup_timeout: float, env: dict[str, str] | None = None):
         self.name = name
         self.port = free_port()
         args = ["up", "--http-port", str(self.port), "--host", HOST, "--etcd-port", str(free_port()),
                 "--nats-port", str(free_port()), "--startup-timeout", f"{startup_timeout:g}", *extra]
         self.argv = [sys.executable, "-m", "deploy.cli", *args]
-        self.proc = ManagedProcess("deploy.cli", args, dict(os.environ), name=f"served-bench-{name}")
+        self.proc = ManagedProcess("deploy.cli", args, {**os.environ, **(env or {})}, name=f"served-bench-{name}")
         self.url = f"http://{HOST}:{self.port}"
         self.model: str | None = None
         self._known: dict[int, str] = {}  # the launcher's descendants seen so far (pid -> start time)
@@ -95,6 +137,19 @@ class Stack:
             self.model = models[0]
             return True
         return False
+
+    def target_metrics(self) -> dict[str, float]:
+        """The target worker's step-loop counters (busy and draft-wait seconds) from its /metrics."""
+        found = re.search(r"target\S*\s+pid\s+\d+\s+health (http://\S+)/health", self.proc.logs())
+        if found is None:
+            return {}
+        text = httpx.get(f"{found.group(1)}/metrics", timeout=5).text
+        out = {}
+        for name in ("busy_seconds", "draft_wait_seconds"):
+            m = re.search(rf"^tandem_target_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            if m:
+                out[name] = float(m.group(1))
+        return out
 
     def terminate(self) -> None:
         """SIGTERM the launcher (it stops its children tier by tier)."""
@@ -245,8 +300,11 @@ def run(args: argparse.Namespace) -> dict:
     # Convert the demo model once up front, so the two launchers do not race to write the cache.
     subprocess.run([sys.executable, "-m", "workers.demo_model"], cwd=ROOT, check=True, capture_output=True)
     spec_extra = shlex.split(args.spec_args)
-    stacks = {"plain": Stack("plain", ["--draft-method", "none"], args.startup_timeout),
-              "spec": Stack("spec", spec_extra, args.startup_timeout)}
+    model = ["--model", str(tiny_target())] if args.tiny_target else []
+    seam = {"TANDEM_SPEC_SEAM": args.spec_seam} if args.spec_seam else {}
+    stacks = {"plain": Stack("plain", model + ["--draft-method", "none"], args.startup_timeout),
+              "spec": Stack("spec", model + spec_extra, args.startup_timeout, seam)}
+    waits: dict[str, dict] = {}
     warmup: dict[str, dict] = {}
     pairs: list[dict] = []
     try:
@@ -256,6 +314,7 @@ def run(args: argparse.Namespace) -> dict:
                 warmup[name] = chat(client, stack, WARMUP, args.max_tokens, args.request_timeout)
                 print(f"[{name}] warm-up: {warmup[name]['completion_tokens']} tokens in "
                       f"{warmup[name]['seconds']:.2f}s, spec_decode {warmup[name]['spec_decode']}", flush=True)
+            waits["before"] = stacks["spec"].target_metrics()
             print(f"\n{len(prompts)} prompts x {args.rounds} rounds, max_tokens {args.max_tokens}, greedy, batch 1; "
                   f"spec stack: tandem up {shlex.join(spec_extra) or '(defaults)'}\n", flush=True)
             for rnd in range(args.rounds):
@@ -273,6 +332,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"{sd.get('num_drafts', 0)} drafts, mean acc len {fmt(sd.get('mean_accepted_length'))}, "
                           f"plain steps {sd.get('plain_steps', {})}"
                           f"{'' if pair['equal'] else ', OUTPUT DIFFERS'}", flush=True)
+            waits["after"] = stacks["spec"].target_metrics()
     finally:
         # a second Ctrl-C (or a SIGTERM) must not cut the stop short and orphan the stacks
         old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -284,16 +344,26 @@ def run(args: argparse.Namespace) -> dict:
     summaries = [(f"{r}", summarise([p for p in pairs if p["round"] == r])) for r in range(1, args.rounds + 1)]
     summaries.append(("all", summarise(pairs)))
     print(table(summaries))
+    share = None
+    before, after = waits.get("before", {}), waits.get("after", {})
+    if "busy_seconds" in before and "busy_seconds" in after:
+        busy = after["busy_seconds"] - before["busy_seconds"]
+        wait = after.get("draft_wait_seconds", 0.0) - before.get("draft_wait_seconds", 0.0)
+        share = wait / busy if busy > 0 else None
+        print(f"\nspec stack's target over the measured rounds: busy {busy:.2f} s, waiting on drafts {wait:.3f} s "
+              f"({fmt(None if share is None else 100 * share, '.1f')} % of busy time)")
     return {"config": {"prompts_file": args.prompts_file, "prompts": len(prompts), "rounds": args.rounds,
                        "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
-                       "plain_model": stacks["plain"].model},
+                       "plain_model": stacks["plain"].model, "tiny_target": args.tiny_target,
+                       "spec_seam": args.spec_seam},
+            "draft_wait_share": share,
             "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
             "warmup": warmup, "per_prompt": pairs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts-file", default=str(ROOT / "bench" / "prompts" / "natural_chat.jsonl"),
+    ap.add_argument("--prompts-file", default=DEFAULT_PROMPTS,
                     help='JSON lines, each {"messages": [...]}')
     ap.add_argument("--prompts", type=int, default=None, help="use the first N prompts (default: all)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts (default 2)")
@@ -303,7 +373,14 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for both stacks to serve")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     ap.add_argument("--json", default=None, help="write the results (with per-prompt rows) here")
+    ap.add_argument("--tiny-target", action="store_true",
+                    help="serve a random 2-layer Llama (hidden 64, the demo tokenizer) built in code, on repetitive "
+                         "prompts unless --prompts-file is given")
+    ap.add_argument("--spec-seam", choices=["sync", "pipelined"], default=None,
+                    help="the speculative stack's target seam (TANDEM_SPEC_SEAM; default: the target's default)")
     args = ap.parse_args()
+    if args.tiny_target and args.prompts_file == DEFAULT_PROMPTS:
+        args.prompts_file = str(ROOT / "bench" / "prompts" / "repetitive.jsonl")
     if args.rounds < 1 or (args.prompts is not None and args.prompts < 1) or args.max_tokens < 1:
         ap.error("--rounds, --prompts and --max-tokens must be >= 1")
 

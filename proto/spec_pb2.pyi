@@ -27,32 +27,36 @@ class DraftMessage(_message.Message):
     def __init__(self, hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("target_id", "model", "vocab_size", "hidden_layers")
+    __slots__ = ("target_id", "model", "vocab_size", "hidden_layers", "staged")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     model: str
     vocab_size: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    staged: bool
+    def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., staged: _Optional[bool] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "stages")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     draft_id: str
     method: str
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     max_speculative_tokens: int
     hidden_dtype: str
     vocab_size: int
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    stages: bool
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stages: _Optional[bool] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")
@@ -105,18 +109,22 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "round", "token_ids", "distributions", "parents")
+    __slots__ = ("seq_id", "round", "token_ids", "distributions", "parents", "start", "assumed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    start: int
+    assumed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
     __slots__ = ("proposals",)

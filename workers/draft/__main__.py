@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-blocks", type=int, default=2048, help="draft KV cache blocks (draft_model, eagle)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
+    parser.add_argument("--stage-alternatives", type=int, default=1,
+                        help="pipelined seam (ngram, suffix, oracle): bonus-token guesses staged per rejected depth "
+                             "(0: only the branch where everything is accepted, a rolling tail)")
     parser.add_argument("--oracle-file", default=None,
                         help="benchmarks only (method oracle): JSON list of reference token sequences")
     parser.add_argument("--oracle-error-rate", type=float, default=0.0, help="method oracle: wrong-token probability")
@@ -128,6 +131,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         grpc_host=args.grpc_host, grpc_port=args.grpc_port, advertise_host=args.advertise_host,
         draft_model=args.draft_model, eagle_model=args.eagle_model, target_model=args.target_model,
         num_blocks=args.num_blocks, block_size=args.block_size, overlap=not args.no_overlap,
+        stage_alternatives=args.stage_alternatives,
         cuda_graphs=not args.no_cuda_graphs,
         oracle_file=args.oracle_file, oracle_error_rate=args.oracle_error_rate, oracle_vocab_size=args.oracle_vocab_size,
         oracle_token_cost_ms=args.oracle_token_cost_ms, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -274,7 +278,8 @@ async def amain(args: argparse.Namespace, cfg: DraftConfig) -> None:
         log.info("draft %s on %s in %s", cfg.method, proposer.device, str(cfg.torch_dtype).removeprefix("torch."))
     config = config_from_args(args, drain_timeout=cfg.drain_timeout)
     async with Runtime.connect(config) as rt:
-        service = DraftService(proposer, rt.instance_id, cfg.max_speculative_tokens, overlap=cfg.overlap)
+        service = DraftService(proposer, rt.instance_id, cfg.max_speculative_tokens, overlap=cfg.overlap,
+                               alternatives=cfg.stage_alternatives)
         REGISTRY.register(DraftCollector(service, cfg.model_name or "draft", cfg.method))
         await service.start()
         distilling = start_distillation(cfg, proposer, service)

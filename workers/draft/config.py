@@ -67,6 +67,7 @@ class DraftConfig:
     num_blocks: int = 2048
     block_size: int = 16
     overlap: bool = True  # draft ahead while the target verifies (methods that can)
+    stage_alternatives: int = 1  # pipelined seam: guessed bonus tokens per rejected position, beside the draft's own
     cuda_graphs: bool = True  # replay EAGLE head steps as CUDA graphs (on CUDA only)
     oracle_file: str | None = None
     oracle_error_rate: float = 0.0
@@ -98,6 +99,8 @@ class DraftConfig:
     drain_timeout: float = 5.0
 
     def __post_init__(self):
+        if self.stage_alternatives < 0:
+            raise ValueError(f"--stage-alternatives must be >= 0, got {self.stage_alternatives}")
         if self.method not in (*METHODS, *BENCH_METHODS):
             raise ValueError(f"unknown draft method {self.method!r}")
         if self.tree_topk < 1 or self.tree_depth < 0:

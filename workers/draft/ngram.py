@@ -10,6 +10,10 @@ of the matched n-gram (up to ``MAX_OCCURRENCES`` are remembered per n-gram) merg
 most ``tree_topk`` children per node, siblings ordered by how many occurrences continue that way
 (then by recency), nodes taken breadth first up to the node budget. The most recent continuation
 is always the first branch, so the chain proposal is the tree's first path.
+
+For the pipelined seam it drafts branches (:mod:`.stager`): after the committed tokens plus a
+branch's assumed ones it repeats the lookup token by token (the longest matching suffix's most
+recent continuation), and the continuations of that suffix's other occurrences are the alternatives.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
+from .stager import Branch, Chain
 
 MAX_OCCURRENCES = 8  # ends remembered per n-gram, for tree proposals
 
@@ -120,6 +125,57 @@ class NgramProposer(Proposer):
                 out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
             else:
                 out.append(DraftOutput(item.seq_id, item.round, self.lookup(hist.tokens, item.chain_length, hist)))
+        return out
+
+    @property
+    def stages(self) -> bool:
+        """Branches are chains: set to draft trees, it serves the synchronous seam."""
+        return self.tree_topk <= 1
+
+    def commit(self, seq_id: str, tokens: list[int]) -> None:
+        self._extend(self._seqs.setdefault(seq_id, _History()), tokens)
+
+    def _next_tokens(self, hist: _History, extra: list[int], k: int) -> list[int]:
+        """Up to ``k`` distinct candidates for the token after ``hist.tokens + extra``: what followed the
+        occurrences of its longest matching suffix (n from max_n down), most recent first."""
+        length = len(hist.tokens)
+        self._index_until(hist, length)
+        total = length + len(extra)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = (hist.tokens[total - n :] if n > len(extra) else []) + extra[max(0, len(extra) - n) :]
+            found: list[int] = []
+            # occurrences that reach into ``extra`` (the index holds only those within the history)
+            for stop in range(total - 1, max(n, length) - 1, -1):
+                if self._at(hist, extra, stop - n, stop) == suffix:
+                    nxt = self._at(hist, extra, stop, stop + 1)[0]
+                    if nxt not in found:
+                        found.append(nxt)
+            for end in reversed(hist.index.get(tuple(suffix), [])):
+                if end < length and hist.tokens[end] not in found:
+                    found.append(hist.tokens[end])
+            if found:
+                return found[:k]
+        return []
+
+    @staticmethod
+    def _at(hist: _History, extra: list[int], start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of ``hist.tokens + extra`` without building it."""
+        length = len(hist.tokens)
+        return hist.tokens[start:min(stop, length)] + extra[max(0, start - length) : max(0, stop - length)]
+
+    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+        out = []
+        for br in branches:
+            hist = self._seqs.get(br.seq_id)
+            tokens: list[int] = []
+            alts: list[list[int]] = []
+            while hist is not None and len(tokens) < br.num_tokens:
+                found = self._next_tokens(hist, list(br.extra) + tokens, 1 + br.alternatives)
+                if not found:
+                    break
+                tokens.append(found[0])
+                alts.append(found[1:])
+            out.append(Chain(tokens, alts))
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -28,6 +28,7 @@ class Proposer:
     vocab_size: int = 0  # the vocabulary its drafts come from, when it knows it (0: unknown)
     device: torch.device = torch.device("cpu")  # where its tensors live
     drafts_ahead: bool = False  # implements :meth:`predraft`
+    stages: bool = False  # drafts staged branches for the pipelined seam (:class:`.stager.Drafter`)
     distillable: bool = False  # an EAGLE-3 head online distillation can train (:meth:`load_weights`, ``recorder``)
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:

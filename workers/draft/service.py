@@ -7,6 +7,13 @@ proposals, through the same queue, so a verdict is never applied after a later p
 new head weights from online distillation (:meth:`DraftService.swap_weights`). The
 batcher takes everything queued, runs one ``propose`` call in a worker thread (model-based
 proposers run torch there, off the event loop) and routes each proposal back to its stream.
+
+A target that runs the pipelined seam (``Hello.staged``) gets, from a proposer that stages
+(ngram and suffix drafting chains, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
+(:class:`.stager.Stager`): the news of everything queued is applied in order, then, once per
+sequence, a proposal from its committed tokens if none streamed fits them, and staged proposals for
+the outcomes of the one the target verifies next. Other methods (eagle, draft_model, heads) serve
+every target through the synchronous seam.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verif
 from ..speculation.tree import tree_depths
 from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
+from .stager import Stager
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,7 @@ log = logging.getLogger(__name__)
 class _Stream:
     target_id: str
     out: asyncio.Queue  # DraftMessage or None (end)
+    staged: bool = False  # the target runs the pipelined seam and the proposer stages
 
 
 # Drafting ahead pays only when a whole proposal is accepted. Each sequence keeps a moving average
@@ -45,8 +54,11 @@ AHEAD_MIN = 0.15
 class DraftService(spec_pb2_grpc.DraftServiceServicer):
     """Serves :class:`Proposer` proposals to any number of target workers."""
 
-    def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True):
+    def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
+                 alternatives: int = 1):
         self.proposer = proposer
+        # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
+        self.stager = Stager(proposer, alternatives) if proposer.stages else None
         # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
         self.overlap = overlap and proposer.drafts_ahead
         self._ahead: dict[str, int] = {}  # seq id -> γ of its last proposal, to draft ahead for
@@ -80,14 +92,26 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             except Exception:
                 log.exception("draft batch failed; answering with empty proposals")
                 for kind, stream, payload in items:
-                    if kind == "propose":  # empty proposals: the target decodes these rounds plainly
+                    # empty proposals: the target decodes these rounds plainly (a pipelined one waits for nothing)
+                    if kind == "propose" and not stream.staged:
                         empty = [spec_pb2.Proposal(seq_id=d.seq_id, round=d.round) for d in payload]
                         stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
 
     async def _process(self, items) -> None:
-        # Verdicts and releases that arrived before proposals apply first, in order.
+        # Verdicts and releases that arrived before proposals apply first, in order. News for staged
+        # streams is queued in order (``news``) and drafted on once per sequence at the end.
         batch: list[tuple[_Stream, DraftInput]] = []
+        news: list[tuple[str, object]] = []
+        staged: dict[str, tuple[_Stream, DraftInput]] = {}
         for kind, stream, payload in items:
+            if kind == "propose" and stream.staged:
+                news.extend(("commit", d) for d in payload)
+                staged.update((d.seq_id, (stream, d)) for d in payload)
+                continue
+            if kind == "verify" and stream is not None and stream.staged:
+                news.append(("verify", payload))
+                self._note_verdicts(payload)
+                continue
             if kind == "propose":
                 batch.extend((stream, d) for d in payload)
                 continue
@@ -106,13 +130,65 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     self._ahead.clear()  # tails drafted with the old weights are gone
                     self.stats.weight_swaps += 1
             else:
-                self.proposer.release(payload)
+                if news:  # what was heard of these sequences before they ended must not revive them
+                    gone = set(payload)
+                    news = [("commit", x) if kind == "commit" else ("verify", [r for r in x if r.seq_id not in gone])
+                            for kind, x in news if kind != "commit" or x.seq_id not in gone]
+                    for seq_id in gone:
+                        staged.pop(seq_id, None)
+                if self.stager is not None:
+                    self.stager.release(payload)
+                else:
+                    self.proposer.release(payload)
                 for seq_id in payload:
                     self._ahead.pop(seq_id, None)
                     self._proposed.pop(seq_id, None)
                     self._full_rate.pop(seq_id, None)
         if batch:
             await self._propose(batch)
+        if news or staged:
+            await self._stage(news, staged)
+
+    async def _stage(self, news: list[tuple[str, object]], streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
+        """Pipelined seam: apply the news in order, answer the sequences nothing streamed fits, then
+        stream staged proposals for the outcomes of what each verifies next (see :mod:`.stager`)."""
+        stager = self.stager
+
+        def apply_and_answer() -> tuple[list, list | None]:
+            for kind, x in news:
+                if kind == "commit":
+                    stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length)
+                else:
+                    stager.verified(x)
+            answers = stager.answer(list(streams))
+            # answers go out before staging starts; without any, one thread hop does both
+            return answers, None if answers else stager.stage(list(streams))
+
+        started = time.perf_counter()
+        answers, staged = await asyncio.to_thread(apply_and_answer)
+        self._send_staged(answers, streams)
+        if staged is None:
+            staged = await asyncio.to_thread(stager.stage, list(streams))
+        self._send_staged(staged, streams)
+        if self._work.empty():  # no news yet: one level further for the likeliest outcome
+            ahead = await asyncio.to_thread(stager.stage_ahead, list(streams))
+            self._send_staged(ahead, streams)
+            staged += ahead
+        stats = self.stats
+        stats.latency.observe(time.perf_counter() - started)
+        stats.batch_size.observe(len(streams))
+        stats.propose_calls += 1
+        stats.proposals += len(answers) + len(staged)
+        stats.draft_tokens += sum(len(p.token_ids) for p in answers) + sum(len(p.token_ids) for p in staged)
+
+    @staticmethod
+    def _send_staged(proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
+        per_stream: dict[int, list] = {}
+        for prop in proposals:
+            stream = streams[prop.seq_id][0]
+            per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(prop))
+        for stream, *batch in per_stream.values():
+            stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
 
     def swap_weights(self, state) -> None:
         """Queue new head weights (online distillation): the proposer takes them between proposal
@@ -187,12 +263,15 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 body = msg.WhichOneof("body")
                 if body == "hello":
                     stream.target_id = msg.hello.target_id
-                    log.info("target %s connected (model %s)", stream.target_id, msg.hello.model)
+                    stream.staged = msg.hello.staged and self.stager is not None
+                    log.info("target %s connected (model %s, %s seam)", stream.target_id, msg.hello.model,
+                             "pipelined" if stream.staged else "synchronous")
                     stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
                         draft_id=self.draft_id, method=self.proposer.method,
                         hidden_layers=self.proposer.hidden_layers,
                         max_speculative_tokens=self.max_speculative_tokens,
-                        hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size)))
+                        hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
+                        stages=self.stager is not None)))
                 elif body == "propose":
                     self.stats.hidden_bytes += sum(len(t.data) for r in msg.propose.requests for t in r.hidden_states)
                     inputs = []

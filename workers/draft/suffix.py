@@ -22,6 +22,9 @@ children at every level, both scored by the product of conditional frequencies a
 number of accepted tokens if the frequencies were the truth) wins. Proposals are deterministic and
 carry no distributions, so the target verifies them as one-hot drafts: lossless for greedy and
 sampled requests whatever they propose.
+
+For the pipelined seam it drafts branches (:mod:`.stager`): the same chain read after the committed
+tokens plus a branch's assumed ones, with the other children of each node on it as alternatives.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import itertools
 from dataclasses import dataclass
 
 from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
+from .stager import Branch, Chain
 from .suffix_tree import SuffixTree
 from .tree_search import tree_shape
 
@@ -140,6 +144,38 @@ class SuffixProposer(Proposer):
             if best[1]:
                 self.won["request" if best is own else "global"] += 1
             out.append(DraftOutput(item.seq_id, item.round, best[1], [], best[2]))
+        return out
+
+    @property
+    def stages(self) -> bool:
+        """Branches are chains: set to draft trees, it serves the synchronous seam."""
+        return self.config.tree_topk <= 1
+
+    def commit(self, seq_id: str, tokens: list[int]) -> None:
+        self._append(seq_id, list(tokens))
+
+    def _branch(self, tree: SuffixTree, context: list[int], budget: int, k: int
+                ) -> tuple[float, list[int], list[list[int]]]:
+        node, length = tree.match(context, max(1, self.config.max_depth - budget))
+        limit = min(budget, int(length * self.config.spec_factor + 1e-9)) if length else 0
+        if limit <= 0:
+            return 0.0, [], []
+        tokens, probs, alternatives = tree.chain_alternatives(node, limit, self.config.min_token_prob, k)
+        return sum(probs), tokens, alternatives
+
+    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+        out = []
+        for br in branches:
+            req = self._seqs.get(br.seq_id)
+            if req is None or br.num_tokens <= 0:
+                out.append(Chain([]))
+                continue
+            context = req.local.tokens(0) + list(br.extra)
+            own = self._branch(req.local, context, br.num_tokens, br.alternatives)
+            other = (self._branch(self.cache, context, br.num_tokens, br.alternatives) if len(self.cache)
+                     else (0.0, [], []))
+            best = own if own[0] >= other[0] else other
+            out.append(Chain(best[1], best[2]))
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

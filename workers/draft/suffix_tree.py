@@ -212,6 +212,17 @@ class SuffixTree:
             node = child
         return tokens, probs
 
+    def chain_alternatives(self, node: int, max_tokens: int, min_prob: float, k: int
+                           ) -> tuple[list[int], list[float], list[list[int]]]:
+        """:meth:`chain`, and at each of its depths up to ``k`` other children, most frequent first."""
+        tokens, probs = self.chain(node, max_tokens, min_prob)
+        alternatives = []
+        for token in tokens:
+            ranked, _ = self._ranked(node)
+            alternatives.append([t for t, _ in ranked if t != token][:k])
+            node = self._children[node][token]
+        return tokens, probs, alternatives
+
     def tree(self, node: int, max_nodes: int, topk: int, max_depth: int, min_prob: float
              ) -> tuple[list[int], list[int], list[float]]:
         """Up to ``max_nodes`` continuations of ``node`` as a token tree (tokens, parents, probabilities):

@@ -280,6 +280,10 @@ class Engine:
         return [VerifyResult(seq.request_id, rnd, accepted, emitted, rows)
                 for (seq, rnd, accepted, emitted, _), rows in zip(verdicts, hidden)]
 
+    def offer(self, proposals: list[DraftOutput]) -> None:
+        """Pipelined seam: proposals streamed ahead, checked and kept until a step they fit."""
+        self.spec.offer(proposals)
+
     def take_released(self) -> list[str]:
         out, self.spec.released = self.spec.released, []
         return out
@@ -312,7 +316,7 @@ class Engine:
         outputs, self._immediate = self._immediate, []
         self.last_batch = []
         self.last_step = StepStats()
-        if self._pending is not None and proposals:  # verify steps run on host-known tokens
+        if self._pending is not None and (proposals or self.spec.staged):  # verify steps run on host-known tokens
             outputs.extend(self.flush())
         drafted = self.spec.attach(proposals or {}, self.scheduler.running, self.max_model_len, self.grammars)
         batch = self.scheduler.schedule()

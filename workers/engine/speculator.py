@@ -5,7 +5,10 @@ The engine owns one :class:`Speculator`. Between steps it asks :meth:`Speculator
 sequences should draft and how many tokens; at a step it hands over the proposals that came back,
 and :meth:`Speculator.attach` checks each one (:func:`workers.speculation.checks.proposal_problem`:
 a draft worker is untrusted input) and cuts it to what may be verified; after verification
-:meth:`Speculator.record` updates the request's counters and its budget.
+:meth:`Speculator.record` updates the request's counters and its budget. Under the pipelined seam
+proposals streamed ahead are checked as they come (:meth:`Speculator.offer`) and wait in a
+:class:`workers.speculation.staging.Staged`; a step uses, for each sequence it asked a draft for, the
+one that fits its committed tokens, and decodes the others plainly (``no_proposal``).
 
 Budgets: adaptive γ per sequence, +2 after a fully accepted chain, −1 otherwise; at 0 the sequence
 decodes plainly for ``pause_steps`` steps and then tries one draft token again. A tree's node
@@ -26,6 +29,7 @@ from runtime.spec_stats import SpecCounters
 from ..speculation.budget import Acceptance, RealizedRates, StepCost, plan
 from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput, SparseDist
+from ..speculation.staging import SPARE_MAX, Staged, position_problem
 from ..speculation.tree import tree_depths
 from .sequence import Sequence
 
@@ -129,6 +133,11 @@ class Speculator:
         self.dropped: dict[str, int] = {}  # proposals refused, by reason
         self.plain_steps: dict[str, int] = {}  # decode steps of speculating requests without a draft, by why
         self.released: list[str] = []  # sequences the draft worker knew and may forget
+        # The seam (see workers.speculation.staging): False, the synchronous one (attach takes the answers
+        # to the previous round); True, the pipelined one (proposals streamed ahead wait in ``staged``
+        # and a step uses those that fit its sequences' committed tokens).
+        self.pipelined = False
+        self.staged = Staged(on_drop=self._drop)
 
     # ------------------------------------------------------------------ requests
 
@@ -140,6 +149,7 @@ class Speculator:
                                             acceptance=Acceptance(2 * prior, 2 * (1 - prior)))
 
     def forget(self, request_id: str) -> SpecState | None:
+        self.staged.drop(request_id)
         st = self.states.pop(request_id, None)
         if st is not None and st.told:
             self.released.append(request_id)
@@ -158,6 +168,7 @@ class Speculator:
         for st in self.states.values():
             st.told = 0
         self.released.clear()
+        self.staged.clear()
 
     def usage(self, request_id: str) -> SpecUsage | None:
         """The request's counters, with its plain steps by why; None when it never speculated."""
@@ -180,6 +191,7 @@ class Speculator:
             st = self.states.get(seq.request_id)
             if st is None or st.gamma <= 0:
                 continue
+            st.asked = 0  # unless asked below: the pipelined seam drafts for it next step only if asked
             if st.cap == 0:
                 if st.pause > 0:
                     st.pause -= 1
@@ -223,9 +235,22 @@ class Speculator:
     def attach(self, proposals: dict[str, DraftOutput], running: list[Sequence], max_model_len: int,
                grammars) -> dict[str, Drafted]:
         """The proposals to verify this step, checked and cut to what may be emitted; their tokens are
-        appended to their sequences. A proposal for a sequence that does not decode next, for an
-        older round, or that fails :func:`proposal_problem` is dropped (counted in ``dropped``)."""
+        appended to their sequences. Synchronous seam: ``proposals`` answer the previous round; one for
+        a sequence that does not decode next, for an older round, or that fails
+        :func:`proposal_problem` is dropped (counted in ``dropped``). Pipelined seam: the ones that fit
+        each sequence's committed tokens, from those :meth:`offer` kept (``proposals`` is unused)."""
         drafted: dict[str, Drafted] = {}
+        if self.pipelined:
+            for seq in running:
+                st = self.states.get(seq.request_id)
+                if st is None or seq.num_uncomputed != 1 or st.asked <= 0:
+                    continue
+                prop = self.staged.take(seq.request_id, seq.token_ids)
+                if prop is None:
+                    st.why_plain = "no_proposal"
+                    continue
+                self._use(seq, st, prop, drafted, max_model_len, grammars)
+            return drafted
         if not proposals:
             return drafted
         for seq in running:
@@ -243,29 +268,53 @@ class Speculator:
                 self._drop(problem)
                 st.why_plain = "draft_invalid"
                 continue
-            st.why_plain = "draft_empty"  # unless something of it is verified below
-            if not prop.token_ids:
-                continue
-            room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
-            k = min(len(prop.token_ids), max(st.cap, 1), max_model_len - len(seq) - 1)
-            d = Drafted(seq, list(prop.token_ids), list(prop.distributions),
-                        list(prop.parents) if prop.is_tree else [])
-            if d.parents:  # nodes within the budget (a prefix), and no deeper than can be emitted
-                d = d.keep(k)
-                depth = tree_depths(d.parents)
-                d = d.subset([i for i in range(len(d.tokens)) if depth[i] <= room])
-            else:
-                d = d.keep(min(k, room))
-            if d.tokens and seq.grammar is not None:
-                # Structured output: the grammar's masks for every node, and nothing below a token it
-                # forbids (that token is rejected for certain; it stays, its rejection uses its q).
-                d.masks = grammars.new_masks(len(d.tokens) + 1)
-                d = d.subset(seq.grammar.fill_draft(d.masks, d.tokens, d.parents))
-            if d.tokens:
-                seq.token_ids.extend(d.tokens)
-                drafted[seq.request_id] = d
-                st.why_plain = ""
+            self._use(seq, st, prop, drafted, max_model_len, grammars)
         return drafted
+
+    def offer(self, proposals: list[DraftOutput]) -> None:
+        """Pipelined seam: check proposals streamed ahead (as strictly as answers: ids, lengths,
+        parents, probabilities, and their position and assumed tokens) and keep the sound ones for
+        :meth:`attach`. One for a sequence that is gone is dropped as ``stale``; one that claims to
+        answer a round not asked yet, or fails a check, is dropped as malformed."""
+        for prop in proposals:
+            st = self.states.get(prop.seq_id)
+            if st is None:
+                self._drop("stale")
+                continue
+            # a streamed proposal may carry a few more tokens than a round verifies, so that after the
+            # target decoded its first ones plainly the rest is still a whole round
+            problem = ("round" if prop.round >= st.round else position_problem(prop, self.vocab_size)
+                       or proposal_problem(prop, max(st.gamma, 1) + SPARE_MAX, self.vocab_size))
+            if problem is not None:
+                self._drop(problem)
+                continue
+            self.staged.offer(prop)
+
+    def _use(self, seq: Sequence, st: SpecState, prop: DraftOutput, drafted: dict[str, Drafted],
+             max_model_len: int, grammars) -> None:
+        """Cut a sound proposal to what may be verified and attach it to ``seq``."""
+        st.why_plain = "draft_empty"  # unless something of it is verified below
+        if not prop.token_ids:
+            return
+        room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
+        k = min(len(prop.token_ids), max(st.cap, 1), max_model_len - len(seq) - 1)
+        d = Drafted(seq, list(prop.token_ids), list(prop.distributions),
+                    list(prop.parents) if prop.is_tree else [])
+        if d.parents:  # nodes within the budget (a prefix), and no deeper than can be emitted
+            d = d.keep(k)
+            depth = tree_depths(d.parents)
+            d = d.subset([i for i in range(len(d.tokens)) if depth[i] <= room])
+        else:
+            d = d.keep(min(k, room))
+        if d.tokens and seq.grammar is not None:
+            # Structured output: the grammar's masks for every node, and nothing below a token it
+            # forbids (that token is rejected for certain; it stays, its rejection uses its q).
+            d.masks = grammars.new_masks(len(d.tokens) + 1)
+            d = d.subset(seq.grammar.fill_draft(d.masks, d.tokens, d.parents))
+        if d.tokens:
+            seq.token_ids.extend(d.tokens)
+            drafted[seq.request_id] = d
+            st.why_plain = ""
 
     def unasked(self, running: list[Sequence], why: str) -> None:
         """No proposals are asked for this round (``why``: no draft worker, or it is backed off)."""
@@ -273,6 +322,7 @@ class Speculator:
             st = self.states.get(seq.request_id)
             if st is not None and st.gamma > 0 and seq.num_uncomputed == 1:
                 st.why_plain = why
+                st.asked = 0  # nor does the pipelined seam use what the draft streamed ahead
 
     def count_plain(self, seq: Sequence) -> None:
         """``seq`` (speculating) decoded this step without a draft: count why."""
@@ -290,8 +340,8 @@ class Speculator:
     @property
     def num_bad_proposals(self) -> int:
         """Proposals dropped as malformed so far (not those that merely arrived for a sequence that no
-        longer decodes next, which is no fault of the draft)."""
-        return sum(n for reason, n in self.dropped.items() if reason != "stale")
+        longer decodes next or guessed an outcome that did not come true, which is no fault of the draft)."""
+        return sum(n for reason, n in self.dropped.items() if reason not in ("stale", "overflow"))
 
     def record(self, d: Drafted, accepted: int) -> SpecState:
         """Count one verified proposal of which ``accepted`` tokens were accepted; adapt the budget."""

@@ -5,7 +5,8 @@ Both sides convert protobuf messages into these types at the gRPC edge (:mod:`.c
 - :class:`DraftInput` — draft up to ``num_tokens`` tokens for a sequence after appending
   ``new_tokens`` (tokens committed since the draft last heard of the sequence);
 - :class:`DraftOutput` — the proposal: token ids, their tree (``parents``; empty for a chain) and,
-  when the draft sampled, the sparse distribution each token was drawn from;
+  when the draft sampled, the sparse distribution each token was drawn from; under the pipelined
+  seam also the committed prefix it assumes (``start``, ``assumed``);
 - :class:`VerifyResult` — the target's verdict: how many drafts it accepted, every token it emitted
   this round, and hidden states for methods that need them.
 """
@@ -65,6 +66,11 @@ class DraftOutput:
     token_ids: list[int]
     distributions: list[SparseDist] = field(default_factory=list)  # empty: greedy (one-hot)
     parents: list[int] = field(default_factory=list)  # per token: ROOT or an earlier index; empty: a chain
+    # Pipelined seam (see :mod:`.staging`): the committed prefix it assumes. Its first token would be
+    # token number ``start`` of the sequence (0: not positioned, the answer to ``round``), and
+    # ``assumed`` are the last tokens before that position.
+    start: int = 0
+    assumed: list[int] = field(default_factory=list)
 
     @property
     def is_tree(self) -> bool:

@@ -70,6 +70,7 @@ class TargetConfig:
     kv_transfer_timeout: float = 5.0  # decode: the most seconds a KV pull may take before prefilling here
     kv_handoff_ttl: float = 30.0  # prefill: seconds handed-off blocks wait for their decode worker
     async_scheduling: bool = False  # launch each plain step before the previous one's tokens reach the host
+    spec_seam: str = "pipelined"  # pipelined (where the draft stages and proposals are chains) or sync
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -107,6 +108,8 @@ class TargetConfig:
         if self.role != "aggregated" and self.kv_transfer_timeout >= self.kv_handoff_ttl:
             raise ValueError("--kv-transfer-timeout must be shorter than --kv-handoff-ttl (a pull must end before "
                              "the prefill worker may reuse the blocks)")
+        if self.spec_seam not in ("sync", "pipelined"):
+            raise ValueError(f"--spec-seam must be sync or pipelined, got {self.spec_seam!r}")
         if self.hidden_layers not in ("auto", "none"):
             try:
                 [int(x) for x in self.hidden_layers.split(",")]
@@ -178,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load-aware budgets (the default; kept for older command lines)")
     parser.add_argument("--no-adaptive-speculation", action="store_true",
                         help="always draft γ tokens (default: γ adapts per request to recent acceptance)")
+    parser.add_argument("--spec-seam", default="pipelined", choices=["sync", "pipelined"],
+                        help="the draft seam: pipelined (the draft streams proposals ahead, staged for the likely "
+                             "outcomes of each round; a step uses what fits its committed tokens and waits for "
+                             "nothing), where the draft worker stages (ngram, suffix, oracle) and proposals are chains "
+                             "(not with --speculative-eagle-topk > 1); else, or with sync, each step waits (within "
+                             "--propose-timeout) for the answer to the round it asked")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
                         help="the most seconds to wait for a draft worker's proposals before decoding plainly (the "
                              "wait is three times this worker's own step time, at least 20 ms, within this bound)")
@@ -219,7 +228,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
                         not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait,
                         args.tensor_parallel_size, args.tensor_parallel_timeout, args.role, args.kv_transfer_timeout,
-                        args.kv_handoff_ttl, args.async_scheduling)
+                        args.kv_handoff_ttl, args.async_scheduling, args.spec_seam)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -363,7 +372,8 @@ async def amain(args: argparse.Namespace) -> None:
         if cfg.role != "prefill":
             drafts = await rt.client("draft", "speculate")
             pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
-                             hidden_layers=engine.hidden_layers, tls=client_tls(args))
+                             hidden_layers=engine.hidden_layers, tls=client_tls(args),
+                             staged=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1)
         if cfg.role == "decode":
             from workers.target.disagg import DisaggStats, KvReceiver
 

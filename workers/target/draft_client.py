@@ -5,7 +5,10 @@ offers (:func:`workers.speculation.checks.hello_ack_problem`): an incompatible d
 (:class:`IncompatibleDraft`) before anything of the target changes. It then sends batched proposal
 requests and verdicts, already converted to protobuf on the engine's thread, and matches
 proposals to requests by (sequence id, round); a proposal for anything else is counted
-(``stray``) and ignored. Any stream failure marks the client broken; every pending and later
+(``stray``) and ignored. Under the pipelined seam (the target asks for it with ``staged`` and the
+draft announces ``stages``) nothing is matched or awaited: every proposal the draft streams goes to
+an inbox the step loop empties at each step (:meth:`DraftClient.take`) and the engine reconciles
+(:mod:`workers.speculation.staging`). Any stream failure marks the client broken; every pending and later
 round then returns no proposals at once, so the target keeps decoding plainly. A
 :class:`DraftPool` picks a live draft worker from discovery and opens a new client when the old one
 broke or a draft worker (re)appears; a draft worker that failed is retried after a backoff (2 s,
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 
 RETRY_BASE_S = 2.0  # a draft worker that failed is skipped this long, doubling per failure in a row
 RETRY_MAX_S = 30.0
+INBOX_MAX = 4096  # pipelined: proposals held for the step loop; past it the oldest go
 
 
 class IncompatibleDraft(ConnectionError):
@@ -48,8 +52,11 @@ class DraftClient:
     """A bidirectional stream to one draft worker."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
-                 tls: ClientTls | None = None):
+                 tls: ClientTls | None = None, staged: bool = False):
         self.target_id = target_id
+        self.staged = staged  # this target runs the pipelined seam when the draft stages
+        self.pipelined = False  # both sides agreed on it at the handshake
+        self._inbox: list[DraftOutput] = []  # pipelined: proposals streamed since the last take()
         self.tls = tls
         self.model = model
         self.vocab_size = vocab_size
@@ -76,7 +83,8 @@ class DraftClient:
         stub = spec_pb2_grpc.DraftServiceStub(self._channel)
         self._call = stub.Speculate(self._requests())
         self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
-            target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers)))
+            target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers,
+            staged=self.staged)))
         first = await asyncio.wait_for(self._call.read(), timeout)
         if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
@@ -88,8 +96,10 @@ class DraftClient:
         self.method = ack.method
         self.hidden_layers = list(ack.hidden_layers)
         self.hidden_dtype = ack.hidden_dtype
+        self.pipelined = self.staged and ack.stages
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
-        log.info("speculating with draft worker %s (%s) at %s", self.draft_id, self.method, self.instance.grpc_address)
+        log.info("speculating with draft worker %s (%s, %s seam) at %s", self.draft_id, self.method,
+                 "pipelined" if self.pipelined else "synchronous", self.instance.grpc_address)
 
     async def _requests(self):
         while (msg := await self._outgoing.get()) is not None:
@@ -102,6 +112,12 @@ class DraftClient:
                 if msg is grpc.aio.EOF:
                     raise ConnectionError("draft stream ended")
                 if msg.WhichOneof("body") != "proposals":
+                    continue
+                if self.pipelined:
+                    self._inbox.extend(draft_output_from_pb(p) for p in msg.proposals.proposals)
+                    if len(self._inbox) > INBOX_MAX:  # nobody takes them (an idle target): keep the newest
+                        self.stray += len(self._inbox) - INBOX_MAX
+                        del self._inbox[: len(self._inbox) - INBOX_MAX]
                     continue
                 for proposal in msg.proposals.proposals:
                     fut = self._pending.pop((proposal.seq_id, proposal.round), None)
@@ -125,8 +141,13 @@ class DraftClient:
 
     def send(self, requests: list[spec_pb2.ProposeRequest]) -> dict[str, asyncio.Future]:
         """Ask for proposals (requests already converted); returns a future per sequence id, which
-        resolves to its :class:`DraftOutput` (or None: the stream broke)."""
+        resolves to its :class:`DraftOutput` (or None: the stream broke). Pipelined: no futures, the
+        proposals arrive in the inbox (:meth:`take`)."""
         if self.broken or not requests:
+            return {}
+        if self.pipelined:
+            self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
+                requests=[self._counted(r) for r in requests])))
             return {}
         loop = asyncio.get_running_loop()
         futures = {}
@@ -135,6 +156,11 @@ class DraftClient:
         self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
             requests=[self._counted(r) for r in requests])))
         return futures
+
+    def take(self) -> list[DraftOutput]:
+        """Pipelined seam: every proposal streamed since the last call, oldest first; never waits."""
+        out, self._inbox = self._inbox, []
+        return out
 
     async def collect(self, futures: dict[str, asyncio.Future], timeout: float) -> dict[str, DraftOutput]:
         """The proposals of :meth:`send` that came within ``timeout`` seconds, by sequence id; the rest
@@ -187,8 +213,10 @@ class DraftPool:
     """Keeps one healthy :class:`DraftClient` to some live draft worker, when there is one."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int,
-                 instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None):
+                 instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None,
+                 staged: bool = False):
         self._target_id = target_id
+        self._staged = staged  # ask drafts for the pipelined seam
         self._tls = tls
         self._model = model
         self._vocab = vocab_size
@@ -259,7 +287,8 @@ class DraftPool:
         if not candidates:
             return None
         choice = self._preferred(candidates)
-        client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls)
+        client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls,
+                             self._staged)
         try:
             await client.connect()
         except IncompatibleDraft as exc:

@@ -13,6 +13,10 @@ draft is put on a backoff: no proposals are asked for (everything decodes plainl
 ``backoff_base`` seconds, doubling with every backoff in a row up to ``backoff_max``; then one
 round probes it again. A good round clears the strikes and the backoff. So a slow, silent or
 garbage-sending draft costs a few deadlines now and then, not a timeout per step.
+
+Under the pipelined seam nothing is waited for, so the deadline is unused and lateness costs
+nothing: the step loop reports every round as arrived, and only malformed proposals (dropped as
+they are offered) strike.
 """
 
 from __future__ import annotations

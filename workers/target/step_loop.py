@@ -2,17 +2,20 @@
 
 Only the engine's thread touches torch or the engine. Each iteration of :meth:`StepLoop._run`:
 
-1. waits (bounded by :class:`.draft_watch.DraftWatch`'s deadline, judged from the target's own step
-   time) for the proposals asked for at the end of the previous cycle; the event loop keeps
-   serving meanwhile. The draft stream comes from :meth:`DraftPool.poll`, which never waits for a
-   stream to open;
+1. takes the draft's proposals. Synchronous seam: waits (bounded by
+   :class:`.draft_watch.DraftWatch`'s deadline, judged from the target's own step time) for the
+   proposals asked for at the end of the previous cycle; the event loop keeps serving meanwhile.
+   Pipelined seam (the draft streams proposals ahead, see :mod:`workers.speculation.staging`):
+   takes whatever has arrived and waits for nothing; the engine uses, per sequence, a proposal that
+   fits its committed tokens, and a sequence with none decodes plainly this step. The draft stream
+   comes from :meth:`DraftPool.poll`, which never waits for a stream to open;
 2. runs one *cycle* in the loop's one executor thread (:meth:`StepLoop._cycle`): the commands
    queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`, :class:`EngineCall`),
    the engine step, the verdicts and the next round's proposal requests, already converted to
    protobuf, and the KV events;
-3. on the event loop again: delivers token deltas to the requests' queues, KV events to their
-   publisher, verdicts and released sequences to the draft stream, and sends the next round's
-   requests so that the draft works while the loop delivers.
+3. on the event loop again: sends verdicts, released sequences and the next round's requests to
+   the draft stream first, so that the draft works while the loop delivers token deltas to the
+   requests' queues and KV events to their publisher.
 
 Without a draft worker (none registered, its stream broke, it is backed off, or speculation is
 off) nothing is asked and the engine decodes plainly. Nothing that goes wrong ends the loop: an
@@ -85,6 +88,7 @@ class DraftContext:
     layers: tuple[int, ...]
     dtype: str
     ask: bool
+    pipelined: bool = False  # the pipelined seam: proposals streamed ahead, nothing awaited
 
 
 @dataclass
@@ -132,6 +136,7 @@ class StepLoop:
         self._client: DraftClient | None = None  # the stream the pending round went to
         self._pending: dict[str, asyncio.Future] = {}  # the round of proposals asked for
         self._asked = self._arrived = 0  # the latest collected round: sequences asked, proposals in time
+        self._streamed = 0  # pipelined: sequences asked at the end of the previous cycle
         self._draft_id = ""
         self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
@@ -139,7 +144,7 @@ class StepLoop:
         self._failures_in_a_row = 0
         self.steps = 0
         self.busy_seconds = 0.0  # time in iterations with work (waiting for proposals included)
-        self.draft_wait_seconds = 0.0  # of that, time spent waiting for a round of proposals
+        self.draft_wait_seconds = 0.0  # of that, time spent waiting for a round of proposals (pipelined: none)
         self.step_failures = 0
         self.loop_errors = 0
         self.proposals_dropped = 0
@@ -264,6 +269,7 @@ class StepLoop:
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
             self._resolve(cmd, result, error)
+        self._talk_to_draft(cycle)  # first: the draft works while the loop delivers
         self.handoffs.update(cycle.handoffs)  # before the deltas whose finish reason says "handoff"
         self._deliver(cycle.outputs)
         for rid, error in cycle.failed:
@@ -273,7 +279,6 @@ class StepLoop:
         if cycle.stepped:
             self.steps += 1
         self._observe_step(cycle)
-        self._talk_to_draft(cycle)
         self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
         self.busy_seconds += time.perf_counter() - started
         self._last_asked = asked
@@ -292,6 +297,11 @@ class StepLoop:
         for cmd in commands:
             out.results.append(self._apply(cmd))
         dropped = engine.spec.num_bad_proposals
+        engine.spec.pipelined = context is not None and context.pipelined
+        if isinstance(proposals, list):  # pipelined: streamed ahead; checked and kept until they fit
+            if engine.spec.pipelined:
+                engine.offer(proposals)
+            proposals = {}
         if engine.has_work():
             started = time.perf_counter()
             try:
@@ -419,12 +429,20 @@ class StepLoop:
         self._client = client
         if client is None:
             return None
-        return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed())
+        return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed(),
+                            bool(getattr(client, "pipelined", False)))
 
-    async def _collect(self) -> dict:
-        """The proposals asked for last cycle that arrive by the deadline ({} without any)."""
+    async def _collect(self) -> dict | list:
+        """Synchronous seam: the proposals asked for last cycle that arrive by the deadline ({}
+        without any). Pipelined seam: every proposal streamed since the last cycle, at once."""
         pending, self._pending = self._pending, {}
         client = self._client
+        if client is not None and getattr(client, "pipelined", False):
+            # Nothing is waited for, so lateness costs nothing: only malformed proposals strike (see
+            # _observe_step); a round counts as arrived whole.
+            self._asked = 0
+            self._arrived, self._streamed = self._streamed, 0
+            return client.take() if not client.broken else []
         if not pending or client is None:
             return {}
         deadline = self.watch.deadline()
@@ -447,6 +465,9 @@ class StepLoop:
         if self._asked:
             self.watch.observe_round(self._asked, self._arrived, cycle.dropped)
             self._asked = 0
+        elif self._arrived:  # pipelined
+            self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
+            self._arrived = 0
         self.proposals_dropped += cycle.dropped
 
     def _talk_to_draft(self, cycle: Cycle) -> None:
@@ -457,6 +478,8 @@ class StepLoop:
         client.release(cycle.released)
         if cycle.requests:
             self._pending = client.send(cycle.requests)
+            if getattr(client, "pipelined", False):
+                self._streamed = len(cycle.requests)
 
     async def _housekeeping(self) -> None:
         """Publish the spec-decode counters per draft worker (cumulative, when they changed, and every

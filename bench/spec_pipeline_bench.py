@@ -1,0 +1,279 @@
+"""The draft seam under load: the synchronous seam, the pipelined seam and the ideal, side by side.
+
+Usage: .venv/bin/python bench/spec_pipeline_bench.py [--tokens 96] [--batches 1,8] [--alphas 0.6,0.8]
+       [--cells 0.05:4,0.3:1,0.3:2] [--repeats 3]
+
+The target is the target worker's own step loop (``StepLoop``) on a small random Llama built in code
+(``--hidden``, ``--layers``; one torch thread), in this process. The draft is a real ``DraftService``
+with the oracle proposer in a child process, reached over gRPC on loopback: the seam is what is
+measured. The oracle knows the target's greedy continuations (computed first, plainly) and drafts
+each token wrong with probability 1 − α; each drafted token costs ``cost`` × the target's plain step
+time at that batch, spent as a sleep (as on its own device), once per draft depth for a whole batch
+of sequences and branches.
+
+For each batch size and (α, cost, γ): a plain run (no draft) and one run per seam, repeated
+interleaved (so that a slow spell of this shared machine hits all alike); each ratio's median over
+the repeats is reported. Step times are medians over the loop's iterations that stepped, each the
+whole cycle (step, conversions, delivery) less its wait for proposals: T_plain over the plain run's,
+T_verify over the synchronous run's iterations that verified proposals (a verify step with the
+draft's time taken out: the draft fully hidden). The ideal speedup is E(α, γ) × T_plain / T_verify
+with E = (1 − α^(γ+1)) / (1 − α), the expected tokens of a round. Every speculative run's outputs are
+checked equal to the plain run's.
+Speedups are decode-phase tokens/s (tokens after each request's first, from the moment every request
+has its first token to the last token) over the plain run's. ``draft wait`` is the loop's time
+waiting on proposals (``tandem_target_draft_wait_seconds_total``) over its busy time. ``--cells``
+pairs each draft cost with a γ: a draft that is to hide behind verification must draft the γ + 1
+tokens a round can advance within one verify step (its staging is γ + 1 batched draft passes), so a
+draft costing 0.3 of a plain step per token hides γ = 1 and, on a verify step barely longer than a
+plain one, not quite γ = 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the target and the draft share the cores
+
+
+async def serve_draft(refs: str, error_rate: float, token_cost_ms: float, vocab: int) -> None:
+    """Child mode: an oracle DraftService on a free loopback port; prints the port."""
+    import grpc
+
+    from proto import spec_pb2_grpc
+    from workers.draft.oracle import OracleProposer
+    from workers.draft.service import DraftService
+
+    proposer = OracleProposer.from_file(refs, error_rate, vocab, seed=1, token_cost_s=token_cost_ms / 1000)
+    service = DraftService(proposer, "bench-draft", 16)
+    await service.start()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+def build_model(hidden: int, layers: int, vocab: int):
+    import torch
+
+    from workers.engine.config import ModelConfig
+    from workers.engine.model import DecoderModel
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    heads = max(1, hidden // 64)
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                      max_position_embeddings=1024)
+    model = DecoderModel(cfg, 1024)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.reset_buffers()
+    return model.eval()
+
+
+def engine_for(model, gamma: int):
+    from workers.engine.engine import Engine, EngineConfig
+
+    return Engine(model, EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=16), eos_token_ids=(),
+                  num_speculative_tokens=gamma, adaptive=False, load_aware=False)
+
+
+def prompts_for(batch: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % vocab for j in range(24 + i)] for i in range(batch)]
+
+
+async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str) -> dict:
+    """Serve ``prompts`` on a fresh step loop; decode-phase tokens/s and the loop's counters."""
+    from runtime.messages import SamplingParams
+    from workers.target.step_loop import StepLoop
+
+    loop = StepLoop(engine, pool, "bench-target", propose_timeout=2.0)
+    cycles: list[float] = []  # seconds of each iteration that stepped, less its wait for proposals
+    verify_cycles: list[float] = []  # of those, the iterations that verified proposals
+    iteration = loop._iteration
+
+    def drafts() -> int:
+        return sum(c.num_drafts for c in engine.counters.values())
+
+    async def timed_iteration():
+        steps, verified, waited, started = loop.steps, drafts(), loop.draft_wait_seconds, time.perf_counter()
+        await iteration()
+        if loop.steps > steps:
+            cycles.append(time.perf_counter() - started - (loop.draft_wait_seconds - waited))
+            if drafts() > verified:
+                verify_cycles.append(cycles[-1])
+
+    loop._iteration = timed_iteration
+    loop.start()
+    if pool is not None:
+        deadline = time.monotonic() + 30
+        while await pool.poll() is None:
+            assert time.monotonic() < deadline, "no draft stream"
+            await asyncio.sleep(0.05)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    firsts: list[float] = []
+    outputs: dict[str, list[int]] = {}
+
+    async def one(i: int, prompt: list[int]):
+        rid = f"{tag}-{i}"
+        queue = loop.submit(rid, prompt, params)
+        out = outputs[rid] = []
+        while True:
+            delta = await queue.get()
+            if isinstance(delta, BaseException):
+                raise delta
+            if not out:
+                firsts.append(time.perf_counter())
+            out.extend(delta.token_ids)
+            if delta.finish_reason:
+                return time.perf_counter()
+
+    started = time.perf_counter()
+    steps0, busy0, wait0 = loop.steps, loop.busy_seconds, loop.draft_wait_seconds
+    ends = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    wall = time.perf_counter() - started
+    decode = max(ends) - max(firsts)
+    counters = engine.counters.get(getattr(pool.client, "draft_id", ""), None) if pool is not None else None
+    row = {"tok_s": sum(len(o) - 1 for o in outputs.values()) / decode, "wall": wall,
+           "steps": loop.steps - steps0, "busy": loop.busy_seconds - busy0,
+           "wait": loop.draft_wait_seconds - wait0, "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))],
+           "plain_steps": dict(engine.spec.plain_steps), "dropped": dict(engine.spec.dropped)}
+    row["step_s"] = statistics.median(cycles[1:] or cycles)  # the first is the prefill
+    row["verify_s"] = statistics.median(verify_cycles) if verify_cycles else None
+    if counters is not None:
+        row["drafts"] = counters.num_drafts
+        row["tokens_per_round"] = 1 + counters.num_accepted_tokens / max(counters.num_drafts, 1)
+    await loop.stop()
+    return row
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    return (gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def median_row(rows: list[dict]) -> dict:
+    rows = sorted(rows, key=lambda r: r["tok_s"])
+    return rows[len(rows) // 2]
+
+
+def start_draft(refs: Path, error_rate: float, cost_ms: float, vocab: int):
+    child = subprocess.Popen([sys.executable, __file__, "--serve-draft", str(refs), str(error_rate), str(cost_ms),
+                              str(vocab)], stdout=subprocess.PIPE, text=True)
+    return child, int(child.stdout.readline())
+
+
+async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
+    from runtime.messages import InstanceRecord
+    from workers.target.draft_client import DraftPool
+
+    prompts = prompts_for(batch, args.vocab)
+    # plain: the references the oracle drafts from, and the step time the draft's cost is set from
+    first = await run_once(engine_for(model, 0), None, prompts, args.tokens, "plain-ref")
+    refs = work / f"refs-{batch}.json"
+    refs.write_text(json.dumps([p + o for p, o in zip(prompts, first["outputs"])]))
+    t_plain0 = first["step_s"]
+    print(f"batch {batch}: plain {first['tok_s']:.0f} tok/s, step {1e3 * t_plain0:.2f} ms", flush=True)
+    rows = []
+    for alpha in args.alphas:
+        error = round(1 - alpha, 3)
+        for cost, gamma in args.cells:
+            e = expected_tokens(alpha, gamma)
+            child, port = start_draft(refs, error, cost * t_plain0 * 1e3, args.vocab)
+            record = InstanceRecord("bench-draft", "bench", "draft", "speculate", "", role="draft",
+                                    grpc_address=f"127.0.0.1:{port}")
+            reps = []
+            try:
+                for k in range(args.repeats):  # interleaved, so that a slow spell of the machine hits all alike
+                    plain = await run_once(engine_for(model, 0), None, prompts, args.tokens, f"plain{k}")
+                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"]}
+                    for seam in ("sync", "pipelined"):
+                        pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
+                        r = await run_once(engine_for(model, gamma), pool, prompts, args.tokens, f"{seam}{k}")
+                        await pool.close()
+                        assert r["outputs"] == first["outputs"], f"{seam}: outputs differ from plain decoding"
+                        rep[seam] = r["tok_s"] / plain["tok_s"]
+                        rep[f"{seam}_wait"] = r["wait"] / r["busy"]
+                        rep[f"{seam}_tpr"] = r.get("tokens_per_round", 0.0)
+                        rep[f"{seam}_plain_steps"] = r["plain_steps"]
+                        rep[f"{seam}_dropped"] = r["dropped"]
+                        rep[f"{seam}_verify_s"] = r["verify_s"]
+                    # the verify step: the synchronous run's verifying cycles, less their wait for proposals
+                    rep["t_verify"] = rep["sync_verify_s"]
+                    rep["ideal"] = e * rep["t_plain"] / rep["t_verify"]
+                    rep["of_ideal"] = rep["pipelined"] / rep["ideal"]
+                    reps.append(rep)
+            finally:
+                child.kill()
+                child.wait()
+            row = {"batch": batch, "alpha": alpha, "cost": cost, "gamma": gamma, "E": e, "repeats": reps}
+            for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "sync", "pipelined", "of_ideal",
+                        "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr"):
+                row[key] = statistics.median(r[key] for r in reps)
+            row["pipelined_plain_steps"] = reps[len(reps) // 2]["pipelined_plain_steps"]
+            print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| batch | α | draft cost (× plain step) | γ | plain tok/s | T_plain ms | T_verify ms | ideal | sync | "
+          "pipelined | pipelined / ideal | draft wait sync | draft wait pipelined | tokens/round sync / pipelined |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['alpha']} | {r['cost']} | {r['gamma']} | {r['plain_tok_s']:.0f} | "
+              f"{1e3 * r['t_plain']:.2f} | {1e3 * r['t_verify']:.2f} | {r['ideal']:.2f}× | {r['sync']:.2f}× | "
+              f"{r['pipelined']:.2f}× | {r['of_ideal']:.2f} | {100 * r['sync_wait']:.0f} % | "
+              f"{100 * r['pipelined_wait']:.1f} % | {r['sync_tpr']:.2f} / {r['pipelined_tpr']:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=96, help="tokens per request")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--alphas", default="0.6,0.8")
+    ap.add_argument("--cells", default="0.05:4,0.3:1,0.3:2",
+                    help="draft cost per token (in plain target steps) : γ, comma separated")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--serve-draft", nargs=4, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_draft:
+        refs, error, cost, vocab = args.serve_draft
+        asyncio.run(serve_draft(refs, float(error), float(cost), int(vocab)))
+        return
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.alphas = [float(x) for x in args.alphas.split(",")]
+    args.cells = [(float(c), int(g)) for c, g in (x.split(":") for x in args.cells.split(","))]
+    model = build_model(args.hidden, args.layers, args.vocab)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batches:
+            rows.extend(asyncio.run(bench_batch(args, model, batch, Path(tmp))))
+    print_table(rows)
+    worst = min(r["of_ideal"] for r in rows)
+    wait = max(r["pipelined_wait"] for r in rows)
+    print(f"pipelined / ideal: worst {worst:.2f} (target ≥ 0.9); pipelined draft wait: worst {100 * wait:.1f} % "
+          f"of busy time (target ≤ 5 %); median pipelined / ideal {statistics.median(r['of_ideal'] for r in rows):.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The draft side of the pipelined seam (pure): answers and staged proposals, checked against the target's
+own fitting rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.draft.ngram import NgramProposer
+from workers.draft.oracle import OracleProposer
+from workers.draft.stager import Branch, Stager
+from workers.speculation.payloads import VerifyResult
+from workers.speculation.staging import Staged
+
+pytestmark = pytest.mark.unit
+
+REF = list(range(100, 160))  # the target's greedy text: prompt = REF[:10]
+
+
+def test_an_answer_then_staged_proposals_for_every_outcome_of_it():
+    stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=3)
+    [answer] = stager.answer(["s"])
+    # one token spare (the target decodes one plainly while it is drafted), γ = 3
+    assert (answer.start, answer.token_ids, answer.assumed[-1]) == (10, REF[10:14], REF[9])
+    assert stager.answer(["s"]) == []  # it fits: nothing more to answer
+    staged = stager.stage(["s"])
+    # expected to be verified after one plain step: x = REF[11:14]; every outcome a = 0..3 with the
+    # oracle's alternatives (none: it drafted no wrong token) and, for a = 3, its own next token
+    assert [(p.start, p.token_ids) for p in staged] == [(15, REF[15:18])]
+    assert stager.stage(["s"]) == []  # once per proposal in use
+    target = Staged()
+    for p in staged:
+        target.offer(p)
+    assert target.take("s", REF[:15]).token_ids == REF[15:18]
+
+
+def test_the_oracle_stages_the_truth_after_a_wrong_draft_token_and_pays_once_per_depth(monkeypatch):
+    slept = []
+    monkeypatch.setattr("workers.draft.oracle.time.sleep", slept.append)
+    oracle = OracleProposer([REF], 0.0, 1000, token_cost_s=0.01)
+    stager = Stager(oracle, alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=2)
+    chains = oracle.draft_branches([Branch("s", (), 4, 1), Branch("s", (REF[10],), 2, 1)])
+    assert [c.tokens for c in chains] == [REF[10:14], REF[11:13]]
+    assert slept == [pytest.approx(0.04)]  # one batched pass per depth, the deepest branch's
+    oracle.error_rate = 1.0  # every token a random one: where it is wrong, the alternative is the truth
+    [chain] = oracle.draft_branches([Branch("s", (), 2, 1)])
+    assert [a for a in chain.alternatives if a] == [[r] for t, r in zip(chain.tokens, REF[10:12]) if t != r]
+
+
+def test_verdicts_move_the_proposal_in_use_and_stale_ones_are_forgotten():
+    stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.answer(["s"])
+    stager.stage(["s"])
+    # the target decoded REF[10] plainly, then verified the answer: 2 accepted + its bonus
+    stager.commit("s", 1, [REF[10]], gamma=2)
+    stager.verified([VerifyResult("s", 1, 2, REF[11:14])])
+    stager.commit("s", 2, [], gamma=2)
+    assert stager.answer(["s"]) == []  # a staged proposal fits
+    more = stager.stage(["s"])
+    assert more and all(p.start > 14 for p in more)
+    stager.release(["s"])
+    assert len(stager) == 0 and stager.answer(["s"]) == []
+
+
+def test_ngram_branches_draft_after_the_assumed_tokens_with_alternatives():
+    ngram = NgramProposer(1, 3)
+    ngram.commit("s", [1, 2, 3, 9, 1, 2, 4, 1, 2])
+    [plain, branch] = ngram.draft_branches([Branch("s", (), 2, 1), Branch("s", (3,), 2, 1)])
+    assert plain.tokens == [4, 1] and plain.alternatives[0] == [3]  # "1 2" was followed by 4, before that 3
+    assert branch.tokens[0] == 9  # "1 2 3" was followed by 9
+
+
+def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
+    stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.answer(["s"])
+    [level1] = stager.stage(["s"])
+    assert stager.stage_ahead(["s"]) == []  # it keeps up (the target took one step per news so far)
+    stager._seqs["s"].lag = 2  # it runs a step late
+    [level2] = stager.stage_ahead(["s"])
+    assert level2.start == level1.start + 3 and level2.token_ids == REF[level2.start : level2.start + 2]
+    assert stager.stage_ahead(["s"]) == []  # one level ahead of what is in use, not more
+    # the target verifies the answer (after one plain step), then level 1 whole: level 2 fits, and
+    # staging from it does not repeat
+    committed = REF[: level1.start + 3]
+    stager.commit("s", 1, committed[10:], gamma=2)
+    target = Staged()
+    target.offer(level2)
+    assert target.take("s", committed).token_ids == level2.token_ids
+
+
+def test_after_a_plain_step_it_stages_from_the_proposal_one_token_ahead_instead_of_answering():
+    stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
+    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.answer(["s"])
+    [level1] = stager.stage(["s"])  # expected after the answer's round: start 14, assumes REF[13]
+    # the answer came late and the target decoded REF[10..12] plainly: level 1 fits once REF[13] is in
+    stager.commit("s", 1, REF[10:13], gamma=2)
+    assert stager.answer(["s"]) == []  # no answer: the target verifies level 1 after its next plain step
+    staged = stager.stage(["s"])
+    assert staged and all(p.start >= level1.start + 1 for p in staged)
+    target = Staged()
+    for p in staged:
+        target.offer(p)
+    done = REF[: level1.start + 3]  # the plain step (REF[13]), then level 1 verified whole + its bonus
+    assert target.take("s", done).token_ids == REF[len(done) : len(done) + 2]

@@ -1,0 +1,198 @@
+"""The pipelined seam end to end in one process: a real tiny engine and step loop, a real draft service
+over loopback gRPC (staging oracle and n-gram proposers), and what the step loop does when the draft is
+late or wrong: it decodes plainly, never waits, and emits what the target alone emits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.draft.loopback import draft_on_loopback
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.draft.ngram import NgramProposer
+from workers.draft.oracle import OracleProposer
+from workers.draft.service import DraftService
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.weights import load_model
+from workers.speculation.payloads import DraftOutput
+from workers.target.step_loop import StepLoop
+
+pytestmark = pytest.mark.unit
+
+CFG = EngineConfig(num_blocks=128, block_size=4)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = {"a": list(range(10, 22)), "b": [7, 8, 9, 7, 8, 9, 7, 8, 9, 7], "c": list(range(40, 47))}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_hf_model("llama", path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return Engine(model, CFG).generate(PROMPTS, PARAMS)
+
+
+class _Pool:
+    def __init__(self, client):
+        self.client, self.refused = client, {}
+
+    async def poll(self):
+        return self.client
+
+    async def prune(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def serve_all(loop: StepLoop) -> dict[str, list[int]]:
+    async def one(rid):
+        queue = loop.submit(rid, PROMPTS[rid], PARAMS)
+        tokens = []
+        while True:
+            delta = await asyncio.wait_for(queue.get(), 30)
+            assert not isinstance(delta, BaseException), delta
+            tokens.extend(delta.token_ids)
+            if delta.finish_reason:
+                return tokens
+
+    return dict(zip(PROMPTS, await asyncio.gather(*(one(r) for r in PROMPTS))))
+
+
+@pytest.mark.parametrize("method", ["oracle", "ngram"])
+async def test_pipelined_greedy_equals_the_target_alone_and_never_waits(model, expected, method):
+    if method == "oracle":
+        refs = [PROMPTS[r] + expected[r] for r in PROMPTS]
+        proposer = OracleProposer(refs, 0.2, 256, seed=3)
+    else:
+        proposer = NgramProposer(1, 3)
+    service = DraftService(proposer, "d1", 8)
+    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+        assert client.pipelined
+        engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+        loop = StepLoop(engine, _Pool(client))
+        loop.start()
+        try:
+            got = await serve_all(loop)
+        finally:
+            await loop.stop()
+    assert got == expected
+    assert loop.draft_wait_seconds == 0.0  # the pipelined loop awaits no proposal
+    assert service.stager.staged > 0 and engine.spec.num_bad_proposals == 0
+    if method == "oracle":  # (a random model's output repeats nothing an n-gram could find)
+        counters = engine.counters["d1"]
+        assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0
+
+
+class _Scripted:
+    """A pipelined draft stream stand-in: whatever ``script(seq_id, committed)`` streams, nothing else."""
+
+    def __init__(self, script):
+        self.draft_id, self.method, self.hidden_layers, self.hidden_dtype = "d", "scripted", [], ""
+        self.broken, self.pipelined, self.script = False, True, script
+        self.inbox: list[DraftOutput] = []
+        self.committed: dict[str, list[int]] = {}
+        self.sent = 0
+
+    def send(self, requests):
+        self.sent += 1
+        for r in requests:
+            seq = self.committed.setdefault(r.seq_id, [])
+            seq.extend(r.new_tokens)
+            self.inbox.extend(self.script(r.seq_id, r.round, list(seq)))
+        return {}
+
+    def take(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def verified(self, outcomes):
+        for o in outcomes:
+            self.committed[o.seq_id].extend(o.emitted_tokens)
+
+    def release(self, ids):
+        pass
+
+
+async def run_scripted(model, script, max_tokens=12):
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    client = _Scripted(script)
+    loop = StepLoop(engine, _Pool(client))
+    loop.start()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        queue = loop.submit("a", PROMPTS["a"], params)
+        deltas = []
+        while not deltas or not deltas[-1].finish_reason:
+            deltas.append(await asyncio.wait_for(queue.get(), 30))
+    finally:
+        await loop.stop()
+    return engine, loop, deltas
+
+
+async def test_a_proposal_with_a_wrong_assumed_prefix_is_never_used(model, expected):
+    want = expected["a"][:12]
+
+    def wrong_prefix(seq_id, round_, committed):
+        # right tokens, at the right position, but assuming a different last token: never to be used
+        n = len(committed)
+        ref = PROMPTS["a"] + want
+        bad = (committed[-1] + 1) % 256
+        return [DraftOutput(seq_id, round_, ref[n : n + 3], start=n, assumed=committed[-3:-1] + [bad]),
+                DraftOutput(seq_id, round_, ref[n + 1 : n + 4], start=n + 1, assumed=[(ref[n] + 1) % 256])]
+
+    engine, loop, deltas = await run_scripted(model, wrong_prefix)
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert engine.counters.get("d") is None or engine.counters["d"].num_drafts == 0
+    assert deltas[-1].usage.spec.plain_steps == {"no_proposal": 10, "no_room": 1}
+    assert engine.spec.dropped.get("stale", 0) > 0 and engine.spec.num_bad_proposals == 0
+
+
+async def test_missing_staged_proposals_mean_plain_steps_not_waits(model, expected):
+    want = expected["a"][:12]
+    engine, loop, deltas = await run_scripted(model, lambda *_: [])
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert loop.draft_wait_seconds == 0.0
+    assert deltas[-1].usage.spec.plain_steps == {"no_proposal": 10, "no_room": 1}
+
+
+async def test_a_partly_committed_proposal_is_trimmed_and_used(model, expected):
+    want = expected["a"][:12]
+
+    def one_behind(seq_id, round_, committed):
+        # drafted from one token before the end: the target has committed its first token already
+        n = len(committed) - 1
+        ref = PROMPTS["a"] + want
+        return [DraftOutput(seq_id, round_, ref[n : n + 3], start=n, assumed=committed[n - 2 : n])]
+
+    engine, loop, deltas = await run_scripted(model, one_behind)
+    assert [t for d in deltas for t in d.token_ids] == want
+    counters = engine.counters["d"]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+@pytest.mark.parametrize("bad", ["token_id", "assumed", "position", "round", "too_long"])
+async def test_malformed_streamed_proposals_are_dropped_and_counted(model, expected, bad):
+    want = expected["a"][:12]
+
+    def hostile(seq_id, round_, committed):
+        n = len(committed)
+        ref = PROMPTS["a"] + want
+        good = DraftOutput(seq_id, round_, ref[n : n + 3], start=n, assumed=committed[-2:])
+        return [{"token_id": DraftOutput(seq_id, round_, [999] + ref[n + 1 : n + 3], start=n, assumed=committed[-2:]),
+                 "assumed": DraftOutput(seq_id, round_, ref[n : n + 3], start=n, assumed=[-5]),
+                 "position": DraftOutput(seq_id, round_, ref[n : n + 3], start=0),
+                 "round": DraftOutput(seq_id, round_ + 5, ref[n : n + 3], start=n, assumed=committed[-2:]),
+                 "too_long": DraftOutput(seq_id, round_, ref[n : n + 8], start=n, assumed=committed[-2:]),
+                 }[bad], good]
+
+    engine, loop, deltas = await run_scripted(model, hostile)
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert engine.spec.dropped.get(bad, 0) > 0

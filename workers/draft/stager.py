@@ -1,0 +1,289 @@
+"""The draft side of the pipelined seam: what to draft ahead for each sequence, and the proposals that
+come of it. No gRPC, no asyncio: the service calls it from its worker thread.
+
+The target steps without waiting; after each step it sends what it committed (a verdict, and a
+round request carrying the tokens since). For each sequence the stager keeps the committed tokens
+it has heard of and the proposals it has streamed. On news of a sequence it works out, by the rule
+the target uses (:func:`workers.speculation.staging.overlap`), which streamed proposal the target
+will verify next (the one that fits its committed tokens with the most tokens left), and then:
+
+- **answer**: when none fits (nor one that fits after the plain step the target takes meanwhile, if
+  its token is the one that proposal assumes last: then it stages from that one instead), it
+  drafts one from the committed tokens and streams it at once (the
+  target uses it if it comes in time, else decodes plainly and may still use it trimmed). Every
+  proposal carries a few spare tokens past γ (the target verifies γ): one per plain target step it
+  may arrive after (an answer: 1 + the lag; a staged one: the lag, 0 when the stager keeps up, the
+  lag being the target steps between its last two draftings for the sequence, less one), so that
+  what is left after those steps committed its first tokens is still a whole round;
+- **stage** (SGLang's decoupled speculation): for the proposal the target verifies next,
+  x_1..x_k, every outcome is a = 0..k accepted tokens followed by a bonus token the target draws.
+  It guesses the bonus (a = k: the draft's own next token x_{k+1} and its top ``alternatives``
+  others; a < k: the draft's top ``alternatives`` tokens at that depth other than x_{a+1}, which the
+  target rejected) and drafts
+  γ tokens after each guess, every branch in one batched call
+  (:meth:`Stager.Drafter.draft_branches`: one draft pass per depth for all of them). Each staged
+  proposal names the prefix it assumes (``start``, ``assumed``), so the target can tell which one
+  came true. ``alternatives = 0`` is the rolling tail: only the a = k branch, the draft continuing
+  its own chain as if everything were accepted.
+
+Staging happens once per proposal: news that does not change the one in use (a plain step that
+it already covers, trimmed) drafts nothing new. With no news waiting, a stager running late stages
+one level further for the likeliest outcome (:meth:`Stager.stage_ahead`: everything accepted and the
+bonus as the draft guessed it), so that it still serves that case in time. A staged proposal is only a guess; the
+target validates and verifies it like any other, so nothing here affects what the target emits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..speculation.payloads import DraftOutput, VerifyResult
+from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, one_ahead, overlap
+
+ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
+SENT_MAX = 64  # proposals remembered per sequence
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Draft ``num_tokens`` tokens after a sequence's committed tokens followed by ``extra``, with up to
+    ``alternatives`` other likely tokens at each depth."""
+
+    seq_id: str
+    extra: tuple[int, ...]
+    num_tokens: int
+    alternatives: int
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What a branch drafted: ``tokens``, and per depth the alternatives to each (best first)."""
+
+    tokens: list[int]
+    alternatives: list[list[int]] = field(default_factory=list)
+
+
+class Drafter(Protocol):
+    """What a proposer offers to stage (ngram, suffix, oracle)."""
+
+    stages: bool  # it drafts branches now (chains: a proposer set to draft trees serves the synchronous seam)
+
+    def commit(self, seq_id: str, tokens: list[int]) -> None:
+        """The target committed ``tokens`` after the ones already heard of (the first call: the prompt)."""
+        ...
+
+    def verified(self, results: list[VerifyResult]) -> None: ...
+
+    def release(self, seq_ids: list[str]) -> None: ...
+
+    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+        """One chain per branch, drafted together (a model-based drafter: one pass per depth)."""
+        ...
+
+
+@dataclass
+class _Sent:
+    prop: DraftOutput  # as streamed (positioned)
+    chain: Chain  # as drafted: one token more than streamed (the guess of the bonus after it)
+    expect: int = 0  # its first tokens the target is expected to commit plainly before it arrives
+    staged: bool = False  # the outcomes of verifying it were staged
+
+
+@dataclass
+class _Seq:
+    tokens: list[int] = field(default_factory=list)  # committed, as heard
+    sent: list[_Sent] = field(default_factory=list)  # oldest first
+    likely: tuple[_Sent, tuple[int, ...]] | None = None  # the latest likeliest staged one, and what it assumes
+    round: int = 0  # the latest round heard of
+    drafted_round: int = 0  # the latest round heard of when it was last drafted for
+    lag: int = 1  # target steps between its last two draftings: how far the target gets meanwhile
+    gamma: int = 0
+
+    def spare(self, answer: bool) -> int:
+        """Plain target steps a proposal is expected to arrive after (each commits one of its tokens, so
+        it carries as many past γ): an answer comes a step late (the target decoded plainly while it was
+        drafted) plus the lag; a staged proposal, the lag only (0 when the stager keeps up)."""
+        return min(max(self.lag, 1) - (0 if answer else 1), SPARE_MAX)
+
+
+class Stager:
+    """Per-sequence staging for one proposer; plain values in."""
+
+    def __init__(self, drafter: Drafter, alternatives: int = 1):
+        if alternatives < 0:
+            raise ValueError(f"alternatives must be >= 0, got {alternatives}")
+        self.drafter = drafter
+        self.alternatives = alternatives
+        self._seqs: dict[str, _Seq] = {}
+        self.answered = 0  # proposals drafted from the committed tokens (nothing streamed fitted)
+        self.staged = 0  # staged proposals streamed
+        self.stagings = 0  # proposals whose outcomes were staged
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------------ news from the target
+
+    def commit(self, seq_id: str, round_: int, tokens: list[int], gamma: int) -> None:
+        """A round request: the tokens committed since the last news, and the budget to draft."""
+        seq = self._seqs.setdefault(seq_id, _Seq())
+        seq.tokens.extend(tokens)
+        seq.round, seq.gamma = max(seq.round, round_), gamma
+        self.drafter.commit(seq_id, list(tokens))
+
+    def verified(self, results: list[VerifyResult]) -> None:
+        self.drafter.verified(results)
+        for result in results:
+            seq = self._seqs.get(result.seq_id)
+            if seq is not None:
+                seq.tokens.extend(result.emitted_tokens)
+
+    def release(self, seq_ids: list[str]) -> None:
+        self.drafter.release(seq_ids)
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ drafting
+
+    def _in_use(self, seq: _Seq) -> tuple[_Sent, int] | None:
+        """The streamed proposal the target verifies next (by its own rule), and how much of it is committed."""
+        best, best_left = None, 0
+        n = len(seq.tokens)
+        for sent in seq.sent:
+            if sent.prop.start > n:
+                continue
+            over = overlap(sent.prop, seq.tokens)
+            if over is not None and len(sent.prop.token_ids) - over >= best_left:
+                best, best_left = (sent, over), len(sent.prop.token_ids) - over
+        return best
+
+    def _next_up(self, seq: _Seq) -> _Sent | None:
+        """When none fits: a streamed proposal that fits once the target commits one token more, the one
+        it guessed (the target decodes plainly now: its staged proposal came late; if its token is the
+        guess, it verifies this one next). The likeliest such one: the latest drafted."""
+        return next((s for s in reversed(seq.sent) if one_ahead(s.prop, seq.tokens)), None)
+
+    def answer(self, seq_ids: list[str]) -> list[DraftOutput]:
+        """Proposals from the committed tokens for the sequences none of whose streamed proposals fits
+        now or, likely, after the plain step the target takes meanwhile."""
+        todo = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.gamma <= 0:
+                continue
+            seq.sent = [s for s in seq.sent if s.prop.start > len(seq.tokens) or overlap(s.prop, seq.tokens) is not None]
+            self._note_round(seq)
+            if self._in_use(seq) is None and self._next_up(seq) is None:
+                spare = seq.spare(True)
+                todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
+        out = self._draft(todo)
+        self.answered += len(out)
+        return out
+
+    @staticmethod
+    def _note_round(seq: _Seq) -> None:
+        if seq.drafted_round:
+            seq.lag = seq.round - seq.drafted_round
+        seq.drafted_round = seq.round
+
+    def stage(self, seq_ids: list[str]) -> list[DraftOutput]:
+        """Staged proposals for the outcomes of the proposal each sequence verifies next (once per proposal)."""
+        todo = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.gamma <= 0:
+                continue
+            found = self._in_use(seq)
+            if found is not None:
+                sent, over = found
+                if not sent.staged:
+                    todo += self._outcomes(seq_id, seq, sent, over, (), seq.spare(False))
+                continue
+            nxt = self._next_up(seq)  # after the plain step the target takes now
+            if nxt is not None and not nxt.staged:
+                todo += self._outcomes(seq_id, seq, nxt, 0, (nxt.prop.assumed[-1],), seq.spare(False))
+        out = self._draft(todo)
+        self.staged += len(out)
+        return out
+
+    def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
+        """One level further, before any news: for each sequence the stager is late for (its lag over
+        one step), the outcomes of its likeliest staged proposal (the one after a fully accepted round,
+        the bonus guessed by the draft itself), so that they are out in time when that is what happens."""
+        todo = []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            likely = seq.likely if seq is not None else None
+            if likely is None or likely[0].staged or seq.lag <= 1:  # keeping up: the news comes in time
+                continue
+            sent, extra = likely
+            seq.likely = None
+            todo += self._outcomes(seq_id, seq, sent, 0, extra, sent.expect)
+        out = self._draft(todo, remember=False)  # one level ahead of what is in use, not more
+        self.staged += len(out)
+        return out
+
+    def _outcomes(self, seq_id: str, seq: _Seq, sent: _Sent, over: int, base: tuple[int, ...], spare: int) -> list:
+        """The branches for the outcomes of verifying ``sent`` (``over`` of its tokens committed; ``base``:
+        the tokens it assumes past the committed ones)."""
+        sent.staged = True
+        self.stagings += 1
+        drafted, alternatives = sent.chain.tokens, sent.chain.alternatives
+        # the target verifies it after committing ``pre`` plainly (it was expected to arrive that late),
+        # γ tokens at most: ``x``
+        skip = over + max(0, sent.expect - over)
+        pre = base + tuple(drafted[over:skip])
+        x = drafted[skip : skip + seq.gamma]
+        k = len(x)
+        size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
+        todo = []
+        for a in range(k + 1):
+            if a < k:
+                alts = alternatives[skip + a] if skip + a < len(alternatives) else []
+                for b in [t for t in alts if t != x[a]][: self.alternatives]:
+                    todo.append((seq_id, Branch(seq_id, pre + tuple(x[:a]) + (b,), size, self.alternatives),
+                                 False, spare, False))
+            elif skip + k < len(drafted):  # its draft of the token after them, and the alternatives to that:
+                # the guesses of a = k's bonus (the first is the likeliest outcome of all)
+                alts = alternatives[skip + k] if skip + k < len(alternatives) else []
+                nxt = drafted[skip + k]
+                for i, b in enumerate([nxt] + [t for t in alts if t != nxt][: self.alternatives]):
+                    todo.append((seq_id, Branch(seq_id, pre + tuple(x) + (b,), size, self.alternatives),
+                                 False, spare, i == 0))
+            else:  # no such draft (a proposal trimmed to its end): the branch drafts its own guess first
+                todo.append((seq_id, Branch(seq_id, pre + tuple(x), size + 1, self.alternatives), True, spare, True))
+        return todo
+
+    def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]], remember: bool = True) -> list[DraftOutput]:
+        """Draft the branches in one call; ``guess_first``: the chain's first token is the guess of the
+        bonus token (part of the assumed prefix), the proposal what follows it; ``likely``: the
+        likeliest outcome's branch, which :meth:`stage_ahead` goes on from (when ``remember``)."""
+        if not todo:
+            return []
+        chains = self.drafter.draft_branches([item[1] for item in todo])
+        out = []
+        for (seq_id, branch, guess_first, expect, likely), chain in zip(todo, chains):
+            seq = self._seqs[seq_id]
+            extra = list(branch.extra)
+            if guess_first:
+                if not chain.tokens:
+                    continue
+                extra.append(chain.tokens[0])
+                chain = Chain(chain.tokens[1:], chain.alternatives[1:])
+            # the last one drafted only guesses what follows (and a guess-first branch's first was the bonus)
+            tokens = chain.tokens[: branch.num_tokens - 1 - guess_first]
+            if not tokens or len(extra) + ASSUMED_CONTEXT > ASSUMED_MAX:
+                continue
+            context = seq.tokens + extra
+            start = len(context)
+            assumed = context[max(0, start - len(extra) - ASSUMED_CONTEXT) :]
+            prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
+            sent = _Sent(prop, chain, expect)
+            seq.sent.append(sent)
+            if likely and remember:
+                seq.likely = (sent, tuple(extra))
+            if len(seq.sent) > SENT_MAX:
+                del seq.sent[0]
+            out.append(prop)
+        return out
