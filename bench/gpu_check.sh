@@ -102,7 +102,7 @@ cells() { grep -E "$2" "$1" | sed -E 's/^\| *//; s/ *\|$//; s/ *\| */|/g'; }
 fig_bench() { cells "$1" '^\| (1|16|64) \| (off|on) \|' | awk -F'|' '{printf "b%s async %s: %s tok/s, %s of roofline\n", $1, $2, $3, $6}'; }
 fig_served() { cells "$1" '^\| all \|' | awk -F'|' '{printf "plain %s, spec %s tok/s: %s, AL %s, equal %s\n", $2, $3, $4, $6, $9}'; }
 fig_sweep() { cells "$1" '^\| [0-9]+ \| [a-z_]+ \|' | awk -F'|' '{printf "c%s %s: %s tok/s, %s\n", $1, $2, $3, $4}'; }
-fig_oracle() { grep -E 'of ideal|^\| ' "$1" | tail -8; }
+fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -1; }
 fig_none() { :; }
 
 # --- the parts ---------------------------------------------------------------------------------------

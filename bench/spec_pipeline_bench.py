@@ -2,6 +2,13 @@
 
 Usage: .venv/bin/python bench/spec_pipeline_bench.py [--tokens 96] [--batches 1,8] [--alphas 0.6,0.8]
        [--cells 0.05:4,0.3:1,0.3:2] [--repeats 3]
+       python3 bench/spec_pipeline_bench.py --gpu   (bench/gpu_check.sh's oracle part)
+
+``--gpu``: the target is a random-weight Llama-3.1-8B-shaped model in bf16 on CUDA with CUDA graphs
+(buckets up to batch 8), batch 1 and 8, α = 0.8, a draft costing 0.05 of a plain step per token (the
+EAGLE-3 head's measured c is 0.068 on an H200) at γ = 4, two repeats. In bf16 a verify step's
+arithmetic differs from a decode step's (other shapes, other kernels), so greedy outputs may
+differ at near-ties: there the outputs equal to plain decoding are counted, not asserted.
 
 The target is the target worker's own step loop (``StepLoop``) on a small random Llama built in code
 (``--hidden``, ``--layers``; one torch thread), in this process. The draft is a real ``DraftService``
@@ -85,11 +92,24 @@ def build_model(hidden: int, layers: int, vocab: int):
     return model.eval()
 
 
+GPU = False  # --gpu: an 8B-shaped bf16 target on CUDA (see the module docstring)
+
+
+def build_gpu_model():
+    """A random-weight Llama-3.1-8B-shaped model in bf16 on CUDA (bench/gpu_bench.py's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "bench" / "gpu_bench.py")
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    return gpu_bench.random_model(gpu_bench.llama8b_config(32), max_positions=2048)
+
+
 def engine_for(model, gamma: int):
     from workers.engine.engine import Engine, EngineConfig
 
-    return Engine(model, EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=16), eos_token_ids=(),
-                  num_speculative_tokens=gamma, adaptive=False, load_aware=False)
+    config = EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=16, cuda_graph_max_batch=8 if GPU else None)
+    return Engine(model, config, eos_token_ids=(), num_speculative_tokens=gamma, adaptive=False, load_aware=False)
 
 
 def prompts_for(batch: int, vocab: int) -> list[list[int]]:
@@ -204,7 +224,9 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                         pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
                         r = await run_once(engine_for(model, gamma), pool, prompts, args.tokens, f"{seam}{k}")
                         await pool.close()
-                        assert r["outputs"] == first["outputs"], f"{seam}: outputs differ from plain decoding"
+                        equal = sum(a == b for a, b in zip(r["outputs"], first["outputs"]))
+                        assert GPU or equal == len(prompts), f"{seam}: outputs differ from plain decoding"
+                        rep[f"{seam}_equal"] = f"{equal}/{len(prompts)}"
                         rep[seam] = r["tok_s"] / plain["tok_s"]
                         rep[f"{seam}_wait"] = r["wait"] / r["busy"]
                         rep[f"{seam}_tpr"] = r.get("tokens_per_round", 0.0)
@@ -224,6 +246,7 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                         "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr"):
                 row[key] = statistics.median(r[key] for r in reps)
             row["pipelined_plain_steps"] = reps[len(reps) // 2]["pipelined_plain_steps"]
+            row["equal"] = ", ".join(f"{seam} {r[f'{seam}_equal']}" for r in reps for seam in ("sync", "pipelined"))
             print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
             rows.append(row)
     return rows
@@ -231,13 +254,14 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print("| batch | α | draft cost (× plain step) | γ | plain tok/s | T_plain ms | T_verify ms | ideal | sync | "
-          "pipelined | pipelined / ideal | draft wait sync | draft wait pipelined | tokens/round sync / pipelined |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "pipelined | pipelined / ideal | draft wait sync | draft wait pipelined | tokens/round sync / pipelined "
+          "| outputs equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['alpha']} | {r['cost']} | {r['gamma']} | {r['plain_tok_s']:.0f} | "
               f"{1e3 * r['t_plain']:.2f} | {1e3 * r['t_verify']:.2f} | {r['ideal']:.2f}× | {r['sync']:.2f}× | "
               f"{r['pipelined']:.2f}× | {r['of_ideal']:.2f} | {100 * r['sync_wait']:.0f} % | "
-              f"{100 * r['pipelined_wait']:.1f} % | {r['sync_tpr']:.2f} / {r['pipelined_tpr']:.2f} |")
+              f"{100 * r['pipelined_wait']:.1f} % | {r['sync_tpr']:.2f} / {r['pipelined_tpr']:.2f} | {r['equal']} |")
 
 
 def main() -> None:
@@ -252,16 +276,31 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--gpu", action="store_true",
+                    help="an 8B-shaped bf16 target on CUDA, batch 1 and 8, α 0.8, cost 0.05 at γ 4, 2 repeats")
     ap.add_argument("--serve-draft", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_draft:
         refs, error, cost, vocab = args.serve_draft
         asyncio.run(serve_draft(refs, float(error), float(cost), int(vocab)))
         return
+    global GPU
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("spec_pipeline_bench --gpu needs a CUDA GPU")
+        GPU = True
+        args.batches, args.alphas, args.cells, args.repeats = "1,8", "0.8", "0.05:4", 2
+        args.tokens = max(args.tokens, 128)
     args.batches = [int(x) for x in args.batches.split(",")]
     args.alphas = [float(x) for x in args.alphas.split(",")]
     args.cells = [(float(c), int(g)) for c, g in (x.split(":") for x in args.cells.split(","))]
-    model = build_model(args.hidden, args.layers, args.vocab)
+    if GPU:
+        model = build_gpu_model()
+        args.vocab = model.cfg.vocab_size
+    else:
+        model = build_model(args.hidden, args.layers, args.vocab)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batches:
