@@ -17,6 +17,10 @@ Contract:
   probe per instance per watchdog round, however many streams it serves.
 - Closing a stream before its end publishes :class:`Cancel` on the instance's control subject;
   the server cancels the handler's task.
+- NATS' "no responders" is no verdict while the connection is being re-established: from a
+  disconnect until ``blip_grace`` seconds after the reconnect (other processes resubscribe then), a
+  request that found nobody is sent again every ``RESEND_INTERVAL`` seconds until it is
+  acknowledged or the grace ends, and a probe that found nobody is ignored.
 - Every payload is checked against the server's ``max_payload`` before it is published.
 - Frames wait in the stream until its reader takes them. A :class:`PendingBytes` shared by the
   streams of one request counts the bytes waiting and tells its owner once they pass a limit (a
@@ -55,6 +59,8 @@ T = TypeVar("T")
 
 STALL_FACTOR = 5  # heartbeat intervals without any frame before a stream counts as dead
 PROBE_FACTOR = 0.5  # heartbeat intervals without any frame before the instance is probed
+BLIP_GRACE_S = 3.0  # after a reconnect, how long "no responders" may mean "not resubscribed yet"
+RESEND_INTERVAL = 0.1  # seconds between sends of a request that found nobody during that grace
 _NO_RESPONDERS = "503"
 
 
@@ -276,8 +282,9 @@ class ResponseStream(Generic[T]):
     """
 
     def __init__(self, client: RequestClient, token: str, instance_id: str, request_id: str, response_type,
-                 pending: PendingBytes | None = None):
+                 pending: PendingBytes | None = None, resend: tuple[str, bytes, str] | None = None):
         self._client = client
+        self._resend = resend  # (subject, data, reply): the request as sent, should NATS lose it in a blip
         self._token = token
         self.instance_id = instance_id
         self.request_id = request_id
@@ -388,8 +395,11 @@ class ResponseStream(Generic[T]):
 class RequestClient:
     """Sends requests to instances and demultiplexes their frames from one inbox subscription."""
 
-    def __init__(self, nc: NATS, namespace: str, ack_timeout: float, heartbeat_interval: float):
+    def __init__(self, nc: NATS, namespace: str, ack_timeout: float, heartbeat_interval: float,
+                 blip_grace: float = BLIP_GRACE_S):
         self._nc = nc
+        self._blip_grace = blip_grace
+        self._blip_until = 0.0  # monotonic: until then "no responders" is no verdict (inf: disconnected)
         self._ns = namespace
         self._ack_timeout = ack_timeout
         self._stall_timeout = heartbeat_interval * STALL_FACTOR
@@ -400,6 +410,7 @@ class RequestClient:
         self._sub = None
         self._watchdog: asyncio.Task | None = None
         self._frame_decoder = msgspec.msgpack.Decoder(Frame)
+        self._resends: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -416,11 +427,42 @@ class RequestClient:
             except Exception:
                 pass
 
+    def disconnected(self) -> None:
+        """The NATS connection dropped: "no responders" means nothing until it is back."""
+        self._blip_until = float("inf")
+
+    def reconnected(self) -> None:
+        """The connection is back; the other processes may take ``blip_grace`` seconds to resubscribe."""
+        self._blip_until = time.monotonic() + self._blip_grace
+
+    def in_blip(self) -> bool:
+        """True while NATS' "no responders" may only mean that subscriptions are being re-established."""
+        return time.monotonic() < self._blip_until
+
+    async def _resend_later(self, stream: ResponseStream) -> None:
+        await asyncio.sleep(RESEND_INTERVAL)
+        if stream._done or stream._acked or stream._token not in self._streams:
+            return
+        subject, data, reply = stream._resend
+        stream._sent_at = time.monotonic()  # the acknowledgement timeout counts from this send
+        try:
+            await self._nc.publish(subject, data, reply=reply)
+        except Exception as exc:
+            log.debug("request %s: resend failed: %r", stream.request_id, exc)
+
     async def _on_frame(self, msg) -> None:
         stream = self._streams.get(msg.subject[len(self._prefix) + 1 :])
         if stream is None:
             return
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            if self.in_blip():
+                if not stream._acked and stream._resend is not None:
+                    log.info("request %s: no responders on %s while NATS reconnects: sending again",
+                             stream.request_id, stream.instance_id)
+                    task = asyncio.ensure_future(self._resend_later(stream))
+                    self._resends.add(task)
+                    task.add_done_callback(self._resends.discard)
+                return  # a probe: the stall timeout still catches an instance that is really gone
             if not stream._acked:  # the request itself found nobody
                 stream._push(InstanceGone(stream.instance_id, "no responders on its subject", unreachable=True))
                 stream._done_pending()
@@ -456,9 +498,10 @@ class RequestClient:
         payload = request if isinstance(request, bytes) else encode(request)
         data = encode(RequestEnvelope(request_id, payload, reply_to))
         _check_size(data, self._nc.max_payload)
-        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type, pending)
-        self._streams[token] = stream
         subject = endpoint_subject(self._ns, component, endpoint, instance_id)
+        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type, pending,
+                                                   (subject, data, reply_to))
+        self._streams[token] = stream
         try:
             await self._nc.publish(subject, data, reply=reply_to, headers=None)
         except Exception:
