@@ -5,7 +5,7 @@ Contract:
   (``{ns}.{component}.{endpoint}.{instance_id}``) with a reply subject on its inbox.
 - The server answers on that reply subject with :class:`Frame`s: ACK first (the handler started),
   then DATA frames numbered from 0 as the handler yields, then exactly one END or ERROR. While a
-  stream is idle the server sends HEARTBEAT frames every ``heartbeat_interval`` seconds.
+  stream is idle the server sends HEARTBEAT frames every half ``heartbeat_interval``.
 - The client raises :class:`InstanceTimeout` when no ACK arrives within ``ack_timeout``,
   :class:`InstanceGone` when NATS reports no responders or the stream stalls (no frame for
   ``stall_factor`` heartbeat intervals), and the remote error when an ERROR frame arrives.
@@ -17,6 +17,11 @@ Contract:
   probe per instance per watchdog round, however many streams it serves.
 - Closing a stream before its end publishes :class:`Cancel` on the instance's control subject;
   the server cancels the handler's task.
+- A requester that vanished without a word (SIGKILLed, cut off) is found by the server: every frame
+  it sends to a reply subject (ACK, DATA, HEARTBEAT) carries a reply subject of the server's own
+  inbox, so once nobody listens on the stream's reply subject NATS answers "no responders" there,
+  and the server cancels the handler (freeing its batch slot and KV) within one frame or heartbeat.
+  Idle streams get a heartbeat every half interval, so this takes at most about one interval.
 - NATS' "no responders" is no verdict while the connection is being re-established: from a
   disconnect until ``blip_grace`` seconds after the reconnect (other processes resubscribe then), a
   request that found nobody is sent again every ``RESEND_INTERVAL`` seconds until it is
@@ -81,11 +86,13 @@ def _check_size(data: bytes, max_payload: int) -> None:
 
 
 class _ActiveStream:
-    __slots__ = ("reply_to", "task", "last_sent", "request_id")
+    __slots__ = ("reply_to", "task", "last_sent", "request_id", "token", "liveness")
 
-    def __init__(self, request_id: str, reply_to: str):
+    def __init__(self, request_id: str, reply_to: str, liveness_prefix: str = ""):
         self.request_id = request_id
         self.reply_to = reply_to
+        self.token = uuid.uuid4().hex[:12]
+        self.liveness = f"{liveness_prefix}.{self.token}" if liveness_prefix else ""  # where NATS says "no responders"
         self.task: asyncio.Task | None = None
         self.last_sent = time.monotonic()
 
@@ -99,6 +106,10 @@ class RequestServer:
         self.instance_id = instance_id
         self._heartbeat_interval = heartbeat_interval
         self._streams: dict[str, _ActiveStream] = {}
+        self._by_token: dict[str, _ActiveStream] = {}
+        self._liveness_prefix = ""
+        self._blip_until = 0.0  # monotonic: until then "no responders" is no verdict (inf: disconnected)
+        self.requesters_gone = 0  # handlers cancelled because nobody listened on their reply subject
         self._subs: list = []
         self._draining = False
         self._heartbeat_task: asyncio.Task | None = None
@@ -112,6 +123,8 @@ class RequestServer:
     async def start(self) -> None:
         sub = await self._nc.subscribe(control_subject(self._ns, self.instance_id), cb=self._on_control)
         self._subs.append(sub)
+        self._liveness_prefix = self._nc.new_inbox()
+        self._subs.append(await self._nc.subscribe(self._liveness_prefix + ".*", cb=self._on_liveness))
         self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="request-plane-heartbeats")
 
     async def serve(self, component: str, endpoint: str, handler: Handler, request_type: type | None) -> str:
@@ -131,11 +144,12 @@ class RequestServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("dropping undecodable request on %s: %s", msg.subject, exc)
             return
-        stream = _ActiveStream(env.request_id, env.reply_to)
+        stream = _ActiveStream(env.request_id, env.reply_to, self._liveness_prefix)
         if self._draining:
             asyncio.create_task(self._send_error(stream, ShuttingDown()))
             return
         self._streams[env.request_id] = stream
+        self._by_token[stream.token] = stream
         self._idle.clear()
         stream.task = asyncio.create_task(self._run(stream, env, handler, request_type))
 
@@ -143,7 +157,8 @@ class RequestServer:
         data = encode(frame)
         _check_size(data, self._nc.max_payload)
         stream.last_sent = time.monotonic()
-        await self._nc.publish(stream.reply_to, data)
+        final = frame.kind in (FrameKind.END, FrameKind.ERROR)
+        await self._nc.publish(stream.reply_to, data, reply="" if final else stream.liveness)
 
     async def _send_error(self, stream: _ActiveStream, exc: BaseException) -> None:
         kind, message, field = error_to_frame(exc)
@@ -186,6 +201,7 @@ class RequestServer:
                 except BaseException:
                     pass
             self._streams.pop(rid, None)
+            self._by_token.pop(stream.token, None)
             if not self._streams:
                 self._idle.set()
 
@@ -199,16 +215,37 @@ class RequestServer:
             log.info("request %s: cancel requested by client", cancel.request_id)
             stream.task.cancel()
 
+    def disconnected(self) -> None:
+        self._blip_until = float("inf")
+
+    def reconnected(self, grace: float = BLIP_GRACE_S) -> None:
+        self._blip_until = time.monotonic() + grace
+
+    async def _on_liveness(self, msg) -> None:
+        """NATS found nobody on a stream's reply subject: its requester is gone."""
+        if not (msg.headers and msg.headers.get("Status") == _NO_RESPONDERS):
+            return
+        if time.monotonic() < self._blip_until:  # the requester may not have resubscribed yet
+            return
+        stream = self._by_token.get(msg.subject[len(self._liveness_prefix) + 1:])
+        if stream is None or stream.task is None or stream.task.done():
+            return
+        self.requesters_gone += 1
+        log.info("request %s: its requester is gone (no responders on its reply subject): cancelling",
+                 stream.request_id)
+        stream.task.cancel()
+
     async def _heartbeats(self) -> None:
         beat = encode(Frame(FrameKind.HEARTBEAT))
+        half = self._heartbeat_interval / 2  # also the liveness check of a requester whose stream is idle
         while True:
-            await asyncio.sleep(self._heartbeat_interval / 2)
+            await asyncio.sleep(half / 2)
             now = time.monotonic()
             for stream in list(self._streams.values()):
-                if now - stream.last_sent >= self._heartbeat_interval:
+                if now - stream.last_sent >= half:
                     stream.last_sent = now
                     try:
-                        await self._nc.publish(stream.reply_to, beat)
+                        await self._nc.publish(stream.reply_to, beat, reply=stream.liveness)
                     except Exception:
                         pass
 

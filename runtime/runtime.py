@@ -193,14 +193,16 @@ class Runtime:
                 final.set_result(cause)
 
         async def on_disconnect() -> None:
-            if self._requests is not None:
-                self._requests.disconnected()
+            for side in (self._requests, self._server):
+                if side is not None:
+                    side.disconnected()
             if not self._closed:
                 log.warning("nats: disconnected from %s", redact_url(cfg.nats_url))
 
         async def on_reconnect() -> None:
-            if self._requests is not None:
-                self._requests.reconnected()
+            for side in (self._requests, self._server):
+                if side is not None:
+                    side.reconnected()
             log.info("nats: reconnected to %s", redact_url(cfg.nats_url))
 
         connecting = asyncio.ensure_future(nats.connect(
