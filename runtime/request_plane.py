@@ -387,7 +387,8 @@ class ResponseStream(Generic[T]):
                 self._put(InstanceTimeout(self.instance_id, ack_timeout))
                 self._done_pending()
         elif now - self.last_frame > stall_timeout:
-            self._put(InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s"))
+            self._put(InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s",
+                                   stalled=not self._client.in_blip()))
             self._done_pending()
 
     def _needs_probe(self, now: float, probe_after: float) -> bool:
@@ -448,6 +449,9 @@ class RequestClient:
         self._watchdog: asyncio.Task | None = None
         self._frame_decoder = msgspec.msgpack.Decoder(Frame)
         self._resends: set[asyncio.Task] = set()
+        # instances declared gone (id -> anything), and what to call when one of them sends a frame
+        self.suspects: dict = {}
+        self.on_alive: Callable[[str], None] | None = None
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -509,6 +513,8 @@ class RequestClient:
                 other._push(InstanceGone(other.instance_id, "no responders to a probe mid-stream", unreachable=True))
                 other._done_pending()
             return
+        if self.suspects and stream.instance_id in self.suspects and self.on_alive is not None:
+            self.on_alive(stream.instance_id)
         try:
             stream._push(self._frame_decoder.decode(msg.data), len(msg.data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
