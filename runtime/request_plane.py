@@ -513,6 +513,7 @@ class RequestClient:
                 other._push(InstanceGone(other.instance_id, "no responders to a probe mid-stream", unreachable=True))
                 other._done_pending()
             return
+        stream._resend = None  # it answered: the request need not be kept for a resend
         if self.suspects and stream.instance_id in self.suspects and self.on_alive is not None:
             self.on_alive(stream.instance_id)
         try:
