@@ -225,10 +225,11 @@ class Frontend:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
         router = await create_router(rt, config.router_mode, remote=config.remote_router)
         prefill_router = await create_router(rt, config.router_mode, component="prefill")
-        render = RenderPool()
+        render = RenderPool(config.render_processes) if config.render_processes else None
 
         def loaded(tok) -> None:
-            render.warm(tok)
+            if render is not None:
+                render.warm(tok)
             # A tokenizer brings transformers and torch: some 300k long-lived objects, which every full
             # collection would walk again (0.1-0.4 s with the event loop stopped, on a busy machine).
             # Frozen, they are left out of collections from now on.
@@ -251,7 +252,8 @@ class Frontend:
             await router.stop()
             await prefill_router.stop()
             await registry.close()
-            render.close()
+            if render is not None:
+                render.close()
 
     def served_models(self) -> list[str]:
         """The models whose card we know that some live target instance serves."""

@@ -215,11 +215,11 @@ def test_children_that_die_are_restarted_on_their_ports_and_serving_resumes_with
     up = launcher(*MOCK)
     up.wait_ready()
     ask(up.url)
-    # NATS and the target are back within 3 s (the children reconnect every 0.25 s). A new frontend
+    # etcd, NATS and the target are back within 3 s (the children reconnect every 0.25 s). A new frontend
     # process must import the HTTP stack and load the model's HF tokenizer (transformers imports torch)
     # before it answers: 3-4 s on an idle machine, up to 10 s on a loaded 2-core one; it gets 3 s more
     # than the first frontend took from its start to its tokenizer.
-    bounds = {"nats": 3.0, "frontend": 3.0 + cold_start(up.logs(), "frontend"), "target-0": 3.0}
+    bounds = {"etcd": 3.0, "nats": 3.0, "frontend": 3.0 + cold_start(up.logs(), "frontend"), "target-0": 3.0}
     for name, bound in bounds.items():
         pid = int(re.findall(rf"started {name} \(pid (\d+)\)", up.logs())[-1])
         os.kill(pid, signal.SIGKILL)
