@@ -61,9 +61,17 @@ class Child:
         log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
         return self
 
+    def restart(self) -> Child:
+        """Start the same command again (same ports, same name) after the process exited; what its
+        process group left behind (a TP worker's other ranks) is killed first."""
+        self.signal_group(signal.SIGKILL)
+        if self._reader is not None:
+            self._reader.join(1.0)
+        return self.start()
+
     def _forward(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:
+        for raw in self.proc.stdout:  # this process's pipe, even once a restart replaced self.proc
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.tail.append(line)
             out = self._out or sys.stdout

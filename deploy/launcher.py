@@ -6,7 +6,9 @@ launcher's working directory with this checkout first on ``PYTHONPATH`` (so a pl
 installed, starts them too), and its output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200
 and lists a model (readiness alone says only that the frontend takes traffic),
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
-(SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
+(SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir. While it
+serves, a child that exits without being asked is started again on the same ports under the same
+name (:mod:`deploy.supervisor`); only the launcher's own stop ends the stack.
 
 With ``--planner`` (or ``--allow-scaling``) it also serves ``launcher.scale`` (:mod:`deploy.scaling`):
 a planner asks it for a number of prefill, target or draft workers, and it starts new ones (named
@@ -35,6 +37,7 @@ from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.scaling import ScaleService
 from deploy.stack import WORKER_POOLS, Component, StackConfig, component_names, plan, worker_component
+from deploy.supervisor import RestartPolicy, RestartState
 from planner.messages import PoolReplicas, ScaleReply, ScaleRequest
 from runtime.config import RuntimeConfig, child_env, redact_url
 
@@ -94,12 +97,17 @@ def resolve_demo_model() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+SUPERVISE_PERIOD_S = 0.1  # how often the launcher looks for children that died
+
+
 class Launcher:
     """Brings a :class:`StackConfig` up locally and keeps it up until :meth:`request_stop`."""
 
-    def __init__(self, config: StackConfig, options: LocalOptions = LocalOptions()):
+    def __init__(self, config: StackConfig, options: LocalOptions = LocalOptions(),
+                 restart_policy: RestartPolicy = RestartPolicy()):
         self.config = config
         self.options = options
+        self.restart_policy = restart_policy
         self._stop = threading.Event()
         self._infra: list[Child] = []
         self._children: dict[str, Child] = {}
@@ -242,21 +250,35 @@ class Launcher:
         )
 
     def _supervise(self) -> int:
-        """Serve until a stop is requested (0) or a component the stack cannot live without dies (1)."""
-        reported: set[str] = set()
-        while not self._stop.wait(0.5):
-            for child in [*self._infra, *list(self._children.values())]:
-                if child.alive() or child.name in reported or child.expected_exit:
-                    continue
-                reported.add(child.name)
-                if child.name.startswith(("target-", "draft-", "prefill-")) or child.name in ("router", "planner"):
-                    # a dead router: the frontends route in their own process until one is back
-                    log.warning("%s exited with %s; the rest of the stack keeps serving", child.name, child.returncode)
-                else:
-                    log.error("%s exited with %s; stopping the stack. Its last lines:\n%s",
-                              child.name, child.returncode, child.recent_output())
-                    return 1
+        """Serve until a stop is requested, restarting every child that exits without being asked
+        (:mod:`deploy.supervisor`): etcd and NATS on their ports, the router, the frontend, every
+        worker under its name. Returns 0: only the launcher's own stop ends the stack."""
+        states: dict[str, RestartState] = {}
+        now = time.monotonic()
+        for child in self._all_children():
+            states[child.name] = RestartState(self.restart_policy, started_at=now)
+        while not self._stop.wait(SUPERVISE_PERIOD_S):
+            with self._scale_lock:
+                if self._stop.is_set():
+                    break
+                now = time.monotonic()
+                for child in self._all_children():
+                    state = states.setdefault(child.name, RestartState(self.restart_policy, started_at=now))
+                    if child.alive() or child.expected_exit:
+                        continue
+                    if state.due is None:
+                        delay = state.died(now)
+                        log.warning("%s exited with %s; restarting it in %.1fs (restart %d); the rest of the stack "
+                                    "keeps serving. Its last lines:\n%s", child.name, child.returncode, delay,
+                                    state.restarts + 1, child.recent_output(10))
+                    if state.ready(now):
+                        state.restarts += 1
+                        child.restart()
+                        state.started(time.monotonic())
         return 0
+
+    def _all_children(self) -> list[Child]:
+        return [*self._infra, *list(self._children.values())]
 
     # --- bring down ------------------------------------------------------------------------------
 

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-max-queue", type=int, default=8,
                         help="prefill/decode disaggregation: prefill on the decode worker instead when the chosen "
                              "prefill worker has this many requests queued or in flight")
+    parser.add_argument("--render-processes", type=int, default=1,
+                        help="child processes that render large chat templates (over 16k characters of messages "
+                             "and tools) off the event loop's GIL; 0: render them in a thread")
     parser.add_argument("--strict-fields", action="store_true",
                         help="answer request fields this server does not know with a 400 naming them (default: accept "
                              "and ignore them, with a log line and tandem_frontend_ignored_fields_total, as vLLM does)")
@@ -79,7 +82,8 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           idle_timeout_s=args.idle_timeout, max_stream_buffer_bytes=args.max_stream_buffer_bytes,
                           api_keys=read_keys(args.api_key or ()),
                           metrics_require_key=args.metrics_require_key, disagg_min_tokens=args.disagg_min_tokens,
-                          prefill_max_queue=args.prefill_max_queue, strict_fields=args.strict_fields)
+                          prefill_max_queue=args.prefill_max_queue, strict_fields=args.strict_fields,
+                          render_processes=args.render_processes)
 
 
 async def amain(args: argparse.Namespace) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import importlib.metadata
 import logging
 import re
@@ -39,6 +40,7 @@ from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
 from .protocol import (ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components, parse_request,
                        unknown_fields)
+from .render_pool import RenderPool
 from .responses import encode_json
 from .responses_api import ResponsesBuilder, ResponsesRequest, parse_responses, renamed
 from .server import TRANSPORT
@@ -196,7 +198,7 @@ class Frontend:
     """Model registry, router, dispatcher and metrics of one frontend process."""
 
     def __init__(self, config: FrontendConfig, router: Router, client: EndpointClient, registry: ModelRegistry,
-                 prefill: RemotePrefill | None = None):
+                 prefill: RemotePrefill | None = None, render: RenderPool | None = None):
         self.config = config
         self.router = router
         self.client = client
@@ -205,7 +207,8 @@ class Frontend:
         if prefill is not None:
             prefill.on_decision = lambda where, why: self.metrics.prefills.labels(where, why).inc()
         self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill)
-        self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s)
+        self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s,
+                                         render)
         self.tokenizing = TokenizeService(registry, self.served_models, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
@@ -222,7 +225,17 @@ class Frontend:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
         router = await create_router(rt, config.router_mode, remote=config.remote_router)
         prefill_router = await create_router(rt, config.router_mode, component="prefill")
-        registry = ModelRegistry()
+        render = RenderPool(config.render_processes) if config.render_processes else None
+
+        def loaded(tok) -> None:
+            if render is not None:
+                render.warm(tok)
+            # A tokenizer brings transformers and torch: some 300k long-lived objects, which every full
+            # collection would walk again (0.1-0.4 s with the event loop stopped, on a busy machine).
+            # Frozen, they are left out of collections from now on.
+            gc.freeze()
+
+        registry = ModelRegistry(on_load=loaded)
         try:
             client = await rt.client("target", "generate")
             cards = await rt.models()
@@ -231,7 +244,7 @@ class Frontend:
             prefill = RemotePrefill(prefill_router, await rt.client("prefill", "generate"), client,
                                     lambda model: registry.get(model).card.kv_block_size, config.disagg_min_tokens,
                                     config.prefill_max_queue)
-            frontend = cls(config, router, client, registry, prefill)
+            frontend = cls(config, router, client, registry, prefill, render)
             # answering at all means the HTTP side serves; the rest is NATS and not draining
             frontend.ready = lambda: rt.nc is not None and rt.nc.is_connected and not rt.shutting_down
             yield frontend
@@ -239,6 +252,8 @@ class Frontend:
             await router.stop()
             await prefill_router.stop()
             await registry.close()
+            if render is not None:
+                render.close()
 
     def served_models(self) -> list[str]:
         """The models whose card we know that some live target instance serves."""

@@ -35,6 +35,7 @@ class FrontendConfig:
     # on a prefill worker when the decode worker lacks at least this many of its tokens ...
     disagg_min_tokens: int = 256
     prefill_max_queue: int = 8  # ... and the chosen prefill worker has fewer requests queued or in flight
+    render_processes: int = 1  # child processes rendering large chat templates (0: render them in a thread)
     strict_fields: bool = False  # unknown request fields are 400s (default: accepted, logged, counted, ignored)
 
     def __post_init__(self) -> None:
@@ -68,5 +69,7 @@ class FrontendConfig:
             raise ValueError("header_timeout_s and idle_timeout_s must be > 0")
         if self.disagg_min_tokens < 1 or self.prefill_max_queue < 1:
             raise ValueError("disagg_min_tokens and prefill_max_queue must be at least 1")
+        if self.render_processes < 0:
+            raise ValueError(f"render_processes must be >= 0, got {self.render_processes}")
         if self.tokenizer_timeout_s <= 0:
             raise ValueError(f"tokenizer_timeout_s must be > 0, got {self.tokenizer_timeout_s}")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from router.base import Router
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, NoInstances, PendingBytes, ShuttingDown
-from runtime.errors import EngineFailed
+from runtime.errors import EngineFailed, declares_gone
 from runtime.messages import GenerateRequest, PrefillDelta
 
 from .dispatch import close_stream
@@ -103,8 +103,8 @@ class RemotePrefill:
         except PREFILL_FAILURES as exc:
             self.failures[type(exc).__name__] += 1
             self._local("prefill_failed")
-            if isinstance(exc, InstanceGone) and exc.unreachable:
-                self.client.mark_unreachable(instance_id)
+            if declares_gone(exc):
+                self.client.mark_unreachable(instance_id, str(exc))
             log.warning("request %s: prefill worker %s failed (%s); prefilling on the decode worker", request_id,
                         instance_id, exc)
             return None

@@ -20,7 +20,7 @@ import msgspec
 
 from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, PendingBytes, ResponseStream, ShuttingDown
-from runtime.errors import EngineFailed
+from runtime.errors import EngineFailed, declares_gone
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 
 from .protocol import SpeculativeOptions
@@ -174,8 +174,8 @@ class Generation:
         stream, self._stream = self._stream, None
         failed = stream.instance_id
         self.failed.add(failed)
-        if isinstance(failure, InstanceGone) and failure.unreachable:
-            self._d.client.mark_unreachable(failed)
+        if declares_gone(failure):  # hung or dead: no new request goes there until it shows a sign of life
+            self._d.client.mark_unreachable(failed, failure.reason if isinstance(failure, InstanceGone) else str(failure))
         if not stream.finished:  # a stalled stream: tell the worker, should it still be alive
             await close_stream(stream)
         self._release()

@@ -48,8 +48,10 @@ class ServedModel:
 class ModelRegistry:
     """Target models from a live ``{key: ModelCard}`` view, with their tokenizers."""
 
-    def __init__(self, loader: Loader = Tokenizer.load, preload: bool = True):
+    def __init__(self, loader: Loader = Tokenizer.load, preload: bool = True,
+                 on_load: Callable[[Tokenizer], None] | None = None):
         self._loader = loader
+        self._on_load = on_load  # called with each tokenizer once it is loaded
         self._preload = preload
         self._models: dict[str, ServedModel] = {}
         self._first_seen: dict[str, int] = {}
@@ -122,6 +124,8 @@ class ModelRegistry:
             future.exception()  # retrieved: nobody may be waiting
             return
         future.set_result(tokenizer)
+        if self._on_load is not None:
+            self._on_load(tokenizer)
 
     async def close(self) -> None:
         for task in list(self._background):

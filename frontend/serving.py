@@ -26,6 +26,7 @@ from .errors import to_http
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
+from .render_pool import INLINE_CHARS, RenderPool
 from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, logit_bias, message_dicts,
                        prompts_of, stop_strings)
 from .responses import ResponseBuilder, usage
@@ -73,8 +74,9 @@ class CompletionService:
     """Chat and text completions over a model registry and a dispatcher; plain values in."""
 
     def __init__(self, registry: ModelRegistry, dispatcher: Dispatcher, metrics: FrontendMetrics,
-                 max_n: int = 16, tokenizer_timeout: float = 120.0):
+                 max_n: int = 16, tokenizer_timeout: float = 120.0, render: RenderPool | None = None):
         self.registry = registry
+        self.render = render  # renders costly chat templates in a process of its own
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.max_n = max_n
@@ -105,7 +107,13 @@ class CompletionService:
                                        continue_final_message=req.continue_final_message,
                                        template_kwargs=req.chat_template_kwargs,
                                        add_special_tokens=req.add_special_tokens)
-            prompts = [await self._maybe_thread(size, encode, messages)]
+            if size > INLINE_CHARS and self.render is not None:  # a costly template: not on this process's GIL
+                prompts = [await self.render.encode_chat(
+                    tok, messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
+                    add_special_tokens=req.add_special_tokens)]
+            else:
+                prompts = [await self._maybe_thread(size, encode, messages)]
             field, max_tokens = "messages", req.max_completion_tokens or req.max_tokens
         else:
             encode = functools.partial(tok.encode, add_special_tokens=req.add_special_tokens)

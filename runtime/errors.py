@@ -37,9 +37,10 @@ class InstanceGone(TandemError):
 
     kind = "instance_gone"
 
-    def __init__(self, instance_id: str, reason: str, unreachable: bool = False):
+    def __init__(self, instance_id: str, reason: str, unreachable: bool = False, stalled: bool = False):
         self.instance_id, self.reason = instance_id, reason
         self.unreachable = unreachable  # NATS reported no responders: nothing listens on its subject
+        self.stalled = stalled  # an acknowledged stream went silent, heartbeats and all
         super().__init__(f"instance {instance_id} is gone: {reason}")
 
 
@@ -51,6 +52,15 @@ class InstanceTimeout(TandemError):
     def __init__(self, instance_id: str, timeout: float):
         self.instance_id, self.timeout = instance_id, timeout
         super().__init__(f"instance {instance_id} did not answer within {timeout:g}s")
+
+
+def declares_gone(exc: BaseException) -> bool:
+    """True when ``exc`` says its instance as a whole is gone or hung (nobody listens on its subject,
+    a stream stalled, a request went unacknowledged), not only that one stream failed: the caller
+    should route nothing more there until it shows a sign of life."""
+    if isinstance(exc, InstanceTimeout):
+        return True
+    return isinstance(exc, InstanceGone) and (exc.unreachable or exc.stalled)
 
 
 class PayloadTooLarge(TandemError):

@@ -5,7 +5,7 @@ Contract:
   (``{ns}.{component}.{endpoint}.{instance_id}``) with a reply subject on its inbox.
 - The server answers on that reply subject with :class:`Frame`s: ACK first (the handler started),
   then DATA frames numbered from 0 as the handler yields, then exactly one END or ERROR. While a
-  stream is idle the server sends HEARTBEAT frames every ``heartbeat_interval`` seconds.
+  stream is idle the server sends HEARTBEAT frames every half ``heartbeat_interval``.
 - The client raises :class:`InstanceTimeout` when no ACK arrives within ``ack_timeout``,
   :class:`InstanceGone` when NATS reports no responders or the stream stalls (no frame for
   ``stall_factor`` heartbeat intervals), and the remote error when an ERROR frame arrives.
@@ -17,6 +17,15 @@ Contract:
   probe per instance per watchdog round, however many streams it serves.
 - Closing a stream before its end publishes :class:`Cancel` on the instance's control subject;
   the server cancels the handler's task.
+- A requester that vanished without a word (SIGKILLed, cut off) is found by the server: every frame
+  it sends to a reply subject (ACK, DATA, HEARTBEAT) carries a reply subject of the server's own
+  inbox, so once nobody listens on the stream's reply subject NATS answers "no responders" there,
+  and the server cancels the handler (freeing its batch slot and KV) within one frame or heartbeat.
+  Idle streams get a heartbeat every half interval, so this takes at most about one interval.
+- NATS' "no responders" is no verdict while the connection is being re-established: from a
+  disconnect until ``blip_grace`` seconds after the reconnect (other processes resubscribe then), a
+  request that found nobody is sent again every ``RESEND_INTERVAL`` seconds until it is
+  acknowledged or the grace ends, and a probe that found nobody is ignored.
 - Every payload is checked against the server's ``max_payload`` before it is published.
 - Frames wait in the stream until its reader takes them. A :class:`PendingBytes` shared by the
   streams of one request counts the bytes waiting and tells its owner once they pass a limit (a
@@ -55,6 +64,8 @@ T = TypeVar("T")
 
 STALL_FACTOR = 5  # heartbeat intervals without any frame before a stream counts as dead
 PROBE_FACTOR = 0.5  # heartbeat intervals without any frame before the instance is probed
+BLIP_GRACE_S = 3.0  # after a reconnect, how long "no responders" may mean "not resubscribed yet"
+RESEND_INTERVAL = 0.1  # seconds between sends of a request that found nobody during that grace
 _NO_RESPONDERS = "503"
 
 
@@ -75,11 +86,13 @@ def _check_size(data: bytes, max_payload: int) -> None:
 
 
 class _ActiveStream:
-    __slots__ = ("reply_to", "task", "last_sent", "request_id")
+    __slots__ = ("reply_to", "task", "last_sent", "request_id", "token", "liveness")
 
-    def __init__(self, request_id: str, reply_to: str):
+    def __init__(self, request_id: str, reply_to: str, liveness_prefix: str = ""):
         self.request_id = request_id
         self.reply_to = reply_to
+        self.token = uuid.uuid4().hex[:12]
+        self.liveness = f"{liveness_prefix}.{self.token}" if liveness_prefix else ""  # where NATS says "no responders"
         self.task: asyncio.Task | None = None
         self.last_sent = time.monotonic()
 
@@ -93,6 +106,10 @@ class RequestServer:
         self.instance_id = instance_id
         self._heartbeat_interval = heartbeat_interval
         self._streams: dict[str, _ActiveStream] = {}
+        self._by_token: dict[str, _ActiveStream] = {}
+        self._liveness_prefix = ""
+        self._blip_until = 0.0  # monotonic: until then "no responders" is no verdict (inf: disconnected)
+        self.requesters_gone = 0  # handlers cancelled because nobody listened on their reply subject
         self._subs: list = []
         self._draining = False
         self._heartbeat_task: asyncio.Task | None = None
@@ -106,6 +123,8 @@ class RequestServer:
     async def start(self) -> None:
         sub = await self._nc.subscribe(control_subject(self._ns, self.instance_id), cb=self._on_control)
         self._subs.append(sub)
+        self._liveness_prefix = self._nc.new_inbox()
+        self._subs.append(await self._nc.subscribe(self._liveness_prefix + ".*", cb=self._on_liveness))
         self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="request-plane-heartbeats")
 
     async def serve(self, component: str, endpoint: str, handler: Handler, request_type: type | None) -> str:
@@ -125,11 +144,12 @@ class RequestServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("dropping undecodable request on %s: %s", msg.subject, exc)
             return
-        stream = _ActiveStream(env.request_id, env.reply_to)
+        stream = _ActiveStream(env.request_id, env.reply_to, self._liveness_prefix)
         if self._draining:
             asyncio.create_task(self._send_error(stream, ShuttingDown()))
             return
         self._streams[env.request_id] = stream
+        self._by_token[stream.token] = stream
         self._idle.clear()
         stream.task = asyncio.create_task(self._run(stream, env, handler, request_type))
 
@@ -137,7 +157,8 @@ class RequestServer:
         data = encode(frame)
         _check_size(data, self._nc.max_payload)
         stream.last_sent = time.monotonic()
-        await self._nc.publish(stream.reply_to, data)
+        final = frame.kind in (FrameKind.END, FrameKind.ERROR)
+        await self._nc.publish(stream.reply_to, data, reply="" if final else stream.liveness)
 
     async def _send_error(self, stream: _ActiveStream, exc: BaseException) -> None:
         kind, message, field = error_to_frame(exc)
@@ -180,6 +201,7 @@ class RequestServer:
                 except BaseException:
                     pass
             self._streams.pop(rid, None)
+            self._by_token.pop(stream.token, None)
             if not self._streams:
                 self._idle.set()
 
@@ -193,16 +215,37 @@ class RequestServer:
             log.info("request %s: cancel requested by client", cancel.request_id)
             stream.task.cancel()
 
+    def disconnected(self) -> None:
+        self._blip_until = float("inf")
+
+    def reconnected(self, grace: float = BLIP_GRACE_S) -> None:
+        self._blip_until = time.monotonic() + grace
+
+    async def _on_liveness(self, msg) -> None:
+        """NATS found nobody on a stream's reply subject: its requester is gone."""
+        if not (msg.headers and msg.headers.get("Status") == _NO_RESPONDERS):
+            return
+        if time.monotonic() < self._blip_until:  # the requester may not have resubscribed yet
+            return
+        stream = self._by_token.get(msg.subject[len(self._liveness_prefix) + 1:])
+        if stream is None or stream.task is None or stream.task.done():
+            return
+        self.requesters_gone += 1
+        log.info("request %s: its requester is gone (no responders on its reply subject): cancelling",
+                 stream.request_id)
+        stream.task.cancel()
+
     async def _heartbeats(self) -> None:
         beat = encode(Frame(FrameKind.HEARTBEAT))
+        half = self._heartbeat_interval / 2  # also the liveness check of a requester whose stream is idle
         while True:
-            await asyncio.sleep(self._heartbeat_interval / 2)
+            await asyncio.sleep(half / 2)
             now = time.monotonic()
             for stream in list(self._streams.values()):
-                if now - stream.last_sent >= self._heartbeat_interval:
+                if now - stream.last_sent >= half:
                     stream.last_sent = now
                     try:
-                        await self._nc.publish(stream.reply_to, beat)
+                        await self._nc.publish(stream.reply_to, beat, reply=stream.liveness)
                     except Exception:
                         pass
 
@@ -276,8 +319,9 @@ class ResponseStream(Generic[T]):
     """
 
     def __init__(self, client: RequestClient, token: str, instance_id: str, request_id: str, response_type,
-                 pending: PendingBytes | None = None):
+                 pending: PendingBytes | None = None, resend: tuple[str, bytes, str] | None = None):
         self._client = client
+        self._resend = resend  # (subject, data, reply): the request as sent, should NATS lose it in a blip
         self._token = token
         self.instance_id = instance_id
         self.request_id = request_id
@@ -343,7 +387,8 @@ class ResponseStream(Generic[T]):
                 self._put(InstanceTimeout(self.instance_id, ack_timeout))
                 self._done_pending()
         elif now - self.last_frame > stall_timeout:
-            self._put(InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s"))
+            self._put(InstanceGone(self.instance_id, f"stream stalled: no frame for {now - self.last_frame:.1f}s",
+                                   stalled=not self._client.in_blip()))
             self._done_pending()
 
     def _needs_probe(self, now: float, probe_after: float) -> bool:
@@ -388,8 +433,11 @@ class ResponseStream(Generic[T]):
 class RequestClient:
     """Sends requests to instances and demultiplexes their frames from one inbox subscription."""
 
-    def __init__(self, nc: NATS, namespace: str, ack_timeout: float, heartbeat_interval: float):
+    def __init__(self, nc: NATS, namespace: str, ack_timeout: float, heartbeat_interval: float,
+                 blip_grace: float = BLIP_GRACE_S):
         self._nc = nc
+        self._blip_grace = blip_grace
+        self._blip_until = 0.0  # monotonic: until then "no responders" is no verdict (inf: disconnected)
         self._ns = namespace
         self._ack_timeout = ack_timeout
         self._stall_timeout = heartbeat_interval * STALL_FACTOR
@@ -400,6 +448,10 @@ class RequestClient:
         self._sub = None
         self._watchdog: asyncio.Task | None = None
         self._frame_decoder = msgspec.msgpack.Decoder(Frame)
+        self._resends: set[asyncio.Task] = set()
+        # instances declared gone (id -> anything), and what to call when one of them sends a frame
+        self.suspects: dict = {}
+        self.on_alive: Callable[[str], None] | None = None
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -416,11 +468,42 @@ class RequestClient:
             except Exception:
                 pass
 
+    def disconnected(self) -> None:
+        """The NATS connection dropped: "no responders" means nothing until it is back."""
+        self._blip_until = float("inf")
+
+    def reconnected(self) -> None:
+        """The connection is back; the other processes may take ``blip_grace`` seconds to resubscribe."""
+        self._blip_until = time.monotonic() + self._blip_grace
+
+    def in_blip(self) -> bool:
+        """True while NATS' "no responders" may only mean that subscriptions are being re-established."""
+        return time.monotonic() < self._blip_until
+
+    async def _resend_later(self, stream: ResponseStream) -> None:
+        await asyncio.sleep(RESEND_INTERVAL)
+        if stream._done or stream._acked or stream._token not in self._streams:
+            return
+        subject, data, reply = stream._resend
+        stream._sent_at = time.monotonic()  # the acknowledgement timeout counts from this send
+        try:
+            await self._nc.publish(subject, data, reply=reply)
+        except Exception as exc:
+            log.debug("request %s: resend failed: %r", stream.request_id, exc)
+
     async def _on_frame(self, msg) -> None:
         stream = self._streams.get(msg.subject[len(self._prefix) + 1 :])
         if stream is None:
             return
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            if self.in_blip():
+                if not stream._acked and stream._resend is not None:
+                    log.info("request %s: no responders on %s while NATS reconnects: sending again",
+                             stream.request_id, stream.instance_id)
+                    task = asyncio.ensure_future(self._resend_later(stream))
+                    self._resends.add(task)
+                    task.add_done_callback(self._resends.discard)
+                return  # a probe: the stall timeout still catches an instance that is really gone
             if not stream._acked:  # the request itself found nobody
                 stream._push(InstanceGone(stream.instance_id, "no responders on its subject", unreachable=True))
                 stream._done_pending()
@@ -430,6 +513,9 @@ class RequestClient:
                 other._push(InstanceGone(other.instance_id, "no responders to a probe mid-stream", unreachable=True))
                 other._done_pending()
             return
+        stream._resend = None  # it answered: the request need not be kept for a resend
+        if self.suspects and stream.instance_id in self.suspects and self.on_alive is not None:
+            self.on_alive(stream.instance_id)
         try:
             stream._push(self._frame_decoder.decode(msg.data), len(msg.data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -456,9 +542,10 @@ class RequestClient:
         payload = request if isinstance(request, bytes) else encode(request)
         data = encode(RequestEnvelope(request_id, payload, reply_to))
         _check_size(data, self._nc.max_payload)
-        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type, pending)
-        self._streams[token] = stream
         subject = endpoint_subject(self._ns, component, endpoint, instance_id)
+        stream: ResponseStream[T] = ResponseStream(self, token, instance_id, request_id, response_type, pending,
+                                                   (subject, data, reply_to))
+        self._streams[token] = stream
         try:
             await self._nc.publish(subject, data, reply=reply_to, headers=None)
         except Exception:

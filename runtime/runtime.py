@@ -33,9 +33,9 @@ from .config import RuntimeConfig, redact_url
 from .discovery import Registrar, Snapshot
 from .etcd import EtcdClient
 from .errors import NoInstances, StartupError
-from .events import EventPlane, Subscription
+from .events import TOPIC_LOAD, EventPlane, Subscription
 from .health import HealthServer
-from .messages import InstanceRecord, KvAgentRecord, ModelCard, encode
+from .messages import InstanceRecord, KvAgentRecord, LoadEvent, ModelCard, encode
 from .names import (check_token, instance_key, instances_prefix, kv_agent_key, kv_agents_prefix, model_key, models_prefix,
                     new_instance_id)
 from .request_plane import Handler, PendingBytes, RequestClient, RequestServer, ResponseStream
@@ -84,7 +84,7 @@ def gave_up(seconds: float, errors: list[BaseException]) -> str:
     return f"gave up after {seconds:g}s: {type(exc).__name__}" + (f": {text[:200]}" if text else "")
 
 
-UNREACHABLE_HOLD_S = 30.0  # how long an instance NATS found unreachable stays out of routing
+UNREACHABLE_HOLD_S = 30.0  # how long an instance declared gone stays out of routing, failing a sign of life
 
 T = TypeVar("T")
 
@@ -111,10 +111,12 @@ class EndpointClient:
         """Instances of this endpoint currently marked unreachable."""
         return [r.instance_id for r in self.snapshot.values() if self._rt.unreachable and self._rt.is_unreachable(r)]
 
-    def mark_unreachable(self, instance_id: str) -> None:
-        """NATS said nobody listens on this instance's subject (a SIGKILLed process whose lease has not
-        expired yet): route around it from now on, not only for the request that found out."""
-        self._rt.mark_unreachable(instance_id, self.snapshot.values())
+    def mark_unreachable(self, instance_id: str, why: str = "no responders") -> None:
+        """This instance was declared gone (NATS said nobody listens on its subject: a SIGKILLed
+        process whose lease has not expired yet; or a stream of it stalled, or it did not acknowledge
+        a request: a hung process): route around it from now on, not only for the request that found
+        out, until it shows a sign of life (:meth:`Runtime.alive`)."""
+        self._rt.mark_unreachable(instance_id, self.snapshot.values(), why)
 
     async def wait_for_instances(self, count: int = 1, timeout: float = 30.0, model: str | None = None) -> list[InstanceRecord]:
         """Wait until at least ``count`` instances are live; raises :class:`NoInstances` on timeout."""
@@ -155,6 +157,7 @@ class Runtime:
         self._snapshots: dict[tuple[str, type], Snapshot] = {}
         # instance id -> (its record when it was found unreachable, when the mark expires)
         self.unreachable: dict[str, tuple[InstanceRecord | None, float]] = {}
+        self._life_watch: asyncio.Future | None = None  # the load-event subscription behind alive()
         self.health: HealthServer | None = None
         self._served = 0
         self._health_checks: list[Callable[[], bool]] = []  # the service's own: all must pass to be ready
@@ -193,10 +196,16 @@ class Runtime:
                 final.set_result(cause)
 
         async def on_disconnect() -> None:
+            for side in (self._requests, self._server):
+                if side is not None:
+                    side.disconnected()
             if not self._closed:
                 log.warning("nats: disconnected from %s", redact_url(cfg.nats_url))
 
         async def on_reconnect() -> None:
+            for side in (self._requests, self._server):
+                if side is not None:
+                    side.reconnected()
             log.info("nats: reconnected to %s", redact_url(cfg.nats_url))
 
         connecting = asyncio.ensure_future(nats.connect(
@@ -253,6 +262,8 @@ class Runtime:
         self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)
         await self._server.start()
         self._requests = RequestClient(self.nc, self.namespace, cfg.ack_timeout, cfg.heartbeat_interval)
+        self._requests.suspects = self.unreachable
+        self._requests.on_alive = self.alive
         await self._requests.start()
         if cfg.health_port is not None:
             self.health = HealthServer(cfg.health_host, cfg.health_port, self.ready)
@@ -301,18 +312,37 @@ class Runtime:
         return (self._served > 0 and not self._shutdown.is_set() and self.nc is not None and self.nc.is_connected
                 and all(check() for check in self._health_checks))
 
-    def mark_unreachable(self, instance_id: str, records) -> None:
-        """Leave ``instance_id`` out of every endpoint client's instances until its record changes (it
-        registered again) or for :data:`UNREACHABLE_HOLD_S` — longer than a dead process's lease
-        usually outlives it, short enough that a live one that missed its messages comes back."""
+    def mark_unreachable(self, instance_id: str, records, why: str = "no responders") -> None:
+        """Leave ``instance_id`` out of every endpoint client's instances until it shows a sign of life
+        (:meth:`alive`: a frame on any of its streams, a load event), its record changes (it registered
+        again) or for :data:`UNREACHABLE_HOLD_S` — longer than a dead process's lease usually outlives
+        it, short enough that a live one that missed its messages comes back."""
         now = time.monotonic()
+        self._watch_signs_of_life()
         for gone in [k for k, (_, until) in self.unreachable.items() if until < now]:
             del self.unreachable[gone]
         record = next((r for r in records if r.instance_id == instance_id), None)
         self.unreachable[instance_id] = (record, now + UNREACHABLE_HOLD_S)
         for snap in self._snapshots.values():  # entries held across an etcd data loss: it is gone for sure
             snap.drop_held(instance_id)
-        log.warning("instance %s does not answer (no responders): routing around it", instance_id)
+        log.warning("instance %s does not answer (%s): routing around it until it shows a sign of life",
+                    instance_id, why)
+
+    def alive(self, instance_id: str) -> None:
+        """A sign of life from ``instance_id``: route to it again if it was declared gone."""
+        if self.unreachable.pop(instance_id, None) is not None:
+            log.info("instance %s shows a sign of life: routing to it again", instance_id)
+
+    def _watch_signs_of_life(self) -> None:
+        """Once something was declared gone: take every worker's load event as its sign of life."""
+        if self._life_watch is not None or self.events is None:
+            return
+
+        def on_load(event: LoadEvent) -> None:
+            if event.worker_id in self.unreachable:
+                self.alive(event.worker_id)
+
+        self._life_watch = asyncio.ensure_future(self.events.subscribe(TOPIC_LOAD, LoadEvent, on_load))
 
     def is_unreachable(self, record: InstanceRecord) -> bool:
         mark = self.unreachable.get(record.instance_id)
@@ -351,6 +381,10 @@ class Runtime:
             await self._server.close()
         for snap in self._snapshots.values():
             await snap.stop()
+        if self._life_watch is not None:
+            watch = (await asyncio.gather(self._life_watch, return_exceptions=True))[0]
+            if not isinstance(watch, BaseException):
+                await watch.close()
         if self._requests:
             await self._requests.close()
         if self.health is not None:

@@ -185,24 +185,72 @@ def test_children_die_with_a_killed_launcher(launcher):
     assert wait_gone(children, 40) == set()
 
 
-def test_a_stopped_worker_is_survived_and_a_dead_frontend_stops_the_stack(launcher):
-    up = launcher(*MOCK, "--targets", "2")
+def serving_again_after(url: str, timeout: float) -> float:
+    """Seconds until a chat completion succeeds again (short requests, back to back)."""
+    started = time.monotonic()
+    last = ""
+    while time.monotonic() - started < timeout:
+        try:
+            resp = httpx.post(f"{url}/v1/chat/completions", timeout=max(0.2, timeout - (time.monotonic() - started)),
+                              json={"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            if resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4:
+                return time.monotonic() - started
+            last = f"{resp.status_code} {resp.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.02)
+    raise AssertionError(f"not serving {timeout}s after the kill; last answer: {last}")
+
+
+def cold_start(logs: str, name: str) -> float:
+    """Seconds from the launcher starting ``name`` to that child's tokenizer being loaded."""
+    stamp = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+    started = re.search(stamp + rf" \[tandem\] INFO started {name} \(pid", logs).group(1)
+    loaded = re.search(rf"\[{name}\] " + stamp + r" INFO frontend.tokenizer: loaded tokenizer", logs).group(1)
+    parse = lambda text: time.mktime(time.strptime(text[:19], "%Y-%m-%d %H:%M:%S")) + int(text[20:]) / 1000
+    return parse(loaded) - parse(started)
+
+
+def test_children_that_die_are_restarted_on_their_ports_and_serving_resumes_within_3s(launcher):
+    up = launcher(*MOCK)
     up.wait_ready()
-    pids = {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", up.logs())}
-    assert set(pids) == {"etcd", "nats", "target-0", "target-1", "frontend"}
-    os.kill(pids["target-1"], signal.SIGTERM)
+    ask(up.url)
+    # etcd, NATS and the target are back within 3 s (the children reconnect every 0.25 s). A new frontend
+    # process must import the HTTP stack and load the model's HF tokenizer (transformers imports torch)
+    # before it answers: 3-4 s on an idle machine, up to 10 s on a loaded 2-core one; it gets 3 s more
+    # than the first frontend took from its start to its tokenizer.
+    bounds = {"etcd": 3.0, "nats": 3.0, "frontend": 3.0 + cold_start(up.logs(), "frontend"), "target-0": 3.0}
+    for name, bound in bounds.items():
+        pid = int(re.findall(rf"started {name} \(pid (\d+)\)", up.logs())[-1])
+        os.kill(pid, signal.SIGKILL)
+        try:
+            took = serving_again_after(up.url, bound)
+        except AssertionError as exc:
+            raise AssertionError(f"after killing {name}: {exc}\n{up.logs()[-5000:]}") from None
+        print(f"{name}: serving again {took:.2f}s after SIGKILL")
+        assert re.search(rf"{name} exited with -9; restarting it in 0.0s \(restart 1\); the rest of the stack "
+                         "keeps serving", up.logs())
+        assert len(re.findall(rf"started {name} \(pid \d+\)", up.logs())) == 2
+        assert up.proc.poll() is None
+    # NATS came back on its port: the launcher's own command line names it, and the children found it there.
+    assert len(set(re.findall(r"started nats \(pid \d+\): (.*)", up.logs()))) == 1
+
+    # A worker stopped by someone else than the launcher (exit code 0) is restarted too.
+    pid = int(re.findall(r"started target-0 \(pid (\d+)\)", up.logs())[-1])
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while "target-1 exited with 0; the rest of the stack keeps serving" not in up.logs():
+    while len(re.findall(r"started target-0 \(pid \d+\)", up.logs())) < 3:
         assert time.monotonic() < deadline, up.logs()[-3000:]
         time.sleep(0.1)
-    assert ask(up.url)["usage"]["completion_tokens"] == 12
-    assert up.proc.poll() is None
+    assert "target-0 exited with 0; restarting it" in up.logs()
+    serving_again_after(up.url, 10.0)
 
+    # Only the launcher's own stop ends the stack, and it leaves nothing behind.
     children = descendants(up.proc.pid)
-    os.kill(pids["frontend"], signal.SIGKILL)
-    assert up.proc.wait(60) == 1
-    assert "frontend exited with -9; stopping the stack" in up.logs()
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(60) == 0
     assert wait_gone(children, 5) == set()
+    assert "restarting" not in up.logs().split("stopping frontend")[-1]
 
 
 def test_tandem_up_serves_the_bundled_demo_model_with_its_eagle3_draft(launcher):

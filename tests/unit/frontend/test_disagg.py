@@ -60,7 +60,7 @@ class Client:
     def unreachable_ids(self) -> list[str]:
         return []
 
-    def mark_unreachable(self, instance_id: str) -> None:
+    def mark_unreachable(self, instance_id: str, why: str = "") -> None:
         pass
 
     async def call(self, instance_id, request, response_type, request_id="", pending=None):
