@@ -1,19 +1,22 @@
 """Token trees against chains at the same verify budget: accepted length and speed, in one run.
 
-Usage: .venv/bin/python bench/tree_bench.py HEAD_DIR [--prompts 8] [--max-tokens 48] [--budgets 2,4,6,8,12,16]
-       [--trees 4:4,8:8] [--ngram] [--batch 1] [--temperature 0] [--adaptive] [--out docs/tree_budget.svg]
+Usage: .venv/bin/python bench/tree_bench.py HEAD_DIR [--prompt-set generator|natural] [--prompts 8] [--max-tokens 48]
+       [--budgets 2,4,6,8,12,16] [--trees 4:4,8:8] [--ngram] [--batch 1] [--temperature 0] [--adaptive]
+       [--out docs/tree_budget.svg]
 
 In one process (CPU, float32): the demo target (SmolLM2-135M) with the trained EAGLE-3 head HEAD_DIR
-(``tandem train-draft``), on held-out prompts (the train-draft generator under a seed no training
-run uses). For every node budget N (draft tokens the target verifies per pass) it runs the chain
-(γ = N, top-k 1) and a tree per ``--trees`` shape K:D (top-k K, depth ``min(N, D)``, the N best nodes), γ fixed
-(no adaptation; ``--adaptive``: the target's default adaptive γ and tree budgets, N the cap), with
-plain decoding re-measured before every row so each speedup is a side-by-side
-ratio. Every output must equal plain decoding token for token (greedy; ``--temperature T`` samples
-instead, seeded per request, and the equal column counts nothing: sampled outputs agree with plain
-decoding in distribution, which the χ² tests check). ``--ngram`` adds prompt-lookup rows
-(chain vs trie of every earlier occurrence). Prints a markdown table; ``--out`` plots accepted length
-against the node budget.
+(``tandem train-draft``), on held-out prompts: ``generator`` (the default) = the train-draft
+generator under a seed no training run uses; ``natural`` = the first ``--prompts`` hand-written chat
+prompts of ``bench/prompts/natural_chat.jsonl`` (replies run to ``--max-tokens`` either way). For
+every node budget N (draft tokens the target verifies per pass) it runs the chain (γ = N, top-k 1)
+and a tree per ``--trees`` shape K:D (top-k K, depth ``min(N, D)``, the N best nodes), γ fixed (no
+adaptation; ``--adaptive``: the target's default adaptive γ and tree budgets, N the cap), with plain
+decoding re-measured before every row so each speedup is a side-by-side ratio. Every output must
+equal plain decoding token for token (greedy; ``--temperature T`` samples instead, seeded per
+request, and the equal column counts nothing: sampled outputs agree with plain decoding in
+distribution, which the χ² tests check). ``--ngram`` adds prompt-lookup rows (chain vs trie of
+every earlier occurrence). Prints a markdown table; ``--out`` plots accepted length against the node
+budget.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def write_svg(path: Path, series: dict[str, list[tuple[int, float]]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("head")
+    ap.add_argument("--prompt-set", choices=["generator", "natural"], default="generator")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 6, 8, 12, 16])
@@ -102,6 +106,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from bench.natural import natural_prompt_ids
     from runtime.messages import SamplingParams
     from runtime.spec_stats import mean_accepted_length
     from workers.demo_model import demo_model_dir
@@ -115,7 +120,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = held_out_prompts(tok, args.prompts)
+    if args.prompt_set == "natural":
+        prompts = {f"n{i}": p for i, p in enumerate(natural_prompt_ids(tok, args.prompts))}
+    else:
+        prompts = held_out_prompts(tok, args.prompts)
     model = load_model(target)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     cfg = EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=max(8, args.batch))
@@ -138,7 +146,7 @@ def main() -> None:
                 setups.append(("ngram", f"tree top-{k}", n,
                                lambda k=k: NgramProposer(1, 4, tree_topk=k), []))
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    print(f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, {mode}, {args.batch} in flight, "
+    print(f"{len(prompts)} held-out {args.prompt_set} prompts x {args.max_tokens} tokens, {mode}, {args.batch} in flight, "
           f"{args.threads} threads\n")
     print("| draft | shape | node budget | accepted length | tokens/s | plain tokens/s (just before) | speedup | equal |")
     print("|---|---|---|---|---|---|---|---|")
