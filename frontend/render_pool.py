@@ -22,6 +22,7 @@ import os
 from concurrent.futures.process import BrokenProcessPool
 
 from runtime import InvalidRequest
+from runtime.lifetime import die_with_parent
 
 from .tokenizer import Tokenizer
 
@@ -40,8 +41,10 @@ def _tokenizer(key: tuple) -> Tokenizer:
     return tok
 
 
-def _lower_priority() -> None:
-    """The pool's process yields the CPU to the frontend's own (it renders what only costly requests need)."""
+def _start_worker(parent_pid: int) -> None:
+    """In the pool's process: die with the frontend (a SIGKILLed frontend left it running, 300 MB
+    each), and yield the CPU to the frontend's own (it renders what only costly requests need)."""
+    die_with_parent(parent_pid)
     try:
         os.nice(RENDER_NICENESS)
     except OSError:
@@ -74,7 +77,8 @@ class RenderPool:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(self.processes,
                                                                 mp_context=multiprocessing.get_context("spawn"),
-                                                                initializer=_lower_priority)
+                                                                initializer=_start_worker,
+                                                                initargs=(os.getpid(),))
         return self._pool
 
     def warm(self, tok: Tokenizer) -> None:

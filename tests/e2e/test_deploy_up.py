@@ -228,6 +228,11 @@ def test_children_that_die_are_restarted_on_their_ports_and_serving_resumes_with
         except AssertionError as exc:
             raise AssertionError(f"after killing {name}: {exc}\n{up.logs()[-5000:]}") from None
         print(f"{name}: serving again {took:.2f}s after SIGKILL")
+        # the stack may serve on before the launcher has even reaped the child (etcd: from the snapshot)
+        deadline = time.monotonic() + 10
+        while len(re.findall(rf"started {name} \(pid \d+\)", up.logs())) < 2:
+            assert time.monotonic() < deadline, f"{name} was not restarted:\n{up.logs()[-3000:]}"
+            time.sleep(0.05)
         assert re.search(rf"{name} exited with -9; restarting it in 0.0s \(restart 1\); the rest of the stack "
                          "keeps serving", up.logs())
         assert len(re.findall(rf"started {name} \(pid \d+\)", up.logs())) == 2

@@ -48,6 +48,7 @@ from typing import BinaryIO, Union
 import msgspec
 
 from runtime.config import child_env
+from runtime.lifetime import die_with_parent
 
 from .parallel import TensorParallel, TensorParallelFailed
 
@@ -163,7 +164,8 @@ class Followers:
         env = child_env()  # the followers import this package from where rank 0 did, whatever their cwd
         for rank in range(1, size):
             cmd = [sys.executable, "-m", "workers.engine.followers", "--rank", str(rank), "--size", str(size),
-                   "--port", str(store.port), "--backend", backend, "--timeout", str(timeout)]
+                   "--port", str(store.port), "--backend", backend, "--timeout", str(timeout),
+                   "--parent-pid", str(os.getpid())]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             write_frame(proc.stdin, load)
             procs.append(proc)
@@ -315,21 +317,6 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 # ---------------------------------------------------------------------- the follower process
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (rank 0) dies, even mid-collective."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent died before prctl
-        os._exit(1)
-
-
 def follow(rank: int, size: int, port: int, backend: str, timeout: float, stream: BinaryIO) -> int:
     """A follower's life: load, set up, then repeat rank 0's calls until Stop or end of stream."""
     import torch
@@ -393,10 +380,11 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--parent-pid", type=int, default=None, help="rank 0's pid (default: this process's parent)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(name)s: %(message)s")
-    _die_with_parent()
+    die_with_parent(args.parent_pid or os.getppid())  # SIGKILL when rank 0 dies, even mid-collective
     # a Ctrl-C or a stop of the whole process group reaches rank 0 too, which drains and then stops us
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

@@ -4,13 +4,20 @@ refusal as the same 400, and a thread (not a stall, not a failure) until the chi
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from frontend.render_pool import RenderPool
 from frontend.tokenizer import Tokenizer
 from runtime import InvalidRequest
+from runtime.config import importable_env
+
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +43,47 @@ async def test_the_pool_renders_what_this_process_would():
         assert refused.value.field == "messages" and pool.rendered == 2
     finally:
         pool.close()
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+from frontend.render_pool import RenderPool
+pool = RenderPool(1)
+print(pool._executor().submit(os.getpid).result(), flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_render_process_dies_with_a_killed_frontend():
+    """A SIGKILLed frontend took nothing down with it: its render process (300 MB, transformers
+    loaded) ran on as an orphan. It now gets SIGKILL from the kernel when its parent dies."""
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=importable_env(dict(os.environ)))
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, f"render process {child} outlived its frontend"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+
+
+def test_die_with_parent_leaves_at_once_when_the_parent_is_already_gone():
+    code = "from runtime.lifetime import die_with_parent; die_with_parent(1); print('still here')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=importable_env(dict(os.environ)), timeout=60)
+    if sys.platform.startswith("linux"):
+        assert done.returncode == 1 and "still here" not in done.stdout

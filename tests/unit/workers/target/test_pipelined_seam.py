@@ -18,6 +18,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.speculation.payloads import DraftOutput
 from workers.target.step_loop import StepLoop
+from tests.support.draft_pool import FixedPool as _Pool
 
 pytestmark = pytest.mark.unit
 
@@ -36,20 +37,6 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model):
     return Engine(model, CFG).generate(PROMPTS, PARAMS)
-
-
-class _Pool:
-    def __init__(self, client):
-        self.client, self.refused = client, {}
-
-    async def poll(self):
-        return self.client
-
-    async def prune(self):
-        pass
-
-    async def close(self):
-        pass
 
 
 async def serve_all(loop: StepLoop) -> dict[str, list[int]]:

@@ -17,6 +17,7 @@ from workers.target.draft_watch import DraftWatch
 from workers.target.disagg import DisaggStats
 from workers.target.metrics import RequestStats, TargetCollector
 from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
+from tests.support.draft_pool import FixedPool as _Pool
 
 pytestmark = pytest.mark.unit
 
@@ -164,20 +165,6 @@ class _Client:
 
     def release(self, ids):
         self.released.extend(ids)
-
-
-class _Pool:
-    def __init__(self, client):
-        self.client, self.refused = client, {}
-
-    async def poll(self):
-        return self.client
-
-    async def prune(self):
-        pass
-
-    async def close(self):
-        pass
 
 
 async def test_a_verdict_that_cannot_be_converted_restarts_the_drafts_view(model, expected, monkeypatch):
