@@ -93,6 +93,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def read_body_in_time(request: Request, limit: int, timeout_s: float) -> bytes:
+    """:func:`read_body` within ``timeout_s`` seconds, else :class:`BodyTimeout` (a slow or stalled upload)."""
+    try:
+        return await asyncio.wait_for(read_body(request, limit), timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(timeout_s) from None
+
+
 class ClientStalled(Exception):
     """The client stopped reading its stream: a write did not complete within the write timeout."""
 
@@ -273,11 +281,7 @@ class Frontend:
         counted = False
         try:
             # The body first: a slow or stalled upload holds no in-flight slot, and gets a 408 in the end.
-            try:
-                body = await asyncio.wait_for(read_body(request, self.config.max_body_bytes),
-                                              self.config.body_timeout_s)
-            except asyncio.TimeoutError:
-                raise BodyTimeout(self.config.body_timeout_s) from None
+            body = await read_body_in_time(request, self.config.max_body_bytes, self.config.body_timeout_s)
             self.inflight += 1
             counted = True
             if limit and self.inflight > limit:
@@ -412,11 +416,7 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     async def tokenizing(request: Request, handler) -> Response:
         try:
-            try:
-                body = await asyncio.wait_for(read_body(request, frontend.config.max_body_bytes),
-                                              frontend.config.body_timeout_s)
-            except asyncio.TimeoutError:
-                raise BodyTimeout(frontend.config.body_timeout_s) from None
+            body = await read_body_in_time(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
             return Response(encode_json(await handler(body)), media_type=JSON)
         except ClientDisconnected:
             return Response(status_code=499)
