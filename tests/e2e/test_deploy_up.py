@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support import procs
+from tests.support.procs import pid_alive
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
@@ -29,22 +30,14 @@ def descendants(pid: int) -> set[int]:
     return set(procs.descendants(pid))
 
 
-def running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        left = {p for p in pids if running(p)}
+        left = {p for p in pids if pid_alive(p)}
         if not left:
             return set()
         time.sleep(0.1)
-    return {p for p in pids if running(p)}
+    return {p for p in pids if pid_alive(p)}
 
 
 class Launcher:

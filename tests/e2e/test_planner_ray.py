@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_ray_up import ETCD_PORT, HTTP_PORT, NATS_PORT, RAY_PORT, cmdlines, netns  # noqa: F401
+from tests.support.procs import pid_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -84,13 +85,6 @@ async def resize_through_the_launcher() -> dict:
                 "original_pid": original.pid, "original_actor": original_actor, "added_pid": added.pid}
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_ray_launcher_adds_a_target_and_drains_one_away(netns):  # noqa: F811 (fixture)
     netns.start_cluster()
 
@@ -126,10 +120,10 @@ def test_ray_launcher_adds_a_target_and_drains_one_away(netns):  # noqa: F811 (f
     assert got["replicas"] == 1 and got["discovered"] == [got["added"]], got
     # The original worker drained and exited; then its actor was killed (its Ray worker process ends).
     deadline = time.monotonic() + 30
-    while alive(got["original_pid"]) or alive(got["original_actor"]):
+    while pid_alive(got["original_pid"]) or pid_alive(got["original_actor"]):
         assert time.monotonic() < deadline, "the removed target or its actor is still running"
         time.sleep(0.2)
-    assert alive(got["added_pid"])
+    assert pid_alive(got["added_pid"])
     running = cmdlines(netns.pids())
     assert sum("-m workers.mock" in c for c in running) == 1
 

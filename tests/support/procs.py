@@ -100,6 +100,15 @@ def proc_table() -> dict[int, tuple[int, str]]:
     return out
 
 
+def pid_alive(pid: int) -> bool:
+    """``pid`` is a process that runs (a zombie, exited but not yet reaped, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> dict[int, str]:
     """pid -> start time of every live process below ``pid`` (the start time recognises a process
     after it is re-parented, and tells it from a later one that reuses its pid)."""

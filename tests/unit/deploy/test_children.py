@@ -10,16 +10,9 @@ import time
 import pytest
 
 from deploy.children import Child, stop_tiers
+from tests.support.procs import pid_alive
 
 pytestmark = pytest.mark.unit
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_output_is_forwarded_with_a_prefix():
@@ -57,9 +50,9 @@ def test_stop_kills_stragglers_and_their_whole_process_group(tmp_path):
     assert time.monotonic() - started < 10
     assert child.returncode == -9
     deadline = time.monotonic() + 5
-    while running(grandchild) and time.monotonic() < deadline:
+    while pid_alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not running(grandchild)
+    assert not pid_alive(grandchild)
 
 
 def test_tiers_stop_in_order(caplog):

@@ -16,6 +16,7 @@ from frontend.render_pool import RenderPool
 from frontend.tokenizer import Tokenizer
 from runtime import InvalidRequest
 from runtime.config import importable_env
+from tests.support.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -54,14 +55,6 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_render_process_dies_with_a_killed_frontend():
     """A SIGKILLed frontend took nothing down with it: its render process (300 MB, transformers
@@ -70,11 +63,11 @@ def test_the_render_process_dies_with_a_killed_frontend():
                               cwd=ROOT, env=importable_env(dict(os.environ)))
     try:
         child = int(parent.stdout.readline())
-        assert _alive(child)
+        assert pid_alive(child)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 10
-        while _alive(child):
+        while pid_alive(child):
             assert time.monotonic() < deadline, f"render process {child} outlived its frontend"
             time.sleep(0.05)
     finally:
