@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_deploy_up import Launcher, running
+from tests.e2e.test_deploy_up import Launcher
+from tests.support.procs import pid_alive
 from tests.support import procs
 from workers.demo_model import DEMO_NAME
 
@@ -126,7 +127,7 @@ def test_tandem_up_tp2_serves_equal_greedy_and_survives_a_killed_rank(reference)
         logs = up.logs()
         assert "tensor-parallel group failed" in logs
         assert re.search(r"\[target-0\].*engine step failed", logs), "the kill did not hit a running stream"
-        assert running(pids["target-1"]) and running(followers["target-1"])
+        assert pid_alive(pids["target-1"]) and pid_alive(followers["target-1"])
         resp = httpx.post(f"{up.url}/v1/completions", timeout=120, json={
             "model": DEMO_NAME, "prompt": ids[PROMPTS[0]], "max_tokens": 8, "temperature": 0})
         assert resp.status_code == 200, resp.text
@@ -134,7 +135,7 @@ def test_tandem_up_tp2_serves_equal_greedy_and_survives_a_killed_rank(reference)
         # rank 0 itself SIGKILLed: its follower does not outlive it (PR_SET_PDEATHSIG, end of its stdin)
         os.kill(pids["target-1"], signal.SIGKILL)
         deadline = time.monotonic() + 15
-        while running(followers["target-1"]):
+        while pid_alive(followers["target-1"]):
             assert time.monotonic() < deadline, "a follower outlived its rank 0"
             time.sleep(0.1)
 
