@@ -95,6 +95,7 @@ async def amain(args: argparse.Namespace) -> None:
             server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout,
                                       idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s).start()
             rt.mark_serving()
+            frontend.serving()
             log.info("frontend ready on %s (router %s)", server.url, config.router_mode)
             await rt.wait_for_shutdown()
             log.info("shutting down: finishing open requests")
