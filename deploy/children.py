@@ -38,9 +38,13 @@ class Child:
     """One child process (``argv``) named ``name``, e.g. ``target-0``."""
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
-                 cwd: str | None = None, out: TextIO | None = None, keep_lines: int = 200):
+                 cwd: str | None = None, out: TextIO | None = None, keep_lines: int = 200,
+                 pass_fds: Sequence[int] = ()):
+        """``pass_fds``: descriptors of this process the child inherits under the same numbers (the
+        frontend's listening socket)."""
         self.name = name
         self.argv = list(argv)
+        self.pass_fds = tuple(pass_fds)
         self.env = env
         self.cwd = cwd
         self._out = out
@@ -54,7 +58,7 @@ class Child:
         env = importable_env(os.environ if self.env is None else self.env)
         self.proc = subprocess.Popen(
             die_with_parent(self.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=self.cwd, start_new_session=True,
+            env=env, cwd=self.cwd, start_new_session=True, pass_fds=self.pass_fds,
         )
         self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
         self._reader.start()

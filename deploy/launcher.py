@@ -8,7 +8,9 @@ and lists a model (readiness alone says only that the frontend takes traffic),
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir. While it
 serves, a child that exits without being asked is started again on the same ports under the same
-name (:mod:`deploy.supervisor`); only the launcher's own stop ends the stack.
+name (:mod:`deploy.supervisor`); only the launcher's own stop ends the stack. The launcher opens
+the frontend's listening socket itself and keeps it (the frontend serves on it, ``--http-fd``), so a
+client that connects while the frontend restarts waits for the new one instead of being refused.
 
 With ``--planner`` (or ``--allow-scaling``) it also serves ``launcher.scale`` (:mod:`deploy.scaling`):
 a planner asks it for a number of prefill, target or draft workers, and it starts new ones (named
@@ -22,6 +24,7 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.binaries import free_port, port_open, wait_port
+from deploy.binaries import free_port, listening_socket, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.scaling import ScaleService
@@ -119,6 +122,7 @@ class Launcher:
         self._scale_lock = threading.Lock()
         self._stopping: list[threading.Thread] = []
         self._scaler: ScaleService | None = None
+        self._http_socket: socket.socket | None = None  # the frontend's, held across its restarts
         self.url = ""
 
     def request_stop(self, *_: object) -> None:
@@ -157,7 +161,12 @@ class Launcher:
         etcd_url, nats_url = self._start_infra()
         ports = {name: free_port() for name in component_names(cfg)}
         ports["frontend"] = cfg.http_port or free_port()
-        self._components = plan(cfg, model_path, ports)
+        try:
+            self._http_socket = listening_socket(cfg.host, ports["frontend"])
+        except OSError as exc:
+            raise LaunchError(f"cannot listen for HTTP on {cfg.host}:{ports['frontend']}: {exc.strerror or exc}") from None
+        http_fd = self._http_socket.fileno()
+        self._components = plan(cfg, model_path, ports, http_fd)
         env = child_env(TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
                         PYTHONUNBUFFERED="1")
         self._child_env = env
@@ -172,7 +181,8 @@ class Launcher:
                 raise LaunchError(str(exc)) from None
         for comp in self._components:
             self._check_stop()
-            self._children[comp.name] = Child(comp.name, comp.argv(), env=env).start()
+            self._children[comp.name] = Child(comp.name, comp.argv(), env=env,
+                                              pass_fds=(http_fd,) if comp.kind == "frontend" else ()).start()
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
         self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
@@ -293,7 +303,10 @@ class Launcher:
         if self._scaler is not None:
             self._scaler.stop()
         stop_tiers(tiers[:1], timeout=10)
-        stop_tiers(tiers[1:], timeout=self.config.drain_timeout + 5)
+        stop_tiers(tiers[1:2], timeout=self.config.drain_timeout + 5)
+        if self._http_socket is not None:  # no frontend any more: refuse connections, do not queue them
+            self._http_socket.close()
+        stop_tiers(tiers[2:], timeout=self.config.drain_timeout + 5)
         for thread in self._stopping:
             thread.join(self.config.drain_timeout + 10)
         stop_tiers([[c] for c in reversed(self._infra)], timeout=self.config.drain_timeout + 5)

@@ -219,14 +219,16 @@ def planner_argv(config: StackConfig, frontend_port: int, health_port: int) -> t
     return (*args, *config.planner_args)
 
 
-def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> list[Component]:
+def plan(config: StackConfig, model_path: str | None, ports: dict[str, int],
+         http_fd: int | None = None) -> list[Component]:
     """The components in start order: router (if standalone), drafts, prefill workers, targets,
     frontend, planner (if asked).
 
     Drafts start before the targets that stream to them and (stopping in reverse) end after them,
     so no draft waits out its drain for a target's open stream.
 
-    ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port).
+    ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port);
+    ``http_fd``: the launcher's listening socket on that port, which the frontend serves on.
     """
     out: list[Component] = []
     if config.standalone_router:
@@ -240,6 +242,8 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> 
     frontend = ["--http-port", str(ports["frontend"]), "--host", config.host, "--router-mode", config.router_mode]
     if config.standalone_router:  # route through the shared router service, not an embedded router
         frontend.append("--remote-router")
+    if http_fd is not None:
+        frontend += ["--http-fd", str(http_fd)]
     out.append(Component("frontend", "frontend", "frontend", tuple(frontend), ports["frontend"]))
     drain = ("--drain-timeout", f"{config.drain_timeout:g}")
     out = [replace(c, args=c.args + drain) for c in out]

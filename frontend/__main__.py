@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(parser)
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    parser.add_argument("--http-fd", type=int, default=None,
+                        help="serve on this inherited listening socket instead of binding --host/--http-port (a "
+                             "launcher that holds the socket across restarts of the frontend, as `tandem up` does)")
     parser.add_argument("--router-mode", default="kv", choices=ROUTER_MODES, help="routing (default kv)")
     parser.add_argument("--remote-router", action="store_true",
                         help="route through the shared `python -m router` service instead of an embedded router")
@@ -93,7 +96,8 @@ async def amain(args: argparse.Namespace) -> None:
             rt.health.protect(lambda app: ApiKeyAuth(app, config.api_keys, config.metrics_require_key))
         async with Frontend.start(rt, config) as frontend:
             server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout,
-                                      idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s).start()
+                                      idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s,
+                                      fd=args.http_fd).start()
             rt.mark_serving()
             frontend.serving()
             log.info("frontend ready on %s (router %s)", server.url, config.router_mode)
