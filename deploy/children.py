@@ -39,12 +39,17 @@ class Child:
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
                  cwd: str | None = None, out: TextIO | None = None, keep_lines: int = 200,
-                 pass_fds: Sequence[int] = ()):
+                 pass_fds: Sequence[int] = (), spare_flag: str | None = None):
         """``pass_fds``: descriptors of this process the child inherits under the same numbers (the
-        frontend's listening socket)."""
+        frontend's listening socket). ``spare_flag``: the command takes this flag to load its code and
+        then wait for a line on stdin before it starts; :meth:`prepare_spare` starts such a spare
+        ahead of need, and :meth:`restart` starts the spare, which spares a replacement the seconds
+        of imports that a new interpreter costs (gunicorn's preloaded workers, the same idea)."""
         self.name = name
         self.argv = list(argv)
         self.pass_fds = tuple(pass_fds)
+        self.spare_flag = spare_flag
+        self._spare: subprocess.Popen | None = None
         self.env = env
         self.cwd = cwd
         self._out = out
@@ -53,25 +58,55 @@ class Child:
         self._reader: threading.Thread | None = None
         self.expected_exit = False  # set when the launcher itself stops it
 
-    def start(self) -> Child:
+    def _popen(self, argv: list[str], stdin: int) -> subprocess.Popen:
         # deploy.pdeathsig (and any python -m child) must import from wherever this process did
         env = importable_env(os.environ if self.env is None else self.env)
-        self.proc = subprocess.Popen(
-            die_with_parent(self.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=self.cwd, start_new_session=True, pass_fds=self.pass_fds,
-        )
-        self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
-        self._reader.start()
+        return subprocess.Popen(die_with_parent(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
+                                env=env, cwd=self.cwd, start_new_session=True, pass_fds=self.pass_fds)
+
+    def start(self) -> Child:
+        self.proc = self._popen(self.argv, subprocess.DEVNULL)
+        self._follow()
         log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
         return self
 
+    def _follow(self) -> None:
+        self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+
     def restart(self) -> Child:
-        """Start the same command again (same ports, same name) after the process exited; what its
-        process group left behind (a TP worker's other ranks) is killed first."""
+        """Start the same command again (same ports, same name) after the process exited, from its
+        spare when one is waiting; what its process group left behind (a TP worker's other ranks) is
+        killed first."""
         self.signal_group(signal.SIGKILL)
         if self._reader is not None:
             self._reader.join(1.0)
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.poll() is None:
+            try:
+                assert spare.stdin is not None
+                spare.stdin.write(b"start\n")
+                spare.stdin.close()
+            except OSError:  # it died just now: start afresh
+                _kill_group(spare)
+            else:
+                self.proc = spare
+                self._follow()
+                log.info("started %s (pid %d) from its spare: %s", self.name, spare.pid, " ".join(self.argv))
+                return self
         return self.start()
+
+    def prepare_spare(self) -> None:
+        """Start the spare (:attr:`spare_flag`) unless one is waiting or the child has none."""
+        if self.spare_flag is None or (self._spare is not None and self._spare.poll() is None):
+            return
+        self._spare = self._popen([*self.argv, self.spare_flag], subprocess.PIPE)
+        log.info("prepared a spare %s (pid %d)", self.name, self._spare.pid)
+
+    def discard_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            _kill_group(spare)
 
     def _forward(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -122,10 +157,26 @@ class Child:
             self._reader.join(timeout)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
 def stop_tiers(tiers: Sequence[Sequence[Child]], timeout: float) -> None:
     """Stop tiers of children in the given order: SIGTERM a whole tier at once, wait up to
     ``timeout`` for it, SIGKILL what is left (the whole process group, so nothing is orphaned)."""
     for tier in tiers:
+        for child in tier:
+            child.discard_spare()
         running = [c for c in tier if c.proc is not None]
         for child in running:
             child.expected_exit = True

@@ -101,6 +101,7 @@ def resolve_demo_model() -> str:
 
 
 SUPERVISE_PERIOD_S = 0.1  # how often the launcher looks for children that died
+SPARE_AFTER_S = 2.0  # a restarted child's next spare starts this long after it, not beside its start-up
 
 
 class Launcher:
@@ -181,8 +182,9 @@ class Launcher:
                 raise LaunchError(str(exc)) from None
         for comp in self._components:
             self._check_stop()
-            self._children[comp.name] = Child(comp.name, comp.argv(), env=env,
-                                              pass_fds=(http_fd,) if comp.kind == "frontend" else ()).start()
+            frontend = comp.kind == "frontend"
+            self._children[comp.name] = Child(comp.name, comp.argv(), env=env, pass_fds=(http_fd,) if frontend else (),
+                                              spare_flag="--spare" if frontend else None).start()
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
         self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
@@ -262,11 +264,16 @@ class Launcher:
     def _supervise(self) -> int:
         """Serve until a stop is requested, restarting every child that exits without being asked
         (:mod:`deploy.supervisor`): etcd and NATS on their ports, the router, the frontend, every
-        worker under its name. Returns 0: only the launcher's own stop ends the stack."""
+        worker under its name. Returns 0: only the launcher's own stop ends the stack.
+
+        The frontend is replaced from a spare process that has loaded its code and waits (started
+        once the stack serves, and again after each restart): a new interpreter's imports were most
+        of a restarted frontend's seconds."""
         states: dict[str, RestartState] = {}
         now = time.monotonic()
         for child in self._all_children():
             states[child.name] = RestartState(self.restart_policy, started_at=now)
+            child.prepare_spare()
         while not self._stop.wait(SUPERVISE_PERIOD_S):
             with self._scale_lock:
                 if self._stop.is_set():
@@ -274,7 +281,11 @@ class Launcher:
                 now = time.monotonic()
                 for child in self._all_children():
                     state = states.setdefault(child.name, RestartState(self.restart_policy, started_at=now))
-                    if child.alive() or child.expected_exit:
+                    if child.expected_exit:
+                        continue
+                    if child.alive():
+                        if now - state.started_at >= SPARE_AFTER_S:
+                            child.prepare_spare()
                         continue
                     if state.due is None:
                         delay = state.died(now)

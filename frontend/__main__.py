@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "and ignore them, with a log line and tandem_frontend_ignored_fields_total, as vLLM does)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--spare", action="store_true",
+                        help="load the code, then wait for a line on stdin before starting (a launcher's spare, "
+                             "started ahead of need to replace a frontend that dies; EOF: exit)")
     return apply_env_defaults(parser)
 
 
@@ -106,10 +109,25 @@ async def amain(args: argparse.Namespace) -> None:
             await server.stop()
 
 
+def wait_as_spare() -> bool:
+    """Load what starting would load later (the event loop, uvicorn's HTTP protocol), then wait for
+    the launcher's word on stdin: True to start, False (end of file) to exit."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        pass
+    from .server import _protocol
+
+    _protocol(30.0, 10.0)
+    return bool(sys.stdin.readline())
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     exit_on_bad_config("python -m frontend", lambda: build_config(args), lambda: check_log_level(args.log_level),
                        lambda: config_from_args(args, drain_timeout=args.drain_timeout))
+    if args.spare and not wait_as_spare():
+        return
     try:
         run_service(lambda: amain(args), args.log_level)
     except OSError as exc:  # e.g. the HTTP port is taken

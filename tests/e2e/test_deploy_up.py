@@ -202,10 +202,11 @@ def test_children_that_die_are_restarted_on_their_ports_and_serving_resumes_with
     up = launcher(*MOCK)
     up.wait_ready()
     ask(up.url)
-    # Each is serving again within 3 s (the children reconnect every 0.25 s; a new frontend imports
-    # no transformers or torch). The launcher holds the frontend's listening socket: a client that
-    # connects while the frontend restarts waits for the new one, no connection is refused.
-    for name in ("etcd", "nats", "frontend", "target-0"):
+    # Each is serving again within 3 s (the children reconnect every 0.25 s; the frontend is replaced by
+    # the spare the launcher started once the stack served, which has loaded its code). The launcher
+    # holds the frontend's listening socket: a client that connects while the frontend restarts waits
+    # for the new one, no connection is refused.
+    for name in ("etcd", "nats", "target-0", "frontend"):
         pid = int(re.findall(rf"started {name} \(pid (\d+)\)", up.logs())[-1])
         os.kill(pid, signal.SIGKILL)
         refused: list[str] = []
@@ -224,6 +225,7 @@ def test_children_that_die_are_restarted_on_their_ports_and_serving_resumes_with
                          "keeps serving", up.logs())
         assert len(re.findall(rf"started {name} \(pid \d+\)", up.logs())) == 2
         assert up.proc.poll() is None
+    assert re.search(r"started frontend \(pid \d+\) from its spare", up.logs())
     # NATS came back on its port: the launcher's own command line names it, and the children found it there.
     assert len(set(re.findall(r"started nats \(pid \d+\): (.*)", up.logs()))) == 1
 
