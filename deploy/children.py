@@ -50,6 +50,7 @@ class Child:
         self.pass_fds = tuple(pass_fds)
         self.spare_flag = spare_flag
         self._spare: subprocess.Popen | None = None
+        self._spare_reader: threading.Thread | None = None
         self.env = env
         self.cwd = cwd
         self._out = out
@@ -66,13 +67,14 @@ class Child:
 
     def start(self) -> Child:
         self.proc = self._popen(self.argv, subprocess.DEVNULL)
-        self._follow()
+        self._reader = self._follow(self.proc)
         log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
         return self
 
-    def _follow(self) -> None:
-        self._reader = threading.Thread(target=self._forward, name=f"log-{self.name}", daemon=True)
-        self._reader.start()
+    def _follow(self, proc: subprocess.Popen) -> threading.Thread:
+        reader = threading.Thread(target=self._forward, args=(proc,), name=f"log-{self.name}", daemon=True)
+        reader.start()
+        return reader
 
     def restart(self) -> Child:
         """Start the same command again (same ports, same name) after the process exited, from its
@@ -90,8 +92,7 @@ class Child:
             except OSError:  # it died just now: start afresh
                 _kill_group(spare)
             else:
-                self.proc = spare
-                self._follow()
+                self.proc, self._reader = spare, self._spare_reader
                 log.info("started %s (pid %d) from its spare: %s", self.name, spare.pid, " ".join(self.argv))
                 return self
         return self.start()
@@ -101,6 +102,7 @@ class Child:
         if self.spare_flag is None or (self._spare is not None and self._spare.poll() is None):
             return
         self._spare = self._popen([*self.argv, self.spare_flag], subprocess.PIPE)
+        self._spare_reader = self._follow(self._spare)
         log.info("prepared a spare %s (pid %d)", self.name, self._spare.pid)
 
     def discard_spare(self) -> None:
@@ -108,9 +110,9 @@ class Child:
         if spare is not None:
             _kill_group(spare)
 
-    def _forward(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:  # this process's pipe, even once a restart replaced self.proc
+    def _forward(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:  # this process's pipe, even once a restart replaced self.proc
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.tail.append(line)
             out = self._out or sys.stdout
@@ -166,9 +168,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(5)
     except subprocess.TimeoutExpired:
         pass
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            pipe.close()
+    if proc.stdin is not None:
+        proc.stdin.close()
 
 
 def stop_tiers(tiers: Sequence[Sequence[Child]], timeout: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from router.base import ROUTER_MODES
@@ -119,6 +120,7 @@ def wait_as_spare() -> bool:
     from .server import _protocol
 
     _protocol(30.0, 10.0)
+    print(f"spare frontend (pid {os.getpid()}) loaded; it starts when the launcher says so", flush=True)
     return bool(sys.stdin.readline())
 
 

@@ -203,9 +203,14 @@ def test_children_that_die_are_restarted_on_their_ports_and_serving_resumes_with
     up.wait_ready()
     ask(up.url)
     # Each is serving again within 3 s (the children reconnect every 0.25 s; the frontend is replaced by
-    # the spare the launcher started once the stack served, which has loaded its code). The launcher
-    # holds the frontend's listening socket: a client that connects while the frontend restarts waits
-    # for the new one, no connection is refused.
+    # the spare the launcher started once the stack served, which has loaded its code: waited for here,
+    # so that its imports do not share the two cores with the restarts). The launcher holds the
+    # frontend's listening socket: a client that connects while the frontend restarts waits for the
+    # new one, no connection is refused.
+    deadline = time.monotonic() + 60
+    while not re.search(r"\[frontend\] spare frontend \(pid \d+\) loaded", up.logs()):
+        assert time.monotonic() < deadline, up.logs()[-3000:]
+        time.sleep(0.1)
     for name in ("etcd", "nats", "target-0", "frontend"):
         pid = int(re.findall(rf"started {name} \(pid (\d+)\)", up.logs())[-1])
         os.kill(pid, signal.SIGKILL)
