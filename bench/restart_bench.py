@@ -1,13 +1,16 @@
 """How long ``tandem up`` takes to serve again after one of its children is SIGKILLed.
 
-Usage: .venv/bin/python bench/restart_bench.py [--rounds 3] [--children etcd,nats,frontend,target-0]
+Usage: .venv/bin/python bench/restart_bench.py [--rounds 3] [--children etcd,nats,target-0,frontend]
                                                [--baseline-tree PATH]
 
 Each round starts ``tandem up --mock`` (mock target at 2 ms a token) on free ports, waits until it
 serves, then kills each named child once with SIGKILL (a child killed twice within 30 s would wait
 out the supervisor's backoff) and times the first chat completion that succeeds after the kill,
-requests sent back to back. For the frontend it also reports the CPU seconds the new frontend process
-used up to that answer (what a loaded machine stretches), and the connections refused meanwhile.
+requests sent back to back; after NATS it waits out the blip grace (``BLIP_GRACE_S``: a dead
+target's "no responders" right after a NATS blip means "not resubscribed yet"), and before the
+frontend, where the checkout keeps a spare frontend, until that spare has loaded. For the frontend
+it also reports the CPU seconds the new frontend process used up to that answer (a spare's loading,
+done ahead of the kill, included), and the connections refused meanwhile.
 ``--baseline-tree`` names another checkout (e.g. ``git worktree add /tmp/base <commit>``) whose
 ``tandem up`` runs in alternate rounds, so that both are measured under the same load.
 Target: every child serving again within 3 s.
@@ -29,6 +32,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.request_plane import BLIP_GRACE_S  # noqa: E402
 
 
 def free_port() -> int:
@@ -83,6 +89,10 @@ def one_round(tree: Path, children: list[str]) -> dict[str, tuple[float, int, fl
         serving_again(url)
         for name in children:
             time.sleep(1.0)
+            logs = log.read_text(errors="replace")
+            if name == "frontend" and "prepared a spare frontend" in logs:  # a checkout with spares
+                while not re.search(r"spare frontend \(pid \d+\) loaded", log.read_text(errors="replace")):
+                    time.sleep(0.1)
             pid = int(re.findall(rf"started {name} \(pid (\d+)\)", log.read_text(errors="replace"))[-1])
             os.kill(pid, signal.SIGKILL)
             took, refused = serving_again(url)
@@ -91,6 +101,8 @@ def one_round(tree: Path, children: list[str]) -> dict[str, tuple[float, int, fl
                 new = re.findall(r"started frontend \(pid (\d+)\)", log.read_text(errors="replace"))
                 cpu = cpu_seconds(int(new[-1])) if len(new) > 1 else None
             out[name] = (took, refused, cpu)
+            if name == "nats":  # a dead target's "no responders" right after a NATS blip waits out the grace
+                time.sleep(BLIP_GRACE_S)
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -104,7 +116,7 @@ def one_round(tree: Path, children: list[str]) -> dict[str, tuple[float, int, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--children", default="etcd,nats,frontend,target-0")
+    parser.add_argument("--children", default="etcd,nats,target-0,frontend")
     parser.add_argument("--baseline-tree", type=Path, default=None, help="another checkout, run in alternate rounds")
     args = parser.parse_args()
     children = args.children.split(",")
