@@ -51,6 +51,7 @@ class Child:
         self.spare_flag = spare_flag
         self._spare: subprocess.Popen | None = None
         self._spare_reader: threading.Thread | None = None
+        self._spare_failed = False  # the last spare exited on its own
         self.env = env
         self.cwd = cwd
         self._out = out
@@ -83,7 +84,7 @@ class Child:
         self.signal_group(signal.SIGKILL)
         if self._reader is not None:
             self._reader.join(1.0)
-        spare, self._spare = self._spare, None
+        spare, self._spare, self._spare_failed = self._spare, None, False
         if spare is not None and spare.poll() is None:
             try:
                 assert spare.stdin is not None
@@ -98,8 +99,17 @@ class Child:
         return self.start()
 
     def prepare_spare(self) -> None:
-        """Start the spare (:attr:`spare_flag`) unless one is waiting or the child has none."""
-        if self.spare_flag is None or (self._spare is not None and self._spare.poll() is None):
+        """Start the spare (:attr:`spare_flag`) unless one is waiting or the child has none. A spare
+        that exited on its own is not replaced before the child's next restart (no spawn loop)."""
+        if self.spare_flag is None or self._spare_failed:
+            return
+        if self._spare is not None:
+            code = self._spare.poll()
+            if code is None:
+                return
+            log.warning("the spare %s (pid %d) exited with %s; none until %s restarts:\n%s", self.name,
+                        self._spare.pid, code, self.name, self.recent_output(5))
+            self._spare, self._spare_failed = None, True
             return
         self._spare = self._popen([*self.argv, self.spare_flag], subprocess.PIPE)
         self._spare_reader = self._follow(self._spare)

@@ -117,9 +117,9 @@ def wait_as_spare() -> bool:
         import uvloop  # noqa: F401
     except ImportError:
         pass
-    from .server import _protocol
+    from .server import preload
 
-    _protocol(30.0, 10.0)
+    preload()
     print(f"spare frontend (pid {os.getpid()}) loaded; it starts when the launcher says so", flush=True)
     return bool(sys.stdin.readline())
 

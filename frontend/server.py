@@ -86,6 +86,11 @@ class _Deadlines:
             self.transport.close()
 
 
+def preload() -> None:
+    """Import what a server imports only when it starts (a spare frontend's head start)."""
+    _protocol(30.0, 10.0)
+
+
 def _protocol(idle_timeout: float, header_timeout: float) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol (h11 when httptools is missing) with these deadlines."""
     if importlib.util.find_spec("httptools"):

@@ -100,3 +100,22 @@ def test_a_restart_starts_the_waiting_spare_and_stop_discards_the_next_one():
     finally:
         stop_tiers([[child]], timeout=5)
     assert not pid_alive(spare) and not pid_alive(waiting)
+
+
+def test_a_spare_that_dies_is_not_started_again_before_the_next_restart(caplog):
+    script = "import sys, time\nif '--spare' in sys.argv: sys.exit(3)\ntime.sleep(60)"
+    child = Child("web", [sys.executable, "-c", script], out=io.StringIO(), spare_flag="--spare").start()
+    try:
+        child.prepare_spare()  # a spare that exits 3 at once
+        first = child._spare
+        first.wait(20)
+        child.prepare_spare()
+        child.prepare_spare()
+        assert child._spare is None and "exited with 3" in caplog.text  # no spawn loop
+        child.signal_group(signal.SIGKILL)
+        child.wait(5)
+        child.restart()
+        child.prepare_spare()
+        assert child._spare is not None and child._spare is not first  # tried again after the restart
+    finally:
+        stop_tiers([[child]], timeout=5)
