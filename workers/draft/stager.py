@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..speculation.payloads import DraftOutput, VerifyResult
-from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, one_ahead, overlap
+from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, given, one_ahead, overlap
 
 ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
 SENT_MAX = 64  # proposals remembered per sequence
@@ -62,6 +62,7 @@ class Chain:
 
     tokens: list[int]
     alternatives: list[list[int]] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)  # per token: P(it and those before are right); [] none
 
 
 class Drafter(Protocol):
@@ -270,7 +271,7 @@ class Stager:
                 if not chain.tokens:
                     continue
                 extra.append(chain.tokens[0])
-                chain = Chain(chain.tokens[1:], chain.alternatives[1:])
+                chain = Chain(chain.tokens[1:], chain.alternatives[1:], given(chain.confidence, 1))
             # the last one drafted only guesses what follows (and a guess-first branch's first was the bonus)
             tokens = chain.tokens[: branch.num_tokens - 1 - guess_first]
             if not tokens or len(extra) + ASSUMED_CONTEXT > ASSUMED_MAX:
@@ -278,7 +279,8 @@ class Stager:
             context = seq.tokens + extra
             start = len(context)
             assumed = context[max(0, start - len(extra) - ASSUMED_CONTEXT) :]
-            prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
+            confidence = chain.confidence[: len(tokens)] if len(chain.confidence) >= len(tokens) else []
+            prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed, confidence=confidence)
             sent = _Sent(prop, chain, expect)
             seq.sent.append(sent)
             if likely and remember:
