@@ -168,6 +168,11 @@ class Stager:
     def answer(self, seq_ids: list[str]) -> list[DraftOutput]:
         """Proposals from the committed tokens for the sequences none of whose streamed proposals fits
         now or, likely, after the plain step the target takes meanwhile."""
+        out = self._draft(self._answers(seq_ids))
+        self.answered += len(out)
+        return out
+
+    def _answers(self, seq_ids: list[str]) -> list:
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
@@ -178,9 +183,21 @@ class Stager:
             if self._in_use(seq) is None and self._next_up(seq) is None:
                 spare = seq.spare(True)
                 todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
-        out = self._draft(todo)
-        self.answered += len(out)
-        return out
+        return todo
+
+    def answer_and_stage(self, seq_ids: list[str]) -> tuple[list[DraftOutput], list[str]]:
+        """:meth:`answer` for the sequences that need one and :meth:`stage` for the others, in one
+        drafting call (a model-based drafter: one batched pass per depth for all their branches), so
+        that one sequence's late proposal does not hold back the others' staged ones. Returns the
+        proposals and the sequences answered (whose outcomes can be staged once their answer exists:
+        :meth:`stage` them next)."""
+        answers = self._answers(seq_ids)
+        asked = list(dict.fromkeys(item[0] for item in answers))
+        out = self._draft(answers + self._stagings([s for s in seq_ids if s not in set(asked)]))
+        answered = sum(1 for p in out if p.seq_id in set(asked))
+        self.answered += answered
+        self.staged += len(out) - answered
+        return out, asked
 
     @staticmethod
     def _note_round(seq: _Seq) -> None:
@@ -190,6 +207,11 @@ class Stager:
 
     def stage(self, seq_ids: list[str]) -> list[DraftOutput]:
         """Staged proposals for the outcomes of the proposal each sequence verifies next (once per proposal)."""
+        out = self._draft(self._stagings(seq_ids))
+        self.staged += len(out)
+        return out
+
+    def _stagings(self, seq_ids: list[str]) -> list:
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
@@ -204,9 +226,7 @@ class Stager:
             nxt = self._next_up(seq)  # after the plain step the target takes now
             if nxt is not None and not nxt.staged:
                 todo += self._outcomes(seq_id, seq, nxt, 0, (nxt.prop.assumed[-1],), seq.spare(False))
-        out = self._draft(todo)
-        self.staged += len(out)
-        return out
+        return todo
 
     def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
         """One level further, before any news: for each sequence the stager is late for (its lag over

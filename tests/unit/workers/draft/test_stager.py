@@ -134,3 +134,29 @@ def test_staged_proposals_carry_confidence_conditional_on_what_they_assume():
     stager._seqs["s"].sent[0].chain = Chain(answer.token_ids, [])  # trimmed to its end: the branch guesses first
     staged = stager.stage(["s"])
     assert staged and all(p.confidence == [1.0] * len(p.token_ids) for p in staged)
+
+
+def test_one_drafting_call_answers_one_sequence_and_stages_the_others(monkeypatch):
+    """One sequence whose proposal came to nothing does not hold back the others' staged proposals:
+    its answer and their outcomes are drafted in one call (one batched pass per depth); its own
+    outcomes follow in the next call, once its answer exists."""
+    refs = [REF, list(range(300, 360))]
+    oracle = OracleProposer(refs, 0.0, 1000)
+    calls = []
+    real = oracle.draft_branches
+    monkeypatch.setattr(oracle, "draft_branches", lambda branches: calls.append(len(branches)) or real(branches))
+    stager = Stager(oracle, alternatives=1)
+    stager.commit("a", 0, refs[0][:10], gamma=2)
+    stager.commit("b", 0, refs[1][:10], gamma=2)
+    first, answered = stager.answer_and_stage(["a", "b"])
+    assert answered == ["a", "b"] and len(calls) == 1  # nothing streamed yet: both answered, one call
+    stager.commit("b", 1, [], gamma=2)
+    stager.release(["a"])
+    stager.commit("a", 1, refs[0][:10], gamma=2)  # "a" starts over (say the target preempted it)
+    calls.clear()
+    props, answered = stager.answer_and_stage(["a", "b"])
+    assert answered == ["a"] and len(calls) == 1
+    assert {p.seq_id for p in props} == {"a", "b"}  # a's answer and b's staged outcomes together
+    assert all(p.start > 11 for p in props if p.seq_id == "b")
+    later = stager.stage(["a", "b"])  # b's outcomes are out already: only a's are staged now
+    assert later and {p.seq_id for p in later} == {"a"}
