@@ -231,13 +231,15 @@ class RealizedRates:
     then asks for the other choice than the one it favours, so that both rates stay current.
     """
 
-    def __init__(self, weight: float = 0.1, min_samples: int = 3, explore_every: int = 16):
+    def __init__(self, weight: float = 0.1, min_samples: int = 3, explore_every: int = 16, explore_max: int = 256):
         self.weight = weight
         self.min_samples = min_samples
         self.explore_every = explore_every
+        self.explore_max = explore_max
         self._rate: dict[tuple[int, bool], float] = {}
         self._count: dict[tuple[int, bool], int] = {}
         self._since: dict[int, int] = {}  # steps per bucket since the last exploring one
+        self._every: dict[int, int] = {}  # per bucket: steps between explorations of a vetoed choice
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -262,14 +264,23 @@ class RealizedRates:
 
     def allow(self, batch: int) -> bool:
         """May a step at this batch size speculate (when the cost model says it pays)? No where
-        speculating measurably did worse, but one step in ``explore_every`` tries it again; yes
+        speculating measurably did worse, but one step in ``explore_every`` tries it again, half as
+        often after each try that leaves it worse (down to one in ``explore_max``; back to
+        ``explore_every`` once it no longer is); yes
         elsewhere, but one step in ``explore_every`` (every other one while plain decoding has not
         been measured here) decodes plainly to keep that rate current."""
         b = self.bucket(batch)
         self._since[b] = self._since.get(b, 0) + 1
+        vetoed = self.veto(batch)
+        if not vetoed:
+            self._every[b] = self.explore_every
         # until both rates are measured here, every other step takes the choice not yet measured
         known = self.rate(batch, True) is not None and self.rate(batch, False) is not None
-        explore = self._since[b] >= (self.explore_every if known else 2)
+        every = self._every.get(b, self.explore_every) if vetoed else self.explore_every
+        explore = self._since[b] >= (every if known else 2)
         if explore:
             self._since[b] = 0
-        return explore if self.veto(batch) else not explore
+            if vetoed and known:  # the last try did not lift the veto: try half as often (a speculating
+                # step that loses costs a proposal round trip; up to one in ``explore_max``)
+                self._every[b] = min(2 * every, self.explore_max)
+        return explore if vetoed else not explore

@@ -101,8 +101,21 @@ def test_realized_rates_veto_speculation_that_does_worse():
         rates.observe(8, True, 10, 0.20)  # speculating: 50 tokens/s
     assert rates.veto(8) and rates.veto(15)  # same bucket
     assert not rates.veto(16) and not rates.veto(2)  # nothing measured there
-    # vetoed: speculation is tried again one step in four
-    assert [rates.allow(8) for _ in range(8)] == [False, False, False, True] * 2
+    # vetoed: speculation is tried again after four steps, then half as often while it stays worse
+    # (each losing try costs a proposal round trip), up to one step in explore_max
+    tries = [i for i in range(1, 61) if rates.allow(8)]
+    assert tries == [4, 12, 28, 60]
+    capped = RealizedRates(min_samples=2, explore_every=4, explore_max=8)
+    for _ in range(3):
+        capped.observe(8, False, 8, 0.10)
+        capped.observe(8, True, 10, 0.20)
+    assert [i for i in range(1, 30) if capped.allow(8)] == [4, 12, 20, 28]
+    for _ in range(30):  # speculating got better: the veto lifts and the interval starts over
+        rates.observe(8, True, 20, 0.10)
+    assert not rates.veto(8) and [rates.allow(8) for _ in range(4)] == [True, True, True, False]
+    for _ in range(40):
+        rates.observe(8, True, 4, 0.10)
+    assert rates.veto(8) and [i for i in range(1, 9) if rates.allow(8)] == [4]
     # not measured yet: every other step decodes plainly; once both rates are known, one in four
     assert [rates.allow(2) for _ in range(4)] == [True, False] * 2
     for _ in range(2):
