@@ -40,7 +40,7 @@ from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
 from .handoff import Handoffs, Receiving
 from .hidden import HiddenStore
-from .memory import GIB, DeviceMemory, kv_cache_bytes, step_activation_bytes
+from .memory import ALLOCATOR_SLACK, GIB, DeviceMemory, kv_cache_bytes, step_activation_bytes
 from .logits import Row, penalised, process
 from .model import DecoderModel
 from .model_runner import PENDING_TOKEN, ModelRunner
@@ -127,7 +127,7 @@ class Engine:
         self.config = config
         kv_bytes = config.kv_cache_bytes
         if config.num_blocks is None and config.gpu_memory_utilization is not None:
-            kv_bytes = self._kv_bytes_for_utilization(model)
+            kv_bytes = self._kv_bytes_for_utilization(model, block_bytes)
         num_blocks = config.num_blocks or max(1, kv_bytes // block_bytes)
         if num_blocks * config.block_size < max_len:
             if config.max_model_len is not None:
@@ -174,7 +174,7 @@ class Engine:
                      torch.cuda.memory_reserved(param.device) / GIB, free / GIB, total / GIB,
                      config.gpu_memory_utilization, config.gpu_memory_utilization * total / GIB)
 
-    def _kv_bytes_for_utilization(self, model: DecoderModel) -> int:
+    def _kv_bytes_for_utilization(self, model: DecoderModel, block_bytes: int) -> int:
         """The KV cache's bytes under ``gpu_memory_utilization`` (CUDA; the CPU keeps kv_cache_bytes)."""
         config, param = self.config, next(model.parameters())
         if not param.is_cuda:
@@ -186,10 +186,10 @@ class Engine:
                      q_size=cfg.num_heads * cfg.head_dim, kv_size=cfg.num_kv_heads * cfg.head_dim,
                      vocab_size=cfg.vocab_size, itemsize=param.element_size())
         rows = min(config.max_num_batched_tokens, config.max_num_seqs * (gamma + 1))
-        reserve = step_activation_bytes(config.max_num_batched_tokens, rows, **shape)
-        if config.cuda_graphs and model.static_capable:  # the graphs' pool: the largest graphed step
-            graphed = (config.cuda_graph_max_batch or config.max_num_seqs) * (gamma + 1)
-            reserve += step_activation_bytes(graphed, graphed, **shape)
+        reserve = step_activation_bytes(config.max_num_batched_tokens, rows, **shape) + ALLOCATOR_SLACK
+        if config.cuda_graphs and model.static_capable:  # the graphs' pool (the largest graphed step) and
+            graphed = (config.cuda_graph_max_batch or config.max_num_seqs) * (gamma + 1)  # their scratch block
+            reserve += step_activation_bytes(graphed, graphed, **shape) + block_bytes
         torch.cuda.synchronize(param.device)
         free, total = torch.cuda.mem_get_info(param.device)
         memory = DeviceMemory(total, free, torch.cuda.memory_reserved(param.device))

@@ -8,7 +8,8 @@ CUDA graphs' memory pool, whose size is about the activations of the largest gra
     kv = utilization × total − held − reserve,   and never more than  free − reserve
 
 (the second bound: other processes on the device, e.g. a draft worker beside the target, may have
-taken more than the budget leaves). The activation estimate (:func:`step_activation_bytes`) is an
+taken more than the budget leaves). ``reserve`` includes :data:`ALLOCATOR_SLACK`. The CUDA context
+(a few hundred MiB outside the allocator) is not the allocator's: it counts among what is not free. The activation estimate (:func:`step_activation_bytes`) is an
 upper bound of one forward pass's live tensors, the logits in float32 included; the engine logs
 what the device holds once the cache is allocated and the graphs captured.
 """
@@ -18,6 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1 << 30
+MIB = 1 << 20
+# Kept besides the estimates: the caching allocator's rounding (2 MiB segments for small tensors, whole
+# segments for large ones) and what an estimate, not a measurement, of the activations may miss.
+ALLOCATOR_SLACK = 128 * MIB
 
 
 class NoMemoryForCache(ValueError):
