@@ -4,6 +4,7 @@ exactly as given; ``--served-model-name`` with several names; ``--speculative-co
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_the_issues_command_reaches_the_target_as_given_and_its_parser_reads_it(
     assert (args.max_model_len, args.dtype, args.gpu_memory_utilization, args.kv_cache_gb, args.max_num_seqs) == \
         (2048, "float32", 0.5, 0.25, 8)
     assert args.served_model_name == ["a", "b"]
-    cfg = target_config(args, __import__("pathlib").Path(__file__).parent)
+    cfg = target_config(args, Path(__file__).parent)  # a directory that exists, for --model
     assert (cfg.served_model_name, cfg.served_model_aliases, cfg.gpu_memory_utilization) == ("a", ("b",), 0.5)
 
 
