@@ -78,8 +78,6 @@ class StackConfig:
         if self.mock and model_only:
             raise ValueError(f"{', '.join(model_only)} appl{'ies' if len(model_only) == 1 else 'y'} to model targets, "
                              f"not --mock (the mock worker takes {', '.join(MOCK_ENGINE_FLAGS)})")
-        if self.mock and self.draft_args:
-            raise ValueError("--mock runs no draft workers: --speculative-config's n-gram sizes have nothing to set")
         if self.drafts is not None and self.drafts < 0:
             raise ValueError(f"drafts must be >= 0, got {self.drafts}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
@@ -113,6 +111,9 @@ class StackConfig:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
         if self.mock and self.drafts:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
+        if self.draft_args and not self.num_drafts:
+            raise ValueError("--speculative-config's prompt_lookup_max/min are the draft workers' and this stack runs "
+                             "none (--mock, --drafts 0 or --draft-method none)")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not (self.draft_device in ("auto", "cpu", "cuda") or

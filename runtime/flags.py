@@ -36,15 +36,14 @@ class SharedFlag:
         that service's own default)."""
         return parser.add_argument(*self.names, *aliases, **{**self.options, **changes})
 
-    def add_passthrough(self, parser: argparse.ArgumentParser, to: str, names: tuple[str, ...] = ()
-                        ) -> argparse.Action:
+    def add_passthrough(self, parser: argparse.ArgumentParser, to: str) -> argparse.Action:
         """Add the flag to a launcher's parser, passed on to ``to`` (e.g. "the target workers");
-        unset unless given, so the owner's default applies. ``names``: extra spellings."""
+        unset unless given, so the owner's default applies."""
         options = {k: v for k, v in self.options.items() if k != "default"}
         default = self.options.get("default")
         shown = "" if default in (None, False) else f"; default: theirs, {default}"
         options["help"] = f"{self.options.get('help', '')} (passed to {to}{shown})"
-        return parser.add_argument(*self.names, *names, default=None, **options)
+        return parser.add_argument(*self.names, default=None, **options)
 
     def argv(self, value: Any) -> list[str]:
         """The command-line words that give the owner ``value`` (none for None or an unset switch)."""

@@ -118,6 +118,12 @@ def test_vllms_eagle3_config_maps_onto_the_draft_flags():
     assert "--eagle-model" in draft.args and "/heads/e3" in draft.args
 
 
+def test_prompt_lookup_sizes_without_draft_workers_are_an_error():
+    for extra in (["--drafts", "0"], ["--mock"]):
+        with pytest.raises(ValueError, match="prompt_lookup_max/min are the draft workers'"):
+            up("--model", "/m", *extra, "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}')
+
+
 def test_ngram_prompt_lookup_sizes_reach_the_draft_worker():
     config = up("--model", "/m", "--speculative-config",
                 '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 2}')
@@ -187,3 +193,21 @@ def test_the_banner_says_why_a_cpu_decodes_plainly(monkeypatch):
     assert CPU_SPECULATION_NOTE not in banner(config, "/m", "http://x", ENV)
     monkeypatch.setattr(launcher, "gpu_visible", lambda: False)
     assert CPU_SPECULATION_NOTE not in banner(up("--mock"), None, "http://x", ENV)
+
+
+def test_a_converted_demo_model_starts_without_a_conversion_line(tmp_path, monkeypatch, caplog):
+    import deploy.launcher as launcher
+    from workers import demo_model
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    ready = tmp_path / demo_model.MODEL_DIR
+    ready.mkdir()
+    (ready / ".complete").write_text(demo_model._FORMAT)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a converted model needs no python -m workers.demo_model")
+
+    monkeypatch.setattr(launcher.subprocess, "run", no_child)
+    with caplog.at_level("INFO"):
+        assert launcher.resolve_demo_model() == str(ready)
+    assert "demo model" not in caplog.text
