@@ -5,6 +5,7 @@ or dashboard)."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 import pytest
@@ -61,7 +62,8 @@ def test_every_flag_given_to_a_command_in_the_docs_is_one_it_takes():
     assert not missing, "documented flags the command does not take:\n" + "\n".join(sorted(set(missing)))
 
 
-def _exported_names() -> set[str]:
+@functools.cache
+def _exported_names() -> frozenset[str]:
     """Metric family names the code can export: whole names written as string literals, and each
     prefix a metrics module builds names from (``P = "tandem_frontend_"``, ``f"tandem_target_{name}"``)
     joined with the plain names in that module."""
@@ -78,7 +80,7 @@ def _exported_names() -> set[str]:
         names |= {s for s in prefixes if not s.endswith(("_", ":"))}
         plain = {s for s in literals if re.fullmatch(r"[a-z][a-z0-9_]*", s)}
         names |= {p + s for p in prefixes if p.endswith(("_", ":")) for s in plain}
-    return names
+    return frozenset(names)
 
 
 def test_every_metric_the_docs_name_is_exported():
