@@ -42,6 +42,17 @@ class HiddenStore:
         return [self.rows[layer].index_select(0, slots).to("cpu", dtype or self.rows[layer].dtype) for layer in layers]
 
     @torch.inference_mode()
+    def gather(self, slots: torch.Tensor, layers: tuple[int, ...], out: torch.Tensor) -> None:
+        """Rows at ``slots`` [n] long of ``layers`` (offered, distinct) into ``out`` [n, len(layers),
+        hidden] on the host, in the store's dtype: a data-plane block (one stack per batch; on a
+        device, one copy to the host after it)."""
+        picked = [self.rows[layer].index_select(0, slots) for layer in layers]
+        if out.device == slots.device:
+            torch.stack(picked, 1, out=out)
+        else:
+            out.copy_(torch.stack(picked, 1))
+
+    @torch.inference_mode()
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rows src → dst (slots [n] long each): an accepted tree path moved into place."""
         for rows in self.rows.values():

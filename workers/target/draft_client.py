@@ -14,6 +14,11 @@ round then returns no proposals at once, so the target keeps decoding plainly. A
 broke or a draft worker (re)appears; a draft worker that failed is retried after a backoff (2 s,
 doubling, at most 30 s; a refused one after 30 s), and the target's step loop never waits for a
 stream to open (``poll``).
+
+Hidden states: the target offers data planes in its Hello (:mod:`workers.speculation.hidden_plane`:
+a shared-memory ring made for this stream, and streamed chunks); the draft's HelloAck picks one, and
+from then on the engine writes each batch's rows once to :attr:`DraftClient.plane` and the messages
+carry descriptors. A draft that picks none (an older one) gets them inline, as before.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from proto import spec_pb2, spec_pb2_grpc
 from runtime.messages import InstanceRecord
 
 from ..speculation.checks import hello_ack_problem
-from ..speculation.convert import draft_input_to_pb, draft_output_from_pb
+from ..speculation.convert import DTYPES, draft_input_to_pb, draft_output_from_pb
+from ..speculation.hidden_plane import PlaneOffer, PlaneWriter, Ring, RowLayout, distinct, make_ring
 from ..speculation.payloads import DraftInput, DraftOutput
 from ..speculation.tls import ClientTls
 
@@ -52,8 +58,11 @@ class DraftClient:
     """A bidirectional stream to one draft worker."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
-                 tls: ClientTls | None = None, staged: bool = False):
+                 tls: ClientTls | None = None, staged: bool = False, plane: PlaneOffer | None = None):
         self.target_id = target_id
+        self._offer = plane if plane is not None and hidden_layers else None  # hidden-state planes offered
+        self._segment = None  # the ring's segment from Hello until HelloAck says whether the draft took it
+        self.plane: PlaneWriter | None = None  # the plane agreed at the handshake (None: inline Tensors)
         self.staged = staged  # this target runs the pipelined seam when the draft stages
         self.pipelined = False  # both sides agreed on it at the handshake
         self._inbox: list[DraftOutput] = []  # pipelined: proposals streamed since the last take()
@@ -82,10 +91,20 @@ class DraftClient:
             self._channel = grpc.aio.insecure_channel(self.instance.grpc_address, options=options)
         stub = spec_pb2_grpc.DraftServiceStub(self._channel)
         self._call = stub.Speculate(self._requests())
+        offer, segment = self._offer, None
+        planes = list(offer.planes) if offer is not None else []
+        if "shm" in planes and (segment := make_ring(offer.ring_bytes)) is None:
+            planes.remove("shm")  # no shared memory here: the streamed plane (if offered) serves
+        self._segment = segment
         self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
             target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers,
-            staged=self.staged)))
-        first = await asyncio.wait_for(self._call.read(), timeout)
+            staged=self.staged, hidden_planes=planes, hidden_shm=segment.name if segment else "",
+            hidden_size=offer.hidden if planes else 0, hidden_plane_dtype=offer.dtype if planes else "")))
+        try:
+            first = await asyncio.wait_for(self._call.read(), timeout)
+        finally:
+            if segment is not None:
+                segment.unlink()  # the draft mapped it by now, or never will: no name outlives the handshake
         if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
         ack = first.hello_ack
@@ -97,10 +116,28 @@ class DraftClient:
         self.hidden_layers = list(ack.hidden_layers)
         self.hidden_dtype = ack.hidden_dtype
         self.pipelined = self.staged and ack.stages
+        self.plane = self._plane(ack.hidden_plane, planes)
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
-        log.info("speculating with draft worker %s (%s, %s seam) at %s", self.draft_id, self.method,
-                 "pipelined" if self.pipelined else "synchronous", self.instance.grpc_address)
+        log.info("speculating with draft worker %s (%s, %s seam, hidden states %s) at %s", self.draft_id, self.method,
+                 "pipelined" if self.pipelined else "synchronous",
+                 f"on plane {self.plane.kind}" if self.plane else "inline", self.instance.grpc_address)
 
+    def _plane(self, chosen: str, offered: list[str]) -> PlaneWriter | None:
+        """The writer of the plane the draft chose (None: inline, as every draft before planes)."""
+        segment, self._segment = self._segment, None
+        if not chosen or chosen not in offered or not self.hidden_layers:
+            if chosen:
+                log.warning("draft worker %s chose hidden-state plane %r, not offered: sending them inline",
+                            self.draft_id, chosen)
+            if segment is not None:
+                segment.close()
+            return None
+        layout = RowLayout(distinct(self.hidden_layers), self._offer.hidden, DTYPES[self._offer.dtype])
+        if chosen == "shm":
+            return PlaneWriter(layout, Ring(segment, layout), pin=True)
+        if segment is not None:
+            segment.close()
+        return PlaneWriter(layout)
     async def _requests(self):
         while (msg := await self._outgoing.get()) is not None:
             yield msg
@@ -145,6 +182,7 @@ class DraftClient:
         proposals arrive in the inbox (:meth:`take`)."""
         if self.broken or not requests:
             return {}
+        self._flush_rows()
         if self.pipelined:
             self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
                 requests=[self._counted(r) for r in requests])))
@@ -187,6 +225,7 @@ class DraftClient:
     def verified(self, outcomes: list[spec_pb2.VerifyOutcome]) -> None:
         """Send verdicts (already converted, see :func:`workers.speculation.convert.verify_to_pb`)."""
         if outcomes and not self.broken:
+            self._flush_rows()
             self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(
                 outcomes=[self._counted(o) for o in outcomes])))
 
@@ -194,10 +233,21 @@ class DraftClient:
         if seq_ids and not self.broken:
             self._outgoing.put_nowait(spec_pb2.TargetMessage(release=spec_pb2.ReleaseBatch(seq_ids=seq_ids)))
 
+    def _flush_rows(self) -> None:
+        """Streamed hidden rows go first: a batch never refers to rows the draft has not had."""
+        if self.plane is not None:
+            for chunk in self.plane.take_chunks():
+                self._outgoing.put_nowait(spec_pb2.TargetMessage(hidden_rows=chunk))
+
     def _counted(self, msg):
-        """``msg``, its hidden-state bytes added to ``hidden_bytes``."""
+        """``msg``, its inline hidden-state bytes added to ``hidden_bytes``."""
         self.hidden_bytes += sum(len(h.data) for h in msg.hidden_states)
         return msg
+
+    @property
+    def plane_bytes(self) -> int:
+        """Hidden-state bytes written to the data plane so far."""
+        return self.plane.bytes if self.plane is not None else 0
 
     async def close(self) -> None:
         self._outgoing.put_nowait(None)
@@ -207,6 +257,12 @@ class DraftClient:
         self._break("closed", quiet=True)
         if self._channel is not None:
             await self._channel.close()
+        segment, self._segment = getattr(self, "_segment", None), None
+        if segment is not None:  # the handshake never finished
+            segment.unlink()
+            segment.close()
+        if self.plane is not None:
+            self.plane.close()
 
 
 class DraftPool:
@@ -214,8 +270,9 @@ class DraftPool:
 
     def __init__(self, target_id: str, model: str, vocab_size: int,
                  instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None,
-                 staged: bool = False):
+                 staged: bool = False, plane: PlaneOffer | None = None):
         self._target_id = target_id
+        self._plane = plane  # hidden-state planes offered to drafts (None: inline Tensors only)
         self._staged = staged  # ask drafts for the pipelined seam
         self._tls = tls
         self._model = model
@@ -288,7 +345,7 @@ class DraftPool:
             return None
         choice = self._preferred(candidates)
         client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls,
-                             self._staged)
+                             self._staged, self._plane)
         try:
             await client.connect()
         except IncompatibleDraft as exc:
