@@ -34,6 +34,7 @@ the rows are small (kilobytes per token), so one DMA per batch is not the cost.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
@@ -49,6 +50,8 @@ try:
     import _posixshmem  # CPython's POSIX shm_open / shm_unlink (what multiprocessing.shared_memory uses)
 except ImportError:  # not a POSIX platform: only the streamed plane
     _posixshmem = None
+
+log = logging.getLogger(__name__)
 
 HEADER = 64  # bytes before the first row: u64 read cursor (written by the draft), the rest reserved
 CHUNK_BYTES = 4 << 20  # the largest HiddenRows payload: far below gRPC's message limit
@@ -211,6 +214,10 @@ class PlaneWriter:
             if o + n <= ring.read + ring.capacity:
                 self._next = o + n
                 return ring.rows[pos : pos + n], o, False
+        if ring is not None and n > 0:
+            if not self.streamed_rows:
+                log.info("hidden rows: a block of %d rows found no room in the ring of %d; streaming it (and any "
+                         "such block) instead", n, ring.capacity)
         o = self._streamed
         self._streamed += n
         layout = self.layout
