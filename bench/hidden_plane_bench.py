@@ -17,7 +17,9 @@ row of every layer):
   with the draft's decoding of the rows; the fixed cost of a gRPC round trip is in it, so compare
   the planes side by side).
 
-Shapes: ``decode``, 8 sequences × 2 rows per round (a verdict's accepted tokens and bonus); ``prompt``,
+Times are the median round's, divided by its tokens.
+
+The planes take turns round by round, so each sees the same noise. Shapes: ``decode``, 8 sequences × 2 rows per round (a verdict's accepted tokens and bonus); ``prompt``,
 one sequence of 1,024 rows per round (a prompt's rows on round 0).
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -35,12 +38,14 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LAYERS = [3, 16, 28]  # the demo head's eagle_aux_hidden_state_layer_ids (2, 15, 27) in the target's numbering
+LAYERS = [3, 16, 28]
+PLANES = ("inline", "shm", "stream")  # the demo head's eagle_aux_hidden_state_layer_ids (2, 15, 27) in the target's numbering
 
 
 async def serve_draft() -> None:
     """Child mode: a DraftService whose proposer touches the rows it gets; prints its port."""
     import grpc
+    import torch
 
     from proto import spec_pb2_grpc
     from workers.draft.proposer import DraftOutput, Proposer
@@ -63,6 +68,7 @@ async def serve_draft() -> None:
         def release(self, seq_ids):
             pass
 
+    torch.set_num_threads(1)
     service = DraftService(Touching(), "bench-draft")
     await service.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)])
@@ -76,6 +82,7 @@ async def serve_draft() -> None:
 def build_engine(dtype: str):
     import torch
 
+    torch.set_num_threads(1)  # as the draft child: two busy cores, no spinning threads
     from workers.demo_model import demo_model_dir
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.weights import load_model
@@ -88,53 +95,64 @@ def build_engine(dtype: str):
     return engine
 
 
-async def run_plane(engine, port: int, plane: str, shape: tuple[int, int], rounds: int) -> dict:
-    import torch
-
+async def open_client(engine, port: int, plane: str):
     from runtime.messages import InstanceRecord
-    from workers.speculation.convert import DTYPES, dtype_name, draft_input_to_pb
+    from workers.speculation.convert import dtype_name
     from workers.speculation.hidden_plane import PlaneOffer
-    from workers.speculation.payloads import DraftInput
     from workers.target.draft_client import DraftClient
 
-    seqs, rows = shape
     store_dtype = dtype_name(next(iter(engine.hidden.rows.values())).dtype)
     offer = None if plane == "inline" else PlaneOffer(engine.hidden.hidden_size, store_dtype, plane)
     record = InstanceRecord("bench-draft", "ns", "draft", "speculate", "", grpc_address=f"127.0.0.1:{port}")
     client = DraftClient("bench-target", "", engine.vocab_size, record, hidden_layers=LAYERS, plane=offer)
     await client.connect()
     assert (client.plane.kind if client.plane else "inline") == plane, "the handshake chose another plane"
-    bs = engine.config.block_size
-    per_seq = -(-rows // bs)
+    return client
+
+
+async def one_round(engine, client, fake, spans, r: int) -> tuple[float, float]:
+    """(engine-thread seconds, whole-round seconds) of one round of proposal requests."""
+    from workers.speculation.convert import DTYPES, draft_input_to_pb
+    from workers.speculation.payloads import DraftInput
+
+    started = time.perf_counter()
+    if client.plane is None:
+        hidden = engine._hidden_rows(fake, spans, tuple(LAYERS), DTYPES[client.hidden_dtype])
+        refs = [None] * len(fake)
+    else:
+        refs = engine._hidden_block(fake, spans, client.plane)
+        hidden = [[] for _ in fake]
+    requests = [draft_input_to_pb(DraftInput(f"s{i}", r, [1], 1, hidden_states=h, hidden_ref=ref), client.hidden_dtype)
+                for i, (h, ref) in enumerate(zip(hidden, refs))]
+    converted = time.perf_counter()
+    got = await client.collect(client.send(requests), 30.0)
+    assert len(got) == len(fake), "a proposal did not come back"
+    return converted - started, time.perf_counter() - started
+
+
+async def run_shape(engine, port: int, shape: tuple[int, int], rounds: int) -> list[dict]:
+    """Every plane, round after round in turn (each sees the same noise), medians per plane."""
+    seqs, rows = shape
+    per_seq = -(-rows // engine.config.block_size)
     fake = [SimpleNamespace(block_table=list(range(i * per_seq, (i + 1) * per_seq))) for i in range(seqs)]
     spans = [(0, rows)] * seqs
-    dtype = DTYPES[client.hidden_dtype]
-    target_s = round_s = 0.0
+    clients = {plane: await open_client(engine, port, plane) for plane in PLANES}
+    times: dict[str, list[tuple[float, float]]] = {plane: [] for plane in PLANES}
     try:
         for r in range(rounds + 3):  # three rounds to warm up
-            started = time.perf_counter()
-            if client.plane is None:
-                hidden = engine._hidden_rows(fake, spans, tuple(LAYERS), dtype)
-                refs = [None] * seqs
-            else:
-                refs = engine._hidden_block(fake, spans, client.plane)
-                hidden = [[] for _ in fake]
-            requests = [draft_input_to_pb(DraftInput(f"s{i}", r, [1], 1, hidden_states=h, hidden_ref=ref),
-                                          client.hidden_dtype) for i, (h, ref) in enumerate(zip(hidden, refs))]
-            converted = time.perf_counter()
-            got = await client.collect(client.send(requests), 30.0)
-            assert len(got) == seqs, "a proposal did not come back"
-            if r >= 3:
-                target_s += converted - started
-                round_s += time.perf_counter() - started
-        tokens = rounds * seqs * rows
-        sent = client.hidden_bytes + client.plane_bytes
-        warm = (rounds + 3) * seqs * rows
-        return {"plane": plane, "shape": f"{seqs}x{rows}", "bytes_per_token": sent / warm,
-                "target_us_per_token": 1e6 * target_s / tokens, "round_us_per_token": 1e6 * round_s / tokens}
+            for plane, client in clients.items():
+                t = await one_round(engine, client, fake, spans, r)
+                if r >= 3:
+                    times[plane].append(t)
     finally:
-        await client.close()
-        del torch
+        for client in clients.values():
+            await client.close()
+    tokens = seqs * rows  # per round
+    return [{"plane": plane, "shape": f"{seqs}x{rows}",
+             "bytes_per_token": (c.hidden_bytes + c.plane_bytes) / ((rounds + 3) * tokens),
+             "target_us_per_token": 1e6 * statistics.median(t for t, _ in times[plane]) / tokens,
+             "round_us_per_token": 1e6 * statistics.median(w for _, w in times[plane]) / tokens}
+            for plane, c in clients.items()]
 
 
 async def main(args) -> None:
@@ -143,9 +161,8 @@ async def main(args) -> None:
         port = int(child.stdout.readline())
         engine = build_engine(args.target_dtype)
         results = []
-        for shape, rounds in (((8, 2), args.rounds), ((1, 1024), max(args.rounds // 10, 5))):
-            for plane in ("inline", "shm", "stream"):
-                results.append(await run_plane(engine, port, plane, shape, rounds))
+        for shape, rounds in (((8, 2), args.rounds), ((1, 1024), max(args.rounds // 5, 5))):
+            results += await run_shape(engine, port, shape, rounds)
         print(f"target dtype {args.target_dtype}, draft dtype float32, layers {LAYERS}, hidden 576")
         print(f"{'shape':>8} {'plane':>7} {'bytes/tok':>10} {'target µs/tok':>14} {'round µs/tok':>13}")
         for r in results:

@@ -44,13 +44,12 @@ class HiddenStore:
     @torch.inference_mode()
     def gather(self, slots: torch.Tensor, layers: tuple[int, ...], out: torch.Tensor) -> None:
         """Rows at ``slots`` [n] long of ``layers`` (offered, distinct) into ``out`` [n, len(layers),
-        hidden] on the host, in the store's dtype: a data-plane block (one stack per batch; on a
-        device, one copy to the host after it)."""
-        picked = [self.rows[layer].index_select(0, slots) for layer in layers]
-        if out.device == slots.device:
-            torch.stack(picked, 1, out=out)
-        else:
-            out.copy_(torch.stack(picked, 1))
+        hidden] on the host, in the store's dtype: a data-plane block."""
+        if out.device == slots.device:  # straight into the block: one copy per layer
+            for i, layer in enumerate(layers):
+                torch.index_select(self.rows[layer], 0, slots, out=out[:, i])
+        else:  # one gather on the device, one copy to the host (a DMA into the pinned ring)
+            out.copy_(torch.stack([self.rows[layer].index_select(0, slots) for layer in layers], 1))
 
     @torch.inference_mode()
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:

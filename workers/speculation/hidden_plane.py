@@ -193,10 +193,15 @@ class PlaneWriter:
         self._streamed = 0  # streamed plane: the next offset
         self._chunks: list = []  # spec_pb2.HiddenRows waiting to be sent
         self.bytes = self.rows = self.streamed_rows = 0
-        self._pinned = False
+        self.pinned = False  # the ring is page-locked for the device's DMA (a CUDA target)
         if ring is not None and pin and torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(ring.segment.buf.data_ptr(), ring.segment.size, 0)
-            self._pinned = int(err) == 0
+            try:
+                err = torch.cuda.cudart().cudaHostRegister(ring.segment.buf.data_ptr(), ring.segment.size, 0)
+                self.pinned = getattr(err, "value", err) == 0
+            except Exception:  # unpinned, the copies are slower, not wrong
+                log.warning("the hidden-state ring could not be pinned for the device", exc_info=True)
+            if not self.pinned:
+                log.warning("the hidden-state ring is not pinned: rows come off the device in pageable copies")
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -244,9 +249,9 @@ class PlaneWriter:
 
     def close(self) -> None:
         if self.ring is not None:
-            if self._pinned:
+            if self.pinned:
                 torch.cuda.cudart().cudaHostUnregister(self.ring.segment.buf.data_ptr())
-                self._pinned = False
+                self.pinned = False
             self.ring.segment.unlink()
             self.ring.close()
             self.ring = None
@@ -254,8 +259,9 @@ class PlaneWriter:
 
 def make_ring(layout_bytes: int) -> ShmSegment | None:
     """A fresh segment for one stream's ring, or None when shared memory cannot be had here."""
+    page = mmap.PAGESIZE  # whole pages: what the device pins
     try:
-        return ShmSegment(ring_name(), HEADER + layout_bytes, create=True)
+        return ShmSegment(ring_name(), -(-(HEADER + layout_bytes) // page) * page, create=True)
     except OSError:
         return None
 
