@@ -26,10 +26,8 @@ def test_a_cuda_store_writes_its_rows_into_the_pinned_ring():
     try:
         assert kind == "shm" and writer.pinned
         slots = torch.randperm(4096, device="cuda")[:300]
-        rows, offset, streamed = writer.block(300)
+        offset, streamed = writer.write(300, lambda rows: store.gather(slots, layout.layers, rows))
         assert not streamed
-        store.gather(slots, layout.layers, rows)
-        writer.written(rows, offset, streamed)
         [got] = reader.resolve([HiddenRef(offset, 300)])
         for layer, t in zip((28, 3, 16), got):
             assert torch.equal(t, store.rows[layer][slots].cpu())

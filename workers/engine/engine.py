@@ -331,10 +331,7 @@ class Engine:
         if self.hidden is None or not seqs:
             return [None for _ in seqs]
         slots = self._slots(seqs, spans)
-        rows, offset, streamed = plane.block(slots.shape[0])
-        if slots.shape[0]:
-            self.hidden.gather(slots, plane.layers, rows)
-        plane.written(rows, offset, streamed)
+        offset, streamed = plane.write(slots.shape[0], lambda rows: self.hidden.gather(slots, plane.layers, rows))
         refs, at = [], offset
         for start, stop in spans:
             refs.append(HiddenRef(at, stop - start, streamed))

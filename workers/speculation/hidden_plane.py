@@ -38,6 +38,8 @@ import logging
 import mmap
 import os
 import secrets
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,10 +182,12 @@ class PlaneOffer:
 class PlaneWriter:
     """The target's end of a plane: a block of rows per batch, written once (on the engine's thread).
 
-    :meth:`block` hands out where ``n`` rows go (a ring slice, or a fresh host tensor for the
-    streamed plane); the engine fills it in one gather (:meth:`workers.engine.hidden.HiddenStore.gather`)
-    and calls :meth:`written`. Streamed blocks become ``HiddenRows`` chunks the draft client sends
-    before its next batch (:meth:`take_chunks`). Counters: ``bytes`` and ``rows`` written, ``streamed_rows``."""
+    :meth:`write` finds where ``n`` rows go (a ring slice, or a fresh host tensor for the streamed
+    plane) and has the engine fill it in one gather (:meth:`workers.engine.hidden.HiddenStore.gather`).
+    Streamed blocks become ``HiddenRows`` chunks the draft client sends before its next batch
+    (:meth:`take_chunks`). :meth:`close` (the event loop, when the stream goes) waits for a write in
+    progress, so the ring is never unmapped under the engine's copy. Counters: ``bytes`` and ``rows``
+    written, ``streamed_rows``."""
 
     def __init__(self, layout: RowLayout, ring: Ring | None = None, pin: bool = False):
         self.layout = layout
@@ -193,6 +197,7 @@ class PlaneWriter:
         self._streamed = 0  # streamed plane: the next offset
         self._chunks: list = []  # spec_pb2.HiddenRows waiting to be sent
         self.bytes = self.rows = self.streamed_rows = 0
+        self._lock = threading.Lock()
         self.pinned = False  # the ring is page-locked for the device's DMA (a CUDA target)
         if ring is not None and pin and torch.cuda.is_available():
             try:
@@ -207,7 +212,17 @@ class PlaneWriter:
     def layers(self) -> tuple[int, ...]:
         return self.layout.layers
 
-    def block(self, n: int) -> tuple[torch.Tensor, int, bool]:
+    def write(self, n: int, fill: Callable[[torch.Tensor], None]) -> tuple[int, bool]:
+        """Write a block of ``n`` rows: ``fill(rows)`` writes them into rows [n, layers, hidden] on the
+        host; returns (offset, streamed), what the block's descriptors say."""
+        with self._lock:
+            rows, offset, streamed = self._block(n)
+            if n:
+                fill(rows)
+            self._written(rows, offset, streamed)
+        return offset, streamed
+
+    def _block(self, n: int) -> tuple[torch.Tensor, int, bool]:
         """Where ``n`` rows go: (rows [n, layers, hidden] on the host, offset, streamed)."""
         ring = self.ring
         if ring is not None and n > 0:
@@ -228,8 +243,8 @@ class PlaneWriter:
         layout = self.layout
         return torch.empty(n, len(layout.layers), layout.hidden, dtype=layout.dtype), o, True
 
-    def written(self, rows: torch.Tensor, offset: int, streamed: bool) -> None:
-        """``rows`` of :meth:`block` are filled: a streamed block becomes chunks."""
+    def _written(self, rows: torch.Tensor, offset: int, streamed: bool) -> None:
+        """``rows`` of :meth:`_block` are filled: a streamed block becomes chunks."""
         n = rows.shape[0]
         self.rows += n
         self.bytes += n * self.layout.row_bytes
@@ -248,13 +263,16 @@ class PlaneWriter:
         return out
 
     def close(self) -> None:
-        if self.ring is not None:
+        """Unlink and unmap the ring (once no write is in progress); later writes are streamed."""
+        with self._lock:
+            ring, self.ring = self.ring, None
+            if ring is None:
+                return
             if self.pinned:
-                torch.cuda.cudart().cudaHostUnregister(self.ring.segment.buf.data_ptr())
+                torch.cuda.cudart().cudaHostUnregister(ring.segment.buf.data_ptr())
                 self.pinned = False
-            self.ring.segment.unlink()
-            self.ring.close()
-            self.ring = None
+            ring.segment.unlink()
+            ring.close()
 
 
 def make_ring(layout_bytes: int) -> ShmSegment | None:
@@ -285,6 +303,7 @@ class PlaneReader:
         self._blocks: dict[int, tuple[int, bytearray, int]] = {}  # streamed offset -> (rows, data, bytes received)
         self._streamed_done: dict[int, torch.Tensor] = {}
         self.bytes = 0  # hidden-state bytes read
+        self._lock = threading.Lock()  # resolve (maybe in a thread) against close (the event loop)
 
     @property
     def kind(self) -> str:
@@ -309,6 +328,10 @@ class PlaneReader:
 
     def resolve(self, refs: list[HiddenRef | None]) -> list[list[torch.Tensor]]:
         """Per descriptor of one message, the rows of each wanted layer ([count, hidden] each; [] for None)."""
+        with self._lock:
+            return self._resolve(refs)
+
+    def _resolve(self, refs: list[HiddenRef | None]) -> list[list[torch.Tensor]]:
         live = [r for r in refs if r is not None and r.count > 0]
         out_blocks: dict[bool, tuple[int, torch.Tensor]] = {}
         for streamed in (False, True):
@@ -353,11 +376,12 @@ class PlaneReader:
         raise ValueError(f"streamed hidden rows [{lo}, {hi}) never arrived")
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
-        self._blocks.clear()
-        self._streamed_done.clear()
+        with self._lock:
+            ring, self.ring = self.ring, None
+            if ring is not None:
+                ring.close()
+            self._blocks.clear()
+            self._streamed_done.clear()
 
 
 def open_reader(planes, shm_name: str, wanted, hidden: int, dtype: str) -> tuple[str, PlaneReader | None]:

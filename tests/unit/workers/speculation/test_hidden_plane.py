@@ -47,10 +47,7 @@ def store_with_rows(dtype=torch.float32) -> HiddenStore:
 
 def write(writer: PlaneWriter, store: HiddenStore, slots: list[int], split: list[int]) -> list[HiddenRef]:
     """What the engine does for one batch: one block, a descriptor per sequence (``split``: row counts)."""
-    rows, offset, streamed = writer.block(len(slots))
-    if slots:
-        store.gather(torch.tensor(slots), writer.layers, rows)
-    writer.written(rows, offset, streamed)
+    offset, streamed = writer.write(len(slots), lambda rows: store.gather(torch.tensor(slots), writer.layers, rows))
     refs, at = [], offset
     for n in split:
         refs.append(HiddenRef(at, n, streamed))
@@ -131,11 +128,11 @@ def test_no_segment_name_outlives_the_pair():
     assert kind == "shm" and shm_names() == before
     layout = RowLayout((2,), H, torch.float32)
     writer = PlaneWriter(layout, Ring(segment, layout))
-    rows, offset, _ = writer.block(1)
-    rows.fill_(7.0)
+    offset, _ = writer.write(1, lambda rows: rows.fill_(7.0))
     assert reader.resolve([HiddenRef(offset, 1)])[0][0].tolist() == [[7.0] * H]
     writer.close()
     reader.close()
+    assert writer.write(1, lambda rows: rows.fill_(1.0))[1]  # a closed ring: a late batch is streamed, not lost
     # a draft on another host (or with another /dev/shm) cannot map the name: it takes the stream
     kind, reader = open_reader(["shm", "stream"], "/tdm-h-nowhere", [2], H, "float32")
     assert kind == "stream" and reader.ring is None

@@ -52,9 +52,8 @@ def shm_names() -> set[str]:
 
 def write(client, store: HiddenStore, slots: list[int]) -> HiddenRef:
     """What the engine does for a batch of one sequence (Engine._hidden_block)."""
-    rows, offset, streamed = client.plane.block(len(slots))
-    store.gather(torch.tensor(slots), client.plane.layers, rows)
-    client.plane.written(rows, offset, streamed)
+    offset, streamed = client.plane.write(len(slots), lambda rows: store.gather(torch.tensor(slots),
+                                                                                client.plane.layers, rows))
     return HiddenRef(offset, len(slots), streamed)
 
 
