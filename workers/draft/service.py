@@ -260,9 +260,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 yield msg
         finally:
             reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
             self.streams.pop(id(stream), None)
-            if stream.plane is not None:
+            if stream.plane is not None:  # waits for a resolve in progress (PlaneReader's lock)
                 stream.plane.close()
                 stream.plane = None
             log.info("stream from target %s closed", stream.target_id)
