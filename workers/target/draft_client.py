@@ -249,6 +249,16 @@ class DraftClient:
         """Hidden-state bytes written to the data plane so far."""
         return self.plane.bytes if self.plane is not None else 0
 
+    def hidden_bytes_by_plane(self) -> dict[str, int]:
+        """Hidden-state bytes sent so far, by plane ("inline", "shm", "stream")."""
+        out = {"inline": self.hidden_bytes} if self.hidden_bytes else {}
+        if self.plane is not None:
+            streamed = self.plane.streamed_rows * self.plane.layout.row_bytes
+            out["stream"] = streamed
+            if self.plane.kind == "shm":
+                out["shm"] = self.plane.bytes - streamed
+        return out
+
     async def close(self) -> None:
         self._outgoing.put_nowait(None)
         if self._reader:
@@ -283,6 +293,20 @@ class DraftPool:
         self._failed: dict[str, tuple[float, int]] = {}  # draft id -> (when it last failed, failures in a row)
         self._connecting: asyncio.Task | None = None  # a background get() started by poll()
         self.refused: dict[str, int] = {}  # drafts refused at the handshake, by reason
+        self._closed_bytes: dict[str, int] = {}  # hidden-state bytes of closed clients, by plane
+
+    def hidden_bytes(self) -> dict[str, int]:
+        """Hidden-state bytes sent to draft workers so far, by plane (every client, closed or current)."""
+        out = dict(self._closed_bytes)
+        if self.client is not None:
+            for plane, n in self.client.hidden_bytes_by_plane().items():
+                out[plane] = out.get(plane, 0) + n
+        return out
+
+    async def _close(self, client: DraftClient) -> None:
+        await client.close()
+        for plane, n in client.hidden_bytes_by_plane().items():
+            self._closed_bytes[plane] = self._closed_bytes.get(plane, 0) + n
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
         # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
@@ -317,7 +341,7 @@ class DraftPool:
         """Close the stream to a draft worker that deregistered (e.g. while this target is idle)."""
         if self.client is not None and self.client.draft_id not in {r.instance_id for r in self._instances()}:
             self.client._break("deregistered")
-            await self.client.close()
+            await self._close(self.client)
             self.client = None
 
     def _keeps(self, current: DraftClient, candidates: list[InstanceRecord]) -> bool:
@@ -338,7 +362,7 @@ class DraftPool:
             if current.broken or not live:
                 self._mark_failed(current.draft_id)
                 current._break("deregistered" if not live else "stream broken")
-                await current.close()
+                await self._close(current)
                 self.client = current = None
                 candidates = self._candidates()
         if not candidates:
@@ -363,7 +387,7 @@ class DraftPool:
         self._failed.pop(choice.instance_id, None)
         if current is not None:
             log.info("moving from draft worker %s to the newly preferred %s", current.draft_id, choice.instance_id)
-            await current.close()
+            await self._close(current)
         self.client = client
         return client
 
@@ -393,5 +417,5 @@ class DraftPool:
             await asyncio.gather(self._connecting, return_exceptions=True)
             self._connecting = None
         if self.client is not None:
-            await self.client.close()
+            await self._close(self.client)
             self.client = None

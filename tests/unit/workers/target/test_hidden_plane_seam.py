@@ -82,6 +82,7 @@ def test_rows_cross_the_plane_in_the_targets_dtype(mode):
             assert [t[:, 0].tolist() for t in first] == [[203, 204, 205], [103, 104, 105], [203, 204, 205]]
             assert [t[:, 0].tolist() for t in second] == [[206, 207], [106, 107], [206, 207]]
             assert client.hidden_bytes == 0 and client.plane_bytes == 5 * 2 * H * 2  # once, 2 distinct layers
+            assert client.hidden_bytes_by_plane()[mode] == 5 * 2 * H * 2  # tandem_target_hidden_state_bytes
             assert proposer.verified_on and threading.main_thread().name not in proposer.verified_on
         assert shm_names() == before
 
