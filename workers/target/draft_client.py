@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 RETRY_BASE_S = 2.0  # a draft worker that failed is skipped this long, doubling per failure in a row
 RETRY_MAX_S = 30.0
 INBOX_MAX = 4096  # pipelined: proposals held for the step loop; past it the oldest go
+MESSAGE_LIMIT = 64 << 20  # gRPC's message size limit on the draft stream, both ways
+INLINE_BUDGET = 48 << 20  # inline hidden-state bytes one message may carry (the rest of it fits in what is left)
 
 
 class IncompatibleDraft(ConnectionError):
@@ -84,7 +86,7 @@ class DraftClient:
         self.stray = 0  # proposals for no pending (sequence, round): unknown, stale or from the future
 
     async def connect(self, timeout: float = 5.0) -> None:
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
         if self.tls is not None:
             self._channel = grpc.aio.secure_channel(self.instance.grpc_address, self.tls.credentials(), options=options)
         else:
@@ -184,15 +186,15 @@ class DraftClient:
             return {}
         self._flush_rows()
         if self.pipelined:
-            self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
-                requests=[self._counted(r) for r in requests])))
+            for batch in self._inline_batches(requests):
+                self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=batch)))
             return {}
         loop = asyncio.get_running_loop()
         futures = {}
         for r in requests:
             futures[r.seq_id] = self._pending[(r.seq_id, r.round)] = loop.create_future()
-        self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
-            requests=[self._counted(r) for r in requests])))
+        for batch in self._inline_batches(requests):
+            self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=batch)))
         return futures
 
     def take(self) -> list[DraftOutput]:
@@ -226,8 +228,8 @@ class DraftClient:
         """Send verdicts (already converted, see :func:`workers.speculation.convert.verify_to_pb`)."""
         if outcomes and not self.broken:
             self._flush_rows()
-            self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(
-                outcomes=[self._counted(o) for o in outcomes])))
+            for batch in self._inline_batches(outcomes):
+                self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(outcomes=batch)))
 
     def release(self, seq_ids: list[str]) -> None:
         if seq_ids and not self.broken:
@@ -239,10 +241,27 @@ class DraftClient:
             for chunk in self.plane.take_chunks():
                 self._outgoing.put_nowait(spec_pb2.TargetMessage(hidden_rows=chunk))
 
-    def _counted(self, msg):
-        """``msg``, its inline hidden-state bytes added to ``hidden_bytes``."""
-        self.hidden_bytes += sum(len(h.data) for h in msg.hidden_states)
-        return msg
+    def _inline_batches(self, msgs: list) -> list[list]:
+        """``msgs`` (requests or verdicts) in batches whose inline hidden states stay under
+        :data:`INLINE_BUDGET`, so no message passes gRPC's limit and breaks the stream (on a plane
+        they carry descriptors only: one batch). One whose own rows pass the budget goes without them:
+        the draft proposes nothing for that sequence, and the stream and every other sequence live."""
+        out, size = [[]], 0
+        for msg in msgs:
+            n = sum(len(h.data) for h in msg.hidden_states)
+            if n > INLINE_BUDGET:
+                log.warning("request %s: %d bytes of inline hidden states pass the %d a message may carry; sent "
+                            "without them (no proposals for it; a hidden-state plane has no such limit)",
+                            msg.seq_id, n, INLINE_BUDGET)
+                del msg.hidden_states[:]
+                n = 0
+            if out[-1] and size + n > INLINE_BUDGET:
+                out.append([])
+                size = 0
+            out[-1].append(msg)
+            size += n
+            self.hidden_bytes += n
+        return out if out[0] else []
 
     @property
     def plane_bytes(self) -> int:

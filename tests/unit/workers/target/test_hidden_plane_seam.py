@@ -104,3 +104,34 @@ def test_each_stream_gets_its_own_ring_and_a_draft_without_planes_gets_tensors()
             assert c.plane is None  # inline: hidden states travel as Tensors, as before planes
 
     asyncio.run(main())
+
+
+def test_inline_hidden_states_never_pass_the_message_limit(monkeypatch):
+    """Inline (a draft without planes), a batch is split under the budget, and a sequence whose own rows
+    pass it goes without them: that sequence gets nothing to draft from, the stream and the others live."""
+    from workers.target import draft_client
+
+    monkeypatch.setattr(draft_client, "INLINE_BUDGET", 1000)
+
+    async def main():
+        proposer = RecordingProposer()
+        async with draft_on_loopback(DraftService(proposer, "d1"), hidden_layers=[1, 2]) as client:
+            assert client.plane is None
+            rows = lambda n: [torch.randn(n, H) for _ in (2, 1, 2)]  # noqa: E731 (3 layers × n rows × 32 bytes)
+            inputs = [DraftInput("a", 0, [1, 2, 3, 4], 1, hidden_states=rows(3)),  # 288 bytes
+                      DraftInput("b", 0, [1, 2, 3, 4], 1, hidden_states=rows(3)),
+                      DraftInput("c", 0, [1] * 30, 1, hidden_states=rows(29)),  # 2,784 bytes: over alone
+                      DraftInput("d", 0, [1, 2, 3, 4], 1, hidden_states=rows(3)),
+                      DraftInput("e", 0, [1, 2, 3, 4], 1, hidden_states=rows(3))]
+            sent = []
+            real = client._outgoing.put_nowait
+            monkeypatch.setattr(client._outgoing, "put_nowait", lambda m: (sent.append(m), real(m)))
+            got = await client.propose(inputs, timeout=5)
+            assert sorted(got) == ["a", "b", "c", "d", "e"]  # every proposal came: the stream lives
+            batches = [[r.seq_id for r in m.propose.requests] for m in sent if m.WhichOneof("body") == "propose"]
+            assert batches == [["a", "b", "c", "d"], ["e"]]  # 288 × 3 ≤ 1000; c carries nothing
+            seen = {len(h) for h in proposer.seen}
+            assert seen == {0, 3}  # c's rows were dropped, the others' came whole
+            assert client.hidden_bytes == 4 * 288
+
+    asyncio.run(main())
