@@ -283,18 +283,19 @@ class Speculator:
                     ) -> list[tuple[Sequence, SpecState, DraftOutput]]:
         """Pipelined seam, load-aware: asking cost the step nothing, so the plan is made here, with the
         proposals in hand. A proposal that carries the draft's confidence is judged by it, calibrated
-        (:class:`Calibration`: what that draft's claims have been worth here); one without, by its
-        sequence's acceptance so far. Where speculating has measurably done worse than plain decoding
+        (:class:`Calibration`: what that draft's claims have been worth here), or by its sequence's
+        acceptance so far where that says more; one without, by the acceptance alone. Where speculating has measurably done worse than plain decoding
         at this batch size (:class:`RealizedRates`), only proposals with evidence of their own may
         still be verified, each still only if the cost model says it pays. The proposals kept are cut
         to their planned length; the others wait (``load``)."""
         calib = self.calibrations.setdefault(self.draft_id, Calibration())
         caps, gains = {}, {}
-        for seq, st, prop in found:
-            caps[seq.request_id] = min(max(st.cap, 1), len(prop.token_ids))
-            if prop.confidence and not prop.is_tree:
-                gains[seq.request_id] = calib.gains(prop.confidence)
         alphas = {seq.request_id: st.acceptance.alpha for seq, st, _ in found}
+        for seq, st, prop in found:
+            sid = seq.request_id
+            caps[sid] = min(max(st.cap, 1), len(prop.token_ids))
+            if prop.confidence and not prop.is_tree:  # evidence adds to the request's record, never takes from it
+                gains[sid] = [max(g, alphas[sid] ** j) for j, g in enumerate(calib.gains(prop.confidence), 1)]
         planned = plan(caps, alphas, decoding, self.cost, gains)
         if any(planned.values()) and not self.realized.allow(decoding):
             planned = {sid: (k if sid in gains else 0) for sid, k in planned.items()}

@@ -239,8 +239,25 @@ def test_a_draft_whose_confidence_lies_buys_nothing():
     spec = _pipelined_speculator(1.0, 0)
     seq = Sequence("s", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=64), num_computed=7)
     spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(1.0, 9.0)  # its own record: α = 0.1
     spec.requests([seq], 1024)
     spec.states["s"].round = 1
     spec.offer([DraftOutput("s", 0, [20, 21, 22, 23], start=8, assumed=seq.token_ids[-4:], confidence=[1.0] * 4)])
     assert spec.attach({}, [seq], 1024, None) == {}
     assert spec.states["s"].why_plain == "load"
+
+
+def test_low_confidence_never_takes_away_what_the_requests_record_earned():
+    """A request whose drafts have been accepted keeps its drafts when the draft claims little."""
+    from workers.engine.sequence import Sequence
+    from workers.speculation.payloads import DraftOutput
+
+    spec = _pipelined_speculator(0.2, 0)  # claims of 0.2 that never came true
+    spec.realized = type(spec.realized)()  # nothing measured: no veto
+    seq = Sequence("s", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=64), num_computed=7)
+    spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(19.0, 1.0)  # α = 0.95 so far
+    spec.requests([seq], 1024)
+    spec.states["s"].round = 1
+    spec.offer([DraftOutput("s", 0, [20, 21, 22, 23], start=8, assumed=seq.token_ids[-4:], confidence=[0.2] * 4)])
+    assert spec.attach({}, [seq], 1024, None)["s"].tokens == [20, 21, 22, 23]
