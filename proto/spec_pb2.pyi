@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetMessage(_message.Message):
-    __slots__ = ("hello", "propose", "verify", "release")
+    __slots__ = ("hello", "propose", "verify", "release", "hidden_rows")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     propose: ProposeBatch
     verify: VerifyBatch
     release: ReleaseBatch
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseBatch, _Mapping]] = ...) -> None: ...
+    hidden_rows: HiddenRows
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., hidden_rows: _Optional[_Union[HiddenRows, _Mapping]] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
     __slots__ = ("hello_ack", "proposals")
@@ -27,21 +29,29 @@ class DraftMessage(_message.Message):
     def __init__(self, hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("target_id", "model", "vocab_size", "hidden_layers", "staged")
+    __slots__ = ("target_id", "model", "vocab_size", "hidden_layers", "staged", "hidden_planes", "hidden_shm", "hidden_size", "hidden_plane_dtype")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_PLANES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SHM_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_PLANE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     model: str
     vocab_size: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     staged: bool
-    def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., staged: _Optional[bool] = ...) -> None: ...
+    hidden_planes: _containers.RepeatedScalarFieldContainer[str]
+    hidden_shm: str
+    hidden_size: int
+    hidden_plane_dtype: str
+    def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., staged: _Optional[bool] = ..., hidden_planes: _Optional[_Iterable[str]] = ..., hidden_shm: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_plane_dtype: _Optional[str] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "stages")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "stages", "hidden_plane")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +59,7 @@ class HelloAck(_message.Message):
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_PLANE_FIELD_NUMBER: _ClassVar[int]
     draft_id: str
     method: str
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -56,7 +67,8 @@ class HelloAck(_message.Message):
     hidden_dtype: str
     vocab_size: int
     stages: bool
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stages: _Optional[bool] = ...) -> None: ...
+    hidden_plane: str
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stages: _Optional[bool] = ..., hidden_plane: _Optional[str] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")
@@ -73,7 +85,7 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling", "hidden_states", "tree_topk", "tree_depth", "max_depth")
+    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling", "hidden_states", "tree_topk", "tree_depth", "max_depth", "hidden")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +95,7 @@ class ProposeRequest(_message.Message):
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -92,7 +105,8 @@ class ProposeRequest(_message.Message):
     tree_topk: int
     tree_depth: int
     max_depth: int
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., tree_topk: _Optional[int] = ..., tree_depth: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    hidden: HiddenRef
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., tree_topk: _Optional[int] = ..., tree_depth: _Optional[int] = ..., max_depth: _Optional[int] = ..., hidden: _Optional[_Union[HiddenRef, _Mapping]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests",)
@@ -145,18 +159,42 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("seq_id", "round", "num_accepted", "emitted_tokens", "hidden_states")
+    __slots__ = ("seq_id", "round", "num_accepted", "emitted_tokens", "hidden_states", "hidden")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     num_accepted: int
     emitted_tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden_states: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    hidden: HiddenRef
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., hidden: _Optional[_Union[HiddenRef, _Mapping]] = ...) -> None: ...
+
+class HiddenRef(_message.Message):
+    __slots__ = ("offset", "count", "streamed")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    count: int
+    streamed: bool
+    def __init__(self, offset: _Optional[int] = ..., count: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
+
+class HiddenRows(_message.Message):
+    __slots__ = ("offset", "rows", "at", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    rows: int
+    at: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., rows: _Optional[int] = ..., at: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("outcomes",)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 
 class FixedPool:
-    """``DraftPool``'s face to the step loop (poll, prune, close) over one client, none refused."""
+    """``DraftPool``'s face to the step loop and its metrics (poll, prune, close, refused, hidden_bytes) over
+    one client, none refused."""
 
     def __init__(self, client):
         self.client, self.refused = client, {}
+
+    def hidden_bytes(self) -> dict[str, int]:
+        return self.client.hidden_bytes_by_plane() if hasattr(self.client, "hidden_bytes_by_plane") else {}
 
     async def poll(self):
         return self.client

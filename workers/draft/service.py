@@ -14,6 +14,12 @@ A target that runs the pipelined seam (``Hello.staged``) gets, from a proposer t
 sequence, a proposal from its committed tokens if none streamed fits them, and staged proposals for
 the outcomes of the one the target verifies next. Other methods (eagle, draft_model, heads) serve
 every target through the synchronous seam.
+
+Hidden states come inline (protobuf Tensors) or, when the target's Hello offers a data plane, from
+it (:mod:`workers.speculation.hidden_plane`): the stream maps the target's shared-memory ring when it
+can (same host), else takes streamed chunks, and resolves each message's descriptors into rows as
+the message is read, in order, before anything is queued. Proposers run torch in a worker thread
+only: proposals, verdicts (a head's projection of the hidden states), releases and new weights.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 
 from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
+from ..speculation.hidden_plane import PlaneReader, open_reader
 from ..speculation.tree import tree_depths
 from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
@@ -42,6 +49,7 @@ class _Stream:
     target_id: str
     out: asyncio.Queue  # DraftMessage or None (end)
     staged: bool = False  # the target runs the pipelined seam and the proposer stages
+    plane: PlaneReader | None = None  # the hidden-state data plane agreed at the handshake (None: inline)
 
 
 # Drafting ahead pays only when a whole proposal is accepted. Each sequence keeps a moving average
@@ -49,6 +57,7 @@ class _Stream:
 # AHEAD_MIN the service stops drafting ahead for it until full acceptances bring the average back.
 AHEAD_WEIGHT = 0.3
 AHEAD_MIN = 0.15
+ROWS_ON_LOOP = 256  # hidden rows a message may take off the data plane on the event loop (more: in a thread)
 
 
 class DraftService(spec_pb2_grpc.DraftServiceServicer):
@@ -118,8 +127,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             if batch:
                 await self._propose(batch)
                 batch = []
-            if kind == "verify":
-                self.proposer.verified(payload)
+            if kind == "verify":  # torch (a head's projection) runs off the event loop, as proposals do
+                await asyncio.to_thread(self.proposer.verified, payload)
                 self._note_verdicts(payload)
             elif kind == "weights":  # between two proposal batches, never during one
                 try:
@@ -136,10 +145,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                             for kind, x in news if kind != "commit" or x.seq_id not in gone]
                     for seq_id in gone:
                         staged.pop(seq_id, None)
-                if self.stager is not None:
-                    self.stager.release(payload)
-                else:
-                    self.proposer.release(payload)
+                await asyncio.to_thread(self.stager.release if self.stager is not None else self.proposer.release,
+                                        payload)
                 for seq_id in payload:
                     self._ahead.pop(seq_id, None)
                     self._proposed.pop(seq_id, None)
@@ -254,7 +261,28 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         finally:
             reader.cancel()
             self.streams.pop(id(stream), None)
+            if stream.plane is not None:  # waits for a resolve in progress (PlaneReader's lock)
+                stream.plane.close()
+                stream.plane = None
             log.info("stream from target %s closed", stream.target_id)
+
+    async def _with_rows(self, stream: _Stream, items: list) -> list:
+        """``items`` (DraftInputs or VerifyResults) with their hidden rows taken off the data plane,
+        in one copy per block (a large block in a thread: the event loop serves every stream)."""
+        refs = [item.hidden_ref for item in items]
+        if all(ref is None for ref in refs):
+            return items
+        plane = stream.plane
+        if plane is None:
+            raise ValueError("hidden-state descriptors on a stream without a data plane")
+        before = plane.bytes
+        if sum(ref.count for ref in refs if ref is not None) > ROWS_ON_LOOP:
+            rows = await asyncio.to_thread(plane.resolve, refs)
+        else:
+            rows = plane.resolve(refs)
+        self.stats.hidden_bytes += plane.bytes - before
+        return [item if ref is None else dataclasses.replace(item, hidden_states=r, hidden_ref=None)
+                for item, ref, r in zip(items, refs, rows)]
 
     async def _read(self, request_iterator, stream: _Stream) -> None:
         seqs: set[str] = set()
@@ -262,16 +290,28 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             async for msg in request_iterator:
                 body = msg.WhichOneof("body")
                 if body == "hello":
-                    stream.target_id = msg.hello.target_id
-                    stream.staged = msg.hello.staged and self.stager is not None
-                    log.info("target %s connected (model %s, %s seam)", stream.target_id, msg.hello.model,
-                             "pipelined" if stream.staged else "synchronous")
+                    hello = msg.hello
+                    stream.target_id = hello.target_id
+                    stream.staged = hello.staged and self.stager is not None
+                    if stream.plane is not None:
+                        stream.plane.close()
+                    plane, stream.plane = open_reader(hello.hidden_planes, hello.hidden_shm, self.proposer.hidden_layers,
+                                                      hello.hidden_size, hello.hidden_plane_dtype)
+                    log.info("target %s connected (model %s, %s seam, hidden states %s)", stream.target_id,
+                             hello.model, "pipelined" if stream.staged else "synchronous",
+                             f"on plane {plane}" if plane else "inline")
                     stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
                         draft_id=self.draft_id, method=self.proposer.method,
                         hidden_layers=self.proposer.hidden_layers,
                         max_speculative_tokens=self.max_speculative_tokens,
                         hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
-                        stages=self.stager is not None)))
+                        stages=self.stager is not None, hidden_plane=plane)))
+                elif body == "hidden_rows":
+                    if stream.plane is None:
+                        raise ValueError("hidden rows on a stream without a data plane")
+                    before = stream.plane.bytes
+                    stream.plane.chunk(msg.hidden_rows)
+                    self.stats.hidden_bytes += stream.plane.bytes - before
                 elif body == "propose":
                     self.stats.hidden_bytes += sum(len(t.data) for r in msg.propose.requests for t in r.hidden_states)
                     inputs = []
@@ -281,10 +321,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                             d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
                         seqs.add(d.seq_id)
                         inputs.append(d)
-                    self._work.put_nowait(("propose", stream, inputs))
+                    self._work.put_nowait(("propose", stream, await self._with_rows(stream, inputs)))
                 elif body == "verify":
                     self.stats.hidden_bytes += sum(len(t.data) for o in msg.verify.outcomes for t in o.hidden_states)
-                    self._work.put_nowait(("verify", stream, [verify_from_pb(o) for o in msg.verify.outcomes]))
+                    results = [verify_from_pb(o) for o in msg.verify.outcomes]
+                    self._work.put_nowait(("verify", stream, await self._with_rows(stream, results)))
                 elif body == "release":
                     seqs.difference_update(msg.release.seq_ids)
                     self._work.put_nowait(("release", stream, list(msg.release.seq_ids)))

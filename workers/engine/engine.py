@@ -34,7 +34,7 @@ from runtime.histogram import REQUEST_LATENCY_BUCKETS, Histogram
 from runtime.messages import KvEvent, KvHandoff, SamplingParams, TokenDelta, TopLogprob, Usage
 from runtime.validation import validate_request
 
-from ..speculation.payloads import DraftInput, DraftOutput, SamplingSpec, VerifyResult
+from ..speculation.payloads import DraftInput, DraftOutput, HiddenRef, SamplingSpec, VerifyResult
 from .block_manager import BlockManager
 from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
@@ -293,9 +293,12 @@ class Engine:
         self.spec.reset()
         self._verdicts.clear()
 
-    def draft_inputs(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> list[DraftInput]:
+    def draft_inputs(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+                     plane=None) -> list[DraftInput]:
         """Proposal requests for every running sequence that decodes next and speculates, with the
-        hidden states of ``layers`` (offered ones; None: all of them) on the CPU in ``dtype``."""
+        hidden states of ``layers`` (offered ones; None: all of them) on the CPU in ``dtype``, or,
+        given a data ``plane`` (:class:`workers.speculation.hidden_plane.PlaneWriter`), written to it
+        as one block and referred to by ``hidden_ref``."""
         if self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
             self._immediate.extend(self.flush())  # (their deltas come with the next step)
         layers = self.hidden_layers if layers is None else tuple(layers)
@@ -303,23 +306,34 @@ class Engine:
         spans = []  # per request: positions whose hidden rows it carries (those before its new tokens)
         for r in requests:
             spans.append((max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0))
-        hidden = self._hidden_rows([r.seq for r in requests], spans, layers, dtype)
+        if plane is not None:
+            refs = self._hidden_block([r.seq for r in requests], spans, plane)
+            hidden = [[] for _ in requests]
+        else:
+            hidden = self._hidden_rows([r.seq for r in requests], spans, layers, dtype)
+            refs = [None] * len(requests)
         out = []
-        for r, rows in zip(requests, hidden):
+        for r, rows, ref in zip(requests, hidden, refs):
             st, p = r.state, r.seq.params
             out.append(DraftInput(r.seq.request_id, st.round, r.seq.token_ids[st.told :], r.num_tokens,
                                   SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), rows,
-                                  st.tree_topk, st.tree_depth, r.max_depth))
+                                  st.tree_topk, st.tree_depth, r.max_depth, ref))
             st.told = len(r.seq)
             st.round += 1
         return out
 
-    def take_verdicts(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> list[VerifyResult]:
-        """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered)."""
+    def take_verdicts(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+                      plane=None) -> list[VerifyResult]:
+        """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered), or
+        their ``hidden_ref`` on a data ``plane`` (see :meth:`draft_inputs`)."""
         verdicts, self._verdicts = self._verdicts, []
         verdicts = [v for v in verdicts if v[0].request_id in self.spec.states]  # finished since: released
         layers = self.hidden_layers if layers is None else tuple(layers)
         spans = [(v[4], v[4] + len(v[3])) if layers else (0, 0) for v in verdicts]
+        if plane is not None:
+            refs = self._hidden_block([v[0] for v in verdicts], spans, plane)
+            return [VerifyResult(seq.request_id, rnd, accepted, emitted, [], ref)
+                    for (seq, rnd, accepted, emitted, _), ref in zip(verdicts, refs)]
         hidden = self._hidden_rows([v[0] for v in verdicts], spans, layers, dtype)
         return [VerifyResult(seq.request_id, rnd, accepted, emitted, rows)
                 for (seq, rnd, accepted, emitted, _), rows in zip(verdicts, hidden)]
@@ -338,18 +352,35 @@ class Engine:
         from the store in one gather per layer."""
         if not layers or self.hidden is None or not seqs:
             return [[] for _ in seqs]
+        rows = self.hidden.read(self._slots(seqs, spans), layers, dtype)
+        out, at = [], 0
+        for start, stop in spans:
+            out.append([layer_rows[at : at + stop - start] for layer_rows in rows])
+            at += stop - start
+        return out
+
+    def _slots(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The cache slots of positions [start, stop) of each sequence, concatenated: [sum of spans] long."""
         bs = self.config.block_size
         slots: list[int] = []
         for seq, (start, stop) in zip(seqs, spans):  # a range per block, not a Python step per position
             for b in range(start // bs, -(-stop // bs)):
                 base = seq.block_table[b] * bs
                 slots.extend(range(base + max(start - b * bs, 0), base + min(stop - b * bs, bs)))
-        rows = self.hidden.read(torch.tensor(slots, dtype=torch.long, device=self.runner.device), layers, dtype)
-        out, at = [], 0
+        return torch.tensor(slots, dtype=torch.long, device=self.runner.device)
+
+    def _hidden_block(self, seqs: list[Sequence], spans: list[tuple[int, int]], plane) -> list:
+        """Every sequence's rows for positions [start, stop) written to ``plane`` as one block (one
+        gather for the batch); per sequence, its :class:`HiddenRef` into the block."""
+        if self.hidden is None or not seqs:
+            return [None for _ in seqs]
+        slots = self._slots(seqs, spans)
+        offset, streamed = plane.write(slots.shape[0], lambda rows: self.hidden.gather(slots, plane.layers, rows))
+        refs, at = [], offset
         for start, stop in spans:
-            out.append([layer_rows[at : at + stop - start] for layer_rows in rows])
+            refs.append(HiddenRef(at, stop - start, streamed))
             at += stop - start
-        return out
+        return refs
 
     # ------------------------------------------------------------------ stepping
 

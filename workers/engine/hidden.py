@@ -42,6 +42,16 @@ class HiddenStore:
         return [self.rows[layer].index_select(0, slots).to("cpu", dtype or self.rows[layer].dtype) for layer in layers]
 
     @torch.inference_mode()
+    def gather(self, slots: torch.Tensor, layers: tuple[int, ...], out: torch.Tensor) -> None:
+        """Rows at ``slots`` [n] long of ``layers`` (offered, distinct) into ``out`` [n, len(layers),
+        hidden] on the host, in the store's dtype: a data-plane block."""
+        if out.device == slots.device:  # straight into the block: one copy per layer
+            for i, layer in enumerate(layers):
+                torch.index_select(self.rows[layer], 0, slots, out=out[:, i])
+        else:  # one gather on the device, one copy to the host (a DMA into the pinned ring)
+            out.copy_(torch.stack([self.rows[layer].index_select(0, slots) for layer in layers], 1))
+
+    @torch.inference_mode()
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rows src → dst (slots [n] long each): an accepted tree path moved into place."""
         for rows in self.rows.values():

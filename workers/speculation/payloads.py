@@ -36,6 +36,16 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
+class HiddenRef:
+    """Where a message's hidden rows lie on the data plane (:mod:`.hidden_plane`): rows
+    [offset, offset + count) of the ring, or of the streamed plane when ``streamed``."""
+
+    offset: int
+    count: int
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
 class DraftInput:
     seq_id: str
     round: int
@@ -46,6 +56,7 @@ class DraftInput:
     tree_topk: int = 0  # children per node and depth (0: the draft worker's setting; 1: a chain)
     tree_depth: int = 0  # draft steps (0: the draft worker's setting)
     max_depth: int = 0  # deepest a drafted token can sit and still be emitted (0: no bound but num_tokens)
+    hidden_ref: HiddenRef | None = None  # on a data plane: where hidden_states lie (resolved at the edge)
 
     @property
     def chain_length(self) -> int:
@@ -89,3 +100,4 @@ class VerifyResult:
     num_accepted: int
     emitted_tokens: list[int]
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [len(emitted), hidden]
+    hidden_ref: HiddenRef | None = None  # on a data plane: where hidden_states lie (resolved at the edge)

@@ -75,6 +75,8 @@ class TargetConfig:
     spec_seam: str = "pipelined"  # pipelined (where the draft stages and proposals are chains) or sync
     served_model_aliases: tuple[str, ...] = ()  # more names clients may pass as "model" (the card lists them)
     gpu_memory_utilization: float | None = None  # CUDA: the device share this worker may use (None: kv_cache_gb)
+    hidden_plane: str = "auto"  # how hidden states reach drafts: auto, shm, stream or inline
+    hidden_ring_mib: int = 64  # the shared-memory ring per draft stream (plane shm)
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -122,6 +124,10 @@ class TargetConfig:
                              "the prefill worker may reuse the blocks)")
         if self.spec_seam not in ("sync", "pipelined"):
             raise ValueError(f"--spec-seam must be sync or pipelined, got {self.spec_seam!r}")
+        if self.hidden_plane not in ("auto", "shm", "stream", "inline"):
+            raise ValueError(f"--hidden-plane must be auto, shm, stream or inline, got {self.hidden_plane!r}")
+        if self.hidden_ring_mib < 1:
+            raise ValueError(f"--hidden-ring-mib must be at least 1, got {self.hidden_ring_mib}")
         if self.hidden_layers not in ("auto", "none"):
             try:
                 [int(x) for x in self.hidden_layers.split(",")]
@@ -206,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hidden-state layers offered to draft workers that read them (EAGLE, Medusa, MLP), kept "
                              "per KV slot: a comma list (0 = embeddings, L = after the final norm), none, or auto = "
                              "EAGLE-3's default layers (2, L/2, L-3) and L")
+    parser.add_argument("--hidden-plane", default="auto", choices=["auto", "shm", "stream", "inline"],
+                        help="how hidden states reach draft workers: written once per token in this worker's dtype "
+                             "to a shared-memory ring (shm: a draft on this host), or sent as chunked rows on the gRPC "
+                             "stream (stream: any host), the messages carrying descriptors; auto = shm where the "
+                             "draft can map it, else stream; inline = as protobuf tensors in every message (in the "
+                             "draft's dtype; for comparison)")
+    parser.add_argument("--hidden-ring-mib", type=int, default=64,
+                        help="size of the shared-memory ring of hidden states per draft stream (a batch that finds "
+                             "no room in it is streamed instead)")
     parser.add_argument("--draft-tls-ca", default=None,
                         help="reach draft workers over TLS, trusting this CA (PEM; 'system' for the system roots)")
     parser.add_argument("--draft-tls-cert", default=None, help="mutual TLS: this target's certificate (PEM)")
@@ -239,7 +254,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.tensor_parallel_size, args.tensor_parallel_timeout, args.role, args.kv_transfer_timeout,
                         args.kv_handoff_ttl, args.async_scheduling, args.spec_seam,
                         served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization, hidden_plane=args.hidden_plane,
+                        hidden_ring_mib=args.hidden_ring_mib)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -339,6 +355,17 @@ def offered_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def plane_offer(engine, cfg: TargetConfig):
+    """The hidden-state planes this target offers its drafts (None: inline tensors only)."""
+    from workers.speculation.convert import dtype_name
+    from workers.speculation.hidden_plane import PlaneOffer
+
+    if engine.hidden is None or cfg.hidden_plane == "inline":
+        return None
+    dtype = next(iter(engine.hidden.rows.values())).dtype
+    return PlaneOffer(engine.hidden.hidden_size, dtype_name(dtype), cfg.hidden_plane, cfg.hidden_ring_mib << 20)
+
+
 def client_tls(args: argparse.Namespace):
     """TLS towards draft workers from the flags (None: plaintext)."""
     from workers.speculation.tls import ClientTls
@@ -390,7 +417,7 @@ async def amain(args: argparse.Namespace) -> None:
             drafts = await rt.client("draft", "speculate")
             pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
                              hidden_layers=engine.hidden_layers, tls=client_tls(args),
-                             staged=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1)
+                             staged=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1, plane=plane_offer(engine, cfg))
         if cfg.role == "decode":
             from workers.target.disagg import DisaggStats, KvReceiver
 

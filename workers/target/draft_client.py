@@ -14,6 +14,11 @@ round then returns no proposals at once, so the target keeps decoding plainly. A
 broke or a draft worker (re)appears; a draft worker that failed is retried after a backoff (2 s,
 doubling, at most 30 s; a refused one after 30 s), and the target's step loop never waits for a
 stream to open (``poll``).
+
+Hidden states: the target offers data planes in its Hello (:mod:`workers.speculation.hidden_plane`:
+a shared-memory ring made for this stream, and streamed chunks); the draft's HelloAck picks one, and
+from then on the engine writes each batch's rows once to :attr:`DraftClient.plane` and the messages
+carry descriptors. A draft that picks none (an older one) gets them inline, as before.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from proto import spec_pb2, spec_pb2_grpc
 from runtime.messages import InstanceRecord
 
 from ..speculation.checks import hello_ack_problem
-from ..speculation.convert import draft_input_to_pb, draft_output_from_pb
+from ..speculation.convert import DTYPES, draft_input_to_pb, draft_output_from_pb
+from ..speculation.hidden_plane import PlaneOffer, PlaneWriter, Ring, RowLayout, distinct, make_ring
 from ..speculation.payloads import DraftInput, DraftOutput
 from ..speculation.tls import ClientTls
 
@@ -38,6 +44,8 @@ log = logging.getLogger(__name__)
 RETRY_BASE_S = 2.0  # a draft worker that failed is skipped this long, doubling per failure in a row
 RETRY_MAX_S = 30.0
 INBOX_MAX = 4096  # pipelined: proposals held for the step loop; past it the oldest go
+MESSAGE_LIMIT = 64 << 20  # gRPC's message size limit on the draft stream, both ways
+INLINE_BUDGET = 48 << 20  # inline hidden-state bytes one message may carry (the rest of it fits in what is left)
 
 
 class IncompatibleDraft(ConnectionError):
@@ -52,8 +60,11 @@ class DraftClient:
     """A bidirectional stream to one draft worker."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
-                 tls: ClientTls | None = None, staged: bool = False):
+                 tls: ClientTls | None = None, staged: bool = False, plane: PlaneOffer | None = None):
         self.target_id = target_id
+        self._offer = plane if plane is not None and hidden_layers else None  # hidden-state planes offered
+        self._segment = None  # the ring's segment from Hello until HelloAck says whether the draft took it
+        self.plane: PlaneWriter | None = None  # the plane agreed at the handshake (None: inline Tensors)
         self.staged = staged  # this target runs the pipelined seam when the draft stages
         self.pipelined = False  # both sides agreed on it at the handshake
         self._inbox: list[DraftOutput] = []  # pipelined: proposals streamed since the last take()
@@ -75,17 +86,27 @@ class DraftClient:
         self.stray = 0  # proposals for no pending (sequence, round): unknown, stale or from the future
 
     async def connect(self, timeout: float = 5.0) -> None:
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
         if self.tls is not None:
             self._channel = grpc.aio.secure_channel(self.instance.grpc_address, self.tls.credentials(), options=options)
         else:
             self._channel = grpc.aio.insecure_channel(self.instance.grpc_address, options=options)
         stub = spec_pb2_grpc.DraftServiceStub(self._channel)
         self._call = stub.Speculate(self._requests())
+        offer, segment = self._offer, None
+        planes = list(offer.planes) if offer is not None else []
+        if "shm" in planes and (segment := make_ring(offer.ring_bytes)) is None:
+            planes.remove("shm")  # no shared memory here: the streamed plane (if offered) serves
+        self._segment = segment
         self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
             target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers,
-            staged=self.staged)))
-        first = await asyncio.wait_for(self._call.read(), timeout)
+            staged=self.staged, hidden_planes=planes, hidden_shm=segment.name if segment else "",
+            hidden_size=offer.hidden if planes else 0, hidden_plane_dtype=offer.dtype if planes else "")))
+        try:
+            first = await asyncio.wait_for(self._call.read(), timeout)
+        finally:
+            if segment is not None:
+                segment.unlink()  # the draft mapped it by now, or never will: no name outlives the handshake
         if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
         ack = first.hello_ack
@@ -97,10 +118,28 @@ class DraftClient:
         self.hidden_layers = list(ack.hidden_layers)
         self.hidden_dtype = ack.hidden_dtype
         self.pipelined = self.staged and ack.stages
+        self.plane = self._plane(ack.hidden_plane, planes)
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
-        log.info("speculating with draft worker %s (%s, %s seam) at %s", self.draft_id, self.method,
-                 "pipelined" if self.pipelined else "synchronous", self.instance.grpc_address)
+        log.info("speculating with draft worker %s (%s, %s seam, hidden states %s) at %s", self.draft_id, self.method,
+                 "pipelined" if self.pipelined else "synchronous",
+                 f"on plane {self.plane.kind}" if self.plane else "inline", self.instance.grpc_address)
 
+    def _plane(self, chosen: str, offered: list[str]) -> PlaneWriter | None:
+        """The writer of the plane the draft chose (None: inline, as every draft before planes)."""
+        segment, self._segment = self._segment, None
+        if not chosen or chosen not in offered or not self.hidden_layers:
+            if chosen:
+                log.warning("draft worker %s chose hidden-state plane %r, not offered: sending them inline",
+                            self.draft_id, chosen)
+            if segment is not None:
+                segment.close()
+            return None
+        layout = RowLayout(distinct(self.hidden_layers), self._offer.hidden, DTYPES[self._offer.dtype])
+        if chosen == "shm":
+            return PlaneWriter(layout, Ring(segment, layout), pin=True)
+        if segment is not None:
+            segment.close()
+        return PlaneWriter(layout)
     async def _requests(self):
         while (msg := await self._outgoing.get()) is not None:
             yield msg
@@ -145,16 +184,17 @@ class DraftClient:
         proposals arrive in the inbox (:meth:`take`)."""
         if self.broken or not requests:
             return {}
+        self._flush_rows()
         if self.pipelined:
-            self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
-                requests=[self._counted(r) for r in requests])))
+            for batch in self._inline_batches(requests):
+                self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=batch)))
             return {}
         loop = asyncio.get_running_loop()
         futures = {}
         for r in requests:
             futures[r.seq_id] = self._pending[(r.seq_id, r.round)] = loop.create_future()
-        self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(
-            requests=[self._counted(r) for r in requests])))
+        for batch in self._inline_batches(requests):
+            self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=batch)))
         return futures
 
     def take(self) -> list[DraftOutput]:
@@ -187,17 +227,56 @@ class DraftClient:
     def verified(self, outcomes: list[spec_pb2.VerifyOutcome]) -> None:
         """Send verdicts (already converted, see :func:`workers.speculation.convert.verify_to_pb`)."""
         if outcomes and not self.broken:
-            self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(
-                outcomes=[self._counted(o) for o in outcomes])))
+            self._flush_rows()
+            for batch in self._inline_batches(outcomes):
+                self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(outcomes=batch)))
 
     def release(self, seq_ids: list[str]) -> None:
         if seq_ids and not self.broken:
             self._outgoing.put_nowait(spec_pb2.TargetMessage(release=spec_pb2.ReleaseBatch(seq_ids=seq_ids)))
 
-    def _counted(self, msg):
-        """``msg``, its hidden-state bytes added to ``hidden_bytes``."""
-        self.hidden_bytes += sum(len(h.data) for h in msg.hidden_states)
-        return msg
+    def _flush_rows(self) -> None:
+        """Streamed hidden rows go first: a batch never refers to rows the draft has not had."""
+        if self.plane is not None:
+            for chunk in self.plane.take_chunks():
+                self._outgoing.put_nowait(spec_pb2.TargetMessage(hidden_rows=chunk))
+
+    def _inline_batches(self, msgs: list) -> list[list]:
+        """``msgs`` (requests or verdicts) in batches whose inline hidden states stay under
+        :data:`INLINE_BUDGET`, so no message passes gRPC's limit and breaks the stream (on a plane
+        they carry descriptors only: one batch). One whose own rows pass the budget goes without them:
+        the draft proposes nothing for that sequence, and the stream and every other sequence live."""
+        out, size = [[]], 0
+        for msg in msgs:
+            n = sum(len(h.data) for h in msg.hidden_states)
+            if n > INLINE_BUDGET:
+                log.warning("request %s: %d bytes of inline hidden states pass the %d a message may carry; sent "
+                            "without them (no proposals for it; a hidden-state plane has no such limit)",
+                            msg.seq_id, n, INLINE_BUDGET)
+                del msg.hidden_states[:]
+                n = 0
+            if out[-1] and size + n > INLINE_BUDGET:
+                out.append([])
+                size = 0
+            out[-1].append(msg)
+            size += n
+            self.hidden_bytes += n
+        return out if out[0] else []
+
+    @property
+    def plane_bytes(self) -> int:
+        """Hidden-state bytes written to the data plane so far."""
+        return self.plane.bytes if self.plane is not None else 0
+
+    def hidden_bytes_by_plane(self) -> dict[str, int]:
+        """Hidden-state bytes sent so far, by plane ("inline", "shm", "stream")."""
+        out = {"inline": self.hidden_bytes} if self.hidden_bytes else {}
+        if self.plane is not None:
+            streamed = self.plane.streamed_rows * self.plane.layout.row_bytes
+            out["stream"] = streamed
+            if self.plane.kind == "shm":
+                out["shm"] = self.plane.bytes - streamed
+        return out
 
     async def close(self) -> None:
         self._outgoing.put_nowait(None)
@@ -207,6 +286,12 @@ class DraftClient:
         self._break("closed", quiet=True)
         if self._channel is not None:
             await self._channel.close()
+        segment, self._segment = getattr(self, "_segment", None), None
+        if segment is not None:  # the handshake never finished
+            segment.unlink()
+            segment.close()
+        if self.plane is not None:
+            self.plane.close()
 
 
 class DraftPool:
@@ -214,8 +299,9 @@ class DraftPool:
 
     def __init__(self, target_id: str, model: str, vocab_size: int,
                  instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None,
-                 staged: bool = False):
+                 staged: bool = False, plane: PlaneOffer | None = None):
         self._target_id = target_id
+        self._plane = plane  # hidden-state planes offered to drafts (None: inline Tensors only)
         self._staged = staged  # ask drafts for the pipelined seam
         self._tls = tls
         self._model = model
@@ -226,6 +312,20 @@ class DraftPool:
         self._failed: dict[str, tuple[float, int]] = {}  # draft id -> (when it last failed, failures in a row)
         self._connecting: asyncio.Task | None = None  # a background get() started by poll()
         self.refused: dict[str, int] = {}  # drafts refused at the handshake, by reason
+        self._closed_bytes: dict[str, int] = {}  # hidden-state bytes of closed clients, by plane
+
+    def hidden_bytes(self) -> dict[str, int]:
+        """Hidden-state bytes sent to draft workers so far, by plane (every client, closed or current)."""
+        out = dict(self._closed_bytes)
+        if self.client is not None:
+            for plane, n in self.client.hidden_bytes_by_plane().items():
+                out[plane] = out.get(plane, 0) + n
+        return out
+
+    async def _close(self, client: DraftClient) -> None:
+        await client.close()
+        for plane, n in client.hidden_bytes_by_plane().items():
+            self._closed_bytes[plane] = self._closed_bytes.get(plane, 0) + n
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
         # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
@@ -260,7 +360,7 @@ class DraftPool:
         """Close the stream to a draft worker that deregistered (e.g. while this target is idle)."""
         if self.client is not None and self.client.draft_id not in {r.instance_id for r in self._instances()}:
             self.client._break("deregistered")
-            await self.client.close()
+            await self._close(self.client)
             self.client = None
 
     def _keeps(self, current: DraftClient, candidates: list[InstanceRecord]) -> bool:
@@ -281,14 +381,14 @@ class DraftPool:
             if current.broken or not live:
                 self._mark_failed(current.draft_id)
                 current._break("deregistered" if not live else "stream broken")
-                await current.close()
+                await self._close(current)
                 self.client = current = None
                 candidates = self._candidates()
         if not candidates:
             return None
         choice = self._preferred(candidates)
         client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls,
-                             self._staged)
+                             self._staged, self._plane)
         try:
             await client.connect()
         except IncompatibleDraft as exc:
@@ -306,7 +406,7 @@ class DraftPool:
         self._failed.pop(choice.instance_id, None)
         if current is not None:
             log.info("moving from draft worker %s to the newly preferred %s", current.draft_id, choice.instance_id)
-            await current.close()
+            await self._close(current)
         self.client = client
         return client
 
@@ -336,5 +436,5 @@ class DraftPool:
             await asyncio.gather(self._connecting, return_exceptions=True)
             self._connecting = None
         if self.client is not None:
-            await self.client.close()
+            await self._close(self.client)
             self.client = None

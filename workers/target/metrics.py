@@ -166,6 +166,13 @@ class TargetCollector(Collector):
             for reason, count in sorted(dict(loop.pool.refused).items()):
                 refused.add_metric([self.model, reason], count)
             yield refused
+            hidden = CounterMetricFamily("tandem_target_hidden_state_bytes",
+                                         "Hidden-state bytes sent to draft workers, by plane (inline: in the "
+                                         "messages; shm: the shared-memory ring; stream: chunked rows).",
+                                         labels=["model", "plane"])
+            for plane, count in sorted(loop.pool.hidden_bytes().items()):
+                hidden.add_metric([self.model, plane], count)
+            yield hidden
         yield from self._disagg(w, engine, gauge, counter)
         cfg = engine.config
         info = GaugeMetricFamily("tandem_target_engine_config", "The engine's settings (labels; value 1): "

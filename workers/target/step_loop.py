@@ -89,6 +89,7 @@ class DraftContext:
     dtype: str
     ask: bool
     pipelined: bool = False  # the pipelined seam: proposals streamed ahead, nothing awaited
+    plane: object = None  # the hidden-state data plane's writer (workers.speculation.hidden_plane); None: inline
 
 
 @dataclass
@@ -361,7 +362,7 @@ class StepLoop:
         """Verdicts, released sequences and the next round's requests, converted for the wire."""
         engine = self.engine
         dtype = DTYPES.get(context.dtype)
-        for verdict in engine.take_verdicts(context.layers, dtype):
+        for verdict in engine.take_verdicts(context.layers, dtype, context.plane):
             try:
                 out.verdicts.append(verify_to_pb(verdict, context.dtype))
             except Exception as exc:  # the draft's view of this sequence is lost: start it afresh
@@ -371,7 +372,7 @@ class StepLoop:
         if not context.ask:
             engine.spec.unasked(engine.scheduler.running, "draft_backoff")  # why the next step decodes plainly
         else:
-            for request in engine.draft_inputs(context.layers, dtype):
+            for request in engine.draft_inputs(context.layers, dtype, context.plane):
                 try:
                     out.requests.append(draft_input_to_pb(request, context.dtype))
                 except Exception as exc:
@@ -430,7 +431,7 @@ class StepLoop:
         if client is None:
             return None
         return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed(),
-                            bool(getattr(client, "pipelined", False)))
+                            bool(getattr(client, "pipelined", False)), getattr(client, "plane", None))
 
     async def _collect(self) -> dict | list:
         """Synchronous seam: the proposals asked for last cycle that arrive by the deadline ({}
