@@ -71,6 +71,10 @@ class TargetConfig:
     kv_handoff_ttl: float = 30.0  # prefill: seconds handed-off blocks wait for their decode worker
     async_scheduling: bool = False  # launch each plain step before the previous one's tokens reach the host
     spec_seam: str = "pipelined"  # pipelined (where the draft stages and proposals are chains) or sync
+    # KV tiers below the device pool (workers/engine/kv_tiers.py): host GiB (0: off), disk dir and GiB
+    kv_offload_host_gb: float = 0.0
+    kv_offload_disk_dir: str | None = None
+    kv_offload_disk_gb: float = 16.0
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -108,6 +112,13 @@ class TargetConfig:
         if self.role != "aggregated" and self.kv_transfer_timeout >= self.kv_handoff_ttl:
             raise ValueError("--kv-transfer-timeout must be shorter than --kv-handoff-ttl (a pull must end before "
                              "the prefill worker may reuse the blocks)")
+        if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb <= 0:
+            raise ValueError("--kv-offload-host-gb must be >= 0 and --kv-offload-disk-gb positive")
+        if self.kv_offload_disk_dir and not self.kv_offload_host_gb:
+            raise ValueError("--kv-offload-disk-dir needs a host tier (--kv-offload-host-gb > 0): disk blocks load "
+                             "through it")
+        if self.kv_offload_host_gb and (self.tensor_parallel_size > 1 or not self.enable_prefix_caching):
+            raise ValueError("--kv-offload-host-gb needs prefix caching and no tensor parallelism")
         if self.spec_seam not in ("sync", "pipelined"):
             raise ValueError(f"--spec-seam must be sync or pipelined, got {self.spec_seam!r}")
         if self.hidden_layers not in ("auto", "none"):
@@ -210,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-handoff-ttl", type=float, default=30.0,
                         help="prefill role: seconds handed-off KV blocks wait for their decode worker before they "
                              "are freed")
+    # KV cache tiers below the device pool (workers/engine/kv_tiers.py)
+    parser.add_argument("--kv-offload-host-gb", type=float, default=0.0,
+                        help="GiB of host memory (pinned on CUDA) that keeps KV blocks below the device pool, so a "
+                             "prefix evicted there loads back instead of being recomputed (0: off)")
+    parser.add_argument("--kv-offload-disk-dir", default=None,
+                        help="a directory for a disk tier below the host tier: one checksummed file per block, "
+                             "named by its chained hash; several targets of the same model may share it")
+    parser.add_argument("--kv-offload-disk-gb", type=float, default=16.0,
+                        help="the most GiB this worker keeps in --kv-offload-disk-dir (oldest blocks go first)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)
@@ -228,7 +248,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
                         not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait,
                         args.tensor_parallel_size, args.tensor_parallel_timeout, args.role, args.kv_transfer_timeout,
-                        args.kv_handoff_ttl, args.async_scheduling, args.spec_seam)
+                        args.kv_handoff_ttl, args.async_scheduling, args.spec_seam, args.kv_offload_host_gb,
+                        args.kv_offload_disk_dir, args.kv_offload_disk_gb)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -296,6 +317,11 @@ def build_engine(cfg: TargetConfig, worker_id: str):
         if followers is not None:
             followers.close()
         raise
+    if cfg.kv_offload_host_gb:
+        from workers.engine.kv_tiers import build_tiers
+
+        engine.attach_tiers(build_tiers(engine, int(cfg.kv_offload_host_gb * (1 << 30)), cfg.kv_offload_disk_dir,
+                                        int(cfg.kv_offload_disk_gb * (1 << 30)), cfg.served_model_name))
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
                                                    engine.vocab_size, sorted(engine.eos_token_ids))
@@ -415,6 +441,8 @@ async def amain(args: argparse.Namespace) -> None:
         await worker.stop()
         if kv_agent is not None:
             kv_agent.close()
+        if engine.tiers is not None:
+            await asyncio.to_thread(engine.tiers.close)
         if followers is not None:
             await asyncio.to_thread(followers.close)
     if failed:
