@@ -350,6 +350,17 @@ class KvTiers:
                                         self.block_size, tier))
 
 
+def _copier(engine) -> BlockCopier:
+    kv = [t for pair in engine.runner.kv_caches for t in pair]
+    hidden = [engine.hidden.rows[layer] for layer in engine.hidden.layers] if engine.hidden is not None else []
+    return BlockCopier(kv, hidden, engine.config.block_size)
+
+
+def block_bytes(engine) -> int:
+    """Bytes one block of ``engine`` takes in a lower tier (KV of every layer and its hidden rows)."""
+    return _copier(engine).block_bytes
+
+
 def build_tiers(engine, host_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0, model_id: str = "") -> KvTiers:
     """Tiers over ``engine``'s KV cache and hidden rows: a host tier of ``host_bytes`` and, when
     ``disk_dir`` is given, a disk tier of ``disk_bytes`` there (shared by every engine whose blocks
@@ -358,16 +369,14 @@ def build_tiers(engine, host_bytes: int, disk_dir: str | None = None, disk_bytes
         raise ValueError("KV offloading does not combine with tensor parallelism yet")
     if not engine.config.enable_prefix_caching:
         raise ValueError("KV offloading needs prefix caching")
-    kv = [t for pair in engine.runner.kv_caches for t in pair]
-    hidden = [engine.hidden.rows[layer] for layer in engine.hidden.layers] if engine.hidden is not None else []
-    bs = engine.config.block_size
-    copier = BlockCopier(kv, hidden, bs)
+    copier = _copier(engine)
+    kv, bs = copier.views[: 2 * len(engine.runner.kv_caches)], engine.config.block_size
     host_blocks = host_bytes // copier.block_bytes
     if host_blocks < 1:
         raise ValueError(f"the host tier ({host_bytes} bytes) must hold at least one block of {copier.block_bytes} bytes")
     disk = None
     if disk_dir:
-        k = kv[0]
+        k = engine.runner.kv_caches[0][0]
         layout = layout_key(model_id, bs, str(k.dtype), len(kv) // 2, tuple(k.shape[2:]),
                             tuple(engine.hidden.layers) if engine.hidden is not None else (),
                             engine.hidden.hidden_size if engine.hidden is not None else 0)
