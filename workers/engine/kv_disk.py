@@ -83,13 +83,14 @@ def decode_block(data: bytes | memoryview, block_hash: int, parent: int, tokens:
     return payload
 
 
-def check_file(path: str | Path, payload_bytes: int) -> bool:
-    """Whether a block file is whole and intact (its header, size and checksum), whatever block it is."""
+def check_file(path: str | Path, payload_bytes: int | None = None) -> bool:
+    """Whether a block file is whole and intact (its header, size and checksum), whatever block it
+    is; ``payload_bytes`` None: of the size its header says."""
     data = Path(path).read_bytes()
     if len(data) < HEADER.size:
         return False
     magic, version, bs, h, p, n, crc = HEADER.unpack_from(data)
-    if magic != MAGIC or n != payload_bytes or len(data) != HEADER.size + 4 * bs + n:
+    if magic != MAGIC or n != (payload_bytes or n) or len(data) != HEADER.size + 4 * bs + n:
         return False
     return zlib.crc32(memoryview(data)[HEADER.size :]) == crc
 
