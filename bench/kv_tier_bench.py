@@ -1,10 +1,11 @@
 """KV tiers below the device pool on multi-turn chat: TTFT with tiers off, a host tier, host + disk.
 
-Usage: .venv/bin/python bench/kv_tier_bench.py [--conversations 32] [--turns 6] [--max-tokens 24]
-       [--num-blocks 128] [--threads 2] [--eagle-conversations 8]
+Usage: .venv/bin/python bench/kv_tier_bench.py [--conversations 32] [--turns 6] [--max-tokens 8]
+       [--num-blocks 128] [--threads 1] [--eagle-conversations 4]
 
 In one process (CPU, float32, the demo model SmolLM2-135M-Instruct): 32 conversations, each opened
-by a hand-written user message (below) and continued with hand-written follow-ups for 6 turns; every
+by a hand-written user message (below: a question and three paragraphs of hand-written context, about
+250 tokens, as when a user pastes notes under a question) and continued with hand-written follow-ups; every
 turn re-sends the whole history through the chat template, as a chat client does. Turns go round
 robin over the conversations (turn 1 of all, then turn 2 of all, ...), one request at a time, so
 TTFT is the engine's own time to the first token (prefill of what is not cached, plus any tier
@@ -20,8 +21,8 @@ evicted from the device pool. Configurations, in one run on the same prompts:
   prefix must come from disk (disk hits), not be recomputed.
 
 Every configuration's greedy outputs must equal ``off``'s, every turn. Then the same conversations
-(the first ``--eagle-conversations``) with the demo's EAGLE-3 head speculating in process, tiers
-off and host+disk: outputs equal, and the acceptance length equal (the hidden rows the head reads
+(the first ``--eagle-conversations``, on a 32-block device pool) with the demo's EAGLE-3 head
+speculating in process, tiers off and host+disk: outputs equal, and the acceptance length equal (the hidden rows the head reads
 move with their blocks; rows computed fresh and rows loaded back must give the same drafts).
 Host-tier memory: the process's RSS growth across the ``host`` run, against the tier's size.
 """
@@ -74,6 +75,35 @@ OPENERS = [
     "How can I make my small apartment feel bigger?",
     "Why do we dream, and do dreams mean anything?",
 ]
+# What the users paste under their question (multi-round QA over a document, the workload LMCache and
+# KVBM cite): three of these per conversation, rotated, so no two conversations share a prefix past the
+# system prompt and the question.
+NOTES = [
+    "Last spring we moved into an old house with a garden that had been left alone for years. The soil is "
+    "heavy clay, it stays wet for days after rain, and the previous owner seems to have used a lot of wood "
+    "chips as mulch. Most afternoons the back corner gets full sun, but the front is shaded by a large oak.",
+    "At work I manage a small team of four people who are spread over two time zones. We meet on Mondays "
+    "and Thursdays, we track tasks on a shared board, and most of our problems come from hand-offs: one "
+    "person finishes something late in their day and the other only sees it the next morning.",
+    "My budget is tight this year. Rent takes a bit less than half of what I earn, I am paying back a "
+    "student loan at a fixed rate, and I try to put a small amount aside every month, although unexpected "
+    "costs like a broken washing machine or a dentist bill usually eat the savings before they grow.",
+    "I have been trying to get fitter since January. I walk to the station every day, which is about twenty "
+    "minutes each way, I go swimming on Saturdays, and I tried a running plan twice but stopped both times "
+    "after two weeks because my knees started to hurt on the longer runs.",
+    "Our family has two children, aged seven and ten, and a dog that needs a long walk every evening. Both "
+    "kids have after-school activities on different days, my partner works late on Wednesdays, and the "
+    "weekends fill up quickly with birthday parties, groceries and visits to the grandparents.",
+    "The laptop I use is about five years old. It has eight gigabytes of memory, a solid state drive that "
+    "is almost full, and it runs the same operating system it came with. It takes a long time to start, "
+    "the fan is loud when I have many browser tabs open, and the battery lasts barely two hours.",
+    "I started learning Spanish on my phone six months ago. I practise for ten minutes almost every day, I "
+    "can read simple texts and order food, but when people speak at a normal speed I lose track after a "
+    "few words, and I am too shy to speak with the colleague from Madrid who offered to help me.",
+    "We are planning a trip for next summer with a group of five friends. Two of them do not drive, one is "
+    "vegetarian, everyone has a different budget, and we only agree that we want to be near the sea, see "
+    "at least one city, and avoid spending more than a few hours a day travelling between places.",
+]
 FOLLOW_UPS = [
     "Can you say more about the first point?",
     "Give me a concrete example of that.",
@@ -101,7 +131,8 @@ class Chat:
 
     def __init__(self, tok, n: int):
         self.tok = tok
-        self.history = [[{"role": "user", "content": OPENERS[i % len(OPENERS)]}] for i in range(n)]
+        self.history = [[{"role": "user", "content": OPENERS[i % len(OPENERS)] + "\n\nSome context:\n"
+                          + "\n".join(NOTES[(i + k) % len(NOTES)] for k in range(3))}] for i in range(n)]
 
     def prompt(self, i: int) -> list[int]:
         text = self.tok.apply_chat_template(self.history[i], add_generation_prompt=True, tokenize=False)
@@ -174,10 +205,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--num-blocks", type=int, default=128, help="device pool blocks (of 16 tokens)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eagle-conversations", type=int, default=8, help="0: skip the EAGLE-3 part")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eagle-conversations", type=int, default=4, help="0: skip the EAGLE-3 part")
     args = ap.parse_args()
 
     import torch
@@ -197,8 +228,9 @@ def main() -> None:
     cfg = EngineConfig(num_blocks=args.num_blocks, block_size=16, max_num_seqs=8)
     scratch = Path(tempfile.mkdtemp(prefix="kv-tier-bench-"))
 
-    def engine(host_blocks=0, disk=None, hidden=()):
-        e = Engine(model, cfg, hidden_layers=hidden, adaptive=False, num_speculative_tokens=3)
+    def engine(host_blocks=0, disk=None, hidden=(), num_blocks=None):
+        c = cfg if num_blocks is None else EngineConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=8)
+        e = Engine(model, c, hidden_layers=hidden, adaptive=False, num_speculative_tokens=3)
         if host_blocks:
             e.attach_tiers(build_tiers(e, host_blocks * block_bytes(e), disk, 64 << 30, "bench"))
         return e
@@ -258,9 +290,10 @@ def main() -> None:
                 return EagleProposer(head, layers, num_blocks=2048, block_size=16)
 
             n = args.eagle_conversations
-            spec_off = run_config("eagle off", lambda: engine(hidden=hidden), tok, args, params, proposer, n)
-            shutil.rmtree(scratch / "eagle", ignore_errors=True)
-            spec_on = run_config("eagle h+d", lambda: engine(working // 8, str(scratch / "eagle"), hidden), tok, args,
+            small = 32  # a device pool of 32 blocks: a third of these conversations' working set
+            spec_off = run_config("eagle off", lambda: engine(hidden=hidden, num_blocks=small), tok, args, params,
+                                  proposer, n)
+            spec_on = run_config("eagle h+d", lambda: engine(n * 8, str(scratch / "eagle"), hidden, small), tok, args,
                                  params, proposer, n)
             for r in (spec_off, spec_on):
                 tau = 1 + r["accepted"] / r["drafts"] if r["drafts"] else 1.0
