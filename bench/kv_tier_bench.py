@@ -1,11 +1,12 @@
 """KV tiers below the device pool on multi-turn chat: TTFT with tiers off, a host tier, host + disk.
 
-Usage: .venv/bin/python bench/kv_tier_bench.py [--conversations 32] [--turns 6] [--max-tokens 8]
-       [--num-blocks 128] [--threads 1] [--eagle-conversations 4]
+Usage: .venv/bin/python bench/kv_tier_bench.py [--conversations 32] [--turns 6] [--max-tokens 4] [--notes 1]
+       [--num-blocks 96] [--threads 1] [--eagle-conversations 4]
 
 In one process (CPU, float32, the demo model SmolLM2-135M-Instruct): 32 conversations, each opened
-by a hand-written user message (below: a question and three paragraphs of hand-written context, about
-250 tokens, as when a user pastes notes under a question) and continued with hand-written follow-ups; every
+by a hand-written user message (below: a question and ``--notes`` paragraphs of hand-written context,
+about 130 tokens with one, as when a user pastes notes under a question) and continued with
+hand-written follow-ups; every
 turn re-sends the whole history through the chat template, as a chat client does. Turns go round
 robin over the conversations (turn 1 of all, then turn 2 of all, ...), one request at a time, so
 TTFT is the engine's own time to the first token (prefill of what is not cached, plus any tier
@@ -129,10 +130,10 @@ def rss_mib() -> float:
 class Chat:
     """The conversations' histories and prompts, turn by turn (token ids through the chat template)."""
 
-    def __init__(self, tok, n: int):
+    def __init__(self, tok, n: int, notes: int = 1):
         self.tok = tok
         self.history = [[{"role": "user", "content": OPENERS[i % len(OPENERS)] + "\n\nSome context:\n"
-                          + "\n".join(NOTES[(i + k) % len(NOTES)] for k in range(3))}] for i in range(n)]
+                          + "\n".join(NOTES[(i + k) % len(NOTES)] for k in range(notes))}] for i in range(n)]
 
     def prompt(self, i: int) -> list[int]:
         text = self.tok.apply_chat_template(self.history[i], add_generation_prompt=True, tokenize=False)
@@ -169,7 +170,7 @@ def run_config(name, make_engine, tok, args, params, proposer_factory=None, conv
     n = conversations or args.conversations
     engine = make_engine()
     proposer = proposer_factory() if proposer_factory else None
-    chat = Chat(tok, n)
+    chat = Chat(tok, n, args.notes)
     outputs, ttfts, drafts, accepted = {}, [], 0, 0
     rss0 = rss_mib()
     started = time.perf_counter()
@@ -205,8 +206,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--num-blocks", type=int, default=128, help="device pool blocks (of 16 tokens)")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--notes", type=int, default=1, help="paragraphs of context under each opener (1-8)")
+    ap.add_argument("--num-blocks", type=int, default=96, help="device pool blocks (of 16 tokens)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eagle-conversations", type=int, default=4, help="0: skip the EAGLE-3 part")
     args = ap.parse_args()
@@ -262,7 +264,7 @@ def main() -> None:
 
         # target B: a fresh engine on the same disk dir serves turn 2 of every conversation
         b = engine(working // 4, str(disk_dir))
-        chat = Chat(tok, args.conversations)
+        chat = Chat(tok, args.conversations, args.notes)
         ttfts_b, same = [], 0
         for i in range(args.conversations):
             chat.reply(i, 0, off["outputs"][(i, 0)])
