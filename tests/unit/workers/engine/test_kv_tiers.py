@@ -194,3 +194,22 @@ def test_disk_tier_stays_within_its_size(model, tmp_path):
     conversations(e, turns=2)
     assert len(list(e.tiers.disk.dir.glob("*.kvb"))) <= 10
     assert e.tiers.disk.counters.evicted > 0
+
+
+def test_concurrent_writers_of_one_directory_leave_only_whole_blocks(tmp_path):
+    """Two disk tiers (two targets) write the same and different blocks into one directory at once."""
+    from workers.engine.kv_disk import DiskTier
+
+    payload = 4096
+    tiers = [DiskTier(tmp_path, "layout", 1 << 30, payload, BS, max_queue=1024) for _ in range(2)]
+    for i in range(200):
+        for k, t in enumerate(tiers):
+            h = i if i % 2 else 1000 * (k + 1) + i  # odd blocks: both write them; even ones: each its own
+            assert t.put(h, 0, [1, 2, 3, i % 256], bytes([i % 256]) * payload)
+    for t in tiers:
+        t.close()
+    files = list((tmp_path / "layout").iterdir())
+    assert len(files) == 100 + 2 * 100 and all(f.suffix == ".kvb" for f in files)
+    assert all(check_file(f, payload) for f in files)
+    got = tiers[0].get(7, 0, [1, 2, 3, 7])
+    assert got is not None and bytes(got) == bytes([7]) * payload
