@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -88,13 +89,59 @@ def serves_a_model(url: str, timeout: float = 2.0) -> bool:
 
 
 def resolve_demo_model() -> str:
-    """The bundled demo model's directory, via ``python -m workers.demo_model`` (converts once)."""
-    log.info("preparing the bundled demo model (the first run converts it, about 20 s)")
+    """The bundled demo model's directory: the cached one, else ``python -m workers.demo_model``
+    converts it (once; in a child, so this launcher never imports torch)."""
+    from workers.demo_model import prepared_demo_model
+
+    ready = prepared_demo_model()
+    if ready is not None:
+        return str(ready)
+    log.info("converting the bundled demo model (the first run only, about 20 s)")
     out = subprocess.run([sys.executable, "-m", "workers.demo_model"], capture_output=True, text=True,
                          env=child_env())
     if out.returncode != 0:
         raise LaunchError(f"python -m workers.demo_model failed:\n{out.stderr[-2000:]}")
     return out.stdout.strip().splitlines()[-1]
+
+
+def gpu_visible() -> bool:
+    """Whether an NVIDIA GPU is visible to this machine's children (the driver lists one; this
+    launcher never imports torch). A device hidden by CUDA_VISIBLE_DEVICES="" counts as none."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+CPU_SPECULATION_NOTE = (
+    "On a CPU most steps decode plainly, by design: verifying k draft tokens here costs about k plain steps, so "
+    "load-aware speculation drafts only where its cost model of this machine says it pays (a response's "
+    "usage.spec_decode.plain_steps counts the plain steps by reason, 'load' for these; "
+    "--no-load-aware-speculation drafts every step). On a GPU a verify costs about one step and the drafts pay.")
+
+
+def banner(config: StackConfig, model_path: str | None, url: str, env: dict[str, str]) -> str:
+    """What ``tandem up`` prints once the stack serves: the URL, a curl that works as printed (with the
+    API key header when keys are required), how to add a worker, and why a CPU decodes plainly."""
+    name = config.model_name(model_path)
+    names = config.model_names(model_path)
+    worker = (f"workers.mock --served-model-name {' '.join(names)}" if config.mock
+              else f"workers.target --model {model_path} --served-model-name {' '.join(names)}")
+    auth = "-H \"Authorization: Bearer $TANDEM_API_KEY\" " if config.api_keys else ""
+    lines = [f"\nTandem is ready at {url}/v1 (model {name!r}"
+             + (f", also served as {', '.join(map(repr, names[1:]))}" if names[1:] else "") + ").",
+             f"  curl {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\",
+             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+             f"\"max_tokens\": 32}}'"]
+    if config.api_keys:
+        lines.append("  (the server wants one of the --api-key keys: export TANDEM_API_KEY=<key> first)")
+    if not config.mock and config.draft_method != "none" and config.num_drafts and not gpu_visible():
+        lines.append(CPU_SPECULATION_NOTE)
+    lines += ["Add a worker while it runs:",
+              f"  TANDEM_ETCD={redact_url(env['TANDEM_ETCD'])} TANDEM_NATS={redact_url(env['TANDEM_NATS'])} "
+              f"TANDEM_NAMESPACE={env['TANDEM_NAMESPACE']} {sys.executable} -m {worker}",
+              "Press Ctrl-C to stop.", ""]
+    return "\n".join(lines)
 
 
 SUPERVISE_PERIOD_S = 0.1  # how often the launcher looks for children that died
@@ -172,7 +219,7 @@ class Launcher:
                 raise LaunchError(str(exc)) from None
         for comp in self._components:
             self._check_stop()
-            self._children[comp.name] = Child(comp.name, comp.argv(), env=env).start()
+            self._children[comp.name] = Child(comp.name, comp.argv(), env={**env, **dict(comp.env)}).start()
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
         self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
@@ -230,24 +277,10 @@ class Launcher:
     # --- serve -----------------------------------------------------------------------------------
 
     def _announce(self) -> None:
-        name = self.config.model_name(self._model_path)
-        worker = (f"workers.mock --served-model-name {name}" if self.config.mock
-                  else f"workers.target --model {self._model_path} --served-model-name {name}")
         for comp in self._components:
             log.info("%-10s pid %-7d health http://127.0.0.1:%s/health", comp.name, self._children[comp.name].pid,
                      comp.health_port)
-        print(
-            f"\nTandem is ready at {self.url}/v1 (model {name!r}).\n"
-            f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-            f"\"max_tokens\": 32}}'\n"
-            f"Add a worker while it runs:\n"
-            f"  TANDEM_ETCD={redact_url(self._env['TANDEM_ETCD'])} TANDEM_NATS={redact_url(self._env['TANDEM_NATS'])} "
-            f"TANDEM_NAMESPACE={self._env['TANDEM_NAMESPACE']} {sys.executable} -m "
-            f"{worker}\n"
-            "Press Ctrl-C to stop.\n",
-            flush=True,
-        )
+        print(banner(self.config, self._model_path, self.url, self._env), flush=True)
 
     def _supervise(self) -> int:
         """Serve until a stop is requested, restarting every child that exits without being asked
@@ -364,7 +397,7 @@ class Launcher:
         taken = [int(c.name.rsplit("-", 1)[1]) for c in self._components if c.kind == kind]
         comp = worker_component(self.config, self._model_path, kind, max(taken, default=-1) + 1, free_port())
         self._components.append(comp)
-        child = self._children[comp.name] = Child(comp.name, comp.argv(), env=self._child_env)
+        child = self._children[comp.name] = Child(comp.name, comp.argv(), env={**self._child_env, **dict(comp.env)})
         return child.start()
 
 

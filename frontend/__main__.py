@@ -17,6 +17,7 @@ from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .app import Frontend
 from .auth import ApiKeyAuth, read_keys
+from .flags import FRONTEND_FLAGS
 from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER_BYTES, FrontendConfig
 from .server import HttpServer
 
@@ -26,7 +27,7 @@ log = logging.getLogger("frontend")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend", description="Tandem OpenAI-compatible frontend")
     add_runtime_args(parser)
-    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument("--http-port", "--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     parser.add_argument("--router-mode", default="kv", choices=ROUTER_MODES, help="routing (default kv)")
     parser.add_argument("--remote-router", action="store_true",
@@ -48,9 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-stream-buffer-bytes", type=int, default=DEFAULT_MAX_STREAM_BUFFER_BYTES,
                         help="bytes of a stream's output that may wait for a client that does not read before the "
                              "stream is dropped and its worker work cancelled")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="require 'Authorization: Bearer KEY'; repeatable, comma-separated, or @FILE (one per "
-                             "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
+    for flag in FRONTEND_FLAGS:
+        flag.add(parser)
     parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     parser.add_argument("--disagg-min-tokens", type=int, default=256,
                         help="prefill/decode disaggregation: prefill a prompt on a prefill worker only when its decode "
@@ -83,7 +83,7 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           api_keys=read_keys(args.api_key or ()),
                           metrics_require_key=args.metrics_require_key, disagg_min_tokens=args.disagg_min_tokens,
                           prefill_max_queue=args.prefill_max_queue, strict_fields=args.strict_fields,
-                          render_processes=args.render_processes)
+                          render_processes=args.render_processes, tool_call_parser=args.tool_call_parser)
 
 
 async def amain(args: argparse.Namespace) -> None:

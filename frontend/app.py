@@ -216,7 +216,7 @@ class Frontend:
             prefill.on_decision = lambda where, why: self.metrics.prefills.labels(where, why).inc()
         self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s,
-                                         render)
+                                         render, config.tool_call_parser)
         self.tokenizing = TokenizeService(registry, self.served_models, config.tokenizer_timeout_s)
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
@@ -266,7 +266,7 @@ class Frontend:
     def served_models(self) -> list[str]:
         """The models whose card we know that some live target instance serves."""
         served = {r.model for r in self.client.instances()}
-        return [m.name for m in self.registry.list() if m.name in served]
+        return [m.name for m in self.registry.list() if m.served_as in served]
 
     async def complete(self, request: Request, endpoint: str) -> Response:
         """Serve one chat completion (``endpoint`` "chat"), text completion ("completions") or

@@ -7,6 +7,11 @@ import bisect
 from dataclasses import dataclass, field
 
 
+# vLLM's bounds (seconds) for a request's latency and its phases (e2e, queue, prefill, decode)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
 @dataclass
 class Histogram:
     """Cumulative-at-exposition bucket counts for a HistogramMetricFamily."""

@@ -14,8 +14,11 @@ KV tier holds (``tiers``) are copied into fresh blocks at admission and count as
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
+
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, Histogram
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SeqStatus
@@ -48,6 +51,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # vLLM's prefix-cache counters, in tokens: every admission queries its prompt, hits its cached part
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.queue_time = Histogram(REQUEST_LATENCY_BUCKETS)  # queued to first scheduled, per request
         # False while something needs every position computed (a draft that reads the target's hidden
         # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
         self.reuse_cached_prefix = True
@@ -94,6 +101,9 @@ class Scheduler:
                 if n == 0:
                     break
                 self.waiting.popleft()
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = time.monotonic()
+                    self.queue_time.observe(seq.scheduled_at - seq.queued_at)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
@@ -151,6 +161,8 @@ class Scheduler:
             self.blocks.register(loaded, loaded_hashes, hashes[len(hits) - 1] if hits else 0)
         seq.num_computed = num_cached
         seq.num_registered = len(hits) + lower
+        self.prefix_queries += len(seq)
+        self.prefix_hits += num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
         return n
