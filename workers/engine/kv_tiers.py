@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.histogram import Histogram
-from runtime.kv_hash import ROOT_HASH
+from runtime.kv_hash import ROOT_HASH, stored_events
 from runtime.messages import KvEvent, KvEventKind
 
 from .block_manager import BlockManager
@@ -239,6 +239,19 @@ class KvTiers:
                 chain = []
             self._take_from_disk(chain, time.perf_counter() - h.started)
             out.append(h.seq)
+        return out
+
+    def dump(self) -> list[KvEvent]:
+        """The host tier's contents as ``stored`` events, one block each, parents before children (what
+        a late router is sent with the device pool's dump). The disk tier is not dumped: it may hold
+        far more blocks than a dump should carry, and other targets share it."""
+        parents = {h: parent for h, (_, parent) in self.host.entries.items()}
+        out = []
+        for event in stored_events(self.worker_id, self.block_size, parents, 0):
+            with self._lock:
+                self._event_ids["host"] += 1
+                out.append(KvEvent(self.worker_id, self._event_ids["host"], KvEventKind.STORED, event.block_hashes,
+                                   event.parent_hash, self.block_size, "host"))
         return out
 
     def drain_events(self) -> list[KvEvent]:

@@ -213,3 +213,14 @@ def test_concurrent_writers_of_one_directory_leave_only_whole_blocks(tmp_path):
     assert all(check_file(f, payload) for f in files)
     got = tiers[0].get(7, 0, [1, 2, 3, 7])
     assert got is not None and bytes(got) == bytes([7]) * payload
+
+
+def test_a_dump_republishes_the_host_tier_as_host_events(model):
+    e = engine(model, host_blocks=400)
+    conversations(e, turns=2, n=3)
+    events = [ev for ev in e.drain_kv_events() if ev.tier == "host"]
+    dump = e.tiers.dump()
+    assert {h for ev in dump for h in ev.block_hashes} == set(e.tiers.host.entries)
+    assert all(ev.tier == "host" and ev.kind == KvEventKind.STORED for ev in dump)
+    # numbered after the tier's own events, so a router's index takes them in order
+    assert [ev.event_id for ev in dump] == list(range(events[-1].event_id + 1, events[-1].event_id + 1 + len(dump)))
