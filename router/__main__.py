@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cost of one block of prefill, relative to one active decode block")
     parser.add_argument("--queue-weight", type=float, default=KvRouterConfig.queue_weight,
                         help="cost of one queued request, in blocks")
+    parser.add_argument("--tier-hit-weight", type=float, default=KvRouterConfig.tier_hit_weight,
+                        help="share of a block's prefill saved when a worker holds it in a lower KV tier (host, "
+                             "disk) rather than on its device (0..1; a device hit saves 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="softmax temperature (0: cheapest wins)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for --router-mode random (default: unseeded)")
     parser.add_argument("--no-dump", action="store_true", help="do not ask workers for their cache state at start")
@@ -82,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def service_config(args: argparse.Namespace) -> RouterServiceConfig:
     kv = KvRouterConfig(block_size=args.block_size, overlap_weight=args.overlap_weight, queue_weight=args.queue_weight,
-                        temperature=args.temperature, seed=args.seed, request_dump=not args.no_dump,
+                        tier_hit_weight=args.tier_hit_weight, temperature=args.temperature, seed=args.seed, request_dump=not args.no_dump,
                         inflight_ttl=args.selection_ttl)
     return RouterServiceConfig(args.mode, kv, args.stats_window, args.selection_ttl)
 

@@ -7,6 +7,15 @@ For a request of ``n`` blocks and a worker that already holds its first ``overla
          + decode_blocks                          # KV blocks of requests already running there
          + queue_weight * queued                  # requests waiting there
 
+A worker that keeps KV blocks below its device pool (host memory, disk: ``tier`` KV events) may
+hold more of the prompt there, after its device overlap: ``lower`` blocks. Loading a block back
+costs a fraction of computing it (a memory or disk read against a forward pass), so::
+
+    prefill_blocks = n - overlap - tier_hit_weight * lower
+
+``tier_hit_weight`` (0..1, default 0.75: a lower-tier hit costs a quarter of a miss) puts a
+lower-tier hit between a device hit (weight 1) and a miss (weight 0).
+
 All terms are in blocks, so ``overlap_weight`` trades cache hits against load: with weight w, a worker
 that holds k more of the prompt's blocks may carry w*k more active blocks and still win. The lowest
 cost wins and ties are broken at random; with ``temperature > 0`` the choice is a softmax over the
@@ -27,6 +36,7 @@ class KvRouterConfig:
 
     block_size: int = 16  # used for workers whose KV events have not told theirs yet
     overlap_weight: float = 2.0
+    tier_hit_weight: float = 0.75  # a lower-tier (host, disk) hit saves this fraction of a miss's prefill
     queue_weight: float = 16.0  # cost of one queued request, in blocks
     temperature: float = 0.0
     seed: int | None = None
@@ -41,6 +51,8 @@ class KvRouterConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0 <= self.tier_hit_weight <= 1:
+            raise ValueError(f"tier_hit_weight must be in [0, 1], got {self.tier_hit_weight}")
         if self.overlap_weight < 0 or self.queue_weight < 0:
             raise ValueError("overlap_weight and queue_weight must be >= 0")
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -93,6 +93,11 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return len(w.blocks) if w else 0
 
+    def holds(self, worker_id: str, block_hash: int) -> bool:
+        """Whether the worker holds the block."""
+        w = self._workers.get(worker_id)
+        return w is not None and block_hash in w.blocks
+
     def block_size(self, worker_id: str) -> int:
         """The block size of the worker's last event (0: unknown)."""
         w = self._workers.get(worker_id)

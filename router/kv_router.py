@@ -3,7 +3,9 @@
 ``await create_router(rt, "kv", **options)`` builds one (options: :class:`router.cost.KvRouterConfig`).
 Once started it
 - keeps a :class:`router.indexer.KvIndex` from the workers' KV events (``TOPIC_KV``) and, if asked,
-  publishes a ``KvDumpRequest`` first so that workers republish what they already hold;
+  publishes a ``KvDumpRequest`` first so that workers republish what they already hold; events of
+  lower KV tiers (``KvEvent.tier``: host, disk) go to one more index per tier, and a lower-tier hit
+  after the device overlap is scored between a hit and a miss (``tier_hit_weight``, :mod:`router.cost`);
 - keeps a :class:`router.load.LoadTracker` from load events (``TOPIC_LOAD``) and its own selections;
 - drops a worker from both as soon as it leaves the live instance snapshot (etcd);
 - scores every candidate with the cost of :mod:`router.cost` (overlap_weight · blocks to prefill +
@@ -55,6 +57,8 @@ class KvRouter(Router):
         self.config = config or KvRouterConfig()
         super().__init__(instances, self.config.seed)
         self.index = KvIndex(gap_timeout=self.config.gap_timeout)
+        # blocks workers keep below their device pool, per tier (KvEvent.tier): scored between a hit and a miss
+        self.tiers: dict[str, KvIndex] = {}
         self.load = LoadTracker(self.config.queue_weight)
         self._by_model: dict[str, list[str]] | None = None  # live target ids per model, from the snapshot
         self.decisions = 0
@@ -122,6 +126,8 @@ class KvRouter(Router):
         """Skip stale event gaps, forget unreleased selections and workers that never registered."""
         now = time.monotonic() if now is None else now
         self.index.flush_gaps(now)
+        for index in self.tiers.values():
+            index.flush_gaps(now)
         self.index.sweep(now)
         for ticket, worker_id in self.load.expire(self.config.inflight_ttl, now):
             log.warning("kv router: selection %d on %s was never released; forgetting it", ticket, worker_id)
@@ -134,7 +140,13 @@ class KvRouter(Router):
     # ------------------------------------------------------------------ inputs
 
     def on_kv_event(self, event: KvEvent) -> None:
-        self.index.apply(event)
+        if event.tier:
+            index = self.tiers.get(event.tier)
+            if index is None:
+                index = self.tiers[event.tier] = KvIndex(gap_timeout=self.config.gap_timeout)
+            index.apply(event)
+        else:
+            self.index.apply(event)
 
     def on_load_event(self, event: LoadEvent) -> None:
         if not self.index.is_departed(event.worker_id):
@@ -156,6 +168,8 @@ class KvRouter(Router):
 
     def _forget(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
+        for index in self.tiers.values():
+            index.remove_worker(worker_id)
         self.load.drop_worker(worker_id)
         self.in_flight.pop(worker_id, None)
 
@@ -178,7 +192,9 @@ class KvRouter(Router):
         weight = cfg.overlap_weight
         if prefill is None:
             n = request_blocks(len(token_ids), block_size)
-            costs = [weight * (n - overlaps[w]) + pressure(w, 0) for w in ids]
+            lower = await self._lower_overlaps(token_ids, block_size, ids, overlaps) if self.tiers else {}
+            saved = cfg.tier_hit_weight
+            costs = [weight * (n - overlaps[w] - saved * lower.get(w, 0)) + pressure(w, 0) for w in ids]
         else:
             costs = [weight * p + pressure(w, 0) for w, p in zip(ids, prefill)]
         chosen = choose(costs, cfg.temperature, self._rng)
@@ -216,6 +232,25 @@ class KvRouter(Router):
             return found  # the walk stopped within the head: the rest cannot change it
         rest = await asyncio.to_thread(block_hashes, token_ids[head:], block_size, hashes[-1])
         return self.index.overlaps(itertools.chain(hashes, rest), ids)
+
+    async def _lower_overlaps(self, token_ids: Sequence[int], block_size: int, ids: list[str],
+                              overlaps: dict[str, int]) -> dict[str, int]:
+        """Per worker: how many blocks after its device overlap its lower tiers hold, in a row."""
+        full = len(token_ids) // block_size
+        if full <= min(overlaps.values(), default=0):
+            return {}
+        if full > INLINE_HASH_BLOCKS:
+            hashes = await asyncio.to_thread(block_hashes, token_ids, block_size)
+        else:
+            hashes = block_hashes(token_ids, block_size)
+        tiers = list(self.tiers.values())
+        out = {}
+        for w in ids:
+            j = overlaps[w]
+            while j < len(hashes) and any(t.holds(w, hashes[j]) for t in tiers):
+                j += 1
+            out[w] = j - overlaps[w]
+        return out
 
     async def _mixed_sizes(self, token_ids: Sequence[int], ids: list[str]) -> tuple[dict[str, int], list[int]]:
         overlaps: dict[str, int] = {}

@@ -280,7 +280,9 @@ class KvEvent(_Wire):
     ``block_hashes`` are chained hashes (see :mod:`runtime.kv_hash`). For ``stored`` they are
     consecutive blocks of one sequence, the first of which follows ``parent_hash`` (None: the
     first block of the sequence). ``event_id`` increases by one per event of a worker, so a
-    reader can spot gaps and duplicates.
+    reader can spot gaps and duplicates. ``tier``: "" for the device pool (the prefix cache), or
+    the lower tier the change is in (``host``, ``disk``: see ``workers/engine/kv_tiers.py``); each
+    tier of a worker numbers its events on its own.
     """
 
     worker_id: str
@@ -289,6 +291,7 @@ class KvEvent(_Wire):
     block_hashes: list[int] = []
     parent_hash: int | None = None
     block_size: int = 16
+    tier: str = ""
 
 
 class KvDumpRequest(_Wire):

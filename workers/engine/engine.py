@@ -164,6 +164,7 @@ class Engine:
         if config.async_scheduling and followers is not None:
             log.warning("async scheduling is off under tensor parallelism: every step is synchronous")
         self._pending: PendingStep | None = None  # the launched step whose tokens are still on the device
+        self.tiers = None  # KV tiers below the device pool (attach_tiers)
         log.info("engine: %d blocks of %d tokens, max_model_len %d, hidden layers %s", num_blocks, config.block_size,
                  max_len, list(layers) or "none")
         if config.num_blocks is None and config.gpu_memory_utilization is not None and param.is_cuda:
@@ -231,7 +232,8 @@ class Engine:
                                  tree_topk, tree_depth)
         if seq is not None:
             seq.prefill_only = prefill_only
-            self.scheduler.add(seq)
+            if self.tiers is None or not self.scheduler.reuse_cached_prefix or not self.tiers.hold(seq):
+                self.scheduler.add(seq)  # (held: queued once its disk-tier blocks are read, see step)
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids, grammar,
                       num_speculative_tokens, tree_topk, tree_depth) -> Sequence | None:
@@ -271,7 +273,13 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._immediate or self._joining) or self.scheduler.has_work() or self._pending is not None
+        return (bool(self._immediate or self._joining) or self.scheduler.has_work() or self._pending is not None
+                or (self.tiers is not None and bool(self.tiers.held)))
+
+    def attach_tiers(self, tiers) -> None:
+        """Keep KV blocks below the device pool (:class:`.kv_tiers.KvTiers`, built over this engine's cache)."""
+        self.tiers = tiers
+        self.scheduler.tiers = tiers
 
     # ------------------------------------------------------------------ speculation: the draft worker's side
 
@@ -406,6 +414,10 @@ class Engine:
             self.spec.observe_cycle(stats.tokens, stats.verified, stats.decoding, stats.emitted,
                                     time.perf_counter() - started)
         self._join_received()
+        if self.tiers is not None:  # blocks computed in this step go down; sequences whose disk reads ended queue
+            for seq in self.tiers.after_step(idle=not batch):
+                if self.seqs.get(seq.request_id) is seq:
+                    self.scheduler.add(seq)
         return outputs
 
     def _join_received(self) -> None:
@@ -580,6 +592,9 @@ class Engine:
             start = seq.num_registered
             parent = hashes[start - 1] if start else 0
             self.blocks.register(seq.block_table[start:full], hashes[start:full], parent)
+            if self.tiers is not None:
+                self.tiers.computed(seq.block_table[start:full], hashes[start:full], parent,
+                                    seq.token_ids[start * bs : full * bs])
             seq.num_registered = full
 
     def _append(self, seq: Sequence, token: int) -> None:
@@ -788,7 +803,8 @@ class Engine:
     # ------------------------------------------------------------------ introspection
 
     def drain_kv_events(self) -> list[KvEvent]:
-        return self.blocks.drain_events()
+        events = self.blocks.drain_events()
+        return events + self.tiers.drain_events() if self.tiers is not None else events
 
     @property
     def num_running(self) -> int:

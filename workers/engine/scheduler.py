@@ -7,7 +7,8 @@ preempted by recompute (its blocks freed, it goes back to the front of the queue
 blocks usually stay in the prefix cache, so the recompute is mostly a cache hit). Waiting
 sequences are admitted while the budget, ``max_num_seqs`` and the free blocks allow; at
 admission a sequence takes its cached prefix blocks (never the whole prompt: the last token is
-always computed, so the step yields logits).
+always computed, so the step yields logits). Leading blocks past the cached prefix that a lower
+KV tier holds (``tiers``) are copied into fresh blocks at admission and count as cached.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Scheduler:
         # False while something needs every position computed (a draft that reads the target's hidden
         # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
         self.reuse_cached_prefix = True
+        self.tiers = None  # KV tiers below the device pool (workers/engine/kv_tiers.py), if any
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -143,7 +145,9 @@ class Scheduler:
         bs = self.block_size
         hashes = seq.full_block_hashes(bs, len(seq))[: (len(seq) - 1) // bs]
         hits = self.blocks.match_prefix(hashes) if self.reuse_cached_prefix else []
-        num_cached = len(hits) * bs
+        # blocks after the device hits that a lower KV tier holds: loaded into fresh blocks below
+        lower = self.tiers.take_prefix(hashes, len(hits)) if self.tiers is not None and self.reuse_cached_prefix else 0
+        num_cached = (len(hits) + lower) * bs
         n = min(len(seq) - num_cached, budget)
         need = self._blocks_for(num_cached + n) - len(hits)
         reclaimed = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # hits that sit in the free queue
@@ -151,8 +155,12 @@ class Scheduler:
             return 0
         self.blocks.acquire(hits)
         seq.block_table = hits + self.blocks.allocate(need)
+        if lower:
+            loaded, loaded_hashes = seq.block_table[len(hits) : len(hits) + lower], hashes[len(hits) : len(hits) + lower]
+            self.tiers.load(loaded, loaded_hashes)
+            self.blocks.register(loaded, loaded_hashes, hashes[len(hits) - 1] if hits else 0)
         seq.num_computed = num_cached
-        seq.num_registered = len(hits)
+        seq.num_registered = len(hits) + lower
         self.prefix_queries += len(seq)
         self.prefix_hits += num_cached
         if seq.num_cached_tokens < 0:

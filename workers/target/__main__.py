@@ -77,6 +77,10 @@ class TargetConfig:
     gpu_memory_utilization: float | None = None  # CUDA: the device share this worker may use (None: kv_cache_gb)
     hidden_plane: str = "auto"  # how hidden states reach drafts: auto, shm, stream or inline
     hidden_ring_mib: int = 64  # the shared-memory ring per draft stream (plane shm)
+    # KV tiers below the device pool (workers/engine/kv_tiers.py): host GiB (0: off), disk dir and GiB
+    kv_offload_host_gb: float = 0.0
+    kv_offload_disk_dir: str | None = None
+    kv_offload_disk_gb: float = 16.0
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -122,6 +126,13 @@ class TargetConfig:
         if self.role != "aggregated" and self.kv_transfer_timeout >= self.kv_handoff_ttl:
             raise ValueError("--kv-transfer-timeout must be shorter than --kv-handoff-ttl (a pull must end before "
                              "the prefill worker may reuse the blocks)")
+        if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb <= 0:
+            raise ValueError("--kv-offload-host-gb must be >= 0 and --kv-offload-disk-gb positive")
+        if self.kv_offload_disk_dir and not self.kv_offload_host_gb:
+            raise ValueError("--kv-offload-disk-dir needs a host tier (--kv-offload-host-gb > 0): disk blocks load "
+                             "through it")
+        if self.kv_offload_host_gb and (self.tensor_parallel_size > 1 or not self.enable_prefix_caching):
+            raise ValueError("--kv-offload-host-gb needs prefix caching and no tensor parallelism")
         if self.spec_seam not in ("sync", "pipelined"):
             raise ValueError(f"--spec-seam must be sync or pipelined, got {self.spec_seam!r}")
         if self.hidden_plane not in ("auto", "shm", "stream", "inline"):
@@ -234,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-handoff-ttl", type=float, default=30.0,
                         help="prefill role: seconds handed-off KV blocks wait for their decode worker before they "
                              "are freed")
+    # KV cache tiers below the device pool (workers/engine/kv_tiers.py)
+    parser.add_argument("--kv-offload-host-gb", type=float, default=0.0,
+                        help="GiB of host memory (pinned on CUDA) that keeps KV blocks below the device pool, so a "
+                             "prefix evicted there loads back instead of being recomputed (0: off)")
+    parser.add_argument("--kv-offload-disk-dir", default=None,
+                        help="a directory for a disk tier below the host tier: one checksummed file per block, "
+                             "named by its chained hash; several targets of the same model may share it")
+    parser.add_argument("--kv-offload-disk-gb", type=float, default=16.0,
+                        help="the most GiB this worker keeps in --kv-offload-disk-dir (oldest blocks go first)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)
@@ -255,7 +275,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.kv_handoff_ttl, args.async_scheduling, args.spec_seam,
                         served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
                         gpu_memory_utilization=args.gpu_memory_utilization, hidden_plane=args.hidden_plane,
-                        hidden_ring_mib=args.hidden_ring_mib)
+                        hidden_ring_mib=args.hidden_ring_mib, kv_offload_host_gb=args.kv_offload_host_gb,
+                        kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -329,6 +350,11 @@ def build_engine(cfg: TargetConfig, worker_id: str):
         if followers is not None:
             followers.close()
         raise
+    if cfg.kv_offload_host_gb:
+        from workers.engine.kv_tiers import build_tiers
+
+        engine.attach_tiers(build_tiers(engine, int(cfg.kv_offload_host_gb * (1 << 30)), cfg.kv_offload_disk_dir,
+                                        int(cfg.kv_offload_disk_gb * (1 << 30)), cfg.served_model_name))
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
                                                    engine.vocab_size, sorted(engine.eos_token_ids))
@@ -460,6 +486,8 @@ async def amain(args: argparse.Namespace) -> None:
         await worker.stop()
         if kv_agent is not None:
             kv_agent.close()
+        if engine.tiers is not None:
+            await asyncio.to_thread(engine.tiers.close)
         if followers is not None:
             await asyncio.to_thread(followers.close)
     if failed:

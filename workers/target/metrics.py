@@ -184,6 +184,8 @@ class TargetCollector(Collector):
         info.add_metric([self.model, str(engine.max_model_len), dtype_name(engine.runner.dtype), str(cfg.max_num_seqs),
                          util, str(engine.kv_cache_bytes), " ".join(self.names)], 1)
         yield info
+        if engine.tiers is not None:
+            yield from self._tiers(engine.tiers)
         finished = CounterMetricFamily("tandem_target_requests_finished", "Requests ended, by finish reason.",
                                        labels=["model", "reason"])
         for reason, count in sorted(w.stats.finished.items()):
@@ -216,6 +218,54 @@ class TargetCollector(Collector):
         h = HistogramMetricFamily("tandem_target_kv_transfer_seconds", "Seconds per KV pull.", labels=["model"])
         h.add_metric([self.model], d.transfer_seconds.buckets(), d.transfer_seconds.total)
         yield h
+
+    def _tiers(self, tiers):
+        """KV tiers below the device pool (``--kv-offload-*``): ``tandem_target_kv_tier_*{tier=host|disk}``."""
+        labels = ["model", "tier"]
+        disk = tiers.disk
+        used = {"host": len(tiers.host) * tiers.copier.block_bytes, "disk": disk.used_bytes if disk else 0}
+        capacity = {"host": tiers.host_bytes, "disk": disk.capacity_bytes if disk else 0}
+        evicted = {"host": tiers.stats["host"].evicted, "disk": disk.counters.evicted if disk else 0}
+        present = ["host"] + (["disk"] if disk is not None else [])
+        for name, kind, doc, value in (
+                ("hits", CounterMetricFamily, "Blocks loaded back from this tier (prefix hits below the device).",
+                 lambda t: tiers.stats[t].hits),
+                ("loaded_bytes", CounterMetricFamily, "Bytes loaded back from this tier.",
+                 lambda t: tiers.stats[t].loaded_bytes),
+                ("stored_blocks", CounterMetricFamily, "Blocks stored into this tier.", lambda t: tiers.stats[t].stored),
+                ("stored_bytes", CounterMetricFamily, "Bytes stored into this tier.",
+                 lambda t: tiers.stats[t].stored_bytes),
+                ("evicted_blocks", CounterMetricFamily, "Blocks evicted from this tier (LRU, to stay within its size).",
+                 lambda t: evicted[t]),
+                ("used_bytes", GaugeMetricFamily, "Bytes this tier holds.", lambda t: used[t]),
+                ("capacity_bytes", GaugeMetricFamily, "This tier's size.", lambda t: capacity[t]),
+                ("disabled", GaugeMetricFamily, "1 when the tier turned itself off (a full disk).",
+                 lambda t: float(t == "disk" and disk is not None and disk.disabled))):
+            m = kind(f"tandem_target_kv_tier_{name}", doc, labels=labels)
+            for t in present:
+                m.add_metric([self.model, t], value(t))
+            yield m
+        h = HistogramMetricFamily("tandem_target_kv_tier_load_seconds",
+                                  "Seconds per load from this tier (host: a copy into the device pool at admission; "
+                                  "disk: reading a prompt's chain of block files).", labels=labels)
+        for t in present:
+            h.add_metric([self.model, t], tiers.stats[t].load_seconds.buckets(), tiers.stats[t].load_seconds.total)
+        yield h
+        if disk is not None:
+            c = CounterMetricFamily("tandem_target_kv_tier_bad_blocks",
+                                    "Disk-tier block files that failed a check (recomputed), by reason.",
+                                    labels=["model", "reason"])
+            for reason, count in sorted(dict(disk.counters.bad).items()):
+                c.add_metric([self.model, reason], count)
+            yield c
+            yield self._plain_counter("kv_tier_dropped_writes",
+                                      "Disk-tier writes dropped (writer queue full, or the tier off).",
+                                      disk.counters.dropped)
+
+    def _plain_counter(self, name: str, doc: str, value: float):
+        c = CounterMetricFamily(f"tandem_target_{name}", doc, labels=["model"])
+        c.add_metric([self.model], value)
+        return c
 
     def _vllm(self, w, engine):
         """vLLM's names and labels (model_name, engine)."""

@@ -161,7 +161,8 @@ class TargetWorker:
         return self.loop.healthy
 
     async def on_dump_request(self, _request: KvDumpRequest) -> None:
-        events = await self.loop.call(lambda engine: engine.blocks.dump())
+        events = await self.loop.call(lambda engine: engine.blocks.dump()
+                                      + (engine.tiers.dump() if engine.tiers is not None else []))
         self._kv_out.put_nowait(events)
 
     def load(self) -> LoadEvent:

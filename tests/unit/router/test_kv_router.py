@@ -210,3 +210,46 @@ async def test_a_long_cached_prompt_is_hashed_off_the_event_loop():
     assert await router._overlaps(tokens, 16, ["w1", "w2"]) == {"w1": INLINE_HASH_BLOCKS + 300, "w2": 100}
     router.on_kv_event(KvEvent("w0", 2, "cleared", []))
     assert await router._overlaps(tokens, 16, ["w0", "w2"]) == {"w0": 0, "w2": 100}
+
+
+async def test_a_lower_tier_hit_scores_between_a_device_hit_and_a_miss():
+    """w0 holds the prefix on its device, w1 in its host tier (KvEvent.tier), w2 nowhere: w0 wins,
+    then w1 (once w0 is gone), and a request never goes to w2 while w1 holds the prefix below."""
+    router, records = make_router()
+    hashes = block_hashes(PREFIX, 16)
+    router.on_kv_event(KvEvent("w0", 1, "stored", hashes))
+    router.on_kv_event(KvEvent("w1", 1, "stored", hashes, tier="host"))
+    s = await router.select("m", prompt(1))
+    assert (s.instance_id, s.overlap_blocks) == ("w0", 32)
+    router.release(s)
+    del records["w0"]
+    router.on_instances(dict(records))
+    for i in range(4):
+        s = await router.select("m", prompt(2 + i))
+        assert s.instance_id == "w1" and s.overlap_blocks == 0  # the device overlap; the tier hit is scored apart
+        router.release(s)
+    # the tier's own removal event takes the hit away: w1 and w2 tie again
+    router.on_kv_event(KvEvent("w1", 2, "removed", hashes, tier="host"))
+    chosen = set()
+    for i in range(20):
+        s = await router.select("m", prompt(10 + i))
+        chosen.add(s.instance_id)
+        router.release(s)
+    assert chosen == {"w1", "w2"}
+
+
+async def test_lower_tier_hits_count_after_the_device_overlap():
+    """Device blocks 0..15 and host blocks 16..31 on w1 beat 24 device blocks on w0 (16 + 0.75*16 = 28 > 24)."""
+    router, _ = make_router(("w0", "w1"))
+    hashes = block_hashes(PREFIX, 16)
+    router.on_kv_event(KvEvent("w0", 1, "stored", hashes[:24]))
+    router.on_kv_event(KvEvent("w1", 1, "stored", hashes[:16]))
+    router.on_kv_event(KvEvent("w1", 1, "stored", hashes[16:], hashes[15], tier="host"))
+    s = await router.select("m", prompt(1))
+    assert s.instance_id == "w1"
+    router.release(s)
+    router2, _ = make_router(("w0", "w1"), tier_hit_weight=0.25)  # 16 + 0.25*16 = 20 < 24
+    router2.on_kv_event(KvEvent("w0", 1, "stored", hashes[:24]))
+    router2.on_kv_event(KvEvent("w1", 1, "stored", hashes[:16]))
+    router2.on_kv_event(KvEvent("w1", 1, "stored", hashes[16:], hashes[15], tier="host"))
+    assert (await router2.select("m", prompt(1))).instance_id == "w0"
