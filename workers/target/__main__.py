@@ -245,15 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-handoff-ttl", type=float, default=30.0,
                         help="prefill role: seconds handed-off KV blocks wait for their decode worker before they "
                              "are freed")
-    # KV cache tiers below the device pool (workers/engine/kv_tiers.py)
-    parser.add_argument("--kv-offload-host-gb", type=float, default=0.0,
-                        help="GiB of host memory (pinned on CUDA) that keeps KV blocks below the device pool, so a "
-                             "prefix evicted there loads back instead of being recomputed (0: off)")
-    parser.add_argument("--kv-offload-disk-dir", default=None,
-                        help="a directory for a disk tier below the host tier: one checksummed file per block, "
-                             "named by its chained hash; several targets of the same model may share it")
-    parser.add_argument("--kv-offload-disk-gb", type=float, default=16.0,
-                        help="the most GiB this worker keeps in --kv-offload-disk-dir (oldest blocks go first)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)

@@ -24,4 +24,15 @@ DTYPE = SharedFlag(("--dtype",), dict(
     help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU"))
 MAX_NUM_SEQS = SharedFlag(("--max-num-seqs",), dict(type=int, default=64, help="most sequences in a batch"))
 
-ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS)
+# KV cache tiers below the device pool (workers/engine/kv_tiers.py)
+KV_OFFLOAD_HOST_GB = SharedFlag(("--kv-offload-host-gb",), dict(
+    type=float, default=0.0, help="GiB of host memory (pinned on CUDA) that keeps KV blocks below the device pool, "
+                                  "so a prefix evicted there loads back instead of being recomputed (0: off)"))
+KV_OFFLOAD_DISK_DIR = SharedFlag(("--kv-offload-disk-dir",), dict(
+    default=None, help="a directory for a disk tier below the host tier: one checksummed file per block, named by "
+                       "its chained hash; several targets of the same model may share it"))
+KV_OFFLOAD_DISK_GB = SharedFlag(("--kv-offload-disk-gb",), dict(
+    type=float, default=16.0, help="the most GiB this worker keeps in --kv-offload-disk-dir (oldest blocks go first)"))
+
+ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, KV_OFFLOAD_HOST_GB,
+                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB)
