@@ -441,7 +441,7 @@ class Runtime:
             role=role,
             model=model,
             grpc_address=grpc_address,
-            http_address=http_address or (self.health.address if self.health else ""),
+            http_address=http_address or (self.health.advertised_address if self.health else ""),
             started_at=self.started_at,
         )
         await self._registrar.put(instance_key(self.namespace, component, endpoint, self.instance_id), encode(record))
