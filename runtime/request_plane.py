@@ -4,7 +4,8 @@ Contract:
 - A client publishes a :class:`RequestEnvelope` to the instance's own subject
   (``{ns}.{component}.{endpoint}.{instance_id}``) with a reply subject on its inbox.
 - The server answers on that reply subject with :class:`Frame`s: ACK first (the handler started),
-  then DATA frames numbered from 0 as the handler yields, then exactly one END or ERROR. While a
+  then DATA frames numbered from 0 as the handler yields, then exactly one END or ERROR (a stream a
+  drain cancels at its timeout ends with a ``shutting_down`` ERROR, so its client resumes elsewhere). While a
   stream is idle the server sends HEARTBEAT frames every half ``heartbeat_interval``.
 - The client raises :class:`InstanceTimeout` when no ACK arrives within ``ack_timeout``,
   :class:`InstanceGone` when NATS reports no responders or the stream stalls (no frame for
@@ -86,7 +87,7 @@ def _check_size(data: bytes, max_payload: int) -> None:
 
 
 class _ActiveStream:
-    __slots__ = ("reply_to", "task", "last_sent", "request_id", "token", "liveness")
+    __slots__ = ("reply_to", "task", "last_sent", "request_id", "token", "liveness", "drained")
 
     def __init__(self, request_id: str, reply_to: str, liveness_prefix: str = ""):
         self.request_id = request_id
@@ -95,6 +96,7 @@ class _ActiveStream:
         self.liveness = f"{liveness_prefix}.{self.token}" if liveness_prefix else ""  # where NATS says "no responders"
         self.task: asyncio.Task | None = None
         self.last_sent = time.monotonic()
+        self.drained = False  # cancelled by a drain that timed out: ends with a ShuttingDown error frame
 
 
 class RequestServer:
@@ -187,7 +189,9 @@ class RequestServer:
                 seq += 1
             await self._publish(stream, Frame(FrameKind.END, seq))
         except asyncio.CancelledError:
-            log.info("request %s: cancelled", rid)
+            log.info("request %s: cancelled%s", rid, " (drain timed out)" if stream.drained else "")
+            if stream.drained:  # tell the client now: it resumes elsewhere instead of waiting for a stall
+                await self._send_error(stream, ShuttingDown("drain timed out: resume on another instance"))
         except TandemError as exc:
             log.info("request %s: %s", rid, exc)
             await self._send_error(stream, exc)
@@ -253,15 +257,19 @@ class RequestServer:
         self._draining = True
 
     async def drain(self, timeout: float) -> int:
-        """Wait up to ``timeout`` for in-flight streams, then cancel the rest; returns how many were cancelled."""
+        """Wait up to ``timeout`` for in-flight streams, then cancel the rest, each ending with a
+        :class:`ShuttingDown` error frame (its client migrates at once); returns how many were cancelled."""
         self._draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
             pass
-        left = [s.task for s in self._streams.values() if s.task is not None]
-        for task in left:
-            task.cancel()
+        left = []
+        for stream in self._streams.values():
+            if stream.task is not None:
+                stream.drained = True
+                stream.task.cancel()
+                left.append(stream.task)
         if left:
             await asyncio.gather(*left, return_exceptions=True)
         return len(left)
