@@ -26,6 +26,7 @@ from collections.abc import Callable
 import grpc
 
 from proto import spec_pb2, spec_pb2_grpc
+from runtime.backoff import backoff_delay
 from runtime.messages import InstanceRecord
 
 from ..speculation.checks import hello_ack_problem
@@ -248,7 +249,7 @@ class DraftPool:
 
     def _retry_at(self, draft_id: str) -> float:
         when, failures = self._failed.get(draft_id, (0.0, 0))
-        return when + min(RETRY_BASE_S * 2 ** (failures - 1), RETRY_MAX_S) if failures else 0.0
+        return when + backoff_delay(failures - 1, RETRY_BASE_S, RETRY_MAX_S) if failures else 0.0
 
     def _mark_failed(self, draft_id: str) -> float:
         """Record a failure; returns the seconds until the draft worker is tried again."""
