@@ -210,6 +210,17 @@ class DraftClient:
             await self._channel.close()
 
 
+def rendezvous_choice(target_id: str, candidates: list[InstanceRecord]) -> InstanceRecord:
+    """Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top one.
+    Targets spread evenly over drafts, and a new draft takes over ~1/M of the targets at once (the
+    others keep their streams)."""
+    def weight(r: InstanceRecord) -> int:
+        digest = hashlib.blake2b(f"{target_id}/{r.instance_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    return max(candidates, key=weight)
+
+
 class DraftPool:
     """Keeps one healthy :class:`DraftClient` to some live draft worker, when there is one."""
 
@@ -229,14 +240,7 @@ class DraftPool:
         self.refused: dict[str, int] = {}  # drafts refused at the handshake, by reason
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
-        # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
-        # one. Targets spread evenly over drafts, and a new draft takes over ~1/M of the targets at
-        # once (the others keep their streams).
-        def weight(r: InstanceRecord) -> int:
-            digest = hashlib.blake2b(f"{self._target_id}/{r.instance_id}".encode(), digest_size=8).digest()
-            return int.from_bytes(digest, "little")
-
-        return max(candidates, key=weight)
+        return rendezvous_choice(self._target_id, candidates)
 
     def _candidates(self) -> list[InstanceRecord]:
         now = asyncio.get_running_loop().time()
