@@ -30,6 +30,7 @@ class Tokenizer:
         self.path = path  # the directory it was loaded from ("" when built in memory)
         self._grammar_info = None  # llguidance's tokenizer info, built on first use
         self._fast = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._backend = None  # the tokenizers.Tokenizer that streams decode (built on first use)
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None) or ""
         self.vocab_size = len(hf_tokenizer)
         self.special_ids = frozenset(getattr(hf_tokenizer, "all_special_ids", ()) or ())
@@ -60,6 +61,15 @@ class Tokenizer:
         if self._fast is not None:
             return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` behind it (a slow tokenizer's converted once), for streaming decode."""
+        if self._backend is None:
+            from transformers.convert_slow_tokenizer import convert_slow_tokenizer
+
+            self._backend = self._fast or convert_slow_tokenizer(self._hf)
+        return self._backend
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of ``token_ids`` without special tokens (what users see)."""
