@@ -12,7 +12,7 @@ import shlex
 import sys
 
 from deploy.stack import DRAFT_DTYPES, DRAFT_METHODS, ROUTER_MODES, StackConfig
-from runtime.config import DEFAULT_NAMESPACE, apply_env_defaults
+from runtime.config import DEFAULT_NAMESPACE, EnvParser, apply_env_defaults
 from runtime.service import check_log_level
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Run Tandem: speculative decoding across workers")
+    parser = EnvParser(prog="tandem", description="Run Tandem: speculative decoding across workers")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start the whole stack locally on 127.0.0.1")

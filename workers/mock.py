@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
 from runtime.kv_hash import ROOT_HASH, block_hashes, stored_events
 from runtime.messages import (
@@ -307,7 +307,7 @@ class MockWorker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.mock", description="Tandem mock engine worker")
+    parser = EnvParser(prog="python -m workers.mock", description="Tandem mock engine worker")
     add_runtime_args(parser)
     parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="mock", help="model name to serve")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the demo SmolLM2 tokenizer)")

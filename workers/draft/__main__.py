@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 
 from proto import spec_pb2_grpc
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import ModelCard
 from runtime.errors import StartupError
 from runtime.service import check_log_level, exit_on_bad_config, run_service
@@ -37,7 +37,7 @@ log = logging.getLogger("workers.draft")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.draft", description="Tandem draft worker")
+    parser = EnvParser(prog="python -m workers.draft", description="Tandem draft worker")
     add_runtime_args(parser)
     parser.add_argument("--draft-method", "--method", dest="method", choices=(*METHODS, *BENCH_METHODS), default="ngram",
                         help="draft method")
