@@ -119,7 +119,7 @@ if wanted tests; then
         "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
         # the SmolLM2 tests need the demo package; without it they are deselected (said in the log)
         select=()
-        has_demo || { select=(-k "not smollm2"); echo "demo package absent: smollm2 tests deselected" >>"$OUT/tests.log"; }
+        has_demo || { select=(-k "not smollm2" -m "not demo"); echo "demo package absent: smollm2 and demo tests deselected" >>"$OUT/tests.log"; }
         run tests "$(cap 200)" fig_tests -- "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout 120 \
             "${xdist[@]}" "${select[@]}" "${TEST_PATHS[@]}"
     else

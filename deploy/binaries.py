@@ -51,6 +51,23 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A TCP socket listening on ``host:port`` that children inherit (``pass_fds``): the launcher holds
+    the frontend's, so connections made while a frontend restarts wait in its backlog for the next
+    one instead of being refused (systemd's socket activation, gunicorn's master socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def wait_port(port: int, host: str = "127.0.0.1", timeout: float = 20.0, alive=lambda: True) -> None:
     """Block until something listens on ``host:port``; ``alive()`` false aborts early."""
     deadline = time.monotonic() + timeout

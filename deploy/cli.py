@@ -12,8 +12,12 @@ import shlex
 import sys
 
 from deploy.stack import DRAFT_DTYPES, DRAFT_METHODS, ROUTER_MODES, StackConfig
+from deploy.speculative_config import parse_speculative_config
+from frontend.flags import API_KEY, FRONTEND_FLAGS
 from runtime.config import DEFAULT_NAMESPACE, EnvParser, apply_env_defaults
+from runtime.flags import SERVED_MODEL_NAME, first_name
 from runtime.service import check_log_level
+from workers.target.flags import ENGINE_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +25,12 @@ log = logging.getLogger(__name__)
 def add_stack_args(parser: argparse.ArgumentParser) -> None:
     """Flags describing the stack, shared by ``up`` and ``ray up`` (other tools script against these)."""
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M demo)")
-    parser.add_argument("--served-model-name", default=None, help="name clients pass as \"model\"")
+    SERVED_MODEL_NAME.add(parser)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": \"HEAD\", "
+                             "\"num_speculative_tokens\": 3}': method, model, num_speculative_tokens, "
+                             "prompt_lookup_max/min (ngram) set --draft-method, --draft-model, "
+                             "--num-speculative-tokens and the draft's n-gram sizes; any other key is an error")
     parser.add_argument("--draft-method", choices=DRAFT_METHODS, default=None,
                         help="how draft workers propose tokens (default: eagle3 with the bundled head for the "
                              "demo model, ngram for any other model)")
@@ -51,7 +60,8 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="routing (default kv)")
     parser.add_argument("--standalone-router", action="store_true",
                         help="run the router as its own process (python -m router) instead of inside the frontend")
-    parser.add_argument("--http-port", type=int, default=8000, help="frontend HTTP port (default 8000; 0: any free)")
+    parser.add_argument("--http-port", "--port", type=int, default=8000,
+                        help="frontend HTTP port (default 8000; 0: any free)")
     parser.add_argument("--host", default="127.0.0.1", help="frontend bind address (default 127.0.0.1)")
     parser.add_argument("--mock", action="store_true", help="mock target workers (no model, no drafts)")
     parser.add_argument("--mock-token-latency-ms", type=float, default=None,
@@ -69,6 +79,10 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="Tandem namespace (env TANDEM_NAMESPACE, default tandem)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds a stopping worker may drain")
     parser.add_argument("--log-level", default="INFO", help="log level of tandem and its children")
+    for flag in ENGINE_FLAGS:
+        flag.add_passthrough(parser, "the target and prefill workers")
+    for flag in FRONTEND_FLAGS:
+        flag.add_passthrough(parser, "the frontend")
 
 
 def planner_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -96,10 +110,39 @@ def planner_args(args: argparse.Namespace) -> tuple[str, ...]:
     return argv
 
 
+def speculation(args: argparse.Namespace) -> dict:
+    """The draft settings: the flags, with ``--speculative-config``'s keys read onto them (a key and
+    its flag that disagree are an error)."""
+    out = dict(draft_method=args.draft_method, draft_model=args.draft_model,
+               num_speculative_tokens=args.num_speculative_tokens, draft_args=())
+    if args.speculative_config is None:
+        return out
+    spec = parse_speculative_config(args.speculative_config)
+    for name, flag, value in (("draft_method", "--draft-method", spec.draft_method),
+                              ("draft_model", "--draft-model", spec.draft_model),
+                              ("num_speculative_tokens", "--num-speculative-tokens", spec.num_speculative_tokens)):
+        if value is None:
+            continue
+        if out[name] is not None and out[name] != value:
+            raise ValueError(f"{flag} {out[name]} disagrees with --speculative-config's {value!r}")
+        out[name] = value
+    out["draft_args"] = spec.draft_args()
+    return out
+
+
+def passthrough(args: argparse.Namespace, flags) -> tuple[str, ...]:
+    """The words that pass ``flags`` (shared definitions) on as this command was given them."""
+    return tuple(word for flag in flags for word in flag.argv(getattr(args, flag.dest)))
+
+
 def stack_config(args: argparse.Namespace) -> StackConfig:
+    names = args.served_model_name or []
+    engine = passthrough(args, ENGINE_FLAGS)
+    frontend = passthrough(args, [f for f in FRONTEND_FLAGS if f is not API_KEY])
     return StackConfig(
-        model=args.model, served_model_name=args.served_model_name, draft_method=args.draft_method,
-        draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+        model=args.model, served_model_name=first_name(names),
+        served_model_aliases=tuple(n for n in dict.fromkeys(names[1:]) if n != first_name(names)),
+        engine_args=engine, frontend_args=frontend, api_keys=tuple(args.api_key or ()), **speculation(args),
         speculative_eagle_topk=args.speculative_eagle_topk, speculative_num_steps=args.speculative_num_steps,
         draft_device=args.draft_device, draft_dtype=args.draft_dtype,
         load_aware=not args.no_load_aware_speculation, targets=args.targets,

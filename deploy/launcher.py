@@ -8,7 +8,9 @@ and lists a model (readiness alone says only that the frontend takes traffic),
 prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
 (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir. While it
 serves, a child that exits without being asked is started again on the same ports under the same
-name (:mod:`deploy.supervisor`); only the launcher's own stop ends the stack.
+name (:mod:`deploy.supervisor`); only the launcher's own stop ends the stack. The launcher opens
+the frontend's listening socket itself and keeps it (the frontend serves on it, ``--http-fd``), so a
+client that connects while the frontend restarts waits for the new one instead of being refused.
 
 With ``--planner`` (or ``--allow-scaling``) it also serves ``launcher.scale`` (:mod:`deploy.scaling`):
 a planner asks it for a number of prefill, target or draft workers, and it starts new ones (named
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +36,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.binaries import free_port, port_open, wait_port
+from deploy.binaries import free_port, listening_socket, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.scaling import ScaleService
@@ -88,8 +92,14 @@ def serves_a_model(url: str, timeout: float = 2.0) -> bool:
 
 
 def resolve_demo_model() -> str:
-    """The bundled demo model's directory, via ``python -m workers.demo_model`` (converts once)."""
-    log.info("preparing the bundled demo model (the first run converts it, about 20 s)")
+    """The bundled demo model's directory: the cached one, else ``python -m workers.demo_model``
+    converts it (once; in a child, so this launcher never imports torch)."""
+    from workers.demo_model import prepared_demo_model
+
+    ready = prepared_demo_model()
+    if ready is not None:
+        return str(ready)
+    log.info("converting the bundled demo model (the first run only, about 20 s)")
     out = subprocess.run([sys.executable, "-m", "workers.demo_model"], capture_output=True, text=True,
                          env=child_env())
     if out.returncode != 0:
@@ -97,7 +107,48 @@ def resolve_demo_model() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def gpu_visible() -> bool:
+    """Whether an NVIDIA GPU is visible to this machine's children (the driver lists one; this
+    launcher never imports torch). A device hidden by CUDA_VISIBLE_DEVICES="" counts as none."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+CPU_SPECULATION_NOTE = (
+    "On a CPU most steps decode plainly, by design: verifying k draft tokens here costs about k plain steps, so "
+    "load-aware speculation drafts only where its cost model of this machine says it pays (a response's "
+    "usage.spec_decode.plain_steps counts the plain steps by reason, 'load' for these; "
+    "--no-load-aware-speculation drafts every step). On a GPU a verify costs about one step and the drafts pay.")
+
+
+def banner(config: StackConfig, model_path: str | None, url: str, env: dict[str, str]) -> str:
+    """What ``tandem up`` prints once the stack serves: the URL, a curl that works as printed (with the
+    API key header when keys are required), how to add a worker, and why a CPU decodes plainly."""
+    name = config.model_name(model_path)
+    names = config.model_names(model_path)
+    worker = (f"workers.mock --served-model-name {' '.join(names)}" if config.mock
+              else f"workers.target --model {model_path} --served-model-name {' '.join(names)}")
+    auth = "-H \"Authorization: Bearer $TANDEM_API_KEY\" " if config.api_keys else ""
+    lines = [f"\nTandem is ready at {url}/v1 (model {name!r}"
+             + (f", also served as {', '.join(map(repr, names[1:]))}" if names[1:] else "") + ").",
+             f"  curl {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\",
+             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+             f"\"max_tokens\": 32}}'"]
+    if config.api_keys:
+        lines.append("  (the server wants one of the --api-key keys: export TANDEM_API_KEY=<key> first)")
+    if not config.mock and config.draft_method != "none" and config.num_drafts and not gpu_visible():
+        lines.append(CPU_SPECULATION_NOTE)
+    lines += ["Add a worker while it runs:",
+              f"  TANDEM_ETCD={redact_url(env['TANDEM_ETCD'])} TANDEM_NATS={redact_url(env['TANDEM_NATS'])} "
+              f"TANDEM_NAMESPACE={env['TANDEM_NAMESPACE']} {sys.executable} -m {worker}",
+              "Press Ctrl-C to stop.", ""]
+    return "\n".join(lines)
+
+
 SUPERVISE_PERIOD_S = 0.1  # how often the launcher looks for children that died
+SPARE_AFTER_S = 2.0  # a restarted child's next spare starts this long after it, not beside its start-up
 
 
 class Launcher:
@@ -119,6 +170,7 @@ class Launcher:
         self._scale_lock = threading.Lock()
         self._stopping: list[threading.Thread] = []
         self._scaler: ScaleService | None = None
+        self._http_socket: socket.socket | None = None  # the frontend's, held across its restarts
         self.url = ""
 
     def request_stop(self, *_: object) -> None:
@@ -157,7 +209,12 @@ class Launcher:
         etcd_url, nats_url = self._start_infra()
         ports = {name: free_port() for name in component_names(cfg)}
         ports["frontend"] = cfg.http_port or free_port()
-        self._components = plan(cfg, model_path, ports)
+        try:
+            self._http_socket = listening_socket(cfg.host, ports["frontend"])
+        except OSError as exc:
+            raise LaunchError(f"cannot listen for HTTP on {cfg.host}:{ports['frontend']}: {exc.strerror or exc}") from None
+        http_fd = self._http_socket.fileno()
+        self._components = plan(cfg, model_path, ports, http_fd)
         env = child_env(TANDEM_ETCD=etcd_url, TANDEM_NATS=nats_url, TANDEM_NAMESPACE=cfg.namespace,
                         PYTHONUNBUFFERED="1")
         self._child_env = env
@@ -172,7 +229,10 @@ class Launcher:
                 raise LaunchError(str(exc)) from None
         for comp in self._components:
             self._check_stop()
-            self._children[comp.name] = Child(comp.name, comp.argv(), env=env).start()
+            frontend = comp.kind == "frontend"
+            self._children[comp.name] = Child(comp.name, comp.argv(), env={**env, **dict(comp.env)},
+                                              pass_fds=(http_fd,) if frontend else (),
+                                              spare_flag="--spare" if frontend else None).start()
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{host}:{ports['frontend']}"
         self._env = {"TANDEM_ETCD": etcd_url, "TANDEM_NATS": nats_url, "TANDEM_NAMESPACE": cfg.namespace}
@@ -230,33 +290,24 @@ class Launcher:
     # --- serve -----------------------------------------------------------------------------------
 
     def _announce(self) -> None:
-        name = self.config.model_name(self._model_path)
-        worker = (f"workers.mock --served-model-name {name}" if self.config.mock
-                  else f"workers.target --model {self._model_path} --served-model-name {name}")
         for comp in self._components:
             log.info("%-10s pid %-7d health http://127.0.0.1:%s/health", comp.name, self._children[comp.name].pid,
                      comp.health_port)
-        print(
-            f"\nTandem is ready at {self.url}/v1 (model {name!r}).\n"
-            f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-            f"\"max_tokens\": 32}}'\n"
-            f"Add a worker while it runs:\n"
-            f"  TANDEM_ETCD={redact_url(self._env['TANDEM_ETCD'])} TANDEM_NATS={redact_url(self._env['TANDEM_NATS'])} "
-            f"TANDEM_NAMESPACE={self._env['TANDEM_NAMESPACE']} {sys.executable} -m "
-            f"{worker}\n"
-            "Press Ctrl-C to stop.\n",
-            flush=True,
-        )
+        print(banner(self.config, self._model_path, self.url, self._env), flush=True)
 
     def _supervise(self) -> int:
         """Serve until a stop is requested, restarting every child that exits without being asked
         (:mod:`deploy.supervisor`): etcd and NATS on their ports, the router, the frontend, every
-        worker under its name. Returns 0: only the launcher's own stop ends the stack."""
+        worker under its name. Returns 0: only the launcher's own stop ends the stack.
+
+        The frontend is replaced from a spare process that has loaded its code and waits (started
+        once the stack serves, and again after each restart): a new interpreter's imports were most
+        of a restarted frontend's seconds."""
         states: dict[str, RestartState] = {}
         now = time.monotonic()
         for child in self._all_children():
             states[child.name] = RestartState(self.restart_policy, started_at=now)
+            child.prepare_spare()
         while not self._stop.wait(SUPERVISE_PERIOD_S):
             with self._scale_lock:
                 if self._stop.is_set():
@@ -264,7 +315,11 @@ class Launcher:
                 now = time.monotonic()
                 for child in self._all_children():
                     state = states.setdefault(child.name, RestartState(self.restart_policy, started_at=now))
-                    if child.alive() or child.expected_exit:
+                    if child.expected_exit:
+                        continue
+                    if child.alive():
+                        if now - state.started_at >= SPARE_AFTER_S:
+                            child.prepare_spare()
                         continue
                     if state.due is None:
                         delay = state.died(now)
@@ -293,7 +348,10 @@ class Launcher:
         if self._scaler is not None:
             self._scaler.stop()
         stop_tiers(tiers[:1], timeout=10)
-        stop_tiers(tiers[1:], timeout=self.config.drain_timeout + 5)
+        stop_tiers(tiers[1:2], timeout=self.config.drain_timeout + 5)
+        if self._http_socket is not None:  # no frontend any more: refuse connections, do not queue them
+            self._http_socket.close()
+        stop_tiers(tiers[2:], timeout=self.config.drain_timeout + 5)
         for thread in self._stopping:
             thread.join(self.config.drain_timeout + 10)
         stop_tiers([[c] for c in reversed(self._infra)], timeout=self.config.drain_timeout + 5)
@@ -364,7 +422,7 @@ class Launcher:
         taken = [int(c.name.rsplit("-", 1)[1]) for c in self._components if c.kind == kind]
         comp = worker_component(self.config, self._model_path, kind, max(taken, default=-1) + 1, free_port())
         self._components.append(comp)
-        child = self._children[comp.name] = Child(comp.name, comp.argv(), env=self._child_env)
+        child = self._children[comp.name] = Child(comp.name, comp.argv(), env={**self._child_env, **dict(comp.env)})
         return child.start()
 
 

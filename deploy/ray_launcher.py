@@ -293,7 +293,8 @@ class RayScaler:
         if comp.kind == "draft":
             # Targets on other nodes dial the gRPC address a draft registers: make it the node's IP.
             args += ["--grpc-host", _get(actor.node_ip.remote(), self.stop, 60, f"{comp.name} address")]
-        self.pids[comp.name] = _get(actor.start.remote(comp.module, args, self.env), self.stop, 60,
+        env = {**self.env, **dict(comp.env)}  # the component's own variables (the frontend's API keys)
+        self.pids[comp.name] = _get(actor.start.remote(comp.module, args, env), self.stop, 60,
                                     f"starting {comp.name}")
         self.started.append(comp.name)
 

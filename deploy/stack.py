@@ -17,6 +17,7 @@ from workers.draft.methods import HEAD_METHODS, METHODS
 DRAFT_METHODS = (*METHODS, "none")  # none: no draft workers (the targets decode plainly)
 ROUTER_MODES = ("kv", "round_robin", "random")
 MOCK_MODEL_NAME = "mock"
+MOCK_ENGINE_FLAGS = ("--max-model-len",)  # of the target workers' engine flags, the ones the mock worker has
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class StackConfig:
     prefill_workers: int = 0  # > 0: that many prefill workers, and the targets run as decode workers
     planner: bool = False  # run python -m planner beside the stack, scaling it through this launcher
     planner_args: tuple[str, ...] = ()  # more flags for python -m planner (its SLA at least)
+    served_model_aliases: tuple[str, ...] = ()  # more names for the model (--served-model-name a b: b)
+    # flags passed through as given (their definitions: workers.target.flags, frontend.flags)
+    engine_args: tuple[str, ...] = ()  # to every target and prefill worker (--max-model-len 2048 ...)
+    frontend_args: tuple[str, ...] = ()  # to the frontend (--tool-call-parser hermes ...)
+    draft_args: tuple[str, ...] = ()  # to every draft worker (--ngram-max 3, from --speculative-config)
+    api_keys: tuple[str, ...] = ()  # the frontend's --api-key values (passed in its environment, not its argv)
 
     def __post_init__(self) -> None:
         demo = self.model is None and not self.mock
@@ -67,6 +74,10 @@ class StackConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.mock and self.tensor_parallel_size > 1:
             raise ValueError("--tensor-parallel-size applies to model targets, not --mock")
+        model_only = sorted({w for w in self.engine_args if w.startswith("--")} - set(MOCK_ENGINE_FLAGS))
+        if self.mock and model_only:
+            raise ValueError(f"{', '.join(model_only)} appl{'ies' if len(model_only) == 1 else 'y'} to model targets, "
+                             f"not --mock (the mock worker takes {', '.join(MOCK_ENGINE_FLAGS)})")
         if self.drafts is not None and self.drafts < 0:
             raise ValueError(f"drafts must be >= 0, got {self.drafts}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
@@ -100,6 +111,9 @@ class StackConfig:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
         if self.mock and self.drafts:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
+        if self.draft_args and not self.num_drafts:
+            raise ValueError("--speculative-config's prompt_lookup_max/min are the draft workers' and this stack runs "
+                             "none (--mock, --drafts 0 or --draft-method none)")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not (self.draft_device in ("auto", "cpu", "cuda") or
@@ -113,6 +127,10 @@ class StackConfig:
         if self.drafts is not None:
             return self.drafts
         return 0 if self.mock or self.draft_method == "none" else 1
+
+    def model_names(self, model_path: str | None) -> tuple[str, ...]:
+        """Every name clients may use, the canonical (first) one the workers register under first."""
+        return (self.model_name(model_path), *self.served_model_aliases)
 
     def model_name(self, model_path: str | None) -> str:
         """The name clients use in ``"model": ...``."""
@@ -137,6 +155,7 @@ class Component:
     args: tuple[str, ...] = ()
     health_port: int | None = None  # where /health answers (the HTTP port for frontend and router)
     gpu: bool = False
+    env: tuple[tuple[str, str], ...] = ()  # variables this process gets besides the stack's (secrets: not argv)
 
     def argv(self, python: str = sys.executable) -> list[str]:
         return [python, "-m", self.module, *self.args]
@@ -161,6 +180,7 @@ def draft_component(config: StackConfig, model_path: str | None, index: int, por
         args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
     if config.speculative_num_steps is not None:
         args += ["--speculative-num-steps", str(config.speculative_num_steps)]
+    args += config.draft_args
     return Component(f"draft-{index}", "draft", "workers.draft", tuple(args), port, gpu=True)
 
 
@@ -168,9 +188,9 @@ def target_component(config: StackConfig, model_path: str | None, index: int, po
                      kind: str = "target") -> Component:
     """Target worker ``{kind}-{index}``: ``kind`` target (aggregated, or decode beside prefill workers)
     or prefill (``--role prefill``, the same model flags)."""
-    name = config.model_name(model_path)
+    names = config.model_names(model_path)
     if config.mock:
-        args = ["--served-model-name", name, "--health-port", str(port)]
+        args = ["--served-model-name", *names, "--health-port", str(port), *config.engine_args]
         if config.mock_token_latency_ms is not None:
             args += ["--token-latency-ms", f"{config.mock_token_latency_ms:g}"]
         if config.mock_token_latency_per_running_ms is not None:
@@ -179,7 +199,7 @@ def target_component(config: StackConfig, model_path: str | None, index: int, po
             args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
         return Component(f"{kind}-{index}", kind, "workers.mock", tuple(args), port)
     args = ["--model", str(model_path)] if model_path else []  # none: the worker's default, the demo
-    args += ["--served-model-name", name, "--health-port", str(port)]
+    args += ["--served-model-name", *names, "--health-port", str(port), *config.engine_args]
     if config.num_speculative_tokens is not None:
         args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
     if not config.load_aware:
@@ -219,14 +239,16 @@ def planner_argv(config: StackConfig, frontend_port: int, health_port: int) -> t
     return (*args, *config.planner_args)
 
 
-def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> list[Component]:
+def plan(config: StackConfig, model_path: str | None, ports: dict[str, int],
+         http_fd: int | None = None) -> list[Component]:
     """The components in start order: router (if standalone), drafts, prefill workers, targets,
     frontend, planner (if asked).
 
     Drafts start before the targets that stream to them and (stopping in reverse) end after them,
     so no draft waits out its drain for a target's open stream.
 
-    ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port).
+    ``ports`` maps each component name to its health port (``frontend``/``router``: HTTP port);
+    ``http_fd``: the launcher's listening socket on that port, which the frontend serves on.
     """
     out: list[Component] = []
     if config.standalone_router:
@@ -240,7 +262,11 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int]) -> 
     frontend = ["--http-port", str(ports["frontend"]), "--host", config.host, "--router-mode", config.router_mode]
     if config.standalone_router:  # route through the shared router service, not an embedded router
         frontend.append("--remote-router")
-    out.append(Component("frontend", "frontend", "frontend", tuple(frontend), ports["frontend"]))
+    frontend += config.frontend_args
+    if http_fd is not None:
+        frontend += ["--http-fd", str(http_fd)]
+    env = (("TANDEM_API_KEY", ",".join(config.api_keys)),) if config.api_keys else ()
+    out.append(Component("frontend", "frontend", "frontend", tuple(frontend), ports["frontend"], env=env))
     drain = ("--drain-timeout", f"{config.drain_timeout:g}")
     out = [replace(c, args=c.args + drain) for c in out]
     if config.planner:

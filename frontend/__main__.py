@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from router.base import ROUTER_MODES
@@ -17,6 +18,7 @@ from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .app import Frontend
 from .auth import ApiKeyAuth, read_keys
+from .flags import FRONTEND_FLAGS
 from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER_BYTES, FrontendConfig
 from .server import HttpServer
 
@@ -26,8 +28,11 @@ log = logging.getLogger("frontend")
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvParser(prog="python -m frontend", description="Tandem OpenAI-compatible frontend")
     add_runtime_args(parser)
-    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument("--http-port", "--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    parser.add_argument("--http-fd", type=int, default=None,
+                        help="serve on this inherited listening socket instead of binding --host/--http-port (a "
+                             "launcher that holds the socket across restarts of the frontend, as `tandem up` does)")
     parser.add_argument("--router-mode", default="kv", choices=ROUTER_MODES, help="routing (default kv)")
     parser.add_argument("--remote-router", action="store_true",
                         help="route through the shared `python -m router` service instead of an embedded router")
@@ -48,9 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-stream-buffer-bytes", type=int, default=DEFAULT_MAX_STREAM_BUFFER_BYTES,
                         help="bytes of a stream's output that may wait for a client that does not read before the "
                              "stream is dropped and its worker work cancelled")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="require 'Authorization: Bearer KEY'; repeatable, comma-separated, or @FILE (one per "
-                             "line); env TANDEM_API_KEY (comma-separated). /health and /live stay open")
+    for flag in FRONTEND_FLAGS:
+        flag.add(parser)
     parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
     parser.add_argument("--disagg-min-tokens", type=int, default=256,
                         help="prefill/decode disaggregation: prefill a prompt on a prefill worker only when its decode "
@@ -66,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "and ignore them, with a log line and tandem_frontend_ignored_fields_total, as vLLM does)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--spare", action="store_true",
+                        help="load the code, then wait for a line on stdin before starting (a launcher's spare, "
+                             "started ahead of need to replace a frontend that dies; EOF: exit)")
     return apply_env_defaults(parser)
 
 
@@ -83,7 +90,7 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           api_keys=read_keys(args.api_key or ()),
                           metrics_require_key=args.metrics_require_key, disagg_min_tokens=args.disagg_min_tokens,
                           prefill_max_queue=args.prefill_max_queue, strict_fields=args.strict_fields,
-                          render_processes=args.render_processes)
+                          render_processes=args.render_processes, tool_call_parser=args.tool_call_parser)
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -93,18 +100,36 @@ async def amain(args: argparse.Namespace) -> None:
             rt.health.protect(lambda app: ApiKeyAuth(app, config.api_keys, config.metrics_require_key))
         async with Frontend.start(rt, config) as frontend:
             server = await HttpServer(frontend.app, config.host, config.http_port, args.drain_timeout,
-                                      idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s).start()
+                                      idle_timeout=config.idle_timeout_s, header_timeout=config.header_timeout_s,
+                                      fd=args.http_fd).start()
             rt.mark_serving()
+            frontend.serving()
             log.info("frontend ready on %s (router %s)", server.url, config.router_mode)
             await rt.wait_for_shutdown()
             log.info("shutting down: finishing open requests")
             await server.stop()
 
 
+def wait_as_spare() -> bool:
+    """Load what starting would load later (the event loop, uvicorn's HTTP protocol), then wait for
+    the launcher's word on stdin: True to start, False (end of file) to exit."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        pass
+    from .server import preload
+
+    preload()
+    print(f"spare frontend (pid {os.getpid()}) loaded; it starts when the launcher says so", flush=True)
+    return bool(sys.stdin.readline())
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     exit_on_bad_config("python -m frontend", lambda: build_config(args), lambda: check_log_level(args.log_level),
                        lambda: config_from_args(args, drain_timeout=args.drain_timeout))
+    if args.spare and not wait_as_spare():
+        return
     try:
         run_service(lambda: amain(args), args.log_level)
     except OSError as exc:  # e.g. the HTTP port is taken

@@ -85,8 +85,9 @@ class Frontend:
             prefill.on_decision = lambda where, why: self.metrics.prefills.labels(where, why).inc()
         self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s,
-                                         render)
+                                         render, config.tool_call_parser)
         self.tokenizing = TokenizeService(registry, self.served_models, config.tokenizer_timeout_s)
+        self.render = render
         self.fastapi = build_app(self)
         self.inflight = 0  # completion requests being served, streams included
         self.ready: Callable[[], bool] = lambda: True  # the runtime's readiness (connected, not draining)
@@ -102,14 +103,14 @@ class Frontend:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
         router = await create_router(rt, config.router_mode, remote=config.remote_router)
         prefill_router = await create_router(rt, config.router_mode, component="prefill")
-        render = RenderPool(config.render_processes) if config.render_processes else None
+        render = RenderPool(config.render_processes, paused=True) if config.render_processes else None
 
         def loaded(tok) -> None:
             if render is not None:
                 render.warm(tok)
-            # A tokenizer brings transformers and torch: some 300k long-lived objects, which every full
-            # collection would walk again (0.1-0.4 s with the event loop stopped, on a busy machine).
-            # Frozen, they are left out of collections from now on.
+            # Everything loaded by now (the HTTP stack, pydantic models, the runtime, the tokenizer) lives as
+            # long as the process; every full collection would walk it again with the event loop stopped.
+            # Frozen, it is left out of collections from now on.
             gc.freeze()
 
         registry = ModelRegistry(on_load=loaded)
@@ -132,10 +133,16 @@ class Frontend:
             if render is not None:
                 render.close()
 
+    def serving(self) -> None:
+        """The HTTP server is up: start the render process now (it waited, so that a (re)starting
+        frontend answers before a second interpreter's imports share the machine's cores with it)."""
+        if self.render is not None:
+            self.render.resume()
+
     def served_models(self) -> list[str]:
         """The models whose card we know that some live target instance serves."""
         served = {r.model for r in self.client.instances()}
-        return [m.name for m in self.registry.list() if m.name in served]
+        return [m.name for m in self.registry.list() if m.served_as in served]
 
     async def complete(self, request: Request, endpoint: str) -> Response:
         """Serve one chat completion (``endpoint`` "chat"), text completion ("completions") or

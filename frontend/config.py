@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from router.base import ROUTER_MODES
 
+from .tool_parsers import PARSERS
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_STREAM_BUFFER_BYTES = 4 * 1024 * 1024
 
@@ -37,6 +39,7 @@ class FrontendConfig:
     prefill_max_queue: int = 8  # ... and the chosen prefill worker has fewer requests queued or in flight
     render_processes: int = 1  # child processes rendering large chat templates (0: render them in a thread)
     strict_fields: bool = False  # unknown request fields are 400s (default: accepted, logged, counted, ignored)
+    tool_call_parser: str | None = None  # tool_choice "auto": this format for every model (None: the chat template's)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -47,6 +50,8 @@ class FrontendConfig:
             raise ValueError(f"router_mode must be one of {ROUTER_MODES}, got {self.router_mode!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.max_inflight < 0:

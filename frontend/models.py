@@ -37,12 +37,18 @@ class UnknownModel(Exception):
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model as the frontend sees it: its card (from the first instance) and when it appeared."""
+    """A model as the frontend sees it: its card (from the first instance) and when it appeared.
+    ``name`` is what clients call it: the card's name or one of its aliases (``--served-model-name a
+    b``); workers are found and asked by :attr:`served_as`, the card's name."""
 
     name: str
     card: ModelCard
     created: int
     num_instances: int
+
+    @property
+    def served_as(self) -> str:
+        return self.card.name
 
 
 class ModelRegistry:
@@ -64,7 +70,8 @@ class ModelRegistry:
         by_name: dict[str, list[ModelCard]] = {}
         for card in cards.values():
             if card.role == "target":
-                by_name.setdefault(card.name, []).append(card)
+                for name in dict.fromkeys((card.name, *card.aliases)):
+                    by_name.setdefault(name, []).append(card)
         now = int(time.time())
         models = {}
         for name, group in by_name.items():

@@ -7,9 +7,11 @@ request whose messages and tools are large (:data:`INLINE_CHARS`) is rendered an
 child process (``spawn``: the frontend is never forked) that loads the same tokenizer files with
 the same code (:meth:`Tokenizer.encode_chat`) and returns token ids or the 400 the template gave.
 
-The pool starts once a model's tokenizer is loaded in the frontend (:meth:`RenderPool.warm`, in
-the background). Until its process has loaded that tokenizer, or if it dies, requests render in a
-thread as before; a dead process is replaced.
+The pool starts once a model's tokenizer is loaded in the frontend and the frontend serves
+(:meth:`RenderPool.warm`, in the background; a pool made ``paused`` waits for :meth:`RenderPool.resume`,
+so that a restarting frontend does not share two cores with a second interpreter's imports before it
+answers). Until its process has loaded that tokenizer, or if it dies, requests render in a thread as
+before; a dead process is replaced.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ def _tokenizer(key: tuple) -> Tokenizer:
 
 
 def _start_worker(parent_pid: int) -> None:
-    """In the pool's process: die with the frontend (a SIGKILLed frontend left it running, 300 MB
-    each), and yield the CPU to the frontend's own (it renders what only costly requests need)."""
+    """In the pool's process: die with the frontend (a SIGKILLed frontend left it running), and yield the CPU to the frontend's own (it renders what only costly requests need)."""
     die_with_parent(parent_pid)
     try:
         os.nice(RENDER_NICENESS)
@@ -67,8 +68,9 @@ def _encode_chat(key: tuple, messages: list[dict], kwargs: dict) -> tuple[str, o
 class RenderPool:
     """One child process rendering chat templates; plain values in."""
 
-    def __init__(self, processes: int = 1):
+    def __init__(self, processes: int = 1, paused: bool = False):
         self.processes = processes
+        self._paused: list[Tokenizer] | None = [] if paused else None  # tokenizers to warm on resume()
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._warm: dict[tuple, asyncio.Future] = {}  # tokenizer key -> its load in the pool
         self.rendered = 0  # requests rendered in the pool (tests, metrics)
@@ -86,9 +88,19 @@ class RenderPool:
         key = self.key(tok)
         if key in self._warm or not tok.path:
             return
+        if self._paused is not None:
+            if tok not in self._paused:
+                self._paused.append(tok)
+            return
         future = asyncio.wrap_future(self._executor().submit(_warm, key))
         self._warm[key] = future
         future.add_done_callback(lambda f: self._warmed(key, f))
+
+    def resume(self) -> None:
+        """Start the pool now for the tokenizers :meth:`warm` was given while paused."""
+        waiting, self._paused = self._paused or [], None
+        for tok in waiting:
+            self.warm(tok)
 
     def _warmed(self, key: tuple, future: asyncio.Future) -> None:
         if future.cancelled() or future.exception() is not None:

@@ -74,8 +74,10 @@ class CompletionService:
     """Chat and text completions over a model registry and a dispatcher; plain values in."""
 
     def __init__(self, registry: ModelRegistry, dispatcher: Dispatcher, metrics: FrontendMetrics,
-                 max_n: int = 16, tokenizer_timeout: float = 120.0, render: RenderPool | None = None):
+                 max_n: int = 16, tokenizer_timeout: float = 120.0, render: RenderPool | None = None,
+                 tool_call_parser: str | None = None):
         self.registry = registry
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" in this format (None: the template's)
         self.render = render  # renders costly chat templates in a process of its own
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -92,7 +94,7 @@ class CompletionService:
         # compiling a schema to check it takes milliseconds (a large one 100 ms): off the event loop
         grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
-        tool_calls = grammar.tools.for_template(tok.chat_template) if grammar and grammar.tools else None
+        tool_calls = grammar.tools.for_template(tok.chat_template, self.tool_call_parser) if grammar and grammar.tools else None
         if grammar is not None and grammar.spec is not None and model.card.structured_outputs:
             # with the model's tokens: a grammar its matcher cannot follow is a 400, not an empty reply
             await asyncio.to_thread(lambda: probe(grammar, tok.grammar_info()))
@@ -176,7 +178,7 @@ class CompletionService:
         try:
             for i, sampling in enumerate(job.samplings):
                 rid = job.request_id if len(job.samplings) == 1 else f"{job.request_id}-{i}"
-                gens.append(await self.dispatcher.open(job.model.name, job.prompts[job.prompt_of[i]], sampling, rid,
+                gens.append(await self.dispatcher.open(job.model.served_as, job.prompts[job.prompt_of[i]], sampling, rid,
                                                        job.speculative, pending))
         except BaseException:
             await close_all(gens)

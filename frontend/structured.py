@@ -36,7 +36,7 @@ from runtime.messages import StructuredOutput
 from runtime.structured import grammar_kind, grammar_text
 
 from .protocol import MAX_GRAMMAR_CHARS, ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
-from .tool_parsers import ToolParser, parser_for_template
+from .tool_parsers import PARSERS, ToolParser, parser_for_template
 
 JSON_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -119,12 +119,13 @@ class ToolCalls:
     auto: bool = False
     parser: ToolParser | None = None
 
-    def for_template(self, template: str) -> ToolCalls:
-        """This request's tool calls for a model with chat template ``template`` (``auto``: its
-        parser; a template with no tool-call format the server reads is a 400)."""
+    def for_template(self, template: str, parser_name: str | None = None) -> ToolCalls:
+        """This request's tool calls for a model with chat template ``template`` (``auto``: the
+        parser named ``parser_name`` (``--tool-call-parser``), else the template's; a template with
+        no tool-call format the server reads is a 400)."""
         if not self.auto:
             return self
-        parser = parser_for_template(template)
+        parser = PARSERS[parser_name] if parser_name is not None else parser_for_template(template)
         if parser is None:
             raise InvalidRequest("tool_choice 'auto' needs a model whose chat template renders tool calls in a format "
                                  "this server parses (Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 JSON); "

@@ -109,7 +109,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "round", "token_ids", "distributions", "parents", "start", "assumed")
+    __slots__ = ("seq_id", "round", "token_ids", "distributions", "parents", "start", "assumed", "confidence")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class Proposal(_message.Message):
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -124,7 +125,8 @@ class Proposal(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     start: int
     assumed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ...) -> None: ...
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
     __slots__ = ("proposals",)

@@ -3,7 +3,11 @@
 No torch and no model code in this package.
 """
 
-from .config import RuntimeConfig
+from .lazy_imports import defer_unused
+
+defer_unused()  # before anything imports nats
+
+from .config import RuntimeConfig  # noqa: E402
 from .errors import (
     InstanceGone,
     InstanceTimeout,

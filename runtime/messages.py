@@ -54,6 +54,7 @@ class ModelCard(_Wire):
     supports_logprobs: bool = True
     instance_id: str = ""
     structured_outputs: bool = False  # the workers constrain output to a grammar (:class:`StructuredOutput`)
+    aliases: list[str] = []  # more names clients may pass as "model" for this one (``--served-model-name a b``)
 
 
 # --------------------------------------------------------------------------- request plane (NATS)

@@ -85,6 +85,13 @@ def demo_tokenizer_dir() -> Path:
     return final
 
 
+def prepared_demo_model() -> Path | None:
+    """The demo model's cached directory when an earlier run converted it, else None (cheap: no
+    torch, nothing converted)."""
+    final = cache_dir() / MODEL_DIR
+    return final if _ready(final) else None
+
+
 def demo_model_dir() -> Path:
     """A Hugging Face directory with SmolLM2-135M-Instruct in float32 plus its tokenizer."""
     final = cache_dir() / MODEL_DIR

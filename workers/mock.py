@@ -29,6 +29,7 @@ import msgspec
 from runtime import Runtime
 from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
+from runtime.flags import SERVED_MODEL_NAME
 from runtime.kv_hash import ROOT_HASH, block_hashes, stored_events
 from runtime.messages import (
     GenerateRequest,
@@ -309,7 +310,7 @@ class MockWorker:
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvParser(prog="python -m workers.mock", description="Tandem mock engine worker")
     add_runtime_args(parser)
-    parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="mock", help="model name to serve")
+    SERVED_MODEL_NAME.add(parser, "--model-name", dest="model_name", default=["mock"])
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the demo SmolLM2 tokenizer)")
     parser.add_argument("--token-latency-ms", type=float, default=5.0, help="time per generated token (0 = as fast as possible)")
     parser.add_argument("--token-latency-per-running-ms", type=float, default=0.0,
@@ -363,7 +364,8 @@ async def amain(args: argparse.Namespace) -> None:
         await worker.start()
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         await rt.register_model(ModelCard(
-            name=args.model_name,
+            name=args.model_name[0],
+            aliases=[n for n in dict.fromkeys(args.model_name[1:]) if n != args.model_name[0]],
             role="target",
             tokenizer_path=str(tokenizer_dir),
             context_length=args.context_length,
@@ -373,8 +375,9 @@ async def amain(args: argparse.Namespace) -> None:
             eos_token_ids=eos,
         ))
         # The instance record goes last: once it is visible, the model card is there too.
-        await rt.serve("target", "generate", worker.generate, GenerateRequest, role="target", model=args.model_name)
-        log.info("mock worker %s ready: model %s", rt.instance_id, args.model_name)
+        await rt.serve("target", "generate", worker.generate, GenerateRequest, role="target",
+                       model=args.model_name[0])
+        log.info("mock worker %s ready: model %s", rt.instance_id, " ".join(args.model_name))
         await rt.wait_for_shutdown()
         await worker.stop()
 

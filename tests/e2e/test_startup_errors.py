@@ -57,7 +57,12 @@ def env(servers):
     ("router", ["--lease-ttl", "-1"], "lease_ttl must be at least 2 seconds"),
     ("workers.target", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
     ("workers.draft", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
-    ("workers.target", ["--dtype", "int3"], "--dtype must be auto, float32, bfloat16 or float16, got int3"),
+    ("workers.target", ["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+    ("workers.target", ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    ("frontend", ["--tool-call-parser", "qwen25"], ("invalid choice: 'qwen25'", "hermes", "mistral", "llama3_json")),
+    ("deploy.cli", ["up", "--mock", "--dtype", "float32"], "--dtype applies to model targets, not --mock"),
+    ("deploy.cli", ["up", "--speculative-config", '{"method": "eagle3", "model": "/h", "acceptance_method": "x"}'],
+     "--speculative-config: unsupported key 'acceptance_method'"),
     ("workers.draft", ["--method", "eagle3", "--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N"),
     pytest.param("workers.draft", ["--method", "eagle3", "--device", "cuda"], "--device cuda: CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
@@ -65,7 +70,7 @@ def env(servers):
     ("frontend", ["--router-mode", "nope"], "invalid choice: 'nope'"),
 ])
 def test_bad_start_up_values_are_one_line(env, module, args, expected):
-    one_line_quick(start(module, *args, env=env), expected)
+    one_line_quick(start(module, *args, env=env), *([expected] if isinstance(expected, str) else expected))
 
 
 @pytest.mark.parametrize("module", ["workers.mock", "frontend", "router", "workers.draft", "deploy.cli"])

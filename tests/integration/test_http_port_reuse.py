@@ -1,14 +1,20 @@
 """A restarted frontend binds its port at once, although connections of the previous process on that
-port still sit in TIME_WAIT (the server closed them first, as it does at shutdown)."""
+port still sit in TIME_WAIT (the server closed them first, as it does at shutdown); or it serves a
+socket its launcher holds, which queues clients while no frontend runs."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 
 import httpx
+import pytest
 from starlette.responses import PlainTextResponse
 
+from deploy.binaries import listening_socket
 from frontend.server import HttpServer
+from runtime.errors import StartupError
 
 
 def _port_with_time_wait() -> int:
@@ -46,3 +52,30 @@ async def test_a_port_with_connections_in_time_wait_can_be_served_again():
             assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
     finally:
         await server.stop()
+
+
+async def test_a_held_socket_queues_clients_between_two_servers():
+    """What ``tandem up`` does for its frontend: the launcher listens, each frontend process serves the
+    inherited socket (``--http-fd``); a client that connects while no server runs waits for the next
+    one instead of being refused."""
+    held = listening_socket("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    try:
+        for _ in range(2):  # a frontend, then its replacement
+            server = await HttpServer(app, fd=os.dup(held.fileno())).start()
+            assert server.port == port
+            async with httpx.AsyncClient() as client:
+                assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
+            await server.stop()
+            # no server now: the connection is accepted by the kernel and waits (refused without the held socket)
+            waiting = await asyncio.open_connection("127.0.0.1", port)
+            waiting[1].write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            replacement = await HttpServer(app, fd=os.dup(held.fileno())).start()
+            answer = await asyncio.wait_for(waiting[0].read(200), 5)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok"), answer
+            waiting[1].close()
+            await replacement.stop()
+    finally:
+        held.close()
+    with pytest.raises(StartupError):
+        HttpServer(app, fd=os.open(os.devnull, os.O_RDONLY))

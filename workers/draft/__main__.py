@@ -23,6 +23,7 @@ from runtime import Runtime
 from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import ModelCard
 from runtime.errors import StartupError
+from runtime.flags import SERVED_MODEL_NAME, first_name
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .config import DTYPES, TENSOR_METHODS, DraftConfig
@@ -41,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(parser)
     parser.add_argument("--draft-method", "--method", dest="method", choices=(*METHODS, *BENCH_METHODS), default="ngram",
                         help="draft method")
-    parser.add_argument("--served-model-name", "--model-name", dest="model_name", default="",
-                        help="served model name of the targets this draft serves ('' = any)")
+    SERVED_MODEL_NAME.add(parser, "--model-name", dest="model_name", default=[""],
+                          help="served model name of the targets this draft serves ('' = any; of several, the "
+                               "first, the one targets register under)")
     parser.add_argument("--grpc-host", default="127.0.0.1", help="address the gRPC server binds")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--advertise-host", default=None,
@@ -127,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def draft_config(args: argparse.Namespace) -> DraftConfig:
     """The worker's :class:`DraftConfig` from its flags (``ValueError`` for a bad combination)."""
     return DraftConfig(
-        method=args.method, model_name=args.model_name, device=args.device, dtype=args.dtype,
+        method=args.method, model_name=first_name(args.model_name) or "", device=args.device, dtype=args.dtype,
         grpc_host=args.grpc_host, grpc_port=args.grpc_port, advertise_host=args.advertise_host,
         draft_model=args.draft_model, eagle_model=args.eagle_model, target_model=args.target_model,
         num_blocks=args.num_blocks, block_size=args.block_size, overlap=not args.no_overlap,

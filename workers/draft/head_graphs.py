@@ -74,10 +74,10 @@ class HeadGraphs:
         eager_fns = [m.attention_fn for m in attentions]
         for m in attentions:  # graphs need an attention that reads only tensors: the engine's kernel
             m.attention_fn = paged_attention_triton
+        stream = torch.cuda.Stream(self.device)  # one for every warm-up: cuBLAS keeps a workspace per stream
         try:
             for bucket in reversed(self.buckets):
                 self._reset(bucket)
-                stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):  # compile the Triton kernel, warm up cuBLAS outside capture
                     for _ in range(2):

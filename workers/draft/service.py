@@ -154,22 +154,22 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         stream staged proposals for the outcomes of what each verifies next (see :mod:`.stager`)."""
         stager = self.stager
 
-        def apply_and_answer() -> tuple[list, list | None]:
+        def apply_and_draft() -> tuple[list, list[str]]:
             for kind, x in news:
                 if kind == "commit":
                     stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length)
                 else:
                     stager.verified(x)
-            answers = stager.answer(list(streams))
-            # answers go out before staging starts; without any, one thread hop does both
-            return answers, None if answers else stager.stage(list(streams))
+            # one drafting call: answers for the sequences nothing fits, the others' outcomes staged
+            return stager.answer_and_stage(list(streams))
 
         started = time.perf_counter()
-        answers, staged = await asyncio.to_thread(apply_and_answer)
-        self._send_staged(answers, streams)
-        if staged is None:
-            staged = await asyncio.to_thread(stager.stage, list(streams))
+        staged, answered = await asyncio.to_thread(apply_and_draft)
         self._send_staged(staged, streams)
+        if answered:  # their answers exist now: stage what verifying them may lead to
+            more = await asyncio.to_thread(stager.stage, answered)
+            self._send_staged(more, streams)
+            staged += more
         if self._work.empty():  # no news yet: one level further for the likeliest outcome
             ahead = await asyncio.to_thread(stager.stage_ahead, list(streams))
             self._send_staged(ahead, streams)
@@ -178,8 +178,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         stats.latency.observe(time.perf_counter() - started)
         stats.batch_size.observe(len(streams))
         stats.propose_calls += 1
-        stats.proposals += len(answers) + len(staged)
-        stats.draft_tokens += sum(len(p.token_ids) for p in answers) + sum(len(p.token_ids) for p in staged)
+        stats.proposals += len(staged)
+        stats.draft_tokens += sum(len(p.token_ids) for p in staged)
 
     @staticmethod
     def _send_staged(proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> None:

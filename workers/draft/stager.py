@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..speculation.payloads import DraftOutput, VerifyResult
-from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, one_ahead, overlap
+from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, given, one_ahead, overlap
 
 ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
 SENT_MAX = 64  # proposals remembered per sequence
@@ -62,6 +62,7 @@ class Chain:
 
     tokens: list[int]
     alternatives: list[list[int]] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)  # per token: P(it and those before are right); [] none
 
 
 class Drafter(Protocol):
@@ -167,6 +168,11 @@ class Stager:
     def answer(self, seq_ids: list[str]) -> list[DraftOutput]:
         """Proposals from the committed tokens for the sequences none of whose streamed proposals fits
         now or, likely, after the plain step the target takes meanwhile."""
+        out = self._draft(self._answers(seq_ids))
+        self.answered += len(out)
+        return out
+
+    def _answers(self, seq_ids: list[str]) -> list:
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
@@ -177,9 +183,21 @@ class Stager:
             if self._in_use(seq) is None and self._next_up(seq) is None:
                 spare = seq.spare(True)
                 todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
-        out = self._draft(todo)
-        self.answered += len(out)
-        return out
+        return todo
+
+    def answer_and_stage(self, seq_ids: list[str]) -> tuple[list[DraftOutput], list[str]]:
+        """:meth:`answer` for the sequences that need one and :meth:`stage` for the others, in one
+        drafting call (a model-based drafter: one batched pass per depth for all their branches), so
+        that one sequence's late proposal does not hold back the others' staged ones. Returns the
+        proposals and the sequences answered (whose outcomes can be staged once their answer exists:
+        :meth:`stage` them next)."""
+        answers = self._answers(seq_ids)
+        asked = list(dict.fromkeys(item[0] for item in answers))
+        out = self._draft(answers + self._stagings([s for s in seq_ids if s not in set(asked)]))
+        answered = sum(1 for p in out if p.seq_id in set(asked))
+        self.answered += answered
+        self.staged += len(out) - answered
+        return out, asked
 
     @staticmethod
     def _note_round(seq: _Seq) -> None:
@@ -189,6 +207,11 @@ class Stager:
 
     def stage(self, seq_ids: list[str]) -> list[DraftOutput]:
         """Staged proposals for the outcomes of the proposal each sequence verifies next (once per proposal)."""
+        out = self._draft(self._stagings(seq_ids))
+        self.staged += len(out)
+        return out
+
+    def _stagings(self, seq_ids: list[str]) -> list:
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
@@ -203,9 +226,7 @@ class Stager:
             nxt = self._next_up(seq)  # after the plain step the target takes now
             if nxt is not None and not nxt.staged:
                 todo += self._outcomes(seq_id, seq, nxt, 0, (nxt.prop.assumed[-1],), seq.spare(False))
-        out = self._draft(todo)
-        self.staged += len(out)
-        return out
+        return todo
 
     def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
         """One level further, before any news: for each sequence the stager is late for (its lag over
@@ -270,7 +291,7 @@ class Stager:
                 if not chain.tokens:
                     continue
                 extra.append(chain.tokens[0])
-                chain = Chain(chain.tokens[1:], chain.alternatives[1:])
+                chain = Chain(chain.tokens[1:], chain.alternatives[1:], given(chain.confidence, 1))
             # the last one drafted only guesses what follows (and a guess-first branch's first was the bonus)
             tokens = chain.tokens[: branch.num_tokens - 1 - guess_first]
             if not tokens or len(extra) + ASSUMED_CONTEXT > ASSUMED_MAX:
@@ -278,7 +299,8 @@ class Stager:
             context = seq.tokens + extra
             start = len(context)
             assumed = context[max(0, start - len(extra) - ASSUMED_CONTEXT) :]
-            prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed)
+            confidence = chain.confidence[: len(tokens)] if len(chain.confidence) >= len(tokens) else []
+            prop = DraftOutput(seq_id, seq.round, tokens, start=start, assumed=assumed, confidence=confidence)
             sent = _Sent(prop, chain, expect)
             seq.sent.append(sent)
             if likely and remember:

@@ -112,21 +112,22 @@ class SuffixProposer(Proposer):
     # ------------------------------------------------------------------ proposals
 
     def _draft(self, tree: SuffixTree, context: list[int], budget: int, shape: tuple[int, int] | None
-               ) -> tuple[float, list[int], list[int]]:
-        """(score, tokens, parents) from one tree; parents empty for a chain."""
+               ) -> tuple[float, list[int], list[int], list[float]]:
+        """(score, tokens, parents, probabilities) from one tree; parents empty for a chain; each token's
+        probability is the estimated probability of reaching it (its confidence)."""
         cfg = self.config
         depth = budget if shape is None else shape[1]
         node, length = tree.match(context, max(1, cfg.max_depth - depth))
         if length == 0:
-            return 0.0, [], []
+            return 0.0, [], [], []
         limit = min(budget, int(length * cfg.spec_factor + 1e-9))
         if limit <= 0:
-            return 0.0, [], []
+            return 0.0, [], [], []
         if shape is None:
             tokens, probs = tree.chain(node, limit, cfg.min_token_prob)
-            return sum(probs), tokens, []
+            return sum(probs), tokens, [], probs
         tokens, parents, probs = tree.tree(node, limit, shape[0], depth, cfg.min_token_prob)
-        return sum(probs), tokens, parents
+        return sum(probs), tokens, parents, probs
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         reqs = [self._append(item.seq_id, item.new_tokens) for item in batch]
@@ -139,11 +140,11 @@ class SuffixProposer(Proposer):
             context = req.local.tokens(0)
             budget = item.num_tokens if shape else item.chain_length
             own = self._draft(req.local, context, budget, shape)
-            other = self._draft(self.cache, context, budget, shape) if len(self.cache) else (0.0, [], [])
+            other = self._draft(self.cache, context, budget, shape) if len(self.cache) else (0.0, [], [], [])
             best = own if own[0] >= other[0] else other  # ties: the request's own history
             if best[1]:
                 self.won["request" if best is own else "global"] += 1
-            out.append(DraftOutput(item.seq_id, item.round, best[1], [], best[2]))
+            out.append(DraftOutput(item.seq_id, item.round, best[1], [], best[2], confidence=best[3]))
         return out
 
     @property
@@ -154,14 +155,13 @@ class SuffixProposer(Proposer):
     def commit(self, seq_id: str, tokens: list[int]) -> None:
         self._append(seq_id, list(tokens))
 
-    def _branch(self, tree: SuffixTree, context: list[int], budget: int, k: int
-                ) -> tuple[float, list[int], list[list[int]]]:
+    def _branch(self, tree: SuffixTree, context: list[int], budget: int, k: int) -> tuple[float, Chain]:
         node, length = tree.match(context, max(1, self.config.max_depth - budget))
         limit = min(budget, int(length * self.config.spec_factor + 1e-9)) if length else 0
         if limit <= 0:
-            return 0.0, [], []
+            return 0.0, Chain([])
         tokens, probs, alternatives = tree.chain_alternatives(node, limit, self.config.min_token_prob, k)
-        return sum(probs), tokens, alternatives
+        return sum(probs), Chain(tokens, alternatives, probs)
 
     def draft_branches(self, branches: list[Branch]) -> list[Chain]:
         out = []
@@ -173,9 +173,8 @@ class SuffixProposer(Proposer):
             context = req.local.tokens(0) + list(br.extra)
             own = self._branch(req.local, context, br.num_tokens, br.alternatives)
             other = (self._branch(self.cache, context, br.num_tokens, br.alternatives) if len(self.cache)
-                     else (0.0, [], []))
-            best = own if own[0] >= other[0] else other
-            out.append(Chain(best[1], best[2]))
+                     else (0.0, Chain([])))
+            out.append((own if own[0] >= other[0] else other)[1])
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -136,6 +136,9 @@ class GraphRunner:
         self._uploaded = torch.cuda.Event() if cuda else None  # the host mirrors are free once it has passed
         self.graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
         self._pool = None
+        # one side stream for every capture's warm-up: cuBLAS keeps a workspace (32 MiB on Hopper) per
+        # stream it ran on, so a stream per graph held 32 MiB per graph for the process's life
+        self._warmup = torch.cuda.Stream(device) if cuda and config.capture else None
         self.replays = 0
 
     # ------------------------------------------------------------------ capture
@@ -174,7 +177,7 @@ class GraphRunner:
         else:
             self._reset_padding(bucket, q)
             with torch.inference_mode():
-                stream = torch.cuda.Stream(self.device)
+                stream = self._warmup
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):  # compile the Triton kernels and warm up cuBLAS outside capture
                     for _ in range(2):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InvalidRequest
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram
 from runtime.messages import KvEvent, KvHandoff, SamplingParams, TokenDelta, TopLogprob, Usage
 from runtime.validation import validate_request
 
@@ -39,6 +40,7 @@ from .cuda_graphs import GraphConfig
 from .grammar import Grammar, GrammarBackend
 from .handoff import Handoffs, Receiving
 from .hidden import HiddenStore
+from .memory import ALLOCATOR_SLACK, GIB, DeviceMemory, kv_cache_bytes, step_activation_bytes
 from .logits import Row, penalised, process
 from .model import DecoderModel
 from .model_runner import PENDING_TOKEN, ModelRunner
@@ -71,6 +73,9 @@ class EngineConfig:
     cuda_graph_every_length: bool = True
     # launch step N+1 from step N's tokens on the device; N's host bookkeeping runs one step behind
     async_scheduling: bool = False
+    # CUDA: the share of the device this engine may use; the KV cache gets the rest after weights,
+    # activations and graphs (:mod:`.memory`). None, or on the CPU: kv_cache_bytes. num_blocks wins.
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be positive")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 class Engine:
@@ -117,13 +124,17 @@ class Engine:
         param = next(model.parameters())
         slot_bytes = HiddenStore.bytes_per_slot(len(layers), cfg.hidden_size, param.element_size())
         block_bytes = ModelRunner.bytes_per_block(model, config.block_size) + slot_bytes * config.block_size
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        self.config = config
+        kv_bytes = config.kv_cache_bytes
+        if config.num_blocks is None and config.gpu_memory_utilization is not None:
+            kv_bytes = self._kv_bytes_for_utilization(model, block_bytes)
+        num_blocks = config.num_blocks or max(1, kv_bytes // block_bytes)
         if num_blocks * config.block_size < max_len:
             if config.max_model_len is not None:
                 raise ValueError(f"{num_blocks} blocks of {config.block_size} cannot hold max_model_len={max_len}")
             max_len = num_blocks * config.block_size
-        self.config = config
         self.max_model_len = max_len
+        self.kv_cache_bytes = num_blocks * block_bytes  # the cache's (and its hidden rows') bytes, as sized
         self.vocab_size = cfg.vocab_size
         # as given: a draft reads its layers in its own order, repeats included (EAGLE-3 on a 4-layer
         # target reads [2, 2, 1]); draft_inputs and take_verdicts default to this list
@@ -131,6 +142,7 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.prefill_time = histogram(REQUEST_LATENCY_BUCKETS)  # first scheduled to first token, per request
         self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len, followers)
         slots = self.runner.kv_caches[0][0].shape[0] * config.block_size  # the graphs' scratch block too
         self.hidden = HiddenStore(layers, slots, cfg.hidden_size, param.dtype, param.device) if layers else None
@@ -154,6 +166,38 @@ class Engine:
         self._pending: PendingStep | None = None  # the launched step whose tokens are still on the device
         log.info("engine: %d blocks of %d tokens, max_model_len %d, hidden layers %s", num_blocks, config.block_size,
                  max_len, list(layers) or "none")
+        if config.num_blocks is None and config.gpu_memory_utilization is not None and param.is_cuda:
+            torch.cuda.synchronize(param.device)
+            free, total = torch.cuda.mem_get_info(param.device)
+            log.info("device memory with the KV cache allocated and the graphs captured: this worker's allocator "
+                     "holds %.2f GiB, %.2f GiB of %.2f GiB free (--gpu-memory-utilization %g: %.2f GiB)",
+                     torch.cuda.memory_reserved(param.device) / GIB, free / GIB, total / GIB,
+                     config.gpu_memory_utilization, config.gpu_memory_utilization * total / GIB)
+
+    def _kv_bytes_for_utilization(self, model: DecoderModel, block_bytes: int) -> int:
+        """The KV cache's bytes under ``gpu_memory_utilization`` (CUDA; the CPU keeps kv_cache_bytes)."""
+        config, param = self.config, next(model.parameters())
+        if not param.is_cuda:
+            log.info("--gpu-memory-utilization applies on CUDA: on the CPU the KV cache takes --kv-cache-gb "
+                     "(%.2f GiB)", config.kv_cache_bytes / GIB)
+            return config.kv_cache_bytes
+        cfg, gamma = model.cfg, self.spec.num_speculative_tokens
+        shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     q_size=cfg.num_heads * cfg.head_dim, kv_size=cfg.num_kv_heads * cfg.head_dim,
+                     vocab_size=cfg.vocab_size, itemsize=param.element_size())
+        rows = min(config.max_num_batched_tokens, config.max_num_seqs * (gamma + 1))
+        reserve = step_activation_bytes(config.max_num_batched_tokens, rows, **shape) + ALLOCATOR_SLACK
+        if config.cuda_graphs and model.static_capable:  # the graphs' pool (the largest graphed step) and
+            graphed = (config.cuda_graph_max_batch or config.max_num_seqs) * (gamma + 1)  # their scratch block
+            reserve += step_activation_bytes(graphed, graphed, **shape) + block_bytes
+        torch.cuda.synchronize(param.device)
+        free, total = torch.cuda.mem_get_info(param.device)
+        memory = DeviceMemory(total, free, torch.cuda.memory_reserved(param.device))
+        kv = kv_cache_bytes(memory, config.gpu_memory_utilization, reserve)
+        log.info("KV cache %.2f GiB from --gpu-memory-utilization %g of %.2f GiB: this worker holds %.2f GiB "
+                 "(weights), keeps %.2f GiB for activations and graphs; %.2f GiB free", kv / GIB,
+                 config.gpu_memory_utilization, total / GIB, memory.held / GIB, reserve / GIB, free / GIB)
+        return kv
 
     def _graph_config(self, model: DecoderModel) -> GraphConfig | None:
         """CUDA graphs for decode and verify steps (CUDA, tensor-only attention), captured at start-up
@@ -486,8 +530,7 @@ class Engine:
             logprobs, top = next(lp) if seq.params.logprobs is not None else (None, None)
             if seq.status is SeqStatus.FINISHED:
                 continue
-            seq.token_ids.append(token)
-            seq.num_generated += 1
+            self._append(seq, token)
             finish = self._finish_reason(seq, token)
             # the KV of every token before it is computed (a finishing token's never is); done before
             # _close frees the blocks, so the prefix cache keeps what the synchronous engine keeps
@@ -507,6 +550,14 @@ class Engine:
             parent = hashes[start - 1] if start else 0
             self.blocks.register(seq.block_table[start:full], hashes[start:full], parent)
             seq.num_registered = full
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """A generated token joins ``seq``; its first one ends the prefill phase (vLLM's
+        request_prefill_time: from first scheduled to first token)."""
+        seq.token_ids.append(token)
+        seq.num_generated += 1
+        if seq.num_generated == 1 and seq.scheduled_at is not None:
+            self.prefill_time.observe(time.monotonic() - seq.scheduled_at)
 
     @staticmethod
     def _draw(plain: list[tuple[Sequence, int]], scores: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
@@ -531,8 +582,7 @@ class Engine:
                 continue  # async scheduling: it finished at the step before, which the host saw after this launch
             if seq.grammar is not None:
                 seq.grammar.accept((token,))
-            seq.token_ids.append(token)
-            seq.num_generated += 1
+            self._append(seq, token)
             finish = self._finish_reason(seq, token)
             usage = self._close(seq) if finish else None
             outputs.append((seq.request_id, TokenDelta([token], logprobs, top, finish, usage)))
@@ -561,8 +611,7 @@ class Engine:
             kept, finish = [], None
             for token in outcome.tokens:
                 kept.append(token)
-                seq.token_ids.append(token)
-                seq.num_generated += 1
+                self._append(seq, token)
                 finish = self._finish_reason(seq, token)
                 if finish:
                     break

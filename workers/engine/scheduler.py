@@ -13,8 +13,11 @@ always computed, so the step yields logits).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
+
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SeqStatus
@@ -47,6 +50,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # vLLM's prefix-cache counters, in tokens: every admission queries its prompt, hits its cached part
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.queue_time = histogram(REQUEST_LATENCY_BUCKETS)  # queued to first scheduled, per request
         # False while something needs every position computed (a draft that reads the target's hidden
         # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
         self.reuse_cached_prefix = True
@@ -92,6 +99,9 @@ class Scheduler:
                 if n == 0:
                     break
                 self.waiting.popleft()
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = time.monotonic()
+                    self.queue_time.observe(seq.scheduled_at - seq.queued_at)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
@@ -143,6 +153,8 @@ class Scheduler:
         seq.block_table = hits + self.blocks.allocate(need)
         seq.num_computed = num_cached
         seq.num_registered = len(hits)
+        self.prefix_queries += len(seq)
+        self.prefix_hits += num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
         return n

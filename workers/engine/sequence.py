@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,8 @@ class Sequence:
     ends_at_pending: bool = False
     prefill_only: bool = False  # a prefill worker's request: ends after its first token, KV handed off
     handed_off: bool = False  # it did: its blocks are parked for a decode worker (engine.handoff.Handoffs)
+    queued_at: float = field(default_factory=time.monotonic)  # when it joined the engine
+    scheduled_at: float | None = None  # when it was first scheduled (None: not yet)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -18,7 +18,7 @@ each step's budgets come from :func:`workers.speculation.budget.plan` within tho
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import torch
@@ -26,7 +26,7 @@ import torch
 from runtime.messages import SpecUsage
 from runtime.spec_stats import SpecCounters
 
-from ..speculation.budget import Acceptance, RealizedRates, StepCost, plan
+from ..speculation.budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput, SparseDist
 from ..speculation.staging import SPARE_MAX, Staged, position_problem
@@ -47,6 +47,7 @@ class SpecState:
     acceptance: Acceptance = field(default_factory=Acceptance)
     pause: int = 0  # plain steps left before drafting is tried again
     why_plain: str = ""  # why the sequence's next step runs without a draft ("": it was asked for one)
+    confidence: list[float] = field(default_factory=list)  # the draft's, for the chain verified this step
     plain_steps: dict[str, int] = field(default_factory=dict)  # decode steps without a draft, by why
 
 
@@ -125,6 +126,8 @@ class Speculator:
         self.cost = StepCost()
         self.realized = RealizedRates()  # the check on the cost model: tokens/s achieved, per batch size
         self.acceptance = Acceptance(decay=0.99)  # engine-wide, the prior of a new sequence's
+        self.calibrations: dict[str, Calibration] = {}  # per draft worker: what its confidence is worth
+        self.evidence_steps = 0  # steps where a proposal's calibrated confidence bought drafts the average would not
         self.states: dict[str, SpecState] = {}
         self.counters: dict[str, SpecCounters] = {}  # per draft worker
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
@@ -207,7 +210,7 @@ class Speculator:
                 st.why_plain = "draft_late"  # until its proposal arrives
             else:
                 st.why_plain = "no_room"
-        if self.load_aware and caps:
+        if self.load_aware and caps and not self.pipelined:
             planned = plan(caps, {sid: self.states[sid].acceptance.alpha for sid in caps}, decoding, self.cost)
             if any(planned.values()) and not self.realized.allow(decoding):
                 # speculating did worse here than the model thinks, or plain is due a measure: these
@@ -241,6 +244,7 @@ class Speculator:
         each sequence's committed tokens, from those :meth:`offer` kept (``proposals`` is unused)."""
         drafted: dict[str, Drafted] = {}
         if self.pipelined:
+            found: list[tuple[Sequence, SpecState, DraftOutput]] = []
             for seq in running:
                 st = self.states.get(seq.request_id)
                 if st is None or seq.num_uncomputed != 1 or st.asked <= 0:
@@ -249,6 +253,10 @@ class Speculator:
                 if prop is None:
                     st.why_plain = "no_proposal"
                     continue
+                found.append((seq, st, prop))
+            if self.load_aware and found:
+                found = self._plan_found(found, sum(1 for seq in running if seq.num_uncomputed == 1))
+            for seq, st, prop in found:
                 self._use(seq, st, prop, drafted, max_model_len, grammars)
             return drafted
         if not proposals:
@@ -270,6 +278,44 @@ class Speculator:
                 continue
             self._use(seq, st, prop, drafted, max_model_len, grammars)
         return drafted
+
+    def _plan_found(self, found: list[tuple[Sequence, SpecState, DraftOutput]], decoding: int
+                    ) -> list[tuple[Sequence, SpecState, DraftOutput]]:
+        """Pipelined seam, load-aware: asking cost the step nothing, so the plan is made here, with the
+        proposals in hand. A proposal that carries the draft's confidence is judged by it, calibrated
+        (:class:`Calibration`: what that draft's claims have been worth here), or by its sequence's
+        acceptance so far where that says more; one without, by the acceptance alone. Where speculating has measurably done worse than plain decoding
+        at this batch size (:class:`RealizedRates`), only proposals with evidence of their own may
+        still be verified, each still only if the cost model says it pays. The proposals kept are cut
+        to their planned length; the others wait (``load``)."""
+        calib = self.calibrations.setdefault(self.draft_id, Calibration())
+        caps, gains = {}, {}
+        alphas = {seq.request_id: st.acceptance.alpha for seq, st, _ in found}
+        for seq, st, prop in found:
+            sid = seq.request_id
+            caps[sid] = min(max(st.cap, 1), len(prop.token_ids))
+            if prop.confidence and not prop.is_tree:  # evidence adds to the request's record, never takes from it
+                gains[sid] = [max(g, alphas[sid] ** j) for j, g in enumerate(calib.gains(prop.confidence), 1)]
+        planned = plan(caps, alphas, decoding, self.cost, gains)
+        if any(planned.values()) and not self.realized.allow(decoding):
+            planned = {sid: (k if sid in gains else 0) for sid, k in planned.items()}
+        base = plan(caps, alphas, decoding, self.cost) if gains else planned  # without the evidence
+        if sum(planned.values()) > sum(base.values()):
+            self.evidence_steps += 1
+        if not any(planned.values()):
+            self.unplanned_steps += 1
+        self.planned_draft_tokens = sum(planned.values())
+        kept = []
+        for seq, st, prop in found:
+            k = planned.get(seq.request_id, 0)
+            if k <= 0:
+                st.why_plain = "load"
+                continue
+            if k < len(prop.token_ids) and not prop.is_tree:
+                prop = replace(prop, token_ids=prop.token_ids[:k], distributions=prop.distributions[:k],
+                               confidence=prop.confidence[:k])
+            kept.append((seq, st, prop))
+        return kept
 
     def offer(self, proposals: list[DraftOutput]) -> None:
         """Pipelined seam: check proposals streamed ahead (as strictly as answers: ids, lengths,
@@ -315,6 +361,7 @@ class Speculator:
             seq.token_ids.extend(d.tokens)
             drafted[seq.request_id] = d
             st.why_plain = ""
+            st.confidence = list(prop.confidence[: len(d.tokens)]) if not d.parents else []
 
     def unasked(self, running: list[Sequence], why: str) -> None:
         """No proposals are asked for this round (``why``: no draft worker, or it is backed off)."""
@@ -357,6 +404,9 @@ class Speculator:
         self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, depth)
         st.acceptance.observe(depth, accepted)
         self.acceptance.observe(depth, accepted)
+        if st.confidence and not d.parents:
+            self.calibrations.setdefault(self.draft_id, Calibration()).observe(st.confidence[:k], accepted)
+        st.confidence = []
         if self.adaptive:
             if d.parents:  # a tree: nodes off the accepted path are spent by design, so only a pass that
                 # accepts nothing says the draft is off (the budget halves); any hit doubles it again

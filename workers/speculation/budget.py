@@ -132,17 +132,28 @@ def _solve(system: list[list[float]]) -> list[float]:
     return x
 
 
-def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost: StepCost) -> dict[str, int]:
+def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost: StepCost,
+         gains: dict[str, list[float]] | None = None) -> dict[str, int]:
     """γ per sequence for this step (see the module docstring). ``caps``: the most each may draft;
-    ``base_tokens``: query tokens the step runs anyway (one per decoding sequence, prefill chunks)."""
+    ``base_tokens``: query tokens the step runs anyway (one per decoding sequence, prefill chunks).
+    ``gains``: for the sequences with evidence of their own (a proposal in hand and the draft's
+    calibrated confidence in it), the expected tokens each of its drafts adds, in place of α^j."""
     if not cost.ready or not caps:
         return dict(caps)
+    gains = gains or {}
     gamma = {sid: 0 for sid in caps}
     emitted = float(len(caps))  # without drafts each decoding sequence emits one token
     tokens, verified = base_tokens, 0
     plain_rate = emitted / max(cost.seconds(tokens, 0), 1e-9)
     best_rate, best = plain_rate * (1 + MARGIN), dict(gamma)
-    heap = [(-alphas[sid], sid) for sid, cap in caps.items() if cap > 0 and alphas[sid] > 0]
+
+    def gain(sid: str, j: int) -> float:  # what the j-th draft (1-based) of ``sid`` adds
+        own = gains.get(sid)
+        if own is not None:
+            return own[j - 1] if j <= len(own) else 0.0
+        return alphas[sid] ** j
+
+    heap = [(-gain(sid, 1), sid) for sid, cap in caps.items() if cap > 0 and gain(sid, 1) > 0]
     heapq.heapify(heap)
     while heap:
         neg_gain, sid = heapq.heappop(heap)
@@ -154,10 +165,60 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
         if rate > best_rate:
             best_rate, best = rate, dict(gamma)
         if gamma[sid] < caps[sid]:
-            next_gain = alphas[sid] ** (gamma[sid] + 1)
+            next_gain = min(gain(sid, gamma[sid] + 1), -neg_gain)  # never more than the draft before it
             if next_gain > 1e-6:
                 heapq.heappush(heap, (-next_gain, sid))
     return best
+
+
+class Calibration:
+    """How often a draft's confidence comes true: the draft's claimed per-token probability (its
+    cumulative confidence divided by the one before) against whether the target accepted that token,
+    in bins of the claim. A draft is untrusted: what its confidence is worth is what the target has
+    seen it be worth, so a draft that claims certainty and is wrong earns the acceptance it achieves.
+
+    Each bin starts from a weak prior of a quarter of its claim (``prior`` pseudo-tokens): evidence
+    must be earned before a confident draft buys speculation the average would not."""
+
+    EDGES = (0.25, 0.5, 0.75, 0.9, 0.97)  # bins: [0, .25), [.25, .5), …, [.97, 1]
+
+    def __init__(self, prior: float = 4.0, decay: float = 0.995):
+        self.decay = decay
+        mids = [0.125, 0.375, 0.625, 0.825, 0.935, 0.985]
+        self._hit = [prior * m * 0.25 for m in mids]
+        self._seen = [prior] * len(mids)
+        self.observed = 0
+
+    @classmethod
+    def bin(cls, claim: float) -> int:
+        return next((i for i, e in enumerate(cls.EDGES) if claim < e), len(cls.EDGES))
+
+    def rate(self, claim: float) -> float:
+        i = self.bin(claim)
+        return self._hit[i] / self._seen[i]
+
+    def observe(self, confidence: list[float], accepted: int) -> None:
+        """One verified chain: its cumulative ``confidence`` (one per verified token) and how many of
+        its tokens were accepted (the first rejected one counts as a miss; those after it were not tried)."""
+        prev = 1.0
+        for j, c in enumerate(confidence[: accepted + 1]):
+            claim = c / prev if prev > 0 else 0.0
+            prev = c
+            i = self.bin(claim)
+            self._hit[i] = self.decay * self._hit[i] + (1.0 if j < accepted else 0.0)
+            self._seen[i] = self.decay * self._seen[i] + 1.0
+            self.observed += 1
+
+    def gains(self, confidence: list[float]) -> list[float]:
+        """Expected tokens each draft of a chain adds (the probability that it and all before it are
+        accepted), from the draft's cumulative ``confidence`` through the calibration."""
+        out, prev, p = [], 1.0, 1.0
+        for c in confidence:
+            claim = c / prev if prev > 0 else 0.0
+            prev = c
+            p *= self.rate(claim)
+            out.append(p)
+        return out
 
 
 class RealizedRates:
@@ -170,13 +231,15 @@ class RealizedRates:
     then asks for the other choice than the one it favours, so that both rates stay current.
     """
 
-    def __init__(self, weight: float = 0.1, min_samples: int = 3, explore_every: int = 16):
+    def __init__(self, weight: float = 0.1, min_samples: int = 3, explore_every: int = 16, explore_max: int = 256):
         self.weight = weight
         self.min_samples = min_samples
         self.explore_every = explore_every
+        self.explore_max = explore_max
         self._rate: dict[tuple[int, bool], float] = {}
         self._count: dict[tuple[int, bool], int] = {}
         self._since: dict[int, int] = {}  # steps per bucket since the last exploring one
+        self._every: dict[int, int] = {}  # per bucket: steps between explorations of a vetoed choice
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -201,14 +264,23 @@ class RealizedRates:
 
     def allow(self, batch: int) -> bool:
         """May a step at this batch size speculate (when the cost model says it pays)? No where
-        speculating measurably did worse, but one step in ``explore_every`` tries it again; yes
+        speculating measurably did worse, but one step in ``explore_every`` tries it again, half as
+        often after each try that leaves it worse (down to one in ``explore_max``; back to
+        ``explore_every`` once it no longer is); yes
         elsewhere, but one step in ``explore_every`` (every other one while plain decoding has not
         been measured here) decodes plainly to keep that rate current."""
         b = self.bucket(batch)
         self._since[b] = self._since.get(b, 0) + 1
+        vetoed = self.veto(batch)
+        if not vetoed:
+            self._every[b] = self.explore_every
         # until both rates are measured here, every other step takes the choice not yet measured
         known = self.rate(batch, True) is not None and self.rate(batch, False) is not None
-        explore = self._since[b] >= (self.explore_every if known else 2)
+        every = self._every.get(b, self.explore_every) if vetoed else self.explore_every
+        explore = self._since[b] >= (every if known else 2)
         if explore:
             self._since[b] = 0
-        return explore if self.veto(batch) else not explore
+            if vetoed and known:  # the last try did not lift the veto: try half as often (a speculating
+                # step that loses costs a proposal round trip; up to one in ``explore_max``)
+                self._every[b] = min(2 * every, self.explore_max)
+        return explore if vetoed else not explore

@@ -74,13 +74,13 @@ def draft_output_to_pb(d: DraftOutput) -> spec_pb2.Proposal:
     return spec_pb2.Proposal(
         seq_id=d.seq_id, round=d.round, token_ids=d.token_ids,
         distributions=[spec_pb2.SparseDistribution(ids=s.ids, probs=s.probs) for s in d.distributions],
-        parents=d.parents if d.is_tree else [], start=d.start, assumed=d.assumed)
+        parents=d.parents if d.is_tree else [], start=d.start, assumed=d.assumed, confidence=d.confidence)
 
 
 def draft_output_from_pb(msg: spec_pb2.Proposal) -> DraftOutput:
     return DraftOutput(msg.seq_id, msg.round, list(msg.token_ids),
                        [SparseDist(list(s.ids), list(s.probs)) for s in msg.distributions], list(msg.parents),
-                       msg.start, list(msg.assumed))
+                       msg.start, list(msg.assumed), list(msg.confidence))
 
 
 def verify_to_pb(v: VerifyResult, hidden_dtype: str = "") -> spec_pb2.VerifyOutcome:

@@ -71,6 +71,10 @@ class DraftOutput:
     # ``assumed`` are the last tokens before that position.
     start: int = 0
     assumed: list[int] = field(default_factory=list)
+    # Per token, the draft's own estimate that the target accepts it and every token before it (a
+    # tree node: its whole path), given the prefix it assumes; empty: no estimate. Evidence for the
+    # target's policy only (calibrated there against what it accepts): it never changes what is emitted.
+    confidence: list[float] = field(default_factory=list)
 
     @property
     def is_tree(self) -> bool:

@@ -77,7 +77,17 @@ def trimmed(prop: DraftOutput, over: int) -> DraftOutput:
     if over == 0:
         return prop
     return replace(prop, token_ids=prop.token_ids[over:], distributions=prop.distributions[over:],
-                   parents=[], start=prop.start + over, assumed=list(prop.token_ids[:over]))
+                   parents=[], start=prop.start + over, assumed=list(prop.token_ids[:over]),
+                   confidence=given(prop.confidence, over))
+
+
+def given(confidence: Sequence[float], over: int) -> list[float]:
+    """A chain's cumulative confidences after its first ``over`` tokens came true: each conditional on
+    them (divided by the ``over``-th), at most 1; empty stays empty (no estimate)."""
+    if not confidence or over <= 0:
+        return list(confidence)
+    base = confidence[over - 1]
+    return [min(1.0, c / base) if base > 0 else 0.0 for c in confidence[over:]]
 
 
 class Staged:

@@ -29,9 +29,11 @@ from prometheus_client import REGISTRY
 from runtime import Runtime
 from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
 from runtime.events import TOPIC_KV_DUMP
+from runtime.flags import SERVED_MODEL_NAME
 from runtime.messages import GenerateRequest, KvDumpRequest, KvRelease, ModelCard
 from runtime.names import kv_release_topic
 from runtime.service import check_log_level, exit_on_bad_config, run_service
+from workers.target.flags import DTYPES, ENGINE_FLAGS
 from workers.target.metrics import TargetCollector
 
 log = logging.getLogger("workers.target")
@@ -71,14 +73,24 @@ class TargetConfig:
     kv_handoff_ttl: float = 30.0  # prefill: seconds handed-off blocks wait for their decode worker
     async_scheduling: bool = False  # launch each plain step before the previous one's tokens reach the host
     spec_seam: str = "pipelined"  # pipelined (where the draft stages and proposals are chains) or sync
+    served_model_aliases: tuple[str, ...] = ()  # more names clients may pass as "model" (the card lists them)
+    gpu_memory_utilization: float | None = None  # CUDA: the device share this worker may use (None: kv_cache_gb)
 
     def __post_init__(self):
         if not Path(self.model).exists():
             raise ValueError(f"--model {self.model} does not exist")
         if not self.served_model_name:
             raise ValueError("the served model name must not be empty")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if any(not name for name in self.served_model_aliases):
+            raise ValueError("the served model names must not be empty")
+        if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device}")
         if self.attention not in ("auto", "torch", "triton"):
@@ -136,15 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = EnvParser(prog="python -m workers.target", description="Tandem target worker")
     add_runtime_args(parser)
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the demo SmolLM2)")
-    parser.add_argument("--served-model-name", default=None, help="model name to register (default: the model's name)")
+    SERVED_MODEL_NAME.add(parser)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from --kv-cache-gb)")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB when --num-blocks is unset")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    for flag in ENGINE_FLAGS:
+        flag.add(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one forward pass")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    parser.add_argument("--dtype", default="auto",
-                        help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto = cuda if a GPU is visible")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads per rank (default: all cores, divided among the ranks)")
@@ -220,15 +229,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
-    name = args.served_model_name or (model.stem if model.suffix == ".gguf" else model.name)
-    return TargetConfig(str(model), name, args.block_size, args.num_blocks, args.max_num_seqs,
+    names = args.served_model_name or [model.stem if model.suffix == ".gguf" else model.name]
+    return TargetConfig(str(model), names[0], args.block_size, args.num_blocks, args.max_num_seqs,
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
                         args.num_speculative_tokens, args.propose_timeout, not args.no_adaptive_speculation,
                         not args.no_cuda_graphs, args.speculative_eagle_topk, args.speculative_num_steps,
                         not args.no_load_aware_speculation, args.hidden_layers, args.propose_min_wait,
                         args.tensor_parallel_size, args.tensor_parallel_timeout, args.role, args.kv_transfer_timeout,
-                        args.kv_handoff_ttl, args.async_scheduling, args.spec_seam)
+                        args.kv_handoff_ttl, args.async_scheduling, args.spec_seam,
+                        served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
+                        gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def chat_template(model_dir: Path) -> str:
@@ -251,6 +262,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     from runtime.grammar_tokenizer import TokenizerMismatch
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.grammar import GrammarBackend
+    from workers.engine.memory import NoMemoryForCache
     from workers.engine.weights import load_model
 
     size = cfg.tensor_parallel_size
@@ -285,6 +297,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+                              gpu_memory_utilization=cfg.gpu_memory_utilization,
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs,
                               async_scheduling=cfg.async_scheduling)
     try:
@@ -292,6 +305,10 @@ def build_engine(cfg: TargetConfig, worker_id: str):
                         hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
                         adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
                         load_aware=cfg.load_aware, followers=followers)
+    except NoMemoryForCache as exc:  # one line, not a traceback
+        if followers is not None:
+            followers.close()
+        raise StartupError(str(exc)) from None
     except BaseException:
         if followers is not None:
             followers.close()
@@ -384,13 +401,14 @@ async def amain(args: argparse.Namespace) -> None:
                               epoch=rt.started_at, role=cfg.role, receiver=receiver)
         await worker.start()
         rt.add_health_check(lambda: worker.healthy and not failed)
-        REGISTRY.register(TargetCollector(worker, cfg.served_model_name))
+        REGISTRY.register(TargetCollector(worker, cfg.served_model_name, cfg.served_model_aliases))
         if cfg.role == "prefill":
             await rt.subscribe(kv_release_topic(rt.instance_id), KvRelease, worker.keeper.on_release)
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
         await rt.register_model(ModelCard(
             name=cfg.served_model_name,
+            aliases=list(cfg.served_model_aliases),
             role="prefill" if cfg.role == "prefill" else "target",
             tokenizer_path=str(model_dir),
             context_length=engine.max_model_len,

@@ -27,7 +27,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runtime.histogram import histogram, histogram_family
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram, histogram_family
 from runtime.messages import TokenDelta
 from runtime.spec_stats import SpecCounters
 
@@ -35,8 +35,14 @@ from runtime.spec_stats import SpecCounters
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0)
+E2E_BUCKETS = REQUEST_LATENCY_BUCKETS
+# our finish reasons as vLLM's request_success labels them (others keep their names)
+VLLM_FINISH_REASONS = {"cancelled": "abort"}
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -84,9 +90,10 @@ class RequestStats:
 class TargetCollector(Collector):
     """Reads ``worker`` (a :class:`workers.target.worker.TargetWorker`) at scrape time."""
 
-    def __init__(self, worker, model: str):
+    def __init__(self, worker, model: str, aliases: tuple[str, ...] = ()):
         self.worker = worker
         self.model = model
+        self.names = (model, *aliases)
 
     def collect(self):
         w, engine = self.worker, self.worker.engine
@@ -122,6 +129,8 @@ class TargetCollector(Collector):
         yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.", spec.planned_draft_tokens)
         yield counter("spec_unplanned_steps", "Steps load-aware speculation chose to run without drafts.",
                       spec.unplanned_steps)
+        yield counter("spec_evidence_steps", "Steps where a proposal's calibrated confidence bought drafts the "
+                      "average request's acceptance would not (pipelined seam).", spec.evidence_steps)
         yield gauge("step_cost_fixed_seconds", "Fitted seconds per step (a in a + b*tokens + c*verified + d*[verified]).", fixed)
         yield gauge("step_cost_per_token_seconds", "Fitted seconds per query token (b).", per_token)
         yield gauge("step_cost_per_verify_seconds", "Fitted seconds per sequence verifying drafts (c).", per_seq)
@@ -160,6 +169,16 @@ class TargetCollector(Collector):
                 refused.add_metric([self.model, reason], count)
             yield refused
         yield from self._disagg(w, engine, gauge, counter)
+        cfg = engine.config
+        info = GaugeMetricFamily("tandem_target_engine_config", "The engine's settings (labels; value 1): "
+                                 "--max-model-len as served, --dtype, --max-num-seqs, --gpu-memory-utilization, "
+                                 "the KV cache's bytes, and the names the model is served as.",
+                                 labels=["model", "max_model_len", "dtype", "max_num_seqs", "gpu_memory_utilization",
+                                         "kv_cache_bytes", "served_model_names"])
+        util = "" if cfg.gpu_memory_utilization is None else f"{cfg.gpu_memory_utilization:g}"
+        info.add_metric([self.model, str(engine.max_model_len), dtype_name(engine.runner.dtype), str(cfg.max_num_seqs),
+                         util, str(engine.kv_cache_bytes), " ".join(self.names)], 1)
+        yield info
         finished = CounterMetricFamily("tandem_target_requests_finished", "Requests ended, by finish reason.",
                                        labels=["model", "reason"])
         for reason, count in sorted(w.stats.finished.items()):
@@ -213,6 +232,31 @@ class TargetCollector(Collector):
                                 ("inter_token_latency_seconds", "Time between output tokens.", w.stats.itl),
                                 ("e2e_request_latency_seconds", "Request latency end to end.", w.stats.e2e)):
             yield histogram_family(f"vllm:{name}", doc, hist, labels, values)
+        success = CounterMetricFamily("vllm:request_success", "Requests finished, by reason (vLLM's: stop, length, "
+                                      "abort; a request its client cancelled or left is abort).",
+                                      labels=[*labels, "finished_reason"])
+        by_reason = Counter()
+        for reason, count in w.stats.finished.items():
+            by_reason[VLLM_FINISH_REASONS.get(reason, reason)] += count
+        for reason, count in sorted(by_reason.items()):
+            success.add_metric([*values, reason], count)
+        yield success
+        sched = engine.scheduler
+        yield family(CounterMetricFamily, "num_preemptions", "Preemptions (recomputed requests).", sched.num_preemptions)
+        yield family(CounterMetricFamily, "prefix_cache_queries", "Prefix-cache queries, in tokens (each admitted "
+                     "request's tokens).", sched.prefix_queries)
+        yield family(CounterMetricFamily, "prefix_cache_hits", "Prefix-cache hits, in tokens.", sched.prefix_hits)
+        for name, doc, hist in (("request_queue_time_seconds", "Time a request waited to be first scheduled.",
+                                 sched.queue_time),
+                                ("request_prefill_time_seconds", "Time from a request's first scheduling to its "
+                                 "first token.", engine.prefill_time)):
+            yield histogram_family(f"vllm:{name}", doc, hist, labels, values)
+        cfg = engine.config
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (labels; value 1).",
+                                 labels=["block_size", "num_gpu_blocks", "gpu_memory_utilization", "cache_dtype"])
+        util = "" if cfg.gpu_memory_utilization is None else f"{cfg.gpu_memory_utilization:g}"
+        info.add_metric([str(cfg.block_size), str(engine.blocks.num_blocks), util, dtype_name(engine.runner.dtype)], 1)
+        yield info
         spec = SpecCounters()
         for counters in list(engine.counters.values()):
             spec = spec.add(counters)

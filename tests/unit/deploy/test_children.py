@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import sys
 import time
 
@@ -65,3 +66,56 @@ def test_tiers_stop_in_order(caplog):
     events = [r.getMessage().split(" (")[0] for r in caplog.records]
     assert [e for e in events if e.startswith(("stopping", "a exited", "b exited"))] == \
         ["stopping b", "b exited with -15", "stopping a", "a exited with -15"]
+
+
+SPARE_SCRIPT = """
+import os, sys, time
+if "--spare" in sys.argv and not sys.stdin.readline():
+    sys.exit(0)
+print("serving", os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_restart_starts_the_waiting_spare_and_stop_discards_the_next_one():
+    out = io.StringIO()
+    child = Child("web", [sys.executable, "-c", SPARE_SCRIPT], out=out, spare_flag="--spare").start()
+    try:
+        child.prepare_spare()
+        spare = child._spare.pid
+        time.sleep(0.5)
+        assert pid_alive(spare) and f"serving {spare}" not in out.getvalue()  # loaded, waiting for its word
+        first = child.pid
+        child.signal_group(signal.SIGKILL)
+        child.wait(5)
+        child.restart()
+        assert child.pid == spare and child._spare is None  # the spare took over, under the same name
+        deadline = time.monotonic() + 10
+        while f"[web] serving {spare}" not in out.getvalue():
+            assert time.monotonic() < deadline, out.getvalue()
+            time.sleep(0.05)
+        assert first != spare
+        child.prepare_spare()
+        waiting = child._spare.pid
+    finally:
+        stop_tiers([[child]], timeout=5)
+    assert not pid_alive(spare) and not pid_alive(waiting)
+
+
+def test_a_spare_that_dies_is_not_started_again_before_the_next_restart(caplog):
+    script = "import sys, time\nif '--spare' in sys.argv: sys.exit(3)\ntime.sleep(60)"
+    child = Child("web", [sys.executable, "-c", script], out=io.StringIO(), spare_flag="--spare").start()
+    try:
+        child.prepare_spare()  # a spare that exits 3 at once
+        first = child._spare
+        first.wait(20)
+        child.prepare_spare()
+        child.prepare_spare()
+        assert child._spare is None and "exited with 3" in caplog.text  # no spawn loop
+        child.signal_group(signal.SIGKILL)
+        child.wait(5)
+        child.restart()
+        child.prepare_spare()
+        assert child._spare is not None and child._spare is not first  # tried again after the restart
+    finally:
+        stop_tiers([[child]], timeout=5)

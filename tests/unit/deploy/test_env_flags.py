@@ -30,7 +30,7 @@ def _env_value(action):
         return "7", 7
     if action.type is float:
         return "0.5", 0.5
-    if action.kind == "append":
+    if action.kind == "append" or action.nargs in ("+", "*"):
         return "a,b", ["a", "b"]
     return "env-value", "env-value"
 
@@ -72,11 +72,12 @@ def test_canonical_names_and_old_aliases():
     draft = importlib.import_module("workers.draft.__main__").parse_args
     mock = importlib.import_module("workers.mock").parse_args
     router = importlib.import_module("router.__main__").parse_args
-    assert draft(["--served-model-name", "m"]).model_name == draft(["--model-name", "m"]).model_name == "m"
+    assert draft(["--served-model-name", "m"]).model_name == draft(["--model-name", "m"]).model_name == ["m"]
     assert draft(["--num-speculative-tokens", "5"]).max_speculative_tokens == 5
     assert draft(["--max-speculative-tokens", "5"]).max_speculative_tokens == 5
     assert draft(["--draft-method", "suffix"]).method == draft(["--method", "suffix"]).method == "suffix"
-    assert mock(["--served-model-name", "m"]).model_name == mock(["--model-name", "m"]).model_name == "m"
+    assert mock(["--served-model-name", "m"]).model_name == mock(["--model-name", "m"]).model_name == ["m"]
+    assert mock(["--served-model-name", "a", "b"]).model_name == ["a", "b"]
     assert mock(["--max-model-len", "64"]).context_length == mock(["--context-length", "64"]).context_length == 64
     assert router(["--router-mode", "random"]).mode == router(["--mode", "random"]).mode == "random"
 

@@ -75,6 +75,7 @@ def test_mock_plan():
     assert comps[-1].args == ("--http-port", str(ports["frontend"]), "--host", "127.0.0.1", "--router-mode", "kv",
                               "--drain-timeout", "30")
     assert comps[-1].health_port == ports["frontend"]
+    assert plan(cfg, None, ports, http_fd=7)[-1].args[-4:] == ("--http-fd", "7", "--drain-timeout", "30")
 
 
 def test_real_plan_with_router_targets_and_drafts():

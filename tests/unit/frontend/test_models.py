@@ -37,3 +37,25 @@ def test_a_model_that_just_went_is_503_for_a_grace_period_then_404(monkeypatch):
     with pytest.raises(UnknownModel):
         registry.get("m")
 
+
+
+def test_every_served_name_is_a_model_served_as_the_cards_name():
+    registry = ModelRegistry(preload=False)
+    two = ModelCard(name="a", role="target", tokenizer_path="/t", instance_id="w1", aliases=["b", "a"])
+    registry.update({"k1": two, "k2": card("a", "w2")})
+    assert [m.name for m in registry.list()] == ["a", "b"]
+    assert registry.get("b").served_as == registry.get("a").served_as == "a"
+    assert registry.get("a").num_instances == 2 and registry.get("b").num_instances == 1
+
+
+def test_tool_call_parser_names_the_format_whatever_the_template():
+    from frontend.config import FrontendConfig
+    from frontend.structured import ToolCalls
+    from frontend.tool_parsers import PARSERS
+
+    plain = "{{ messages[0]['content'] }}"  # renders no tool calls: 'auto' alone would be a 400
+    assert ToolCalls(auto=True).for_template(plain, "hermes").parser is PARSERS["hermes"]
+    assert ToolCalls(auto=True).for_template("<tool_call>", "mistral").parser is PARSERS["mistral"]
+    assert ToolCalls(auto=True).for_template("<tool_call>").parser is PARSERS["hermes"]
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, mistral, llama3_json"):
+        FrontendConfig(tool_call_parser="qwen25")

@@ -28,10 +28,13 @@ async def test_the_pool_renders_what_this_process_would():
 
     tok = Tokenizer.load(str(demo_tokenizer_dir()))
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 20} for i in range(300)]
-    pool = RenderPool()
+    pool = RenderPool(paused=True)  # as a frontend makes it: no process before the frontend serves
     try:
         before = await pool.encode_chat(tok, messages)  # not warm yet: rendered in a thread
         assert pool.rendered == 0 and before == tok.encode_chat(messages)
+        await asyncio.sleep(0.5)
+        assert pool._pool is None and not pool.ready(tok)  # paused: no process started
+        pool.resume()
         deadline = time.monotonic() + 60
         while not pool.ready(tok):
             assert time.monotonic() < deadline, "the render process did not load the tokenizer in 60 s"
@@ -57,8 +60,7 @@ time.sleep(120)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_render_process_dies_with_a_killed_frontend():
-    """A SIGKILLed frontend took nothing down with it: its render process (300 MB, transformers
-    loaded) ran on as an orphan. It now gets SIGKILL from the kernel when its parent dies."""
+    """A SIGKILLed frontend took nothing down with it: its render process ran on as an orphan. It now gets SIGKILL from the kernel when its parent dies."""
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True,
                               cwd=ROOT, env=importable_env(dict(os.environ)))
     try:

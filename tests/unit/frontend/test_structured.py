@@ -223,7 +223,7 @@ def test_tools_and_tool_turns_reach_the_chat_template(tokenizer):
                 "{% for m in messages %}{{ m.role }}: {{ m.content }}"
                 "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
                 "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}|{% endfor %}")
-    tok = Tokenizer(tokenizer._hf, template)
+    tok = Tokenizer(tokenizer.backend, template)
     req = request({"messages": [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [

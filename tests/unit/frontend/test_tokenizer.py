@@ -51,7 +51,7 @@ def test_chat_template_options_reach_the_template(tok):
     template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or not continue_open %}</>"
                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>"
                 "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}{% endif %}")
-    t = Tokenizer(tok._hf, template.replace("continue_open", "false"))
+    t = Tokenizer(tok.backend, template.replace("continue_open", "false"), special_tokens=tok.special_tokens)
     msgs = [{"role": "user", "content": "hi"}]
     assert t.render_chat(msgs) == "<user>hi</><assistant>"
     assert t.render_chat(msgs, template_kwargs={"enable_thinking": False}) == "<user>hi</><assistant><no-think>"

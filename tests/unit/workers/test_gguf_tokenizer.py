@@ -53,7 +53,7 @@ def test_transformers_reads_the_ids_the_gguf_names(demo_dir):
     from frontend.tokenizer import Tokenizer
 
     tok = Tokenizer.load(str(demo_dir))
-    assert tok.eos_token_ids == (2,) and tok._hf.bos_token_id == 1 and tok._hf.pad_token_id == 2
+    assert tok.eos_token_ids == (2,) and [tok.backend.token_to_id(tok.special_tokens[k]) for k in ("bos_token", "pad_token")] == [1, 2]
     ids = tok.encode(PROBE)  # special tokens allowed: still no BOS, as the GGUF says
     assert ids == tok.encode(PROBE, add_special_tokens=False) and 1 not in ids
     assert tok.decode(ids) == PROBE

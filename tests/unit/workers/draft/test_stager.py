@@ -106,3 +106,57 @@ def test_after_a_plain_step_it_stages_from_the_proposal_one_token_ahead_instead_
         target.offer(p)
     done = REF[: level1.start + 3]  # the plain step (REF[13]), then level 1 verified whole + its bonus
     assert target.take("s", done).token_ids == REF[len(done) : len(done) + 2]
+
+
+def test_staged_proposals_carry_confidence_conditional_on_what_they_assume():
+    """A branch drafted after a guessed bonus token carries the drafter's confidence given that token
+    (the proposal is only used once it is committed), cut to the tokens streamed."""
+    from workers.draft.stager import Chain
+
+    class Sure:
+        stages = True
+
+        def commit(self, seq_id, tokens): ...
+
+        def verified(self, results): ...
+
+        def release(self, seq_ids): ...
+
+        def draft_branches(self, branches):
+            # first token a guess of the bonus (0.5), then three sure ones (cumulative confidence)
+            return [Chain([7, 8, 9, 10, 11][: b.num_tokens], [], [0.5, 0.5, 0.5, 0.5, 0.5][: b.num_tokens])
+                    for b in branches]
+
+    stager = Stager(Sure(), alternatives=0)
+    stager.commit("s", 0, [1, 2, 3], gamma=2)
+    [answer] = stager.answer(["s"])
+    assert answer.confidence == [0.5] * len(answer.token_ids)
+    stager._seqs["s"].sent[0].chain = Chain(answer.token_ids, [])  # trimmed to its end: the branch guesses first
+    staged = stager.stage(["s"])
+    assert staged and all(p.confidence == [1.0] * len(p.token_ids) for p in staged)
+
+
+def test_one_drafting_call_answers_one_sequence_and_stages_the_others(monkeypatch):
+    """One sequence whose proposal came to nothing does not hold back the others' staged proposals:
+    its answer and their outcomes are drafted in one call (one batched pass per depth); its own
+    outcomes follow in the next call, once its answer exists."""
+    refs = [REF, list(range(300, 360))]
+    oracle = OracleProposer(refs, 0.0, 1000)
+    calls = []
+    real = oracle.draft_branches
+    monkeypatch.setattr(oracle, "draft_branches", lambda branches: calls.append(len(branches)) or real(branches))
+    stager = Stager(oracle, alternatives=1)
+    stager.commit("a", 0, refs[0][:10], gamma=2)
+    stager.commit("b", 0, refs[1][:10], gamma=2)
+    first, answered = stager.answer_and_stage(["a", "b"])
+    assert answered == ["a", "b"] and len(calls) == 1  # nothing streamed yet: both answered, one call
+    stager.commit("b", 1, [], gamma=2)
+    stager.release(["a"])
+    stager.commit("a", 1, refs[0][:10], gamma=2)  # "a" starts over (say the target preempted it)
+    calls.clear()
+    props, answered = stager.answer_and_stage(["a", "b"])
+    assert answered == ["a"] and len(calls) == 1
+    assert {p.seq_id for p in props} == {"a", "b"}  # a's answer and b's staged outcomes together
+    assert all(p.start > 11 for p in props if p.seq_id == "b")
+    later = stager.stage(["a", "b"])  # b's outcomes are out already: only a's are staged now
+    assert later and {p.seq_id for p in later} == {"a"}

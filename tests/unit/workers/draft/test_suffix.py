@@ -158,3 +158,21 @@ def test_the_draft_worker_builds_it_from_its_flags():
     assert (cfg.max_depth, cfg.spec_factor, cfg.max_cached_nodes, cfg.tree_topk) == (16, 2.0, 5000, 3)
     with pytest.raises(SystemExit, match="suffix"):
         make_proposer(draft_config(parse_args(["--method", "suffix", "--suffix-min-token-prob", "2"])))
+
+
+def test_proposals_carry_the_trees_estimate_of_reaching_each_token():
+    """Confidence: the product of conditional frequencies along the path, so a repeated output is
+    proposed with confidence 1 and a path seen half the time with 0.5; staged chains carry it too."""
+    from workers.draft.stager import Branch
+
+    p = SuffixProposer()
+    serve(p, "a", [1, 2, 3, 7, 8], TEMPLATE)
+    [out] = p.propose([DraftInput("b", 0, [4, 5, 6, 7, 8] + TEMPLATE[:3], 4)])
+    assert out.token_ids == TEMPLATE[3:7] and out.confidence == [1.0] * 4
+    serve(p, "c", [1, 2, 3, 7, 8], TEMPLATE[:5] + [99, 98, 97, 96, 95])  # the same start, then another way
+    [out] = p.propose([DraftInput("d", 0, [4, 5, 6, 7, 8] + TEMPLATE[:3], 4)])
+    assert out.token_ids[:2] == TEMPLATE[3:5] and out.confidence[:2] == [1.0, 1.0]
+    assert out.confidence[2] == pytest.approx(0.5)  # after TEMPLATE[4]: 59 … once, 99 … once
+    p.commit("e", [4, 5, 6, 7, 8] + TEMPLATE[:3])
+    [chain] = p.draft_branches([Branch("e", (), 2, 0)])
+    assert chain.tokens == TEMPLATE[3:5] and chain.confidence == [1.0, 1.0]

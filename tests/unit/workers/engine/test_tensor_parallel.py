@@ -274,6 +274,7 @@ def test_a_gguf_checkpoint_loads_sharded(tmp_path):
         followers.close()
 
 
+@pytest.mark.demo
 def test_gguf_slices_equal_transformers_dequantization_cut():
     """The demo model's quantized GGUF (Q4_1, a Q8_0 embedding; Llama: q/k rows permuted per head):
     each rank's slices as our reader yields them equal the tensors transformers dequantized from the
@@ -325,6 +326,7 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(tmp_path):
         followers.close()
 
 
+@pytest.mark.demo
 def test_a_model_whose_heads_do_not_split_is_refused_before_start():
     from workers.demo_model import demo_model_dir
     from workers.target.__main__ import TargetConfig
@@ -344,6 +346,7 @@ def test_followers_exit_when_rank_0_goes(tmp_path):
     assert proc.wait(15) == 0
 
 
+@pytest.mark.demo
 def test_demo_model_greedy_equal_at_tp1_and_tp2_plain_and_eagle3_trees():
     """SmolLM2-135M (9 query / 3 KV heads: ranks hold 3+1 and 6+2) with its bundled EAGLE-3 head,
     which reads three hidden layers of the target."""

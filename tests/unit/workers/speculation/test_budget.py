@@ -101,8 +101,21 @@ def test_realized_rates_veto_speculation_that_does_worse():
         rates.observe(8, True, 10, 0.20)  # speculating: 50 tokens/s
     assert rates.veto(8) and rates.veto(15)  # same bucket
     assert not rates.veto(16) and not rates.veto(2)  # nothing measured there
-    # vetoed: speculation is tried again one step in four
-    assert [rates.allow(8) for _ in range(8)] == [False, False, False, True] * 2
+    # vetoed: speculation is tried again after four steps, then half as often while it stays worse
+    # (each losing try costs a proposal round trip), up to one step in explore_max
+    tries = [i for i in range(1, 61) if rates.allow(8)]
+    assert tries == [4, 12, 28, 60]
+    capped = RealizedRates(min_samples=2, explore_every=4, explore_max=8)
+    for _ in range(3):
+        capped.observe(8, False, 8, 0.10)
+        capped.observe(8, True, 10, 0.20)
+    assert [i for i in range(1, 30) if capped.allow(8)] == [4, 12, 20, 28]
+    for _ in range(30):  # speculating got better: the veto lifts and the interval starts over
+        rates.observe(8, True, 20, 0.10)
+    assert not rates.veto(8) and [rates.allow(8) for _ in range(4)] == [True, True, True, False]
+    for _ in range(40):
+        rates.observe(8, True, 4, 0.10)
+    assert rates.veto(8) and [i for i in range(1, 9) if rates.allow(8)] == [4]
     # not measured yet: every other step decodes plainly; once both rates are known, one in four
     assert [rates.allow(2) for _ in range(4)] == [True, False] * 2
     for _ in range(2):
@@ -133,3 +146,118 @@ def test_steps_the_realized_rates_veto_say_load_not_draft_late():
             assert spec.states["s"].why_plain == "load"
             spec.count_plain(seq)
     assert spec.plain_steps == {"load": 3}
+
+
+def test_calibration_earns_what_a_draft_claims_and_no_more():
+    """A draft's confidence is worth what the target has seen it be worth: honest certainty earns
+    near-certain gains, the same claims from a draft that is always wrong earn almost nothing."""
+    from workers.speculation.budget import Calibration
+
+    fresh = Calibration()
+    assert fresh.gains([1.0, 1.0])[0] < 0.5  # nothing earned yet: a weak, pessimistic prior
+    honest, liar = Calibration(), Calibration()
+    for _ in range(40):
+        honest.observe([1.0, 1.0, 1.0, 1.0], 4)  # every claim came true (one rejection would follow)
+        liar.observe([1.0, 1.0, 1.0, 1.0], 0)  # its first token is always rejected
+    r = honest.rate(1.0)
+    assert r > 0.97 and honest.gains([1.0, 1.0, 1.0]) == pytest.approx([r, r * r, r ** 3])
+    assert liar.gains([1.0])[0] < 0.05
+    # claims are per token (cumulative confidence divided by the one before), each in its own bin
+    mixed = Calibration()
+    for _ in range(60):
+        mixed.observe([0.99, 0.2], 1)  # the sure token is accepted, the 0.2 one (claim 0.2) is not
+    assert mixed.rate(0.99) > 0.9 and mixed.rate(0.2) < 0.1
+
+
+def test_evidence_buys_drafts_the_average_would_not():
+    """plan() with a sequence's own gains: where α says drafting does not pay, a proposal the
+    calibrated evidence says is near certain still gets its drafts, and one with poor evidence none."""
+    cost = fitted(0.05, 0.002, wait=0.01, per_verify=0.005)
+    caps = {"sure": 4, "doubtful": 4, "plain": 4}
+    alphas = dict.fromkeys(caps, 0.1)
+    assert plan(caps, alphas, 3, cost) == dict.fromkeys(caps, 0)
+    got = plan(caps, alphas, 3, cost, {"sure": [0.97, 0.95, 0.92, 0.9], "doubtful": [0.05, 0.01, 0.0, 0.0]})
+    assert got == {"sure": 4, "doubtful": 0, "plain": 0}
+
+
+def _pipelined_speculator(claim: float, accepted_of_4: int):
+    """A load-aware Speculator on the pipelined seam whose cost model and realized rates both say
+    speculating does not pay at batch 1, its draft's claims calibrated by 40 chains of 4 drafts that
+    claimed ``claim`` per token and had ``accepted_of_4`` accepted."""
+    from workers.engine.speculator import Speculator
+    from workers.speculation.budget import Calibration
+
+    spec = Speculator(100, 4, load_aware=True)
+    spec.pipelined = True
+    spec.cost = fitted(0.05, 0.002, wait=0.01, per_verify=0.005)
+    for _ in range(4):
+        spec.realized.observe(1, False, 1, 0.05)
+        spec.realized.observe(1, True, 1, 0.10)
+    calib = spec.calibrations[""] = Calibration()
+    for _ in range(40):
+        calib.observe([claim ** (j + 1) for j in range(4)], accepted_of_4)
+    return spec
+
+
+@pytest.mark.parametrize("confident", [True, False])
+def test_pipelined_policy_verifies_a_proposal_its_evidence_says_will_pay(confident):
+    """Issue 37 item 4: under the pipelined seam a repeated request's suffix proposal (confidence 1,
+    a draft whose claims came true) is verified although the average request's acceptance and the
+    realized rates say speculating does not pay; without the confidence it waits (``load``), and the
+    draft is still asked every step (asking costs the target nothing on this seam)."""
+    from workers.engine.sequence import Sequence
+    from workers.speculation.payloads import DraftOutput
+
+    spec = _pipelined_speculator(1.0, 4)
+    params = SamplingParams(temperature=0, max_tokens=64)
+    seq = Sequence("s", list(range(8)), 8, 0, params, num_computed=7)
+    spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(1.0, 9.0)  # α = 0.1 so far
+    verified = 0
+    for step in range(4):
+        asked = spec.requests([seq], 1024)
+        assert [r.num_tokens for r in asked] == [4]  # asked every step
+        spec.states["s"].round = step + 1  # (the engine counts the round when it converts the ask)
+        spec.offer([DraftOutput("s", step, [20, 21, 22, 23], start=len(seq.token_ids),
+                                assumed=seq.token_ids[-4:], confidence=[1.0] * 4 if confident else [])])
+        drafted = spec.attach({}, [seq], 1024, None)
+        if drafted:
+            verified += 1
+            assert drafted["s"].tokens == [20, 21, 22, 23]
+            del seq.token_ids[-4:]
+        else:
+            assert spec.states["s"].why_plain == "load"
+    assert verified == (4 if confident else 0)
+    assert (spec.evidence_steps > 0) == confident
+
+
+def test_a_draft_whose_confidence_lies_buys_nothing():
+    """The same proposals from a draft whose claims of certainty were always wrong: not verified."""
+    from workers.engine.sequence import Sequence
+    from workers.speculation.payloads import DraftOutput
+
+    spec = _pipelined_speculator(1.0, 0)
+    seq = Sequence("s", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=64), num_computed=7)
+    spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(1.0, 9.0)  # its own record: α = 0.1
+    spec.requests([seq], 1024)
+    spec.states["s"].round = 1
+    spec.offer([DraftOutput("s", 0, [20, 21, 22, 23], start=8, assumed=seq.token_ids[-4:], confidence=[1.0] * 4)])
+    assert spec.attach({}, [seq], 1024, None) == {}
+    assert spec.states["s"].why_plain == "load"
+
+
+def test_low_confidence_never_takes_away_what_the_requests_record_earned():
+    """A request whose drafts have been accepted keeps its drafts when the draft claims little."""
+    from workers.engine.sequence import Sequence
+    from workers.speculation.payloads import DraftOutput
+
+    spec = _pipelined_speculator(0.2, 0)  # claims of 0.2 that never came true
+    spec.realized = type(spec.realized)()  # nothing measured: no veto
+    seq = Sequence("s", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=64), num_computed=7)
+    spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(19.0, 1.0)  # α = 0.95 so far
+    spec.requests([seq], 1024)
+    spec.states["s"].round = 1
+    spec.offer([DraftOutput("s", 0, [20, 21, 22, 23], start=8, assumed=seq.token_ids[-4:], confidence=[0.2] * 4)])
+    assert spec.attach({}, [seq], 1024, None)["s"].tokens == [20, 21, 22, 23]

@@ -24,6 +24,7 @@ def test_a_sane_proposal_passes():
     dists = [SparseDist([1, 5], [0.6, 0.4]), SparseDist([2], [1.0])]
     assert proposal_problem(prop([1, 2], dists), 2, V) is None
     assert proposal_problem(prop([]), 4, V) is None
+    assert proposal_problem(DraftOutput("s", 0, [1, 2], confidence=[0.9, 0.5]), 2, V) is None
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -43,6 +44,10 @@ def test_a_sane_proposal_passes():
     (prop([1], [SparseDist([1, 2], [0.9, 0.9])]), "probabilities"),  # mass above 1
     (prop([1], [SparseDist([2], [1.0])]), "probabilities"),  # no mass on the drafted token
     (prop([1], [SparseDist([1], [math.inf])]), "probabilities"),
+    (DraftOutput("s", 0, [1, 2], confidence=[0.9]), "confidence"),  # one value for two tokens
+    (DraftOutput("s", 0, [1], confidence=[1.5]), "confidence"),
+    (DraftOutput("s", 0, [1], confidence=[math.nan]), "confidence"),
+    (DraftOutput("s", 0, [1], confidence=[-0.1]), "confidence"),
 ])
 def test_malformed_proposals_are_named(bad, reason):
     assert proposal_problem(bad, 4, V) == reason

@@ -34,7 +34,8 @@ def test_tree_proposals_and_shapes_round_trip():
     from workers.speculation.convert import draft_output_from_pb, draft_output_to_pb
     from workers.speculation.payloads import DraftOutput, SparseDist
 
-    tree = DraftOutput("s", 3, [5, 6, 7, 8], [SparseDist([5], [1.0])] * 4, [-1, -1, 0, 2])
+    tree = DraftOutput("s", 3, [5, 6, 7, 8], [SparseDist([5], [1.0])] * 4, [-1, -1, 0, 2],
+                       confidence=[0.5, 0.25, 0.125, 0.0625])  # floats exact in float32
     wire = spec_pb2.Proposal.FromString(draft_output_to_pb(tree).SerializeToString())
     assert draft_output_from_pb(wire) == tree
     chain = DraftOutput("s", 4, [5, 6], [], [-1, 0])  # a chain travels without parents, as before trees

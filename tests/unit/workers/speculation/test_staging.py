@@ -32,6 +32,9 @@ def test_a_partial_overlap_is_trimmed_to_what_follows_the_committed_tokens():
     t = trimmed(p, 2)
     assert (t.start, t.token_ids, [d.ids for d in t.distributions], t.round) == (5, [10, 11], [[10], [11]], 3)
     assert overlap(t, COMMITTED) == 0
+    # the draft's cumulative confidence, now conditional on the committed tokens
+    c = trimmed(DraftOutput("s", 3, [8, 9, 10, 11], start=3, assumed=[6, 7], confidence=[0.8, 0.4, 0.2, 0.1]), 2)
+    assert c.confidence == pytest.approx([0.5, 0.25])
     assert overlap(prop(3, [8, 99, 10], [7]), COMMITTED) is None  # the target committed something else
     assert overlap(prop(3, [8, 9], [7]), COMMITTED) is None  # all of it committed: nothing left
     assert overlap(prop(3, [8, 9, 10], [7], parents=[-1, -1, 0]), COMMITTED) is None  # trees fit only exactly
