@@ -35,5 +35,7 @@ Contract:
 
 from .client import PendingBytes, RequestClient, ResponseStream, collect
 from .server import Handler, RequestContext, RequestServer
+from .wire import BLIP_GRACE_S, PROBE_FACTOR, RESEND_INTERVAL, STALL_FACTOR
 
-__all__ = ["Handler", "PendingBytes", "RequestClient", "RequestContext", "RequestServer", "ResponseStream", "collect"]
+__all__ = ["BLIP_GRACE_S", "PROBE_FACTOR", "RESEND_INTERVAL", "STALL_FACTOR", "Handler", "PendingBytes",
+           "RequestClient", "RequestContext", "RequestServer", "ResponseStream", "collect"]
