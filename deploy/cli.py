@@ -14,7 +14,7 @@ import sys
 from deploy.stack import DRAFT_DTYPES, DRAFT_METHODS, ROUTER_MODES, StackConfig
 from deploy.speculative_config import parse_speculative_config
 from frontend.flags import API_KEY, FRONTEND_FLAGS
-from runtime.config import DEFAULT_NAMESPACE, apply_env_defaults
+from runtime.config import DEFAULT_NAMESPACE, EnvParser, apply_env_defaults
 from runtime.flags import SERVED_MODEL_NAME, first_name
 from runtime.service import check_log_level
 from workers.target.flags import ENGINE_FLAGS
@@ -157,7 +157,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Run Tandem: speculative decoding across workers")
+    parser = EnvParser(prog="tandem", description="Run Tandem: speculative decoding across workers")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start the whole stack locally on 127.0.0.1")

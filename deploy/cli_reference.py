@@ -11,7 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from runtime.config import without_tandem_env
+from runtime.config import EnvParser, without_tandem_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
@@ -31,21 +31,20 @@ COMMANDS = (
 )
 
 
-def _sub(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> argparse.ArgumentParser:
+def _sub(parser: EnvParser, path: tuple[str, ...]) -> EnvParser:
     for name in path:
-        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = action.choices[name]
+        parser = parser.subcommands[name]
     return parser
 
 
 def _row(action: argparse.Action) -> str | None:
-    if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+    if action.kind == "help":
         return None
     flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}` (positional)"
     if action.choices:
         flags += " {" + ",".join(map(str, action.choices)) + "}"
     hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-    default = "" if hidden or isinstance(action, argparse._StoreTrueAction) else f"`{action.default}`"
+    default = "" if hidden or action.kind == "store_true" else f"`{action.default}`"
     if action.help == argparse.SUPPRESS:
         return None
     text = getattr(action, "plain_help", action.help) or ""
@@ -78,7 +77,7 @@ def _render() -> str:
         if parser.description:
             lines += [parser.description.strip().split("\n")[0], ""]
         lines += ["| flag | default | env | what |", "|---|---|---|---|"]
-        lines += [row for row in map(_row, parser._actions) if row]
+        lines += [row for row in map(_row, parser.options) if row]
         lines.append("")
     return "\n".join(lines)
 
@@ -138,7 +137,7 @@ def _render_configuration() -> str:
     rows: dict[str, dict] = {}
     for title, module, path in COMMANDS:
         parser = _sub(importlib.import_module(module).build_parser(), path)
-        for action in parser._actions:
+        for action in parser.options:
             name = getattr(action, "env_var", None)
             if not name:
                 continue

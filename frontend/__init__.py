@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP frontend: ``python -m frontend --http-port 8000``.
 
-Modules: :mod:`frontend.app` (routes, the :class:`~frontend.app.Frontend` object),
+Modules: :mod:`frontend.app` (routes, the :class:`~frontend.app.Frontend` object), :mod:`frontend.asgi`
+(the ASGI transport: bodies in, event streams out, the completion routes' fast path),
 :mod:`frontend.protocol` (request schemas and validation), :mod:`frontend.serving` (one request:
 preprocess, dispatch, answer), :mod:`frontend.dispatch` (routing and migration to another worker),
 :mod:`frontend.output` / :mod:`frontend.detokenize` (text, stop strings, logprobs),

@@ -13,7 +13,7 @@ import sys
 
 from router.base import ROUTER_MODES
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .app import Frontend
@@ -26,7 +26,7 @@ log = logging.getLogger("frontend")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m frontend", description="Tandem OpenAI-compatible frontend")
+    parser = EnvParser(prog="python -m frontend", description="Tandem OpenAI-compatible frontend")
     add_runtime_args(parser)
     parser.add_argument("--http-port", "--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")

@@ -1,11 +1,9 @@
 """Incremental detokenization and stop strings.
 
-:class:`IncrementalDetokenizer` turns a growing list of token ids into text deltas. Byte-level
-tokenizers split multi-byte UTF-8 characters across tokens; decoding such a prefix yields U+FFFD,
-so a delta is held back while the decoded text ends in U+FFFD, and released once the character is
-complete. Decoding keeps a short window (``prefix_offset`` .. end) instead of the whole sequence, so
-each step costs two decodes of a few tokens, as in vLLM's ``detokenize_incrementally``. A few
-prompt tokens seed the window so tokenizers that drop a leading space when decoding a lone token
+:class:`IncrementalDetokenizer` turns a growing list of token ids into text deltas with the
+``tokenizers`` library's :class:`~tokenizers.decoders.DecodeStream` (what vLLM v1 uses): it holds a
+delta back while a multi-byte UTF-8 character is split across tokens, decodes a short window, and is
+seeded with a few prompt tokens, so tokenizers that drop a leading space when decoding a lone token
 (SentencePiece ``▁``) still produce the right first delta.
 
 :class:`StopStrings` finds stop strings in the text stream, including ones that span deltas, and
@@ -14,54 +12,38 @@ holds back any tail that could be the start of a stop string, so a stop string n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-REPLACEMENT = "\ufffd"
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 PROMPT_CONTEXT = 5  # prompt tokens that seed the decode window
 
 
 class IncrementalDetokenizer:
-    """Text deltas from token ids; ``decode(ids) -> str`` is the tokenizer's decoder."""
+    """Text deltas from token ids, special tokens skipped."""
 
-    def __init__(self, decode: Callable[[list[int]], str], prompt_tail: Sequence[int] = ()):
-        self._decode = decode
-        self._tokens: list[int] = list(prompt_tail[-PROMPT_CONTEXT:]) if prompt_tail else []
-        self._prefix_offset = 0
-        self._read_offset = len(self._tokens)
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(list(prompt_tail[-PROMPT_CONTEXT:]), skip_special_tokens=True)
+        self._held: list[int] = []  # tokens of a character not complete yet
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; returns the newly completed text (possibly empty)."""
-        if len(token_ids) == 1:
-            self._tokens.append(token_ids[0])
-            return self._advance(final=False)
         out = []
-        for token in token_ids:  # one at a time, so text before a partial character is not held back
-            self._tokens.append(token)
-            out.append(self._advance(final=False))
+        for token in token_ids:
+            text = self._stream.step(self._tokenizer, token)
+            if text is None:
+                self._held.append(token)
+            else:
+                self._held.clear()
+                out.append(text)
         return "".join(out)
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the very end decodes as U+FFFD)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        tokens, start, read = self._tokens, self._prefix_offset, self._read_offset
-        if read >= len(tokens):
-            return ""
-        prefix_text = self._decode(tokens[start:read]) if read > start else ""
-        new_text = self._decode(tokens[start:])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):
-            # Nothing complete yet: a partial UTF-8 character, or a token that decodes to nothing.
-            return ""
-        self._prefix_offset = read
-        self._read_offset = len(tokens)
-        if len(self._tokens) > 4 * PROMPT_CONTEXT + 64:
-            # Keep the window bounded: tokens before prefix_offset are never decoded again.
-            drop = self._prefix_offset
-            del self._tokens[:drop]
-            self._prefix_offset -= drop
-            self._read_offset -= drop
-        return new_text[len(prefix_text):]
+        held, self._held = self._held, []
+        return self._tokenizer.decode(held, skip_special_tokens=True) if held else ""
 
 
 class StopStrings:

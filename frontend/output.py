@@ -7,8 +7,10 @@ still counted as a completion token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import tokenizers
 
 from runtime.messages import SpecUsage, TokenDelta, TopLogprob
 
@@ -32,19 +34,19 @@ class Piece:
 
 
 class ChoiceOutput:
-    """Accumulates one choice; plain values and the tokenizer's decode function in."""
+    """Accumulates one choice; plain values and the ``tokenizers`` tokenizer that decodes in."""
 
     def __init__(
         self,
         index: int,
-        decode: Callable[[list[int]], str],
+        tokenizer: tokenizers.Tokenizer,
         prompt_ids: Sequence[int],
         stops: Sequence[str] = (),
         stop_token_ids: frozenset[int] = frozenset(),
         top_logprobs: int | None = None,
     ):
         self.index = index
-        self._detok = IncrementalDetokenizer(decode, prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stops = StopStrings(stops)
         self._stop_token_ids = stop_token_ids
         self._top = top_logprobs

@@ -65,8 +65,8 @@ class Job:
         return sum(len(p) for p in self.prompts)
 
     def outputs(self) -> list[ChoiceOutput]:
-        decode = self.tokenizer.decode
-        return [ChoiceOutput(i, decode, self.prompts[p], self.stops, self.stop_token_ids, self.top_logprobs)
+        backend = self.tokenizer.backend
+        return [ChoiceOutput(i, backend, self.prompts[p], self.stops, self.stop_token_ids, self.top_logprobs)
                 for i, p in enumerate(self.prompt_of)]
 
 

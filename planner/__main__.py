@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 
 from .config import CONNECTORS, POOLS, Bounds, DraftRule, PlannerConfig, parse_seconds
@@ -41,7 +41,7 @@ def _seconds(flag: str, value) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m planner",
+    parser = EnvParser(prog="python -m planner",
                                      description="Tandem planner: sizes prefill, target and draft pools to SLAs")
     add_runtime_args(parser)
     sla = parser.add_argument_group("SLA (p90; durations take ms or s, a bare number is seconds)")

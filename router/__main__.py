@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from prometheus_client import REGISTRY
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import RouteRelease, RouteRequest
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 
@@ -56,7 +56,7 @@ class RouterServiceConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m router", description="Tandem shared router service")
+    parser = EnvParser(prog="python -m router", description="Tandem shared router service")
     add_runtime_args(parser)
     parser.add_argument("--router-mode", "--mode", dest="mode", default="kv", choices=ROUTER_MODES, help="routing policy")
     parser.add_argument("--http-port", type=int, default=None,

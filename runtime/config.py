@@ -177,11 +177,57 @@ def env_name(action: argparse.Action, prefix: str = ENV_PREFIX) -> str:
     return prefix + flag.lstrip("-").upper().replace("-", "_")
 
 
-def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
-                       prefix: str = ENV_PREFIX) -> argparse.ArgumentParser:
+class EnvParser(argparse.ArgumentParser):
+    """The services' parser: plain argparse through its public interface only. It keeps what
+    ``add_argument`` returns (``options``; each action's ``kind`` is the ``action=`` it was added with,
+    groups' options included) and the sub-commands ``add_parser`` makes (``subcommands``), so that
+    :func:`apply_env_defaults` can give every option its ``TANDEM_<FLAG>`` fallback; and its
+    :meth:`error` is one line that points at ``--help``, not the usage block first."""
+
+    def __init__(self, *args, **kwargs):
+        self.options: list[argparse.Action] = []
+        self.subcommands: dict[str, EnvParser] = {}
+        super().__init__(*args, **kwargs)
+
+    def _keep(self, add):
+        def add_argument(*args, **kwargs):
+            action = add(*args, **kwargs)
+            action.kind = kwargs.get("action", "store")
+            self.options.append(action)
+            return action
+
+        return add_argument
+
+    def add_argument(self, *args, **kwargs):
+        return self._keep(super().add_argument)(*args, **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        group.add_argument = self._keep(group.add_argument)
+        return group
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", EnvParser)
+        action = super().add_subparsers(**kwargs)
+        add_parser = action.add_parser
+
+        def add(name, **kw):
+            self.subcommands[name] = sub = add_parser(name, **kw)
+            return sub
+
+        action.add_parser = add
+        return action
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+SWITCHES = ("store_true", "store_false", "store_const")
+
+
+def apply_env_defaults(parser: EnvParser, environ=None, prefix: str = ENV_PREFIX) -> EnvParser:
     """Give every option of ``parser`` (and of its sub-commands) a ``TANDEM_<FLAG>`` fallback.
 
-    Errors (a bad flag or value) are one line that points at ``--help``, not the usage block first.
     A set variable becomes the option's default (converted with the option's type, checked against
     its choices; a switch reads 1/true/yes/on or 0/false/no/off), so a flag on the command line still
     wins. A bad value exits through ``parser.error`` naming the variable. Each option's help gains
@@ -189,23 +235,19 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
     the generated reference. ``prefix`` sets a command apart whose flags mean something else than
     the services' flags of the same name (``tandem train-draft``: ``TANDEM_TRAIN_``).
     """
+    if not isinstance(parser, EnvParser):
+        raise TypeError("build the parser with runtime.config.EnvParser")
     environ = os.environ if environ is None else environ
-    parser.error = _one_line_error(parser)
-    seen: set[int] = set()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                if id(sub) not in seen:
-                    seen.add(id(sub))
-                    apply_env_defaults(sub, environ, prefix)
-            continue
-        if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+    for sub in parser.subcommands.values():
+        apply_env_defaults(sub, environ, prefix)
+    for action in parser.options:
+        if not action.option_strings or action.kind in ("help", "version"):
             continue
         if action.help == argparse.SUPPRESS or hasattr(action, "env_var"):
             continue
         name = env_name(action, prefix)
         raw = environ.get(name)
-        if raw is not None and (raw != "" or isinstance(action, argparse._StoreConstAction)):
+        if raw is not None and (raw != "" or action.kind in SWITCHES):
             action.default = _from_env(parser, action, name, raw)
             action.required = False
         action.env_var, action.plain_help = name, action.help or ""
@@ -213,22 +255,13 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ=None,
     return parser
 
 
-def _one_line_error(parser: argparse.ArgumentParser):
-    """``parser.error`` without the usage block first: one line, and where the usage is."""
-
-    def error(message: str):
-        parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
-
-    return error
-
-
-def _from_env(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str):
-    if isinstance(action, argparse._StoreConstAction):  # store_true / store_false / store_const
+def _from_env(parser: EnvParser, action: argparse.Action, name: str, raw: str):
+    if action.kind in SWITCHES:
         value = raw.strip().lower()
         if value not in _TRUE | _FALSE:
             parser.error(f"environment variable {name}={raw!r}: expected 1/true/yes/on or 0/false/no/off")
         return action.const if value in _TRUE else action.default
-    many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+")
+    many = action.kind in ("append", "extend") or action.nargs in ("*", "+")
     values = [v.strip() for v in raw.split(",") if v.strip()] if many else [raw]
     out = []
     for value in values:
@@ -247,7 +280,7 @@ def _from_env(parser: argparse.ArgumentParser, action: argparse.Action, name: st
 def _help_with_env(action: argparse.Action, name: str) -> str:
     text = action.help or ""
     extra = [] if name in text else [f"env {name}"]
-    if "default" not in text.lower() and not isinstance(action, argparse._StoreConstAction):
+    if "default" not in text.lower() and action.kind not in SWITCHES:
         shown = "unset" if action.default is None else action.default
         extra.append(f"default: {shown}".replace("%", "%%"))
     if not extra:

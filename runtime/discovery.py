@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 import aetcd
 import msgspec
 
+from .backoff import backoff_delay
 from .messages import decode
 
 log = logging.getLogger(__name__)
@@ -215,19 +216,19 @@ class Snapshot(Generic[T]):
             return None
 
     async def _run(self) -> None:
-        delay = RETRY_MIN
+        failures = 0
         while True:
             try:
                 await self._sync_and_watch()
-                delay = RETRY_MIN
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if self.ready.is_set():
                     log.warning("etcd watch on %s failed (%r); will re-read the prefix", self._prefix, exc)
                 self.ready.clear()
-                await asyncio.sleep(delay)
-                delay = min(RETRY_MAX, delay * 2)
+                await asyncio.sleep(backoff_delay(failures, RETRY_MIN, RETRY_MAX))
+                failures += 1
 
     async def _sync_and_watch(self) -> None:
         result = await self._client.get_prefix(self._prefix.encode())

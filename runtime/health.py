@@ -24,6 +24,21 @@ from .errors import StartupError
 log = logging.getLogger(__name__)
 
 
+WILDCARDS = {"0.0.0.0", "::", ""}
+
+
+def advertised_host(host: str) -> str:
+    """``host``, or where it is a wildcard bind, this host's address that others dial (bracketed IPv6)."""
+    if host not in WILDCARDS:
+        return host
+    family = socket.AF_INET6 if host == "::" else socket.AF_INET
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        found = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+    return f"[{found}]" if ":" in found else found
+
+
 class UvicornServer(uvicorn.Server):
     """uvicorn run as one task of a service's event loop (the frontend's HTTP server too)."""
 
@@ -64,6 +79,13 @@ class HealthServer:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def advertised_address(self) -> str:
+        """``host:port`` another host can dial: the bound address, or for a wildcard bind (``0.0.0.0``,
+        ``::``, as in the k8s manifests) this host's own address, what its hostname resolves to (a pod's
+        IP on Kubernetes, a container's on Compose). Workers register it for the planner's scrapes."""
+        return f"{advertised_host(self.host)}:{self.port}"
 
     def add_route(self, path: str, handler: Callable[[], object]) -> None:
         """Serve ``handler()`` as JSON on ``GET path``."""

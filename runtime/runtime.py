@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ import aetcd
 import msgspec
 import nats
 
+from .backoff import backoff_delay
 from .config import RuntimeConfig, redact_url
 from .discovery import Registrar, Snapshot
 from .etcd import EtcdClient
@@ -237,7 +239,7 @@ class Runtime:
         host, port = cfg.etcd_host_port
         security = cfg.etcd_security()
         deadline = time.monotonic() + cfg.connect_timeout
-        while True:  # etcd: retry until the deadline unless the cause is final, then one line
+        for attempt in itertools.count():  # etcd: retry until the deadline unless the cause is final, then one line
             try:
                 self.etcd = EtcdClient(host, port, security, timeout=min(5.0, cfg.connect_timeout))
                 await self.etcd.connect()
@@ -257,7 +259,7 @@ class Runtime:
                     raise StartupError(f"cannot reach {where}: {cause}") from None
                 if time.monotonic() >= deadline:
                     raise StartupError(f"cannot reach {where}: {gave_up(cfg.connect_timeout, [exc])}") from None
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(backoff_delay(attempt, 0.1, 0.5))
         self.events = EventPlane(self.nc, self.namespace)
         self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)
         await self._server.start()
@@ -441,7 +443,7 @@ class Runtime:
             role=role,
             model=model,
             grpc_address=grpc_address,
-            http_address=http_address or (self.health.address if self.health else ""),
+            http_address=http_address or (self.health.advertised_address if self.health else ""),
             started_at=self.started_at,
         )
         await self._registrar.put(instance_key(self.namespace, component, endpoint, self.instance_id), encode(record))

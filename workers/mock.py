@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
 from runtime.flags import SERVED_MODEL_NAME
 from runtime.kv_hash import ROOT_HASH, block_hashes, stored_events
@@ -308,7 +308,7 @@ class MockWorker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.mock", description="Tandem mock engine worker")
+    parser = EnvParser(prog="python -m workers.mock", description="Tandem mock engine worker")
     add_runtime_args(parser)
     SERVED_MODEL_NAME.add(parser, "--model-name", dest="model_name", default=["mock"])
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the demo SmolLM2 tokenizer)")

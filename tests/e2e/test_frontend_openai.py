@@ -266,7 +266,10 @@ def test_logprobs_chat_and_completions(client):
     r = client.completions.create(model="mock", prompt=WORDS, max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert lp.tokens == ["alpha", " beta", " gamma", " delta"] and len(lp.token_logprobs) == 4
-    assert all(len(t) >= 1 for t in lp.top_logprobs) and lp.text_offset == [0, 5, 10, 16]
+    # three alternatives a token, the chosen one among them at its own logprob (greedy: the likeliest)
+    assert all(len(t) == 3 for t in lp.top_logprobs) and lp.text_offset == [0, 5, 10, 16]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))
     streamed = list(chat(client, max_tokens=4, logprobs=True, stream=True))
     assert sum(len(c.choices[0].logprobs.content) for c in streamed if c.choices and c.choices[0].logprobs) == 4
 

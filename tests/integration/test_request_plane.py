@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
-from runtime import InstanceGone, InstanceTimeout, InvalidRequest, PayloadTooLarge, PendingBytes, RemoteError, Runtime
+from runtime import (InstanceGone, InstanceTimeout, InvalidRequest, PayloadTooLarge, PendingBytes, RemoteError, Runtime,
+                     ShuttingDown)
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 
@@ -188,3 +190,38 @@ async def test_silent_instance_times_out_naming_it(runtime_config):
             await collect(await client.call("cafe000000000000", b""))
         assert err.value.instance_id == "cafe000000000000"
         await sub.unsubscribe()
+
+
+async def test_a_drain_that_times_out_ends_its_streams_with_a_shutting_down_frame(runtime_config, rt):
+    # The stream outlives the server's drain: at the timeout it must end with an ERROR frame
+    # (shutting_down, which the frontend migrates on) at once, not go silent until a probe or the
+    # stall timeout finds the instance gone.
+    async def endless(request, ctx):
+        i = 0
+        while True:
+            yield TokenDelta(token_ids=[i])
+            i += 1
+            await asyncio.sleep(0.02)
+
+    serving, stop = asyncio.Event(), asyncio.Event()
+
+    async def server() -> None:  # leaving the block closes the runtime: deregister, drain, close
+        async with Runtime.connect(dataclasses.replace(runtime_config, drain_timeout=0.3)) as srv:
+            await srv.serve("worker", "generate", endless, GenerateRequest)
+            serving.set()
+            await stop.wait()
+
+    closing = asyncio.create_task(server())
+    await serving.wait()
+    client = await rt.client("worker", "generate")
+    [inst] = await client.wait_for_instances(1, timeout=5)
+    stream = await client.call(inst.instance_id, GenerateRequest(token_ids=[1]), TokenDelta)
+    assert (await stream.__anext__()).token_ids == [0]
+    stop.set()
+    started = time.monotonic()
+    with pytest.raises(ShuttingDown, match="drain timed out"):
+        async for _ in stream:
+            pass
+    ended = time.monotonic() - started
+    await closing
+    assert 0.3 <= ended < 0.3 + 0.2, ended

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 
 from proto import spec_pb2_grpc
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args
 from runtime.messages import ModelCard
 from runtime.errors import StartupError
 from runtime.flags import SERVED_MODEL_NAME, first_name
@@ -38,7 +38,7 @@ log = logging.getLogger("workers.draft")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.draft", description="Tandem draft worker")
+    parser = EnvParser(prog="python -m workers.draft", description="Tandem draft worker")
     add_runtime_args(parser)
     parser.add_argument("--draft-method", "--method", dest="method", choices=(*METHODS, *BENCH_METHODS), default="ngram",
                         help="draft method")

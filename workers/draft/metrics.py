@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runtime.histogram import Histogram
+from runtime.histogram import histogram, histogram_family
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -29,8 +30,8 @@ class DraftStats:
     drafted_ahead: int = 0  # draft-ahead passes run
     hidden_bytes: int = 0  # hidden-state bytes received from targets
     weight_swaps: int = 0  # new head weights taken (online distillation, --distill-follow)
-    batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
-    latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    batch_size: Histogram = field(default_factory=lambda: histogram(BATCH_BUCKETS))
+    latency: Histogram = field(default_factory=lambda: histogram(LATENCY_BUCKETS))
 
 
 class DraftCollector(Collector):
@@ -69,9 +70,7 @@ class DraftCollector(Collector):
             yield from self._distill(family, distiller.stats)
         for name, doc, hist in (("batch_size", "Sequences per propose call.", stats.batch_size),
                                 ("proposal_seconds", "Seconds per propose call.", stats.latency)):
-            h = family(HistogramMetricFamily, name, doc)
-            h.add_metric(self.values, hist.buckets(), hist.total)
-            yield h
+            yield histogram_family(f"tandem_draft_{name}", doc, hist, self.labels, self.values)
 
     @staticmethod
     def _distill(family, d):

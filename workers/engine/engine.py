@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InvalidRequest
-from runtime.histogram import REQUEST_LATENCY_BUCKETS, Histogram
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram
 from runtime.messages import KvEvent, KvHandoff, SamplingParams, TokenDelta, TopLogprob, Usage
 from runtime.validation import validate_request
 
@@ -142,7 +142,7 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.prefill_time = Histogram(REQUEST_LATENCY_BUCKETS)  # first scheduled to first token, per request
+        self.prefill_time = histogram(REQUEST_LATENCY_BUCKETS)  # first scheduled to first token, per request
         self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len, followers)
         slots = self.runner.kv_caches[0][0].shape[0] * config.block_size  # the graphs' scratch block too
         self.hidden = HiddenStore(layers, slots, cfg.hidden_size, param.dtype, param.device) if layers else None

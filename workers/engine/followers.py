@@ -47,7 +47,7 @@ from typing import BinaryIO, Union
 
 import msgspec
 
-from runtime.config import child_env
+from runtime.config import child_env, default_log_level
 from runtime.lifetime import die_with_parent
 
 from .parallel import TensorParallel, TensorParallelFailed
@@ -382,7 +382,7 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--parent-pid", type=int, default=None, help="rank 0's pid (default: this process's parent)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=default_log_level(),
                         format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(name)s: %(message)s")
     die_with_parent(args.parent_pid or os.getppid())  # SIGKILL when rank 0 dies, even mid-collective
     # a Ctrl-C or a stop of the whole process group reaches rank 0 too, which drains and then stops us

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from runtime.histogram import REQUEST_LATENCY_BUCKETS, Histogram
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SeqStatus
@@ -54,7 +54,7 @@ class Scheduler:
         # vLLM's prefix-cache counters, in tokens: every admission queries its prompt, hits its cached part
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self.queue_time = Histogram(REQUEST_LATENCY_BUCKETS)  # queued to first scheduled, per request
+        self.queue_time = histogram(REQUEST_LATENCY_BUCKETS)  # queued to first scheduled, per request
         # False while something needs every position computed (a draft that reads the target's hidden
         # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
         self.reuse_cached_prefix = True

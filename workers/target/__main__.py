@@ -27,7 +27,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from runtime import Runtime
-from runtime.config import add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
 from runtime.events import TOPIC_KV_DUMP
 from runtime.flags import SERVED_MODEL_NAME
 from runtime.messages import GenerateRequest, KvDumpRequest, KvRelease, ModelCard
@@ -162,7 +162,7 @@ class TargetConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.target", description="Tandem target worker")
+    parser = EnvParser(prog="python -m workers.target", description="Tandem target worker")
     add_runtime_args(parser)
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the demo SmolLM2)")
     SERVED_MODEL_NAME.add(parser)

@@ -23,7 +23,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from runtime.histogram import Histogram
+from prometheus_client import Histogram
+
+from runtime.histogram import histogram
 from runtime.messages import GenerateRequest, KvAgentRecord, KvHandoff, KvRelease
 from runtime.names import kv_release_topic
 
@@ -48,7 +50,7 @@ class DisaggStats:
     failures: Counter = field(default_factory=Counter)  # decode: pulls that failed, by kind
     transfer_bytes: int = 0
     reused_blocks: int = 0  # decode: handed-off blocks found in the local prefix cache, not pulled
-    transfer_seconds: Histogram = field(default_factory=lambda: Histogram(TRANSFER_BUCKETS))
+    transfer_seconds: Histogram = field(default_factory=lambda: histogram(TRANSFER_BUCKETS))
 
 
 async def release_handoff(publish: Callable[[str, object], Awaitable[None]], handoff: KvHandoff, ok: bool) -> None:

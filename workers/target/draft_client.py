@@ -31,6 +31,7 @@ from collections.abc import Callable
 import grpc
 
 from proto import spec_pb2, spec_pb2_grpc
+from runtime.backoff import backoff_delay
 from runtime.messages import InstanceRecord
 
 from ..speculation.checks import hello_ack_problem
@@ -294,6 +295,17 @@ class DraftClient:
             self.plane.close()
 
 
+def rendezvous_choice(target_id: str, candidates: list[InstanceRecord]) -> InstanceRecord:
+    """Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top one.
+    Targets spread evenly over drafts, and a new draft takes over ~1/M of the targets at once (the
+    others keep their streams)."""
+    def weight(r: InstanceRecord) -> int:
+        digest = hashlib.blake2b(f"{target_id}/{r.instance_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    return max(candidates, key=weight)
+
+
 class DraftPool:
     """Keeps one healthy :class:`DraftClient` to some live draft worker, when there is one."""
 
@@ -328,14 +340,7 @@ class DraftPool:
             self._closed_bytes[plane] = self._closed_bytes.get(plane, 0) + n
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
-        # Rendezvous hashing: every target ranks the drafts by hash(target, draft) and takes the top
-        # one. Targets spread evenly over drafts, and a new draft takes over ~1/M of the targets at
-        # once (the others keep their streams).
-        def weight(r: InstanceRecord) -> int:
-            digest = hashlib.blake2b(f"{self._target_id}/{r.instance_id}".encode(), digest_size=8).digest()
-            return int.from_bytes(digest, "little")
-
-        return max(candidates, key=weight)
+        return rendezvous_choice(self._target_id, candidates)
 
     def _candidates(self) -> list[InstanceRecord]:
         now = asyncio.get_running_loop().time()
@@ -348,7 +353,7 @@ class DraftPool:
 
     def _retry_at(self, draft_id: str) -> float:
         when, failures = self._failed.get(draft_id, (0.0, 0))
-        return when + min(RETRY_BASE_S * 2 ** (failures - 1), RETRY_MAX_S) if failures else 0.0
+        return when + backoff_delay(failures - 1, RETRY_BASE_S, RETRY_MAX_S) if failures else 0.0
 
     def _mark_failed(self, draft_id: str) -> float:
         """Record a failure; returns the seconds until the draft worker is tried again."""

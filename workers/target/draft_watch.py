@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import time
 
+from runtime.backoff import backoff_delay
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +91,7 @@ class DraftWatch:
         self._failed_rounds += 1
         if self._failed_rounds >= self.strikes:
             self._failed_rounds = 0
-            wait = min(self.backoff_base * 2 ** self._backoffs, self.backoff_max)
+            wait = backoff_delay(self._backoffs, self.backoff_base, self.backoff_max)
             self._backoffs += 1
             self.backoffs_total += 1
             self._until = self._clock() + wait

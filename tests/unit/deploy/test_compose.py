@@ -172,7 +172,7 @@ def test_only_the_frontend_and_grafana_are_published_and_grafana_has_no_default_
 
 
 def test_dashboard_queries_are_valid_promql():
-    promql_parser = pytest.importorskip("promql_parser", reason="promql-parser is in the test extra")
+    import promql_parser  # the test extra: a missing one fails, never skips
     dash = json.loads((DEPLOY / "grafana" / "dashboards" / "tandem.json").read_text())
     for panel in dash["panels"]:
         for target in panel["targets"]:
@@ -194,7 +194,7 @@ def test_yaml_is_lint_clean():
 def test_compose_lint_finds_nothing_high_and_would_catch_a_literal_password(tmp_path):
     """compose-lint (OWASP / CIS Docker Benchmark rules, in the test extra) on the file as it is, and on a
     copy with Grafana's password written in, as the file had it before."""
-    pytest.importorskip("compose_lint", reason="compose-lint is in the test extra")
+    import compose_lint  # noqa: F401 (the test extra: a missing one fails, never skips)
 
     def lint(path: Path) -> list[dict]:
         out = subprocess.run([sys.executable, "-m", "compose_lint", "check", "--format", "json", "--no-env",
@@ -210,3 +210,46 @@ def test_compose_lint_finds_nothing_high_and_would_catch_a_literal_password(tmp_
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(yaml.safe_dump(compose))
     assert any(f["severity"] == "high" and f["service"] == "grafana" for f in lint(broken))
+
+
+def _interpolate(value, env: dict[str, str]):
+    """Compose's ``${VAR:-default}`` (nested defaults too) and ``${VAR}`` in every string of a parsed
+    file (compose interpolates after parsing: an empty result stays a string)."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+    pattern = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")
+    while True:
+        new = pattern.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+        if new == value:
+            return new
+        value = new
+
+
+@pytest.mark.parametrize("dotenv, want", [
+    ({"TANDEM_DRAFT_METHOD": "draft_model", "TANDEM_DRAFT_MODEL": "MODELS/llama-1b"},
+     {"method": "draft_model", "draft_model": "MODELS/llama-1b"}),
+    ({"TANDEM_DRAFT_METHOD": "eagle3", "TANDEM_EAGLE_MODEL": "MODELS/eagle3", "TANDEM_MODEL": "MODELS/llama-8b"},
+     {"method": "eagle3", "eagle_model": "MODELS/eagle3", "target_model": "MODELS/llama-8b"}),
+    ({}, {"method": "ngram", "draft_model": None, "eagle_model": None}),
+])
+def test_the_draft_service_takes_its_models_from_dotenv(dotenv, want, monkeypatch, tmp_path):
+    # deploy/.env fills the compose file only: what a model-based draft loads must reach the container,
+    # through its command or its environment, or draft_model and eagle3 exit at start.
+    from workers.draft.__main__ import build_parser, draft_config
+
+    # The config checks the device (no GPU here) and that the model directories exist.
+    for name in ("llama-1b", "eagle3", "llama-8b"):
+        (tmp_path / name).mkdir()
+    dotenv = {k: v.replace("MODELS", str(tmp_path)) for k, v in dotenv.items()} | {"TANDEM_DRAFT_DEVICE": "cpu"}
+    want = {k: v.replace("MODELS", str(tmp_path)) if isinstance(v, str) and k != "method" else v for k, v in want.items()}
+    service = _interpolate(yaml.safe_load(COMPOSE.read_text())["services"]["draft"], dotenv)
+    for name in [k for k in os.environ if k.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+    for name, value in service["environment"].items():
+        monkeypatch.setenv(name, str(value))
+    cfg = draft_config(build_parser().parse_args(service["command"][1:]))
+    assert {k: getattr(cfg, k) for k in want} == want

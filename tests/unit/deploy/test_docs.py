@@ -1,5 +1,6 @@
-"""The deployment docs say what the code does: the draft methods, how a target picks its draft, the
-router's defaults, the tools that exist, no JetStream, no paths outside the repository."""
+"""The deployment docs say what the code does: the draft methods, how a target picks its draft (and that
+it does: rendezvous hashing's spread and stability), the router's defaults, the compose example's
+model reaching the workers, the tools that exist, no JetStream, no paths outside the repository."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.unit.deploy.test_compose import COMPOSE, _interpolate
 from workers.draft.methods import METHODS
 
 pytestmark = pytest.mark.unit
@@ -25,7 +28,18 @@ def test_the_draft_method_list_is_the_code_s():
 
 
 def test_targets_pick_drafts_by_rendezvous_hashing_as_the_code_does():
-    assert "Rendezvous hashing" in (ROOT / "workers" / "target" / "draft_client.py").read_text()
+    from runtime.messages import InstanceRecord
+    from workers.target.draft_client import rendezvous_choice
+
+    def draft(i: int) -> InstanceRecord:
+        return InstanceRecord(instance_id=f"draft-{i}", namespace="t", component="draft", endpoint="speculate", subject="")
+
+    targets = [f"target-{i}" for i in range(400)]
+    four = {t: rendezvous_choice(t, [draft(i) for i in range(4)]).instance_id for t in targets}
+    five = {t: rendezvous_choice(t, [draft(i) for i in range(5)]).instance_id for t in targets}
+    assert all(70 <= list(four.values()).count(f"draft-{i}") <= 130 for i in range(4))  # even spread (~100 each)
+    moved = {t for t in targets if four[t] != five[t]}
+    assert all(five[t] == "draft-4" for t in moved) and 50 <= len(moved) <= 110  # only to the new draft, ~1/5
     for doc in (DEPLOYMENT, K8S_README):
         text = " ".join(doc.read_text().split())
         assert "rendezvous hashing" in text, doc.name
@@ -74,6 +88,10 @@ def test_docs_cite_no_paths_outside_the_repository():
 def test_the_compose_example_keeps_the_model_across_commands():
     # A model set on one command line is gone on the next: `up --scale` then recreates the workers
     # with the default model. The docs put it in deploy/.env, which compose reads every time.
+    # The example's own .env line, read as compose reads deploy/.env, sets the model the workers load.
     text = DEPLOYMENT.read_text()
     assert not re.search(r"TANDEM_MODEL=\S+ .*\\\n\s*docker compose|TANDEM_MODEL=\S+ docker compose", text)
-    assert ".env" in text
+    [printf] = re.findall(r"^printf '([^']*)' > \.env$", text, re.MULTILINE)
+    dotenv = dict(line.split("=", 1) for line in printf.split("\\n") if line)
+    target = _interpolate(yaml.safe_load(COMPOSE.read_text())["services"]["target"], dotenv)
+    assert f"--model={dotenv['TANDEM_MODEL']}" in target["command"]

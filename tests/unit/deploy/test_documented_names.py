@@ -31,7 +31,7 @@ def _flags_by_command() -> dict[str, set[str]]:
     out = {}
     for title, module, path in COMMANDS:
         parser = _sub(importlib.import_module(module).build_parser(), path)
-        out[title] = {s for a in parser._actions for s in a.option_strings}
+        out[title] = {s for a in parser.options for s in a.option_strings}
     return out
 
 

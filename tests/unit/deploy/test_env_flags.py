@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 from deploy.cli_reference import COMMANDS, _sub
-from runtime.config import apply_env_defaults
+from runtime.config import SWITCHES, EnvParser, apply_env_defaults
 
 pytestmark = pytest.mark.unit
 
@@ -16,13 +16,12 @@ def _parser(module, path):
 
 
 def _options(parser):
-    return [a for a in parser._actions
-            if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    return [a for a in parser.options if a.option_strings and a.kind != "help"]
 
 
 def _env_value(action):
     """A value for the option's variable that differs from its default, and what it should parse to."""
-    if isinstance(action, argparse._StoreConstAction):
+    if action.kind in SWITCHES:
         return "true", action.const
     if action.choices is not None:
         choice = ([c for c in action.choices if c != action.default] or list(action.choices))[-1]
@@ -31,7 +30,7 @@ def _env_value(action):
         return "7", 7
     if action.type is float:
         return "0.5", 0.5
-    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
+    if action.kind == "append" or action.nargs in ("+", "*"):
         return "a,b", ["a", "b"]
     return "env-value", "env-value"
 
@@ -43,7 +42,7 @@ def test_every_flag_has_help_default_and_env(title, module, path):
         flag = action.option_strings[0]
         assert action.plain_help.strip(), f"{title} {flag} has no help"
         assert action.env_var in action.help, f"{title} {flag}: help does not name {action.env_var}"
-        if not isinstance(action, argparse._StoreConstAction):
+        if action.kind not in SWITCHES:
             assert "default" in action.help.lower(), f"{title} {flag}: help does not show its default"
     names = [a.env_var for a in _options(parser)]
     assert len(names) == len(set(names)), f"{title}: two flags share an environment variable"
@@ -94,14 +93,24 @@ def test_bad_environment_value_is_a_clear_error(name, raw, monkeypatch, capsys):
     assert f"{name}={raw!r}" in capsys.readouterr().err
 
 
-def test_helper_on_a_plain_parser():
-    parser = argparse.ArgumentParser()
+def test_helper_on_a_parser_with_groups_and_sub_commands(capsys):
+    parser = EnvParser(prog="p")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens")
-    parser.add_argument("--fast", action="store_true", help="go fast")
-    apply_env_defaults(parser, {"TANDEM_MAX_TOKENS": "32", "TANDEM_FAST": "0"})
-    args = parser.parse_args([])
-    assert args.max_tokens == 32 and args.fast is False
-    assert "TANDEM_MAX_TOKENS" in parser.format_help()
+    parser.add_argument_group("g").add_argument("--fast", action="store_true", help="go fast")
+    sub = parser.add_subparsers(dest="cmd").add_parser("run")
+    sub.add_argument("--tag", action="append", help="tags")
+    apply_env_defaults(parser, {"TANDEM_MAX_TOKENS": "32", "TANDEM_FAST": "1", "TANDEM_TAG": "a,b"})
+    args = parser.parse_args(["run"])
+    assert (args.max_tokens, args.fast, args.tag) == (32, True, ["a", "b"])
+    assert "TANDEM_MAX_TOKENS" in parser.format_help() and "TANDEM_TAG" in sub.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-tokens", "x"])
+    assert capsys.readouterr().err.strip().endswith("(see p --help)")  # one line, no usage block
+
+
+def test_a_plain_argparse_parser_is_refused():
+    with pytest.raises(TypeError, match="EnvParser"):
+        apply_env_defaults(argparse.ArgumentParser())
 
 
 def test_tandem_up_uses_etcd_and_nats_from_the_environment(monkeypatch):

@@ -191,7 +191,27 @@ def test_gpu_overlay_requests_gpus_for_target_and_draft_only():
     target = by_kind(gpu, "Deployment")["tandem-target"]["spec"]["template"]["spec"]
     [models] = [v for v in target["volumes"] if v["name"] == "models"]
     assert models == {"name": "models", "persistentVolumeClaim": {"claimName": "tandem-models", "readOnly": True}}
-    assert "tandem-models" in by_kind(gpu, "PersistentVolumeClaim")
+    pvc = by_kind(gpu, "PersistentVolumeClaim")["tandem-models"]
+    # Written once, then read by pods on many nodes: ReadWriteMany (a ReadOnlyMany claim admits no writer
+    # and most provisioners cannot make one, so every worker stayed Pending).
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for overlay in ("overlays/gpu", "overlays/gpu-disagg", "overlays/gpu-tp2"):
+        for obj in build(K8S / overlay):
+            for spec in pod_specs(obj):
+                for v in spec.get("volumes", []):
+                    if v.get("persistentVolumeClaim", {}).get("claimName") == "tandem-models":
+                        assert v["persistentVolumeClaim"].get("readOnly") is True, (overlay, obj["metadata"]["name"])
+
+
+@pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/gpu-tp2", "overlays/gpu-disagg"])
+def test_gpu_deployments_roll_without_a_spare_gpu(overlay):
+    # Each pod takes every GPU it asks for and a cluster has none spare: a surge pod would stay Pending and
+    # the rollout with it. Stop one old pod, then start its successor.
+    for dep in by_kind(build(K8S / overlay), "Deployment").values():
+        limits = dep["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {})
+        if "nvidia.com/gpu" in limits:
+            rolling = dep["spec"].get("strategy", {}).get("rollingUpdate", {})
+            assert (rolling.get("maxSurge"), rolling.get("maxUnavailable")) == (0, 1), (overlay, dep["metadata"]["name"])
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -366,11 +386,15 @@ def test_disruption_budgets_protect_replicated_workloads_and_never_block_a_drain
 
 def test_every_pod_is_locked_down(built):
     # Pod Security "restricted": non-root, RuntimeDefault seccomp, no privilege escalation, no
-    # capabilities; plus a read-only root filesystem, with emptyDir volumes where a process writes.
+    # capabilities; plus a read-only root filesystem, with emptyDir volumes where a process writes;
+    # no service-account token in pods that never call the Kubernetes API.
     overlay, objs = built
     for obj in objs:
         for spec in pod_specs(obj):
             where = f"{overlay}: {obj['kind']}/{obj['metadata']['name']}"
+            # The planner (its own service account, RBAC to scale Deployments) is the one caller.
+            token = spec.get("automountServiceAccountToken", True)
+            assert token is ("serviceAccountName" in spec), where
             pod = spec.get("securityContext", {})
             assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0, where
             for container in spec["containers"] + spec.get("initContainers", []):

@@ -37,13 +37,13 @@ def components(config):
 
 
 def action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
-    return next(a for a in parser._actions if flag in a.option_strings)
+    return next(a for a in parser.options if flag in a.option_strings)
 
 
 @pytest.mark.parametrize("flag", ENGINE_FLAGS + FRONTEND_FLAGS, ids=lambda f: f.flag)
 def test_the_launcher_and_the_worker_share_one_definition(flag):
     owner = target_parser() if flag in ENGINE_FLAGS else frontend_parser()
-    ours, theirs = action(build_parser()._subparsers._actions[1].choices["up"], flag.flag), action(owner, flag.flag)
+    ours, theirs = action(build_parser().subcommands["up"], flag.flag), action(owner, flag.flag)
     assert ours.option_strings == theirs.option_strings
     assert (ours.type, ours.choices, ours.nargs, type(ours)) == (theirs.type, theirs.choices, theirs.nargs, type(theirs))
     assert ours.plain_help.startswith(theirs.plain_help)  # the owner's words, then whom it is passed to

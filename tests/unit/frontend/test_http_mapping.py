@@ -23,6 +23,7 @@ from runtime import (
     ShuttingDown,
 )
 from runtime.messages import SpecUsage, TokenDelta, Usage
+from tests.support.toy_tokenizers import char_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +54,7 @@ def test_errors_map_to_status_and_openai_format(exc, status, param, retry):
 
 
 def _choice(spec: SpecUsage | None, completion: int, cached: int = 0) -> ChoiceOutput:
-    out = ChoiceOutput(0, lambda ids: "x" * len(ids), [])
+    out = ChoiceOutput(0, char_tokenizer("abcdefghijklmnopqrstuvwxyz"), [])
     out.add(TokenDelta(list(range(completion)), finish_reason="length", usage=Usage(3, completion, cached, spec)))
     return out
 
@@ -85,7 +86,7 @@ def test_usage_without_speculation_has_no_spec_block_and_sums_choices():
 
 
 def test_stop_token_text_is_hidden_but_counted():
-    out = ChoiceOutput(0, lambda ids: "".join(chr(96 + i) for i in ids), [], stop_token_ids=frozenset({9}))
+    out = ChoiceOutput(0, char_tokenizer("`abcdefghi"), [], stop_token_ids=frozenset({9}))
     piece = out.add(TokenDelta([1, 2, 9], finish_reason="stop"))
     assert piece.text == "ab" and piece.finish_reason == "stop" and out.completion_tokens == 3
 

@@ -14,6 +14,7 @@ from frontend.output import ChoiceOutput
 from frontend.responses_api import ResponsesBuilder, parse_responses
 from runtime import InvalidRequest
 from runtime.messages import TokenDelta, Usage
+from tests.support.toy_tokenizers import char_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -79,7 +80,7 @@ def test_neutral_values_and_unknown_fields_pass():
 
 
 def finished_output(text_ids=(1, 2, 3), finish="length") -> ChoiceOutput:
-    out = ChoiceOutput(0, lambda ids: "".join(chr(ord("a") + i) for i in ids), [])
+    out = ChoiceOutput(0, char_tokenizer("abcdefghijklmnopqrstuvwxyz"), [])
     out.add(TokenDelta(list(text_ids), None, None, finish, Usage(5, len(text_ids), 2)))
     return out
 

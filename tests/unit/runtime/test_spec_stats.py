@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from runtime.messages import SpecStatsEvent, decode, encode
@@ -46,9 +48,10 @@ def test_observe_draft_rejects_impossible_counts(draft_tokens, accepted):
 def test_event_round_trip_keeps_every_counter():
     c = SpecCounters()
     c.observe_draft(3, 2)
+    before = time.time()
     event = c.event("target-1", "draft-1", 123.5, "ngram")
     assert (event.target_id, event.draft_id, event.epoch, event.method) == ("target-1", "draft-1", 123.5, "ngram")
-    assert event.timestamp > 0
+    assert before <= event.timestamp <= time.time()  # wall-clock seconds of the snapshot
     assert SpecCounters.of(decode(encode(event), SpecStatsEvent)) == c
     c.observe_draft(3, 3)
     assert event.accepted_per_pos == [1, 1, 0]  # the event is a snapshot, not a view

@@ -1,4 +1,5 @@
-"""The draft service drafts ahead only for sequences whose whole proposals keep being accepted."""
+"""The draft service, over real gRPC on loopback and its own run loop, drafts ahead only for sequences
+whose whole proposals keep being accepted."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import asyncio
 
 import pytest
 
-from workers.draft.service import AHEAD_MIN, DraftService, _Stream
+from tests.unit.workers.draft.loopback import draft_on_loopback
 from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
+from workers.draft.service import DraftService
+from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.unit
 
@@ -18,6 +21,7 @@ class CountingProposer(Proposer):
 
     def __init__(self):
         self.predrafted: list[str] = []
+        self.released: list[str] = []
 
     def propose(self, batch):
         return [DraftOutput(d.seq_id, d.round, list(range(d.num_tokens))) for d in batch]
@@ -29,31 +33,34 @@ class CountingProposer(Proposer):
         pass
 
     def release(self, seq_ids):
-        pass
+        self.released.extend(seq_ids)
 
 
-async def run_rounds(service: DraftService, stream: _Stream, seq_id: str, accepted: list[int]) -> None:
+async def run_rounds(client, seq_id: str, accepted: list[int]) -> None:
+    """Rounds over the real gRPC stream and the service's own run loop: a proposal, then its verdict."""
     for rnd, n in enumerate(accepted):
-        await service._process([("propose", stream, [DraftInput(seq_id, rnd, [], 4)])])
-        if service._ahead:
-            await service._draft_ahead()
-        await service._process([("verify", stream, [VerifyResult(seq_id, rnd, n, list(range(n + 1)))])])
+        got = await client.propose([DraftInput(seq_id, rnd, [], 4)], timeout=5)
+        assert got[seq_id].token_ids == [0, 1, 2, 3]
+        client.verified([verify_to_pb(VerifyResult(seq_id, rnd, n, list(range(n + 1))))])
 
 
 def test_drafting_ahead_backs_off_for_rejected_proposals_and_resumes_after_full_ones():
     async def main():
         proposer = CountingProposer()
-        service = DraftService(proposer, "d1")
-        stream = _Stream("t1", asyncio.Queue())
-        await run_rounds(service, stream, "good", [4] * 10)  # every proposal wholly accepted
-        assert proposer.predrafted.count("good") == 10
-        await run_rounds(service, stream, "bad", [0] * 20)  # rejected at the first token every time
-        bad_ahead = proposer.predrafted.count("bad")
-        assert 1 <= bad_ahead <= 7 and service._full_rate["bad"] < AHEAD_MIN
-        await run_rounds(service, stream, "bad", [4, 4, 4])  # a draft that got good again
-        assert proposer.predrafted.count("bad") > bad_ahead
-        await service._process([("release", stream, ["good", "bad"])])
-        assert not service._full_rate and not service._proposed and not service._ahead
+        async with draft_on_loopback(DraftService(proposer, "d1")) as client:
+            await run_rounds(client, "good", [4] * 10)  # every proposal wholly accepted
+            assert proposer.predrafted.count("good") == 10
+            await run_rounds(client, "bad", [0] * 20)  # rejected at the first token every time
+            bad_ahead = proposer.predrafted.count("bad")
+            assert 1 <= bad_ahead <= 7
+            await run_rounds(client, "bad", [4, 4, 4])  # a draft that got good again
+            assert proposer.predrafted.count("bad") > bad_ahead
+            client.release(["good", "bad"])
+            for _ in range(100):
+                if proposer.released:
+                    break
+                await asyncio.sleep(0.02)
+            assert sorted(proposer.released) == ["bad", "good"]
 
     asyncio.run(main())
 
@@ -61,8 +68,8 @@ def test_drafting_ahead_backs_off_for_rejected_proposals_and_resumes_after_full_
 def test_no_overlap_never_drafts_ahead():
     async def main():
         proposer = CountingProposer()
-        service = DraftService(proposer, "d1", overlap=False)
-        await run_rounds(service, _Stream("t1", asyncio.Queue()), "s", [4] * 5)
+        async with draft_on_loopback(DraftService(proposer, "d1", overlap=False)) as client:
+            await run_rounds(client, "s", [4] * 5)
         assert proposer.predrafted == []
 
     asyncio.run(main())
@@ -71,8 +78,6 @@ def test_no_overlap_never_drafts_ahead():
 def test_a_budget_over_the_drafts_maximum_is_cut_keeping_the_tree_shape():
     """Over real gRPC on loopback: a propose request for more nodes than the draft worker's maximum
     reaches the proposer cut to that maximum, with its tree shape and depth bound intact."""
-    from tests.unit.workers.draft.loopback import draft_on_loopback
-
     class Recording(CountingProposer):
         def __init__(self):
             super().__init__()

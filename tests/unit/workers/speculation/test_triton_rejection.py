@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
+from tests.support.triton_cpu import interpreted
+from workers.speculation.rejection import rejection_sample
 
-triton = pytest.importorskip("triton")
 
-from workers.speculation.rejection import rejection_sample  # noqa: E402
-from workers.speculation.triton_rejection import rejection_sample_triton  # noqa: E402
+
+@pytest.fixture(scope="module")
+def rejection_sample_triton():
+    # Triton is a dependency on Linux: no skip. Its interpreter for this module's tests, not the session's.
+    with interpreted("workers.speculation.triton_rejection") as [module]:
+        yield module.rejection_sample_triton
 
 pytestmark = pytest.mark.unit
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,7 +41,7 @@ def make_case(batch, gamma, vocab, with_probs, seed):
 @pytest.mark.parametrize("gamma", [0, 1, 3, 5])
 @pytest.mark.parametrize("vocab", [7, 50])
 @pytest.mark.parametrize("with_probs", [True, False])
-def test_kernel_matches_torch(gamma, vocab, with_probs):
+def test_kernel_matches_torch(gamma, vocab, with_probs, rejection_sample_triton):
     args = make_case(12, gamma, vocab, with_probs, seed=gamma * 100 + vocab)
     want_tokens, want_acc = rejection_sample(*args)
     got_tokens, got_acc = rejection_sample_triton(*args, block_v=16)
@@ -50,7 +51,7 @@ def test_kernel_matches_torch(gamma, vocab, with_probs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_kernel_matches_torch_at_real_vocab_size_on_gpu():
+def test_kernel_matches_torch_at_real_vocab_size_on_gpu(rejection_sample_triton):
     args = make_case(64, 5, 49152, True, seed=1)
     want = rejection_sample(*args)
     got = rejection_sample_triton(*args)
