@@ -50,9 +50,12 @@ class Linear(nn.Linear):
 
     _packed: tuple[torch.Tensor, int, int] | None = None  # (packed weight, data_ptr, version) of the source
     _released = False  # the dense weight was freed: ``_packed`` is the weight
+    # LoRA adapters of this projection (:mod:`workers.engine.lora`): lora(x, y) adds the batch's deltas to y
+    lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         global _ONEDNN
@@ -109,7 +112,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp[0]
         if not tp.enabled:
-            return self._linear(x, self.bias)
+            y = self._linear(x, self.bias)
+            return y if self.lora is None else self.lora(x, y)
         y = tp.all_reduce(self._linear(x, None))
         return y if self.bias is None else y + self.bias
 

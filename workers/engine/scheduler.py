@@ -57,6 +57,8 @@ class Scheduler:
         # False while something needs every position computed (a draft that reads the target's hidden
         # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
         self.reuse_cached_prefix = True
+        # LoRA slots (workers.engine.lora.LoraManager): a sequence holds its adapter's slot while it runs
+        self.lora = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -149,6 +151,8 @@ class Scheduler:
         reclaimed = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # hits that sit in the free queue
         if not self.blocks.can_allocate(need + reclaimed):
             return 0
+        if self.lora is not None and not self.lora.acquire(seq):
+            return 0  # every adapter slot is busy with other adapters: it waits (in order)
         self.blocks.acquire(hits)
         seq.block_table = hits + self.blocks.allocate(need)
         seq.num_computed = num_cached
@@ -160,6 +164,8 @@ class Scheduler:
         return n
 
     def _release(self, seq: Sequence) -> None:
+        if self.lora is not None:
+            self.lora.release(seq)
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
