@@ -55,7 +55,12 @@ TARGET_MODULES = frozenset(p for _, parts in _PROJECTIONS.values() for p in part
 
 
 class LoraError(ValueError):
-    """An adapter that cannot be served (bad files, modules we do not adapt, rank too large)."""
+    """An adapter that cannot be served (bad files, modules we do not adapt, rank too large), or a
+    name that cannot be loaded or unloaded; ``field`` names the load/unload request's field at fault."""
+
+    def __init__(self, message: str, field: str = "lora_path"):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -164,9 +169,9 @@ class LoraManager:
         """Read and check a PEFT adapter and keep it in host memory under ``name``. Raises
         :class:`LoraError` for an adapter this model cannot serve, or a name already taken."""
         if not name:
-            raise LoraError("an adapter needs a name")
+            raise LoraError("an adapter needs a name", "lora_name")
         if name in self.adapters:
-            raise LoraError(f"adapter {name!r} is already loaded")
+            raise LoraError(f"adapter {name!r} is already loaded", "lora_name")
         adapter = self._read(name, Path(path))
         self.adapters[name] = adapter
         self.ever_loaded.add(name)
@@ -176,10 +181,10 @@ class LoraManager:
     def unregister(self, name: str) -> None:
         """Forget an adapter; raises :class:`LoraError` if unknown or a running sequence uses it."""
         if name not in self.adapters:
-            raise LoraError(f"adapter {name!r} is not loaded")
+            raise LoraError(f"adapter {name!r} is not loaded", "lora_name")
         slot = self.slot_of.get(name)
         if slot is not None and self.slot_refs[slot]:
-            raise LoraError(f"adapter {name!r} is in use by {self.slot_refs[slot]} running requests")
+            raise LoraError(f"adapter {name!r} is in use by {self.slot_refs[slot]} running requests", "lora_name")
         if slot is not None:
             del self.slot_of[name]
             self.slot_owner[slot] = None
