@@ -92,7 +92,9 @@ class ModelRegistry:
         for name in self._models.keys() - models.keys():
             log.info("model %s is gone: no worker serves it", name)
             self._first_seen.pop(name, None)
-            self._gone[name] = time.monotonic()
+            parent = self._models[name].parent
+            if not (parent and parent in models):  # an adapter unloaded from live workers is gone for good
+                self._gone[name] = time.monotonic()
         for name in models:
             self._gone.pop(name, None)
         self._models = models

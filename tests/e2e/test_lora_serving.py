@@ -8,6 +8,7 @@ unloading takes one out (404 after); bad admin requests are 400s naming the fiel
 
 from __future__ import annotations
 
+import functools
 import shutil
 import uuid
 
@@ -34,8 +35,8 @@ def dirs(tmp_path_factory):
     tiny_hf_model("llama", base, vocab=49152)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_model_dir() / name, base / name)
-    train_lora(base, root / "a1", seed=1, steps=25)
-    train_lora(base, root / "a2", seed=2, steps=25, rank=4, targets=("q_proj", "v_proj", "gate_proj"))
+    train_lora(base, root / "a1", seed=1, steps=8, batch=4, seq_len=16)
+    train_lora(base, root / "a2", seed=2, steps=8, batch=4, seq_len=16, rank=4, targets=("q_proj", "v_proj", "gate_proj"))
     return root
 
 
@@ -59,6 +60,7 @@ def stack(servers, dirs):
             proc.stop(timeout=10)
 
 
+@functools.cache
 def _expected(dirs, name: str | None) -> str:
     import transformers as tf
 
@@ -79,6 +81,7 @@ def _models(client: httpx.Client) -> dict[str, str | None]:
 
 def test_adapters_are_listed_served_loaded_and_unloaded(stack, dirs):
     assert _models(stack) == {"tiny": None, "a1": "tiny"}
+    assert len({_expected(dirs, name) for name in (None, "a1", "a2")}) == 3  # each adapter changes the output
     for model, adapter in (("a1", "a1"), ("tiny", None)):
         r = _complete(stack, model)
         assert r.status_code == 200, r.text
