@@ -35,6 +35,18 @@ def train_lora(base_dir: Path, out_dir: Path, *, seed: int, rank: int = 8, alpha
     model = get_peft_model(base, config)
     model.train()
     optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls: more threads only wait on each other on a busy machine
+    try:
+        _fit(model, optim, vocab, a, b, steps, batch, seq_len, gen)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _fit(model, optim, vocab: int, a: int, b: int, steps: int, batch: int, seq_len: int, gen) -> None:
     for _ in range(steps):
         start = torch.randint(0, vocab, (batch, 1), generator=gen)
         seq = [start]
@@ -45,9 +57,6 @@ def train_lora(base_dir: Path, out_dir: Path, *, seed: int, rank: int = 8, alpha
         optim.zero_grad()
         loss.backward()
         optim.step()
-    model.eval()
-    model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def merged_reference(base_dir: Path, adapter_dir: Path):

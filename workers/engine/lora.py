@@ -18,9 +18,11 @@ is ``[parts · max_rank, in]`` (each part's A in its own rank band, zero-padded)
 projection exactly (the zero bands add nothing). The scale is folded into B when a slot is filled.
 
 A batch (:meth:`set_batch`, from the model runner) names each token's slot (-1: base). The delta
-is a segmented matmul over the runs of equal slots (Punica/S-LoRA's SGMV): ``y[rows] += (x[rows]
-Aᵀ) Bᵀ`` per slot present in the batch: torch on every device, one gather and one ``index_add``
-per adapter in the batch, nothing at all for a base-only batch.
+is a segmented matmul (Punica/S-LoRA's SGMV) over the token rows of each adapter present:
+``y[rows] += (x[rows] Aᵀ) Bᵀ``. With one or two adapters in the batch, one gather and one
+``index_add`` per adapter; with :data:`GROUPED_FROM` or more, the rows are padded per adapter to
+[U, L, in] and run as two batched matmuls over the U adapters' stacked weights (two ops per
+projection however many adapters). Torch on every device; a base-only batch runs no adapter code.
 
 Prefix caching is keyed by adapter: a sequence's block-hash chain starts from
 :func:`runtime.kv_hash.chain_root` of its adapter's name (the router computes the same), so
@@ -52,6 +54,9 @@ _PROJECTIONS = {
     "down_proj": ("mlp", ("down_proj",)),
 }
 TARGET_MODULES = frozenset(p for _, parts in _PROJECTIONS.values() for p in parts)
+# a batch with this many adapters or more runs them as one padded batched matmul (one op per
+# projection, not one per adapter); fewer run one segment each (no padding, no weight gather)
+GROUPED_FROM = 3
 
 
 class LoraError(ValueError):
@@ -113,6 +118,15 @@ class _Projection:
         segments = self.manager.segments
         if not segments:
             return y
+        grouped = self.manager.grouped
+        if grouped is not None:  # many adapters: two batched matmuls over [U, L, ·], rows padded to L
+            slots, rows, places, length = grouped
+            a = self.lora_a.index_select(0, slots)  # [U, R, in]
+            b = self.lora_b.index_select(0, slots)  # [U, out, R]
+            xs = x.new_zeros(slots.shape[0] * length, x.shape[1])
+            xs.index_copy_(0, places, x.index_select(0, rows))
+            delta = torch.bmm(torch.bmm(xs.view(slots.shape[0], length, -1), a.transpose(1, 2)), b.transpose(1, 2))
+            return y.index_add(0, rows, delta.view(-1, y.shape[1]).index_select(0, places))
         for slot, rows in segments:
             a, b = self.lora_a[slot], self.lora_b[slot]  # [R, in], [out, R]
             if rows is None:  # every token of the batch uses this adapter
@@ -143,6 +157,9 @@ class LoraManager:
         self.slot_refs = [0] * max_loras
         self.slot_owner: list[str | None] = [None] * max_loras
         self.segments: list[tuple[int, torch.Tensor | None]] = []  # the batch now running
+        # with GROUPED_FROM adapters or more in the batch: (slots [U], token rows [n], their places in
+        # the padded [U * L] layout [n], L)
+        self.grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.ever_loaded: set[str] = set()  # names registered at some time (a reload may change weights)
         self.projections: dict[tuple[int, str], _Projection] = {}
         self.out_sizes: dict[str, list[int]] = {}
@@ -314,6 +331,7 @@ class LoraManager:
         """The next forward's chunks: chunk b has ``lengths[b]`` tokens and runs with ``slots[b]``
         (-1: the base model). Builds the token rows of each slot present."""
         used = sorted({s for s in slots if s >= 0})
+        self.grouped = None
         if not used:
             self.segments = []
             return
@@ -328,6 +346,15 @@ class LoraManager:
             at += n
         self.segments = [(s, torch.tensor(r, dtype=torch.long).to(self.device, non_blocking=True))
                          for s, r in rows.items()]
+        if len(used) >= GROUPED_FROM:
+            length = max(len(r) for r in rows.values())
+            flat = [t for s in used for t in rows[s]]
+            places = [u * length + j for u, s in enumerate(used) for j in range(len(rows[s]))]
+            index = torch.tensor(used, dtype=torch.long)
+            self.grouped = (index.to(self.device, non_blocking=True),
+                            torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True),
+                            torch.tensor(places, dtype=torch.long).to(self.device, non_blocking=True), length)
 
     def clear_batch(self) -> None:
         self.segments = []
+        self.grouped = None

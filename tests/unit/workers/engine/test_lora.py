@@ -84,19 +84,28 @@ def test_greedy_with_adapter_equals_peft_merged_model(lora_dirs, references):
         assert len({tuple(got[f"{n}-{i}"]) for n in ("a1", "a2", None)}) == 3
 
 
-def test_mixed_batch_equals_each_served_alone(lora_dirs):
-    prompts = _prompts(9, seed=1)
-    names = ["a1", "a2", None]
-    requests = {f"r{i}": (p, names[i % 3]) for i, p in enumerate(prompts)}
-    alone = {rid: _run(_engine(lora_dirs), {rid: req})[rid] for rid, req in requests.items()}
-    engine = _engine(lora_dirs)
+@pytest.mark.parametrize("names", [["a1", "a2", None], ["a1", "a2", "a3", None]])
+def test_mixed_batch_equals_each_served_alone(lora_dirs, names):
+    """Two adapters run one segment each; three or more run as one padded batched matmul (a3 is
+    a1's weights under another name: its own slot)."""
+    prompts = _prompts(3 * len(names), seed=1)
+    requests = {f"r{i}": (p, names[i % len(names)]) for i, p in enumerate(prompts)}
+    adapters = ("a1", "a2")
+    alone = {rid: _run(_engine(lora_dirs), {rid: (p, "a1" if name == "a3" else name)})[rid]
+             for rid, (p, name) in requests.items()}
+    engine = _engine(lora_dirs, max_loras=3, adapters=adapters)
+    if "a3" in names:
+        engine.load_lora("a3", str(lora_dirs / "a1"))
+    used = len(names) - 1
     mixed_steps = 0
     original = engine.runner.forward
 
     def counting(*args, **kw):
         nonlocal mixed_steps
         out = original(*args, **kw)
-        mixed_steps += len(engine.lora.segments) == 2 and any(s < 0 for s in args[-1] or [])
+        grouped = engine.lora.grouped is not None
+        mixed_steps += (len(engine.lora.segments) == used and grouped == (used >= 3)
+                        and any(s < 0 for s in args[-1] or []))
         return out
 
     engine.runner.forward = counting
