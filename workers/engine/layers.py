@@ -52,6 +52,8 @@ class Linear(nn.Linear):
     _released = False  # the dense weight was freed: ``_packed`` is the weight
     # LoRA adapters of this projection (:mod:`workers.engine.lora`): lora(x, y) adds the batch's deltas to y
     lora = None
+    # a quantized weight (:mod:`workers.engine.quant`) in place of ``weight`` (then None)
+    quant = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, self.bias)
@@ -59,6 +61,8 @@ class Linear(nn.Linear):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         global _ONEDNN
+        if self.quant is not None:
+            return self.quant.linear(x, bias)
         if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and self._packable():
             try:
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
@@ -92,7 +96,7 @@ class Linear(nn.Linear):
         """
         if self._released:
             return True
-        if not (_ONEDNN and self._packable()):
+        if self.quant is not None or not (_ONEDNN and self._packable()):
             return False
         self._packed_weight()
         self.weight.data = self.weight.data.new_empty(0)
