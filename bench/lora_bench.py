@@ -96,6 +96,7 @@ def main() -> None:
     base = model_dir(args.model)
     fused = args.device.startswith("cuda")
     model = load_model(base, dtype=dtype, device=args.device, fused=fused)
+    params = sum(p.numel() for p in model.parameters())  # before the engine packs (and frees) CPU weights
     names = [f"a{i}" for i in range(max(n for _, n in MIXES))]
     lora = LoraManager(model, len(names), args.rank)
     engine = Engine(model, EngineConfig(block_size=16, num_blocks=2048, max_num_seqs=args.batch,
@@ -115,7 +116,7 @@ def main() -> None:
             adapters = [names[i % n] if n else None for i in range(args.batch)]
             best[label] = max(best[label], run_mix(engine, prompts, adapters, args.new_tokens))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} threads"
-    print(f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M), {dtype}, {device}; "
+    print(f"model {args.model} ({params / 1e6:.0f}M), {dtype}, {device}; "
           f"batch {args.batch}, {args.new_tokens} decode tokens each, rank {args.rank} on all 7 projections; "
           f"best of {args.repeats}")
     print("| mix | decode tok/s | vs base |")
