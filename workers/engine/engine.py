@@ -453,9 +453,9 @@ class Engine:
             last = s.num_computed + n == len(s) + s.num_pending
             wants.append(len(d.tokens) + 1 if d is not None else (1 if last else 0))
             trees.append(d.parents or None if d is not None else None)
+        lora = {"adapters": [s.lora_slot for s in batch.seqs]} if self.lora is not None else {}
         out = self.runner.forward(chunks, wants, self.hidden.layers if self.hidden is not None else (), trees,
-                                  (pending.tokens, sources) if pending is not None else None,
-                                  [s.lora_slot for s in batch.seqs] if self.lora is not None else None)
+                                  (pending.tokens, sources) if pending is not None else None, **lora)
         if self.hidden is not None:
             self.hidden.write(out.slots, out.hidden)
         # the cost model learns from decode and verify steps only: prefill chunks cost differently

@@ -105,7 +105,7 @@ def test_mixed_batch_equals_each_served_alone(lora_dirs, names):
         out = original(*args, **kw)
         grouped = engine.lora.grouped is not None
         mixed_steps += (len(engine.lora.segments) == used and grouped == (used >= 3)
-                        and any(s < 0 for s in args[-1] or []))
+                        and any(s < 0 for s in kw["adapters"]))
         return out
 
     engine.runner.forward = counting
