@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python bench/lora_bench.py [--model smollm2|tiny] [--batch 16] [--new-tokens 48]
                                             [--rank 16] [--repeats 3] [--threads 2] [--device cpu|cuda]
+       .venv/bin/python bench/lora_bench.py --speculation [--new-tokens 48]
 
 One engine (``--max-loras 16``) serves ``--batch`` greedy requests at once, in four mixes: all on
 the base model (no adapter code runs), all on one adapter, spread over 4 adapters, and one adapter
@@ -10,6 +11,10 @@ written by ``peft`` itself with random (not zero) A and B (``init_lora_weights=F
 values do not change the cost. Prefill is run first and not timed; the decode steps are. The mixes
 alternate ``--repeats`` times in one process and the best run of each is reported (the machine is
 shared and noisy), with its ratio to the base.
+
+``--speculation``: how lossless speculation with adapters costs acceptance. The base model drafts
+(a draft knows no adapter) and the target verifies under each request's adapter; the base model's
+own requests accept every draft, an adapter's accept what its adapter agrees with.
 """
 
 from __future__ import annotations
@@ -74,6 +79,59 @@ def run_mix(engine, prompts: list[list[int]], adapters: list[str | None], new_to
     return decoded / (time.perf_counter() - start)
 
 
+def speculation(requests: int, new_tokens: int) -> None:
+    """Acceptance when the base model drafts and the target verifies under an adapter (lossless),
+    against base requests, on a seeded tiny Llama with two adapters trained by peft (tests/support)."""
+    import torch
+
+    from runtime.messages import SamplingParams
+    from tests.support.lora import train_lora
+    from tests.unit.workers.engine.helpers import tiny_hf_model
+    from workers.draft.draft_model import DraftModelProposer
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.lora import LoraManager
+    from workers.engine.weights import load_model
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tiny_hf_model("llama", root / "base", vocab=256)
+        train_lora(root / "base", root / "a1", seed=1)
+        train_lora(root / "base", root / "a2", seed=2, rank=4, targets=("q_proj", "v_proj"))
+        model = load_model(root / "base")
+        engine = Engine(model, EngineConfig(num_blocks=1024, block_size=4, max_num_seqs=64), eos_token_ids=(),
+                        lora=LoraManager(model, 2, 8))
+        engine.load_lora("a1", str(root / "a1"))
+        engine.load_lora("a2", str(root / "a2"))
+        proposer = DraftModelProposer(load_model(root / "base"), num_blocks=1024, block_size=4)
+    rng = random.Random(0)
+    names = [None, "a1", "a2"]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(requests * len(names)):
+        engine.add_request(f"r{i}", [rng.randrange(256) for _ in range(16)], params, lora=names[i % len(names)],
+                           num_speculative_tokens=3)
+    usage = {}
+    while engine.has_work():
+        inputs = engine.draft_inputs()
+        proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
+        for rid, delta in engine.step(proposals):
+            if delta.usage is not None:
+                usage[rid] = delta.usage.spec
+        proposer.verified(engine.take_verdicts())
+        proposer.release(engine.take_released())
+    print(f"speculation: the base model drafts γ=3 for {requests} greedy requests per adapter, "
+          f"{new_tokens} tokens each (tiny Llama, adapters trained by peft)")
+    print("| requests on | draft tokens | accepted | acceptance | mean accepted per verify |")
+    print("|---|---:|---:|---:|---:|")
+    for j, name in enumerate(names):
+        spec = [usage[f"r{i}"] for i in range(j, requests * len(names), len(names)) if usage.get(f"r{i}")]
+        drafted = sum(u.num_draft_tokens for u in spec)
+        accepted = sum(u.num_accepted_tokens for u in spec)
+        drafts = sum(u.num_drafts for u in spec)
+        print(f"| {name or 'base'} | {drafted} | {accepted} | {accepted / max(drafted, 1):.2f} | "
+              f"{accepted / max(drafts, 1):.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
@@ -84,7 +142,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--speculation", action="store_true",
+                        help="instead: acceptance of base-model drafts verified under adapters (tiny model)")
     args = parser.parse_args()
+    if args.speculation:
+        speculation(8, args.new_tokens)
+        return
     import torch
 
     from workers.engine.engine import Engine, EngineConfig
