@@ -16,7 +16,7 @@ def train_lora(base_dir: Path, out_dir: Path, *, seed: int, rank: int = 8, alpha
                targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                            "down_proj"),
                steps: int = 40, lr: float = 2e-2, use_rslora: bool = False, seq_len: int = 24, batch: int = 16,
-               rank_pattern: dict | None = None) -> Path:
+               rank_pattern: dict | None = None, alpha_pattern: dict | None = None) -> Path:
     """Train a LoRA adapter on ``base_dir`` (a Hugging Face causal LM) and save it to ``out_dir``.
 
     The task: token t is followed by ``(a·t + b) mod V`` with (a, b) drawn from ``seed``. A few
@@ -30,7 +30,8 @@ def train_lora(base_dir: Path, out_dir: Path, *, seed: int, rank: int = 8, alpha
     a = int(torch.randint(1, vocab - 1, (1,), generator=gen)) | 1
     b = int(torch.randint(0, vocab, (1,), generator=gen))
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM", use_rslora=use_rslora, rank_pattern=rank_pattern or {})
+                        task_type="CAUSAL_LM", use_rslora=use_rslora, rank_pattern=rank_pattern or {},
+                        alpha_pattern=alpha_pattern or {})
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
     model.train()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,14 @@ def read_peft_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _module_scale(config: dict, module: str, rank: int) -> float:
-    alpha = config.get("alpha_pattern", {}).get(module, config.get("lora_alpha", rank))
+    """PEFT's scale of the module named ``module`` (e.g. ``model.layers.3.mlp.down_proj``): its
+    ``alpha_pattern`` entry (a pattern matching the name's tail, as PEFT matches it) or ``lora_alpha``,
+    over its rank (over √rank with rsLoRA)."""
+    alpha = config.get("lora_alpha", rank)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            alpha = value
+            break
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -230,14 +238,16 @@ class LoraManager:
             layer = int(parts[parts.index("layers") + 1])
             if not 0 <= layer < self.cfg.num_layers:
                 raise LoraError(f"{path}: layer {layer} out of range")
-            found.setdefault((layer, module), {})[parts[-2]] = tensor
+            entry = found.setdefault((layer, module), {})
+            entry[parts[-2]] = tensor
+            entry["name"] = ".".join(parts[parts.index("layers") - 1 : -2])  # model.layers.i.….module
         if not found:
             raise LoraError(f"{path}: no LoRA weights")
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(self.cfg.num_layers):
             for proj, (_, parts) in _PROJECTIONS.items():
                 self._pack(path, config, found, weights, layer, proj, parts)
-        max_rank = max(t.shape[0] for ab in found.values() for k, t in ab.items() if k == "lora_A")
+        max_rank = max(ab["lora_A"].shape[0] for ab in found.values() if "lora_A" in ab)
         return LoraAdapter(name, str(path), max_rank, weights)
 
     def _pack(self, path, config, found, weights, layer: int, proj: str, parts: tuple[str, ...]) -> None:
@@ -254,7 +264,7 @@ class LoraManager:
         for k, (module, out) in enumerate(zip(parts, self.out_sizes[proj])):
             ab = found.get((layer, module))
             if ab is not None:
-                if set(ab) != {"lora_A", "lora_B"}:
+                if set(ab) != {"lora_A", "lora_B", "name"}:
                     raise LoraError(f"{path}: layer {layer} {module} lacks lora_A or lora_B")
                 a, b = ab["lora_A"].float(), ab["lora_B"].float()
                 rank = a.shape[0]
@@ -264,7 +274,7 @@ class LoraManager:
                 if rank > r:
                     raise LoraError(f"{path}: rank {rank} exceeds --max-lora-rank {r}")
                 a_all[k * r : k * r + rank] = a
-                b_all[out_start : out_start + out, k * r : k * r + rank] = b * _module_scale(config, module, rank)
+                b_all[out_start : out_start + out, k * r : k * r + rank] = b * _module_scale(config, ab["name"], rank)
             out_start += out
         weights[(layer, proj)] = (a_all.to(self.dtype), b_all.to(self.dtype))
 
@@ -355,6 +365,3 @@ class LoraManager:
                             torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True),
                             torch.tensor(places, dtype=torch.long).to(self.device, non_blocking=True), length)
 
-    def clear_batch(self) -> None:
-        self.segments = []
-        self.grouped = None

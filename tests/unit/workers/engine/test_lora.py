@@ -31,13 +31,14 @@ CFG = EngineConfig(num_blocks=256, block_size=4, max_num_seqs=16, max_num_batche
 
 @pytest.fixture(scope="module")
 def lora_dirs(tmp_path_factory):
-    """A seeded tiny Llama and two adapters: every projection at rank 8, and q/v only at rank 4
-    with rsLoRA scaling and a per-module rank (k_proj absent: a zero band in the fused qkv)."""
+    """A seeded tiny Llama and two adapters: every projection at rank 8, and q/v/down only at rank 4
+    with rsLoRA scaling, a per-module rank and a per-module alpha (k_proj absent: a zero band in the
+    fused qkv)."""
     root = tmp_path_factory.mktemp("lora")
     tiny_hf_model("llama", root / "base", vocab=VOCAB)
     train_lora(root / "base", root / "a1", seed=1)
     train_lora(root / "base", root / "a2", seed=2, rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"),
-               use_rslora=True, rank_pattern={"down_proj": 2})
+               use_rslora=True, rank_pattern={"down_proj": 2}, alpha_pattern={"layers.1.mlp.down_proj": 3})
     return root
 
 
