@@ -9,7 +9,7 @@ the base model (no adapter code runs), all on one adapter, spread over 4 adapter
 each (16). The adapters are PEFT LoRAs of rank ``--rank`` on every attention and MLP projection,
 written by ``peft`` itself with random (not zero) A and B (``init_lora_weights=False``): their
 values do not change the cost. Prefill is run first and not timed; the decode steps are. The mixes
-alternate ``--repeats`` times in one process and the best run of each is reported (the machine is
+alternate ``--repeats`` times in one process (in reverse order every other time) and the best run of each is reported (the machine is
 shared and noisy), with its ratio to the base.
 
 ``--speculation``: how lossless speculation with adapters costs acceptance. The base model drafts
@@ -174,8 +174,8 @@ def main() -> None:
     best = {label: 0.0 for label, _ in MIXES}
     run_mix(engine, prompts, [None] * args.batch, 4)  # warm-up: kernels, packed weights
     run_mix(engine, prompts, [names[i % 16] for i in range(args.batch)], 4)
-    for _ in range(args.repeats):
-        for label, n in MIXES:
+    for repeat in range(args.repeats):
+        for label, n in (MIXES if repeat % 2 == 0 else MIXES[::-1]):  # no mix always runs first
             adapters = [names[i % n] if n else None for i in range(args.batch)]
             best[label] = max(best[label], run_mix(engine, prompts, adapters, args.new_tokens))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} threads"
