@@ -43,7 +43,7 @@ from .handoff import Handoffs, Receiving
 from .hidden import HiddenStore
 from .memory import ALLOCATOR_SLACK, GIB, DeviceMemory, kv_cache_bytes, step_activation_bytes
 from .logits import Row, penalised, process
-from .lora import LoraManager
+from .lora import LoraError, LoraManager
 from .model import DecoderModel
 from .model_runner import PENDING_TOKEN, ModelRunner
 from .pending import PendingStep
@@ -296,6 +296,9 @@ class Engine:
         """Unregister an adapter no running request uses (raises :class:`.lora.LoraError`)."""
         if self.lora is None:
             raise InvalidRequest("this worker serves no LoRA adapters", field="lora_name")
+        users = sum(1 for s in self.seqs.values() if s.lora == name)
+        if users:
+            raise LoraError(f"adapter {name!r} is in use by {users} requests", "lora_name")
         self.lora.unregister(name)
 
     def has_work(self) -> bool:

@@ -285,6 +285,12 @@ class LoraManager:
         if name not in self.adapters:
             raise InvalidRequest(f"LoRA adapter {name!r} is not loaded", field="model")
 
+    def can_acquire(self, seq) -> bool:
+        """Whether :meth:`acquire` would give ``seq`` a slot now."""
+        name = seq.lora
+        return (not name or name in self.slot_of or None in self.slot_owner
+                or any(self.slot_refs[s] == 0 for s in self.slot_of.values()))
+
     def acquire(self, seq) -> bool:
         """Give ``seq`` (``seq.lora``: adapter name or None) its adapter's slot, filling a free or
         least recently used idle slot if needed; False when every slot is busy with other adapters."""

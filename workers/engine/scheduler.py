@@ -95,8 +95,12 @@ class Scheduler:
         if not batch.preempted:
             # a sequence whose pending token ends it (async scheduling) no longer takes a place
             ending = sum(1 for s in self.running if s.ends_at_pending)
+            parked: list[Sequence] = []  # their adapter has no slot this step: the ones behind go first
             while self.waiting and budget > 0 and len(self.running) - ending < self.max_num_seqs:
                 seq = self.waiting[0]
+                if self.lora is not None and not self.lora.can_acquire(seq):
+                    parked.append(self.waiting.popleft())
+                    continue
                 n = self._admit(seq, budget)
                 if n == 0:
                     break
@@ -109,6 +113,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+            self.waiting.extendleft(reversed(parked))
         return batch
 
     # ------------------------------------------------------------------ internals

@@ -162,7 +162,18 @@ def test_prefix_cache_is_keyed_by_adapter(lora_dirs, references):
 def test_slots_are_reused_least_recently_used_and_busy_adapters_wait(lora_dirs, references):
     prompt = _prompts(1, seed=5)[0]
     engine = _engine(lora_dirs, max_loras=1)  # two adapters, one slot: a2 waits until a1's request ends
-    got = _run(engine, {"x": (prompt, "a1"), "y": (prompt, "a2"), "z": (prompt, None)})
+    for rid, name in (("x", "a1"), ("y", "a2"), ("z", None)):
+        engine.add_request(rid, prompt, GREEDY, lora=name)
+    got = {"x": [], "y": [], "z": []}
+    for rid, delta in engine.step():  # the base request behind the waiting a2 is admitted beside a1
+        got[rid].extend(delta.token_ids)
+    assert [s.request_id for s in engine.scheduler.running] == ["x", "z"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["y"]
+    with pytest.raises(LoraError, match="in use"):  # a waiting request uses it too
+        engine.unload_lora("a2")
+    while engine.has_work():
+        for rid, delta in engine.step():
+            got[rid].extend(delta.token_ids)
     for rid, name in (("x", "a1"), ("y", "a2"), ("z", None)):
         assert got[rid] == hf_greedy(references[name], prompt, GREEDY.max_tokens)
     lora = engine.lora
