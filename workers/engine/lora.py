@@ -22,7 +22,9 @@ is a segmented matmul (Punica/S-LoRA's SGMV) over the token rows of each adapter
 ``y[rows] += (x[rows] Aᵀ) Bᵀ``. With one or two adapters in the batch, one gather and one
 ``index_add`` per adapter; with :data:`GROUPED_FROM` or more, the rows are padded per adapter to
 [U, L, in] and run as two batched matmuls over the U adapters' stacked weights (two ops per
-projection however many adapters). Torch on every device; a base-only batch runs no adapter code.
+projection however many adapters). On CUDA (``kernel`` auto) the BGMV Triton kernels of
+:mod:`.triton_lora` run instead: each token's slot, two launches per projection for any mix. A
+base-only batch runs no adapter code.
 
 Prefix caching is keyed by adapter: a sequence's block-hash chain starts from
 :func:`runtime.kv_hash.chain_root` of its adapter's name (the router computes the same), so
@@ -126,6 +128,10 @@ class _Projection:
         segments = self.manager.segments
         if not segments:
             return y
+        if self.manager.token_slots is not None:  # GPU: the BGMV kernels, any mix in two launches
+            from .triton_lora import lora_bgmv
+
+            return lora_bgmv(x, y, self.lora_a, self.lora_b, self.manager.token_slots)
         grouped = self.manager.grouped
         if grouped is not None:  # many adapters: two batched matmuls over [U, L, ·], rows padded to L
             slots, rows, places, length = grouped
@@ -148,18 +154,23 @@ class LoraManager:
     """Registered adapters, ``max_loras`` device slots with LRU reuse, and the current batch's
     token → slot segments. Plain values in: the model, two limits."""
 
-    def __init__(self, model: DecoderModel, max_loras: int, max_lora_rank: int):
+    def __init__(self, model: DecoderModel, max_loras: int, max_lora_rank: int, kernel: str = "auto"):
         if max_loras <= 0:
             raise ValueError(f"max_loras must be positive, got {max_loras}")
         if max_lora_rank <= 0:
             raise ValueError(f"max_lora_rank must be positive, got {max_lora_rank}")
         if model.tp.enabled:
             raise ValueError("LoRA adapters are not supported under tensor parallelism")
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel must be auto, torch or triton, got {kernel!r}")
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # the Triton kernels (workers.engine.triton_lora) take each token's slot; auto: on CUDA
+        self.triton = kernel == "triton" or (kernel == "auto" and self.device.type == "cuda")
+        self.token_slots: torch.Tensor | None = None  # [T] int32, the batch's, for the kernels
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self.slot_refs = [0] * max_loras
@@ -347,9 +358,14 @@ class LoraManager:
         """The next forward's chunks: chunk b has ``lengths[b]`` tokens and runs with ``slots[b]``
         (-1: the base model). Builds the token rows of each slot present."""
         used = sorted({s for s in slots if s >= 0})
-        self.grouped = None
+        self.grouped = self.token_slots = None
         if not used:
             self.segments = []
+            return
+        if self.triton:
+            per_token = [s for s, n in zip(slots, lengths) for _ in range(n)]
+            self.token_slots = torch.tensor(per_token, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.segments = [(s, None) for s in used]  # (only its truth value is read then)
             return
         if len(used) == 1 and all(s == used[0] for s in slots):
             self.segments = [(used[0], None)]
