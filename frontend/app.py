@@ -1,7 +1,9 @@
 """The HTTP routes of the frontend and the object that wires them to the runtime.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
-``GET /v1/models``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``,
+``GET /v1/models`` (LoRA adapters included, with their ``parent``), vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+(:mod:`frontend.lora`),
 ``GET /health`` (readiness: 200 while this frontend takes traffic, listing the models live target
 workers serve; with none, requests get a 503 and Retry-After), ``GET|POST /ping`` (SageMaker's
 health check: 200 only while a model is served too), ``GET /live``, ``GET /metrics``, and FastAPI's
@@ -34,6 +36,7 @@ from .config import FrontendConfig
 from .disagg import RemotePrefill
 from .dispatch import Dispatcher
 from .errors import install, to_http
+from .lora import LoraAdminService
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
 from .protocol import (ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components, parse_request,
@@ -75,8 +78,10 @@ class Frontend:
     """Model registry, router, dispatcher and metrics of one frontend process."""
 
     def __init__(self, config: FrontendConfig, router: Router, client: EndpointClient, registry: ModelRegistry,
-                 prefill: RemotePrefill | None = None, render: RenderPool | None = None):
+                 prefill: RemotePrefill | None = None, render: RenderPool | None = None,
+                 lora_client: EndpointClient | None = None):
         self.config = config
+        self.lora_admin = LoraAdminService(registry, lora_client)
         self.router = router
         self.client = client
         self.registry = registry
@@ -122,7 +127,7 @@ class Frontend:
             prefill = RemotePrefill(prefill_router, await rt.client("prefill", "generate"), client,
                                     lambda model: registry.get(model).card.kv_block_size, config.disagg_min_tokens,
                                     config.prefill_max_queue)
-            frontend = cls(config, router, client, registry, prefill, render)
+            frontend = cls(config, router, client, registry, prefill, render, await rt.client("target", "lora"))
             # answering at all means the HTTP side serves; the rest is NATS and not draining
             frontend.ready = lambda: rt.nc is not None and rt.nc.is_connected and not rt.shutting_down
             yield frontend
@@ -142,7 +147,7 @@ class Frontend:
     def served_models(self) -> list[str]:
         """The models whose card we know that some live target instance serves."""
         served = {r.model for r in self.client.instances()}
-        return [m.name for m in self.registry.list() if m.served_as in served]
+        return [m.name for m in self.registry.list() if m.served_as in served or m.parent in served]
 
     async def complete(self, request: Request, endpoint: str) -> Response:
         """Serve one chat completion (``endpoint`` "chat"), text completion ("completions") or
@@ -310,7 +315,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def models() -> Response:
         """The models that live target workers serve."""
         data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "tandem",
-                 "max_model_len": m.card.context_length, "instances": m.num_instances}
+                 "max_model_len": m.card.context_length, "instances": m.num_instances, "parent": m.parent or None}
                 for m in frontend.registry.list()]
         return Response(encode_json({"object": "list", "data": data}), media_type=JSON)
 
@@ -321,9 +326,32 @@ def build_app(frontend: Frontend) -> FastAPI:
             if m.name == model_id:
                 return Response(encode_json({"id": m.name, "object": "model", "created": m.created, "owned_by": "tandem",
                                              "max_model_len": m.card.context_length,
-                                             "instances": m.num_instances}), media_type=JSON)
+                                             "instances": m.num_instances, "parent": m.parent or None}),
+                                media_type=JSON)
         err = to_http(UnknownModel(model_id))
         return Response(encode_json(err.body()), status_code=err.status, media_type=JSON)
+
+    async def lora_admin(request: Request, action) -> Response:
+        try:
+            body = await read_body_in_time(request, frontend.config.max_body_bytes, frontend.config.body_timeout_s)
+            text = await action(body)
+        except Exception as exc:
+            err = to_http(exc, frontend.config.retry_after_s)
+            if err.status == 500:
+                log.error("LoRA admin request failed", exc_info=exc)
+            return err.response()
+        return Response(text.encode(), media_type="text/plain")
+
+    @app.post("/v1/load_lora_adapter", tags=["vllm"])
+    async def load_lora_adapter(request: Request) -> Response:
+        """Load a PEFT LoRA adapter (``lora_name``, ``lora_path``; ``model``: its base, when several
+        are served) on every worker of its base model that serves adapters."""
+        return await lora_admin(request, frontend.lora_admin.load)
+
+    @app.post("/v1/unload_lora_adapter", tags=["vllm"])
+    async def unload_lora_adapter(request: Request) -> Response:
+        """Unload a LoRA adapter (``lora_name``) from the workers that hold it."""
+        return await lora_admin(request, frontend.lora_admin.unload)
 
     @app.get("/health", tags=["ops"])
     async def health() -> Response:

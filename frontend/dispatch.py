@@ -60,9 +60,13 @@ class Dispatcher:
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
         speculative: SpeculativeOptions | None = None, pending: PendingBytes | None = None,
+        lora: str = "", exclude: frozenset[str] = frozenset(),
     ) -> Generation:
-        """Route and send one generation; ``pending`` counts the bytes of its frames not read yet."""
+        """Route and send one generation; ``pending`` counts the bytes of its frames not read yet.
+        ``lora``: the LoRA adapter it runs with on ``model``; ``exclude``: instances never to use
+        (those that do not hold the adapter)."""
         gen = Generation(self, model, list(token_ids), sampling, request_id, speculative, pending)
+        gen.lora, gen.failed = lora, set(exclude)
         await gen._send()
         return gen
 
@@ -80,7 +84,8 @@ class Generation:
         self.sampling = sampling
         self.request_id = request_id
         self.output_ids: list[int] = []
-        self.failed: set[str] = set()
+        self.failed: set[str] = set()  # instances not to use: failed this request, or lack its adapter
+        self.lora = ""  # the LoRA adapter it runs with ("": the base model)
         self.attempt = 0
         self._selection: Selection | None = None
         self._stream: ResponseStream[TokenDelta] | None = None
@@ -96,15 +101,16 @@ class Generation:
         """Pick a worker (not one that failed us) and send it what is left of the request."""
         # instances NATS found unreachable are excluded too (a standalone router cannot know of them)
         exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
-        sel = await self._d.router.select(self.model, self.token_ids, exclude=exclude, request_id=self.request_id)
+        sel = await self._d.router.select(self.model, self.token_ids, exclude=exclude, request_id=self.request_id,
+                                          lora=self.lora)
         self._selection = sel
         spec = self.speculative
         request = GenerateRequest(self.token_ids, self.sampling, self.model,
                                   num_speculative_tokens=spec.num_draft_tokens if spec else None,
                                   speculative_tree_topk=spec.eagle_topk if spec else None,
-                                  speculative_tree_depth=spec.num_steps if spec else None)
+                                  speculative_tree_depth=spec.num_steps if spec else None, lora=self.lora)
         handoff = None
-        if self.attempt == 0 and self._d.prefill is not None:
+        if self.attempt == 0 and self._d.prefill is not None and not self.lora:  # adapters: no disaggregation
             try:
                 first = await self._d.prefill.run(self.model, self.token_ids, request, sel.instance_id,
                                                   sel.overlap_blocks, self.request_id, self.pending)

@@ -1,7 +1,8 @@
 """The models this frontend can serve, kept live from the model cards in etcd.
 
 Every target worker publishes one card per model it serves, on its own lease; a model exists
-while at least one card for it does. Tokenizers are loaded once per (directory, chat template),
+while at least one card for it does. A LoRA adapter is a model too: its card names its ``parent``
+(the base model its workers serve), and only the instances that published it hold it. Tokenizers are loaded once per (directory, chat template),
 in a thread, and the load starts as soon as a model appears so the first request rarely waits.
 """
 
@@ -45,6 +46,12 @@ class ServedModel:
     card: ModelCard
     created: int
     num_instances: int
+    instance_ids: frozenset[str] = frozenset()  # the instances that published this card
+
+    @property
+    def parent(self) -> str:
+        """The base model of a LoRA adapter ("" for a base model)."""
+        return self.card.parent
 
     @property
     def served_as(self) -> str:
@@ -77,7 +84,7 @@ class ModelRegistry:
         for name, group in by_name.items():
             group.sort(key=lambda c: c.instance_id)
             created = self._first_seen.setdefault(name, now)
-            models[name] = ServedModel(name, group[0], created, len(group))
+            models[name] = ServedModel(name, group[0], created, len(group), frozenset(c.instance_id for c in group))
         for name in models.keys() - self._models.keys():
             log.info("model %s appeared (%d instances)", name, models[name].num_instances)
             if self._preload:
@@ -85,7 +92,9 @@ class ModelRegistry:
         for name in self._models.keys() - models.keys():
             log.info("model %s is gone: no worker serves it", name)
             self._first_seen.pop(name, None)
-            self._gone[name] = time.monotonic()
+            parent = self._models[name].parent
+            if not (parent and parent in models):  # an adapter unloaded from live workers is gone for good
+                self._gone[name] = time.monotonic()
         for name in models:
             self._gone.pop(name, None)
         self._models = models
@@ -101,6 +110,15 @@ class ModelRegistry:
                 raise NoInstances("target", "generate", name)  # 503 + Retry-After: it was just here
             raise UnknownModel(name)
         return model
+
+    def route(self, model: ServedModel) -> tuple[str, str, frozenset[str]]:
+        """(model the workers serve, LoRA adapter or "", instances to leave out) for a request to
+        ``model``: an adapter's request goes to its parent's instances that hold the adapter."""
+        if not model.parent:
+            return model.served_as, "", frozenset()
+        base = self._models.get(model.parent)
+        others = base.instance_ids - model.instance_ids if base is not None else frozenset()
+        return model.parent, model.served_as, others
 
     async def tokenizer(self, model: ServedModel, timeout: float) -> Tokenizer:
         """The model's tokenizer, loading it on first use; raises ``TokenizerLoadError``."""

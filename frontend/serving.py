@@ -175,11 +175,12 @@ class CompletionService:
         """Route and send every choice; on failure the ones already sent are closed. ``pending``
         counts the bytes of all choices' frames not read yet."""
         gens: list[Generation] = []
+        base, lora, others = self.registry.route(job.model)
         try:
             for i, sampling in enumerate(job.samplings):
                 rid = job.request_id if len(job.samplings) == 1 else f"{job.request_id}-{i}"
-                gens.append(await self.dispatcher.open(job.model.served_as, job.prompts[job.prompt_of[i]], sampling, rid,
-                                                       job.speculative, pending))
+                gens.append(await self.dispatcher.open(base, job.prompts[job.prompt_of[i]], sampling, rid,
+                                                       job.speculative, pending, lora, others))
         except BaseException:
             await close_all(gens)
             raise

@@ -3,6 +3,9 @@
 Contract (what the frontend relies on):
 - ``await router.select(model, token_ids, exclude)`` returns a :class:`Selection` for a live
   target instance serving ``model`` and not in ``exclude``, or raises :class:`runtime.NoInstances`.
+  ``lora`` names the request's LoRA adapter: the KV router hashes its prompt from the adapter's
+  chain root (:func:`runtime.kv_hash.chain_root`), as the workers do; the caller excludes the
+  instances that do not hold the adapter.
 - ``router.release(selection)`` is called exactly once when that request ends (any way), so the
   router's own in-flight accounting stays right.
 """
@@ -54,7 +57,8 @@ class Router:
     async def stop(self) -> None:
         """Stop background work."""
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
+                     lora: str = "") -> Selection:
         raise NotImplementedError
 
     def _selected(self, instance_id: str, overlap: int = 0, request_id: str = "") -> Selection:
@@ -76,7 +80,8 @@ class RoundRobinRouter(Router):
         super().__init__(instances, seed)
         self._counter = itertools.count()
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
+                     lora: str = "") -> Selection:
         found = self.candidates(model, exclude)
         return self._selected(found[next(self._counter) % len(found)].instance_id, 0, request_id)
 
@@ -84,5 +89,6 @@ class RoundRobinRouter(Router):
 class RandomRouter(Router):
     mode = "random"
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
+                     lora: str = "") -> Selection:
         return self._selected(self._rng.choice(self.candidates(model, exclude)).instance_id, 0, request_id)

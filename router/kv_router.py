@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from runtime import InvalidRequest, NoInstances
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD
-from runtime.kv_hash import ROOT_HASH, block_hash, block_hashes
+from runtime.kv_hash import ROOT_HASH, block_hash, block_hashes, chain_root
 from runtime.messages import InstanceRecord, KvDumpRequest, KvEvent, LoadEvent
 
 from .base import Router, Selection
@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 INLINE_HASH_BLOCKS = 1024  # a cached prompt longer than this many blocks has the rest hashed in a thread
 
 
-def lazy_block_hashes(tokens: Sequence[int], block_size: int) -> Iterator[int]:
+def lazy_block_hashes(tokens: Sequence[int], block_size: int, root: int = ROOT_HASH) -> Iterator[int]:
     """``runtime.kv_hash.block_hashes`` one block at a time: the index walk stops at the first block
     no candidate holds, so the blocks after it are never hashed (hashing is most of a decision's cost)."""
-    parent = ROOT_HASH
+    parent = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = block_hash(parent, tokens[start : start + block_size])
         yield parent
@@ -175,16 +175,18 @@ class KvRouter(Router):
 
     # ------------------------------------------------------------------ choice
 
-    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "") -> Selection:
+    async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
+                     lora: str = "") -> Selection:
         cfg = self.config
         ids = self._candidate_ids(model, exclude)
+        root = chain_root(lora)
         sizes = self.index.block_sizes()
         block_size = sizes[0] if len(sizes) == 1 else cfg.block_size
         try:
             if len(sizes) > 1:  # workers with different block sizes: each is scored with its own hashes
-                overlaps, prefill = await self._mixed_sizes(token_ids, ids)
+                overlaps, prefill = await self._mixed_sizes(token_ids, ids, root)
             else:
-                overlaps = await self._overlaps(token_ids, block_size, ids)
+                overlaps = await self._overlaps(token_ids, block_size, ids, root)
                 prefill = None
         except (OverflowError, TypeError) as exc:
             raise InvalidRequest(f"token ids must be integers in [0, 2**32): {exc}", field="token_ids") from None
@@ -192,7 +194,7 @@ class KvRouter(Router):
         weight = cfg.overlap_weight
         if prefill is None:
             n = request_blocks(len(token_ids), block_size)
-            lower = await self._lower_overlaps(token_ids, block_size, ids, overlaps) if self.tiers else {}
+            lower = await self._lower_overlaps(token_ids, block_size, ids, overlaps, root) if self.tiers else {}
             saved = cfg.tier_hit_weight
             costs = [weight * (n - overlaps[w] - saved * lower.get(w, 0)) + pressure(w, 0) for w in ids]
         else:
@@ -218,15 +220,16 @@ class KvRouter(Router):
             raise NoInstances("target", "generate", model)
         return ids
 
-    async def _overlaps(self, token_ids: Sequence[int], block_size: int, ids: list[str]) -> dict[str, int]:
+    async def _overlaps(self, token_ids: Sequence[int], block_size: int, ids: list[str],
+                        root: int = ROOT_HASH) -> dict[str, int]:
         """How many leading blocks of ``token_ids`` each of ``ids`` holds. Hashing is lazy, and stops
         at the first block no candidate holds; past ``INLINE_HASH_BLOCKS`` blocks that some candidate
         all holds, the rest is hashed in a thread (a cached 500k-token prompt is 31k blocks: about
         0.1 s of hashing, which on the event loop every stream would wait for)."""
         head = INLINE_HASH_BLOCKS * block_size
         if len(token_ids) < head + block_size:
-            return self.index.overlaps(lazy_block_hashes(token_ids, block_size), ids)
-        hashes = block_hashes(token_ids[:head], block_size)
+            return self.index.overlaps(lazy_block_hashes(token_ids, block_size, root), ids)
+        hashes = block_hashes(token_ids[:head], block_size, root)
         found = self.index.overlaps(hashes, ids)
         if max(found.values(), default=0) < len(hashes):
             return found  # the walk stopped within the head: the rest cannot change it
@@ -234,15 +237,15 @@ class KvRouter(Router):
         return self.index.overlaps(itertools.chain(hashes, rest), ids)
 
     async def _lower_overlaps(self, token_ids: Sequence[int], block_size: int, ids: list[str],
-                              overlaps: dict[str, int]) -> dict[str, int]:
+                              overlaps: dict[str, int], root: int = ROOT_HASH) -> dict[str, int]:
         """Per worker: how many blocks after its device overlap its lower tiers hold, in a row."""
         full = len(token_ids) // block_size
         if full <= min(overlaps.values(), default=0):
             return {}
         if full > INLINE_HASH_BLOCKS:
-            hashes = await asyncio.to_thread(block_hashes, token_ids, block_size)
+            hashes = await asyncio.to_thread(block_hashes, token_ids, block_size, root)
         else:
-            hashes = block_hashes(token_ids, block_size)
+            hashes = block_hashes(token_ids, block_size, root)
         tiers = list(self.tiers.values())
         out = {}
         for w in ids:
@@ -252,12 +255,13 @@ class KvRouter(Router):
             out[w] = j - overlaps[w]
         return out
 
-    async def _mixed_sizes(self, token_ids: Sequence[int], ids: list[str]) -> tuple[dict[str, int], list[int]]:
+    async def _mixed_sizes(self, token_ids: Sequence[int], ids: list[str],
+                           root: int = ROOT_HASH) -> tuple[dict[str, int], list[int]]:
         overlaps: dict[str, int] = {}
         prefill = []
         for w in ids:
             size = self.index.block_size(w) or self.config.block_size
-            overlaps.update(await self._overlaps(token_ids, size, [w]))
+            overlaps.update(await self._overlaps(token_ids, size, [w], root))
             prefill.append(request_blocks(len(token_ids), size) - overlaps[w])
         return overlaps, prefill
 

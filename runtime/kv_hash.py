@@ -14,6 +14,16 @@ from .messages import KvEvent, KvEventKind
 ROOT_HASH = 0  # parent of the first block
 
 
+def chain_root(lora: str | None = None) -> int:
+    """Where a request's chain starts: :data:`ROOT_HASH` for the base model, a hash of the name for
+    a LoRA adapter, so equal tokens under different adapters (whose KV differs) never share a hash.
+    Events still name :data:`ROOT_HASH` as the first block's parent: the root only seeds the chain."""
+    if not lora:
+        return ROOT_HASH
+    digest = hashlib.blake2b(b"lora\0" + lora.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 1) or 1
+
+
 def block_hash(parent: int, tokens) -> int:
     """Hash of one block of tokens following the block whose hash is ``parent``."""
     data = parent.to_bytes(8, "little") + array("I", tokens).tobytes()

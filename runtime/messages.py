@@ -55,6 +55,7 @@ class ModelCard(_Wire):
     instance_id: str = ""
     structured_outputs: bool = False  # the workers constrain output to a grammar (:class:`StructuredOutput`)
     aliases: list[str] = []  # more names clients may pass as "model" for this one (``--served-model-name a b``)
+    parent: str = ""  # a LoRA adapter's card: the base model it runs on (its instances serve ``parent``)
 
 
 # --------------------------------------------------------------------------- request plane (NATS)
@@ -208,6 +209,19 @@ class GenerateRequest(_Wire):
     speculative_tree_topk: int | None = None  # draft trees: children per node (1: a chain); None: the worker's
     speculative_tree_depth: int | None = None  # draft trees: depth; None: the worker's
     kv_transfer: KvHandoff | None = None  # the prompt's KV waits on a prefill worker: pull it
+    lora: str = ""  # the LoRA adapter to run with ("": the base model ``model``)
+
+
+class LoraAdmin(_Wire):
+    """``target.lora``: load (``path`` set) or unload (``path`` empty) a LoRA adapter on one worker.
+    The reply is one :class:`LoraAdminReply`; a refusal is an ``invalid_request`` error frame."""
+
+    lora_name: str
+    lora_path: str = ""
+
+
+class LoraAdminReply(_Wire):
+    adapters: list[str] = []  # the adapters the worker holds afterwards
 
 
 class SpecUsage(_Wire):
@@ -340,6 +354,7 @@ class RouteRequest(_Wire):
     token_ids: list[int] = []
     exclude: list[str] = []  # instance ids not to choose (e.g. ones that already failed this request)
     request_id: str = ""
+    lora: str = ""  # the request's LoRA adapter: its prompt's blocks hash from the adapter's chain root
 
 
 class RouteResponse(_Wire):

@@ -457,6 +457,10 @@ class Runtime:
             card = msgspec.structs.replace(card, instance_id=self.instance_id)
         await self._registrar.put(model_key(self.namespace, card.name, self.instance_id), encode(card))
 
+    async def unregister_model(self, name: str) -> None:
+        """Withdraw this process's card for model ``name`` (an unloaded LoRA adapter)."""
+        await self._registrar.delete(model_key(self.namespace, name, self.instance_id))
+
     async def register_kv_agent(self, record: KvAgentRecord) -> None:
         """Publish this process's NIXL agent (metadata and memory layout) on its lease, for decode
         workers that pull KV from it."""

@@ -31,6 +31,7 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram
+from runtime.kv_hash import chain_root
 from runtime.messages import KvEvent, KvHandoff, SamplingParams, TokenDelta, TopLogprob, Usage
 from runtime.validation import validate_request
 
@@ -42,6 +43,7 @@ from .handoff import Handoffs, Receiving
 from .hidden import HiddenStore
 from .memory import ALLOCATOR_SLACK, GIB, DeviceMemory, kv_cache_bytes, step_activation_bytes
 from .logits import Row, penalised, process
+from .lora import LoraError, LoraManager
 from .model import DecoderModel
 from .model_runner import PENDING_TOKEN, ModelRunner
 from .pending import PendingStep
@@ -103,14 +105,17 @@ class Engine:
     :mod:`.speculator`). ``hidden_layers``: the target layers whose hidden states are kept for draft
     workers that read them (Hugging Face numbering, see :mod:`.model`); fixed for the engine's life.
     ``followers``: a tensor-parallel ``model``'s other ranks (:class:`.followers.Followers`), which
-    repeat every model call; this engine is rank 0's and the only one.
+    repeat every model call; this engine is rank 0's and the only one. ``lora``: the model's LoRA
+    adapters (:mod:`.lora`); a request names one with ``add_request(..., lora=name)``. Speculation
+    stays lossless with adapters: a draft proposes as it does for the base model and the target
+    verifies under the request's adapter (its logits are the adapter's).
     """
 
     def __init__(self, model: DecoderModel, config: EngineConfig = EngineConfig(), worker_id: str = "",
                  eos_token_ids: tuple[int, ...] | None = None, grammars: GrammarBackend | None = None, *,
                  num_speculative_tokens: int = 4, hidden_layers: tuple[int, ...] = (), adaptive: bool = True,
                  pause_steps: int = 8, tree_topk: int = 0, tree_depth: int = 0, load_aware: bool = False,
-                 followers=None):
+                 followers=None, lora: LoraManager | None = None):
         cfg = model.cfg
         layers = tuple(sorted(set(hidden_layers)))  # what the store keeps
         if any(not 0 <= k <= cfg.num_layers for k in layers):
@@ -144,6 +149,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.prefill_time = histogram(REQUEST_LATENCY_BUCKETS)  # first scheduled to first token, per request
         self.runner = ModelRunner(model, num_blocks, config.block_size, self._graph_config(model), max_len, followers)
+        self.lora = lora
+        self.runner.lora = self.scheduler.lora = lora
         slots = self.runner.kv_caches[0][0].shape[0] * config.block_size  # the graphs' scratch block too
         self.hidden = HiddenStore(layers, slots, cfg.hidden_size, param.dtype, param.device) if layers else None
         self.grammars = grammars  # structured outputs (None: requests with a grammar are refused)
@@ -221,22 +228,26 @@ class Engine:
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     output_ids: list[int] = (), grammar: Grammar | None = None, *,
                     num_speculative_tokens: int | None = None, tree_topk: int | None = None,
-                    tree_depth: int | None = None, prefill_only: bool = False) -> None:
+                    tree_depth: int | None = None, prefill_only: bool = False, lora: str | None = None) -> None:
         """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request.
         ``grammar``: the request's compiled ``params.structured`` (compiled here when not given).
         ``num_speculative_tokens``, ``tree_topk``, ``tree_depth``: this request's speculation (None:
         the engine's settings). ``prefill_only``: a prefill worker's request, which ends after its
         first token with finish reason :data:`HANDOFF`, its blocks kept for a decode worker to pull
-        (:class:`.handoff.Handoffs`)."""
+        (:class:`.handoff.Handoffs`). ``lora``: the LoRA adapter it runs with (None: the base model)."""
+        if lora:
+            if self.lora is None:
+                raise InvalidRequest("this worker serves no LoRA adapters", field="model")
+            self.lora.check(lora)
         seq = self._new_sequence(request_id, token_ids, params, output_ids, grammar, num_speculative_tokens,
-                                 tree_topk, tree_depth)
+                                 tree_topk, tree_depth, lora)
         if seq is not None:
             seq.prefill_only = prefill_only
             if self.tiers is None or not self.scheduler.reuse_cached_prefix or not self.tiers.hold(seq):
                 self.scheduler.add(seq)  # (held: queued once its disk-tier blocks are read, see step)
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids, grammar,
-                      num_speculative_tokens, tree_topk, tree_depth) -> Sequence | None:
+                      num_speculative_tokens, tree_topk, tree_depth, lora: str | None = None) -> Sequence | None:
         """A checked, registered sequence not yet queued; None for a request that ended at once."""
         if request_id in self.seqs or request_id in self.receiving:
             raise InvalidRequest(f"request id {request_id!r} is already running", field="request_id")
@@ -256,7 +267,8 @@ class Engine:
         if params.seed is not None and not is_greedy(params.temperature):
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(request_id, list(token_ids) + list(output_ids), len(token_ids), len(output_ids), params,
-                       frozenset(t for t in stop if 0 <= t < self.vocab_size), generator, grammar=grammar)
+                       frozenset(t for t in stop if 0 <= t < self.vocab_size), generator, grammar=grammar,
+                       lora=lora or None, hash_root=chain_root(lora))
         self.seqs[request_id] = seq
         self.spec.add(request_id, num_speculative_tokens, tree_topk, tree_depth)
         return seq
@@ -271,6 +283,25 @@ class Engine:
         if request_id not in self.receiving:
             self.scheduler.finish(seq)
         return True
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a LoRA adapter (raises :class:`.lora.LoraError`). A name served before may now
+        have other weights: the prefix cache is cleared then, so no block of the old one is a hit."""
+        if self.lora is None:
+            raise InvalidRequest("this worker serves no LoRA adapters (start it with --max-loras)", field="lora_name")
+        again = name in self.lora.ever_loaded
+        self.lora.register(name, path)
+        if again:
+            self.blocks.clear()
+
+    def unload_lora(self, name: str) -> None:
+        """Unregister an adapter no running request uses (raises :class:`.lora.LoraError`)."""
+        if self.lora is None:
+            raise InvalidRequest("this worker serves no LoRA adapters", field="lora_name")
+        users = sum(1 for s in self.seqs.values() if s.lora == name)
+        if users:
+            raise LoraError(f"adapter {name!r} is in use by {users} requests", "lora_name")
+        self.lora.unregister(name)
 
     def has_work(self) -> bool:
         return (bool(self._immediate or self._joining) or self.scheduler.has_work() or self._pending is not None
@@ -468,8 +499,9 @@ class Engine:
             last = s.num_computed + n == len(s) + s.num_pending
             wants.append(len(d.tokens) + 1 if d is not None else (1 if last else 0))
             trees.append(d.parents or None if d is not None else None)
+        lora = {"adapters": [s.lora_slot for s in batch.seqs]} if self.lora is not None else {}
         out = self.runner.forward(chunks, wants, self.hidden.layers if self.hidden is not None else (), trees,
-                                  (pending.tokens, sources) if pending is not None else None)
+                                  (pending.tokens, sources) if pending is not None else None, **lora)
         if self.hidden is not None:
             self.hidden.write(out.slots, out.hidden)
         # the cost model learns from decode and verify steps only: prefill chunks cost differently

@@ -50,12 +50,19 @@ class Linear(nn.Linear):
 
     _packed: tuple[torch.Tensor, int, int] | None = None  # (packed weight, data_ptr, version) of the source
     _released = False  # the dense weight was freed: ``_packed`` is the weight
+    # LoRA adapters of this projection (:mod:`workers.engine.lora`): lora(x, y) adds the batch's deltas to y
+    lora = None
+    # a quantized weight (:mod:`workers.engine.quant`) in place of ``weight`` (then None)
+    quant = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         global _ONEDNN
+        if self.quant is not None:
+            return self.quant.linear(x, bias)
         if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and self._packable():
             try:
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
@@ -89,7 +96,7 @@ class Linear(nn.Linear):
         """
         if self._released:
             return True
-        if not (_ONEDNN and self._packable()):
+        if self.quant is not None or not (_ONEDNN and self._packable()):
             return False
         self._packed_weight()
         self.weight.data = self.weight.data.new_empty(0)
@@ -109,7 +116,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp[0]
         if not tp.enabled:
-            return self._linear(x, self.bias)
+            y = self._linear(x, self.bias)
+            return y if self.lora is None else self.lora(x, y)
         y = tp.all_reduce(self._linear(x, None))
         return y if self.bias is None else y + self.bias
 

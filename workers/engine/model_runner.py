@@ -74,6 +74,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks + extra, block_size, model.num_local_kv_heads,
                                            cfg.head_dim, self.dtype, self.device)
         self.graphs: GraphRunner | None = None
+        self.lora = None  # a workers.engine.lora.LoraManager: chunks may then name an adapter slot
         with self._lockstep():
             if followers is not None:  # they build the same cache and capture the same graphs, in step
                 followers.setup(num_blocks, block_size, max_model_len, graphs)
@@ -106,11 +107,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[tuple[list[int], int, list[int]]], logits_last: list[int],
                 hidden_layers: tuple[int, ...] = (), trees: list[list[int] | None] | None = None,
-                last_from: tuple[torch.Tensor, list[int]] | None = None) -> ModelOutput:
+                last_from: tuple[torch.Tensor, list[int]] | None = None,
+                adapters: list[int] | None = None) -> ModelOutput:
         """Run all chunks in one forward pass; logits rows come in chunk order. ``last_from``:
         (tokens [M] long on the device, rows [B]): chunk b's last token is ``tokens[rows[b]]`` where
         ``rows[b] >= 0`` (async scheduling; not under tensor parallelism, whose other ranks get the
-        chunks' token ids from the host)."""
+        chunks' token ids from the host). ``adapters[b]``: chunk b's LoRA slot (-1 or None: base)."""
+        if self.lora is not None:
+            self.lora.set_batch(adapters or [-1] * len(chunks), [len(c) for c, _, _ in chunks])
         if last_from is not None and self.followers is not None:
             raise ValueError("device-side inputs (async scheduling) cannot reach tensor-parallel followers")
         with self._lockstep():
@@ -137,7 +141,7 @@ class ModelRunner:
     def _forward(self, chunks, logits_last, hidden_layers, trees, last_from=None) -> ModelOutput:
         trees = trees or [None] * len(chunks)
         has_tree = any(t is not None for t in trees)
-        if self.graphs is not None:
+        if self.graphs is not None and not (self.lora is not None and self.lora.segments):  # graphs: base only
             shape = self.graphs.shape_for(chunks, logits_last, hidden_layers, trees if has_tree else None)
             if shape is not None:
                 q = shape[1]  # the graph's layout: chunk b's tokens from b * q

@@ -59,6 +59,8 @@ class Scheduler:
         # states: a prefix-cache hit would skip them); cached blocks are still registered for later.
         self.reuse_cached_prefix = True
         self.tiers = None  # KV tiers below the device pool (workers/engine/kv_tiers.py), if any
+        # LoRA slots (workers.engine.lora.LoraManager): a sequence holds its adapter's slot while it runs
+        self.lora = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -95,8 +97,12 @@ class Scheduler:
         if not batch.preempted:
             # a sequence whose pending token ends it (async scheduling) no longer takes a place
             ending = sum(1 for s in self.running if s.ends_at_pending)
+            parked: list[Sequence] = []  # their adapter has no slot this step: the ones behind go first
             while self.waiting and budget > 0 and len(self.running) - ending < self.max_num_seqs:
                 seq = self.waiting[0]
+                if self.lora is not None and not self.lora.can_acquire(seq):
+                    parked.append(self.waiting.popleft())
+                    continue
                 n = self._admit(seq, budget)
                 if n == 0:
                     break
@@ -109,6 +115,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+            self.waiting.extendleft(reversed(parked))
         return batch
 
     # ------------------------------------------------------------------ internals
@@ -153,6 +160,8 @@ class Scheduler:
         reclaimed = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # hits that sit in the free queue
         if not self.blocks.can_allocate(need + reclaimed):
             return 0
+        if self.lora is not None and not self.lora.acquire(seq):
+            return 0  # every adapter slot is busy with other adapters: it waits (in order)
         self.blocks.acquire(hits)
         seq.block_table = hits + self.blocks.allocate(need)
         if lower:
@@ -168,6 +177,8 @@ class Scheduler:
         return n
 
     def _release(self, seq: Sequence) -> None:
+        if self.lora is not None:
+            self.lora.release(seq)
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []

@@ -57,6 +57,9 @@ class Sequence:
     handed_off: bool = False  # it did: its blocks are parked for a decode worker (engine.handoff.Handoffs)
     queued_at: float = field(default_factory=time.monotonic)  # when it joined the engine
     scheduled_at: float | None = None  # when it was first scheduled (None: not yet)
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_slot: int = -1  # its adapter's device slot while it runs (workers.engine.lora.LoraManager)
+    hash_root: int = ROOT_HASH  # where its block-hash chain starts: per adapter (runtime.kv_hash.chain_root)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -74,7 +77,7 @@ class Sequence:
     def full_block_hashes(self, block_size: int, upto: int) -> list[int]:
         """Hashes of the full blocks among the first ``upto`` tokens (extends ``block_hashes``)."""
         full = upto // block_size
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        parent = self.block_hashes[-1] if self.block_hashes else self.hash_root
         for i in range(len(self.block_hashes), full):
             parent = block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size])
             self.block_hashes.append(parent)

@@ -20,7 +20,9 @@ import torch
 
 from .config import ModelConfig
 from .model import DecoderModel
+from . import quant
 from .parallel import SINGLE, TensorParallel
+from .quant import QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +131,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         cfg = ModelConfig.from_dict(raw)
     else:
         cfg = ModelConfig.from_dict(gguf_config(path)) if gguf else ModelConfig.from_dir(path)
+    scheme = None if gguf else QuantScheme.of_dir(path)
     with torch.device("meta"):
         model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn, fused, tp)
+    if scheme is not None:  # the projections' weights stay quantized (workers.engine.quant)
+        quant.prepare(model)
     if gguf:
         weights = iter_gguf_sliced(path, model.checkpoint_slice, cfg) if tp.enabled else iter(state.items())
     else:
@@ -138,7 +143,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_buffers()
+    if scheme is not None:
+        quantized, weights = quant.split(weights, scheme)
     model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights)
+    if scheme is not None:
+        quant.load(model, scheme, quantized, device)
     model.eval()
     log.info("loaded %s (%s, %d layers%s) in %.2fs", path, cfg.model_type, cfg.num_layers,
              f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.enabled else "", time.perf_counter() - started)

@@ -24,13 +24,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from prometheus_client import REGISTRY
 
 from runtime import Runtime
 from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args, triton_interpret
 from runtime.events import TOPIC_KV_DUMP
 from runtime.flags import SERVED_MODEL_NAME
-from runtime.messages import GenerateRequest, KvDumpRequest, KvRelease, ModelCard
+from runtime.messages import GenerateRequest, KvDumpRequest, KvRelease, LoraAdmin, ModelCard
 from runtime.names import kv_release_topic
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 from workers.target.flags import DTYPES, ENGINE_FLAGS
@@ -81,6 +82,9 @@ class TargetConfig:
     kv_offload_host_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
     kv_offload_disk_gb: float = 16.0
+    max_loras: int = 0  # LoRA adapter slots in a batch (0: no adapters)
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters loaded at start
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -139,6 +143,15 @@ class TargetConfig:
             raise ValueError(f"--hidden-plane must be auto, shm, stream or inline, got {self.hidden_plane!r}")
         if self.hidden_ring_mib < 1:
             raise ValueError(f"--hidden-ring-mib must be at least 1, got {self.hidden_ring_mib}")
+        if self.max_loras < 0 or self.max_lora_rank <= 0:
+            raise ValueError("--max-loras must be >= 0 and --max-lora-rank positive")
+        if self.lora_modules and not self.max_loras:
+            raise ValueError("--lora-modules needs --max-loras > 0")
+        if self.max_loras and (self.tensor_parallel_size > 1 or self.role != "aggregated"):
+            raise ValueError("--max-loras does not combine with --tensor-parallel-size > 1 or --role prefill/decode yet")
+        for name, path in self.lora_modules:
+            if not name or not (Path(path) / "adapter_config.json").is_file():
+                raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there")
         if self.hidden_layers not in ("auto", "none"):
             try:
                 [int(x) for x in self.hidden_layers.split(",")]
@@ -245,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-handoff-ttl", type=float, default=30.0,
                         help="prefill role: seconds handed-off KV blocks wait for their decode worker before they "
                              "are freed")
+    parser.add_argument("--max-loras", type=int, default=0,
+                        help="LoRA adapter slots: how many different adapters one batch may run (0: no adapters); "
+                             "idle slots are reused least recently used first")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                        help="PEFT LoRA adapters to load at start; a request names one in its model field (more are "
+                             "loaded at run time with POST /v1/load_lora_adapter)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)
@@ -267,7 +287,17 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
                         gpu_memory_utilization=args.gpu_memory_utilization, hidden_plane=args.hidden_plane,
                         hidden_ring_mib=args.hidden_ring_mib, kv_offload_host_gb=args.kv_offload_host_gb,
-                        kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb)
+                        kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        lora_modules=tuple(lora_module(m) for m in args.lora_modules))
+
+
+def lora_module(spec: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--lora-modules``."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+    return name, path
 
 
 def chat_template(model_dir: Path) -> str:
@@ -322,6 +352,11 @@ def build_engine(cfg: TargetConfig, worker_id: str):
     else:
         model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
                            attention_fn=attention_fn, fused=triton and cuda)
+    lora = None
+    if cfg.max_loras:
+        from workers.engine.lora import LoraManager
+
+        lora = LoraManager(model, cfg.max_loras, cfg.max_lora_rank)
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
@@ -332,7 +367,7 @@ def build_engine(cfg: TargetConfig, worker_id: str):
         engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
                         hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
                         adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
-                        load_aware=cfg.load_aware, followers=followers)
+                        load_aware=cfg.load_aware, followers=followers, lora=lora)
     except NoMemoryForCache as exc:  # one line, not a traceback
         if followers is not None:
             followers.close()
@@ -346,6 +381,8 @@ def build_engine(cfg: TargetConfig, worker_id: str):
 
         engine.attach_tiers(build_tiers(engine, int(cfg.kv_offload_host_gb * (1 << 30)), cfg.kv_offload_disk_dir,
                                         int(cfg.kv_offload_disk_gb * (1 << 30)), cfg.served_model_name))
+    for name, path in cfg.lora_modules:
+        engine.load_lora(name, path)
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
                                                    engine.vocab_size, sorted(engine.eos_token_ids))
@@ -440,17 +477,8 @@ async def amain(args: argparse.Namespace) -> None:
 
             agents = await rt.kv_agents()
             receiver = KvReceiver(kv_agent, agents.values, rt.publish, DisaggStats(), cfg.kv_transfer_timeout)
-        worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
-                              pool=pool, propose_timeout=cfg.propose_timeout, propose_min_wait=cfg.propose_min_wait,
-                              epoch=rt.started_at, role=cfg.role, receiver=receiver)
-        await worker.start()
-        rt.add_health_check(lambda: worker.healthy and not failed)
-        REGISTRY.register(TargetCollector(worker, cfg.served_model_name, cfg.served_model_aliases))
-        if cfg.role == "prefill":
-            await rt.subscribe(kv_release_topic(rt.instance_id), KvRelease, worker.keeper.on_release)
-        await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
         model_dir = model_path.parent if model_path.suffix == ".gguf" else model_path
-        await rt.register_model(ModelCard(
+        card = ModelCard(
             name=cfg.served_model_name,
             aliases=list(cfg.served_model_aliases),
             role="prefill" if cfg.role == "prefill" else "target",
@@ -461,7 +489,28 @@ async def amain(args: argparse.Namespace) -> None:
             chat_template=chat_template(model_dir),
             num_speculative_tokens=cfg.num_speculative_tokens,
             structured_outputs=engine.grammars is not None,
-        ))
+        )
+
+        async def on_adapter(name: str, loaded: bool) -> None:  # an adapter's card: the base's, renamed
+            if loaded:
+                await rt.register_model(msgspec.structs.replace(card, name=name, aliases=[], parent=cfg.served_model_name))
+            else:
+                await rt.unregister_model(name)
+
+        worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
+                              pool=pool, propose_timeout=cfg.propose_timeout, propose_min_wait=cfg.propose_min_wait,
+                              epoch=rt.started_at, role=cfg.role, receiver=receiver, on_adapter=on_adapter)
+        await worker.start()
+        rt.add_health_check(lambda: worker.healthy and not failed)
+        REGISTRY.register(TargetCollector(worker, cfg.served_model_name, cfg.served_model_aliases))
+        if cfg.role == "prefill":
+            await rt.subscribe(kv_release_topic(rt.instance_id), KvRelease, worker.keeper.on_release)
+        await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
+        await rt.register_model(card)
+        if engine.lora is not None:
+            for name in engine.lora.names:
+                await on_adapter(name, True)
+            await rt.serve("target", "lora", worker.lora_admin, LoraAdmin, role="target", model=cfg.served_model_name)
         # The instance record goes last: once it is visible, the model card is there too.
         if cfg.role == "prefill":
             await rt.serve("prefill", "generate", worker.prefill, GenerateRequest, role="prefill",

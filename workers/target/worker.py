@@ -16,9 +16,11 @@ import msgspec
 
 from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV, TOPIC_LOAD
-from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, PrefillDelta, TokenDelta
+from runtime.messages import (GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, LoraAdmin, LoraAdminReply,
+                              PrefillDelta, TokenDelta)
 
 from ..engine.engine import HANDOFF, Engine
+from ..engine.lora import LoraError
 from .disagg import DisaggStats, HandoffKeeper, KvReceiver, release_handoff
 from .draft_client import DraftPool
 from .metrics import RequestStats
@@ -48,7 +50,8 @@ class TargetWorker:
     def __init__(self, engine: Engine, worker_id: str, publish: Publish, model_name: str,
                  load_interval: float = 0.5, *, pool: DraftPool | None = None, propose_timeout: float = 2.0,
                  propose_min_wait: float = 0.02, epoch: float = 0.0, role: str = "aggregated",
-                 receiver: KvReceiver | None = None):
+                 receiver: KvReceiver | None = None,
+                 on_adapter: Callable[[str, bool], Awaitable[None]] | None = None):
         self.engine = engine
         self.role = role
         self.disagg = receiver.stats if receiver is not None else DisaggStats()
@@ -65,6 +68,7 @@ class TargetWorker:
         self._ids = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client
         self.stats = RequestStats()
+        self._on_adapter = on_adapter  # (name, loaded): publish or withdraw a LoRA adapter's model card
 
     async def start(self) -> None:
         self.loop.start()
@@ -114,6 +118,13 @@ class TargetWorker:
         if req.model and req.model != self.model_name:
             raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
         rid = f"{ctx.request_id}#{next(self._ids)}"
+        lora = req.lora or None
+        if lora:
+            if self.engine.lora is None:
+                raise InvalidRequest(f"this worker serves no LoRA adapters, not {lora!r}", field="model")
+            self.engine.lora.check(lora)
+            if prefill_only or req.kv_transfer is not None:
+                raise InvalidRequest("LoRA adapters are not served with prefill/decode disaggregation", field="model")
         for name, low in (("num_speculative_tokens", 0), ("speculative_tree_topk", 1), ("speculative_tree_depth", 1)):
             value = getattr(req, name)
             if value is not None and value < low:
@@ -132,7 +143,8 @@ class TargetWorker:
                     await release_handoff(self._publish, req.kv_transfer, ok=False)
                 out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids),
                                        req.num_speculative_tokens,
-                                       (req.speculative_tree_topk, req.speculative_tree_depth), grammar, prefill_only)
+                                       (req.speculative_tree_topk, req.speculative_tree_depth), grammar, prefill_only,
+                                       lora)
             while not finished:
                 items = [await out.get()]
                 while not out.empty():
@@ -154,6 +166,24 @@ class TargetWorker:
         finally:
             if not finished:
                 self.loop.abort(rid)
+
+    async def lora_admin(self, req: LoraAdmin, ctx) -> AsyncIterator[LoraAdminReply]:
+        """``target.lora``: load (a path given) or unload a LoRA adapter, then publish or withdraw its
+        model card; one reply with the adapters held afterwards. Refusals are ``InvalidRequest``."""
+        name, path = req.lora_name, req.lora_path
+        if not name:
+            raise InvalidRequest("lora_name must not be empty", field="lora_name")
+        try:
+            if path:
+                await self.loop.call(lambda engine: engine.load_lora(name, path))
+            else:
+                await self.loop.call(lambda engine: engine.unload_lora(name))
+        except LoraError as exc:
+            raise InvalidRequest(str(exc), field=exc.field) from None
+        log.info("LoRA adapter %s %s", name, f"loaded from {path}" if path else "unloaded")
+        if self._on_adapter is not None:
+            await self._on_adapter(name, bool(path))
+        yield LoraAdminReply(self.engine.lora.names)
 
     @property
     def healthy(self) -> bool:

@@ -59,3 +59,19 @@ def test_tool_call_parser_names_the_format_whatever_the_template():
     assert ToolCalls(auto=True).for_template("<tool_call>").parser is PARSERS["hermes"]
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, mistral, llama3_json"):
         FrontendConfig(tool_call_parser="qwen25")
+
+
+def test_lora_adapters_route_to_the_instances_that_hold_them():
+    registry = ModelRegistry(preload=False)
+    adapter = lambda instance: ModelCard(name="a1", role="target", tokenizer_path="/t", instance_id=instance,
+                                         parent="m")
+    registry.update({"1": card("m", "w1"), "2": card("m", "w2"), "3": card("m", "w3"), "4": adapter("w2")})
+    assert registry.route(registry.get("m")) == ("m", "", frozenset())
+    assert registry.route(registry.get("a1")) == ("m", "a1", frozenset({"w1", "w3"}))
+    registry.update({"1": card("m", "w1"), "2": card("m", "w2"), "3": card("m", "w3")})  # unloaded: gone for good
+    with pytest.raises(UnknownModel):
+        registry.get("a1")
+    registry.update({"4": adapter("w2")})  # its worker went (a crash): the adapter too, for a grace period
+    registry.update({})
+    with pytest.raises(NoInstances):
+        registry.get("a1")

@@ -246,3 +246,22 @@ async def test_lower_tier_hits_count_after_the_device_overlap():
     router2.on_kv_event(KvEvent("w1", 1, "stored", hashes[:16]))
     router2.on_kv_event(KvEvent("w1", 1, "stored", hashes[16:], hashes[15], tier="host"))
     assert (await router2.select("m", prompt(1))).instance_id == "w0"
+async def test_lora_requests_hash_from_their_adapter_and_never_match_the_base():
+    """A worker's blocks under adapter "a1" (chained from its root, as the engine's sequences chain
+    them) are hits for a1's requests only; the base's blocks are no hits for a1, nor a1's for a2."""
+    from runtime.kv_hash import chain_root
+    from workers.engine.sequence import Sequence
+    from runtime.messages import SamplingParams
+
+    seq = Sequence("r", list(PREFIX), len(PREFIX), 0, SamplingParams(), lora="a1", hash_root=chain_root("a1"))
+    router, _ = make_router()
+    router.on_kv_event(KvEvent("w1", 1, "stored", seq.full_block_hashes(16, len(PREFIX))))
+    router.on_kv_event(KvEvent("w2", 1, "stored", block_hashes(PREFIX, 16)))
+    for lora, holder in (("a1", "w1"), ("", "w2")):
+        s = await router.select("m", prompt(1), lora=lora)
+        assert (s.instance_id, s.overlap_blocks) == (holder, 32)
+        router.release(s)
+    s = await router.select("m", prompt(1), lora="a2")
+    assert s.overlap_blocks == 0
+    router.release(s)
+    assert block_hashes(PREFIX, 16, chain_root("a1")) == seq.block_hashes  # the router's hashes are the engine's
