@@ -41,7 +41,7 @@ class SharedFlag:
         unset unless given, so the owner's default applies."""
         options = {k: v for k, v in self.options.items() if k != "default"}
         default = self.options.get("default")
-        shown = "" if default in (None, False) else f"; default: theirs, {default}"
+        shown = "" if default in (None, False, []) else f"; default: theirs, {default}"
         options["help"] = f"{self.options.get('help', '')} (passed to {to}{shown})"
         return parser.add_argument(*self.names, default=None, **options)
 

@@ -258,13 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-handoff-ttl", type=float, default=30.0,
                         help="prefill role: seconds handed-off KV blocks wait for their decode worker before they "
                              "are freed")
-    parser.add_argument("--max-loras", type=int, default=0,
-                        help="LoRA adapter slots: how many different adapters one batch may run (0: no adapters); "
-                             "idle slots are reused least recently used first")
-    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
-    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
-                        help="PEFT LoRA adapters to load at start; a request names one in its model field (more are "
-                             "loaded at run time with POST /v1/load_lora_adapter)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return apply_env_defaults(parser)

@@ -34,5 +34,16 @@ KV_OFFLOAD_DISK_DIR = SharedFlag(("--kv-offload-disk-dir",), dict(
 KV_OFFLOAD_DISK_GB = SharedFlag(("--kv-offload-disk-gb",), dict(
     type=float, default=16.0, help="the most GiB this worker keeps in --kv-offload-disk-dir (oldest blocks go first)"))
 
+# LoRA adapters (workers/engine/lora.py)
+MAX_LORAS = SharedFlag(("--max-loras",), dict(
+    type=int, default=0, help="LoRA adapter slots: how many different adapters one batch may run (0: no adapters); "
+                              "idle slots are reused least recently used first"))
+MAX_LORA_RANK = SharedFlag(("--max-lora-rank",), dict(
+    type=int, default=16, help="the largest LoRA rank an adapter may have"))
+LORA_MODULES = SharedFlag(("--lora-modules",), dict(
+    nargs="*", default=[], metavar="NAME=PATH",
+    help="PEFT LoRA adapters to load at start; a request names one in its model field (more are loaded at run "
+         "time with POST /v1/load_lora_adapter)"))
+
 ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, KV_OFFLOAD_HOST_GB,
-                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB)
+                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES)
