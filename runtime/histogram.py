@@ -15,11 +15,16 @@ def histogram(buckets: tuple[float, ...]) -> Histogram:
     return Histogram("h", "", buckets=buckets, registry=None)
 
 
+def samples(hist: Histogram) -> tuple[list[tuple[str, float]], float]:
+    """``hist``'s cumulative buckets (upper bound, count) and its sum, as a family's ``add_metric`` takes them."""
+    [metric] = hist.collect()
+    return ([(s.labels["le"], s.value) for s in metric.samples if s.name == "h_bucket"],
+            next(s.value for s in metric.samples if s.name == "h_sum"))
+
+
 def histogram_family(name: str, doc: str, hist: Histogram, labels: list[str], values: list[str]) -> HistogramMetricFamily:
     """``hist``'s buckets and sum as the family ``name`` with ``labels`` set to ``values``."""
-    [metric] = hist.collect()
     family = HistogramMetricFamily(name, doc, labels=labels)
-    family.add_metric(values, [(s.labels["le"], s.value) for s in metric.samples if s.name == "h_bucket"],
-                      next(s.value for s in metric.samples if s.name == "h_sum"))
+    family.add_metric(values, *samples(hist))
     return family
 

@@ -35,8 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from prometheus_client import Histogram
 
-from runtime.histogram import Histogram
+from runtime.histogram import histogram
 from runtime.kv_hash import ROOT_HASH, stored_events
 from runtime.messages import KvEvent, KvEventKind
 
@@ -58,7 +59,7 @@ class TierStats:
     stored: int = 0  # blocks stored into this tier
     stored_bytes: int = 0
     evicted: int = 0
-    load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BUCKETS))
+    load_seconds: Histogram = field(default_factory=lambda: histogram(LOAD_BUCKETS))
 
 
 class BlockCopier:

@@ -27,7 +27,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram, histogram_family
+from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram, histogram_family, samples
 from runtime.messages import TokenDelta
 from runtime.spec_stats import SpecCounters
 
@@ -250,7 +250,7 @@ class TargetCollector(Collector):
                                   "Seconds per load from this tier (host: a copy into the device pool at admission; "
                                   "disk: reading a prompt's chain of block files).", labels=labels)
         for t in present:
-            h.add_metric([self.model, t], tiers.stats[t].load_seconds.buckets(), tiers.stats[t].load_seconds.total)
+            h.add_metric([self.model, t], *samples(tiers.stats[t].load_seconds))
         yield h
         if disk is not None:
             c = CounterMetricFamily("tandem_target_kv_tier_bad_blocks",
