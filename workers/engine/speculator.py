@@ -127,7 +127,7 @@ class Speculator:
         self.realized = RealizedRates()  # the check on the cost model: tokens/s achieved, per batch size
         self.acceptance = Acceptance(decay=0.99)  # engine-wide, the prior of a new sequence's
         self.calibrations: dict[str, Calibration] = {}  # per draft worker: what its confidence is worth
-        self.evidence_steps = 0  # steps where a proposal's calibrated confidence bought drafts the average would not
+        self.evidence_steps = 0  # steps that verified drafts on calibrated confidence above their request's record
         self.states: dict[str, SpecState] = {}
         self.counters: dict[str, SpecCounters] = {}  # per draft worker
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
@@ -284,10 +284,11 @@ class Speculator:
         """Pipelined seam, load-aware: asking cost the step nothing, so the plan is made here, with the
         proposals in hand. A proposal that carries the draft's confidence is judged by it, calibrated
         (:class:`Calibration`: what that draft's claims have been worth here), or by its sequence's
-        acceptance so far where that says more; one without, by the acceptance alone. Where speculating has measurably done worse than plain decoding
-        at this batch size (:class:`RealizedRates`), only proposals with evidence of their own may
-        still be verified, each still only if the cost model says it pays. The proposals kept are cut
-        to their planned length; the others wait (``load``)."""
+        acceptance so far where that says more; one without, by the acceptance alone. Where
+        speculating has measurably done worse than plain decoding at this batch size
+        (:class:`RealizedRates`), only proposals with evidence of their own may still be verified,
+        each still only if the cost model says it pays. The proposals kept are cut to their planned
+        length; the others wait (``load``)."""
         calib = self.calibrations.setdefault(self.draft_id, Calibration())
         caps, gains = {}, {}
         alphas = {seq.request_id: st.acceptance.alpha for seq, st, _ in found}
@@ -299,9 +300,8 @@ class Speculator:
         planned = plan(caps, alphas, decoding, self.cost, gains)
         if any(planned.values()) and not self.realized.allow(decoding):
             planned = {sid: (k if sid in gains else 0) for sid, k in planned.items()}
-        base = plan(caps, alphas, decoding, self.cost) if gains else planned  # without the evidence
-        if sum(planned.values()) > sum(base.values()):
-            self.evidence_steps += 1
+        if any(planned[sid] and g[0] > alphas[sid] for sid, g in gains.items()):
+            self.evidence_steps += 1  # drafts verified on confidence above the request's own record
         if not any(planned.values()):
             self.unplanned_steps += 1
         self.planned_draft_tokens = sum(planned.values())

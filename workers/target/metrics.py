@@ -129,8 +129,8 @@ class TargetCollector(Collector):
         yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.", spec.planned_draft_tokens)
         yield counter("spec_unplanned_steps", "Steps load-aware speculation chose to run without drafts.",
                       spec.unplanned_steps)
-        yield counter("spec_evidence_steps", "Steps where a proposal's calibrated confidence bought drafts the "
-                      "average request's acceptance would not (pipelined seam).", spec.evidence_steps)
+        yield counter("spec_evidence_steps", "Steps that verified drafts on a proposal's calibrated confidence, "
+                      "above its request's acceptance so far (pipelined seam).", spec.evidence_steps)
         yield gauge("step_cost_fixed_seconds", "Fitted seconds per step (a in a + b*tokens + c*verified + d*[verified]).", fixed)
         yield gauge("step_cost_per_token_seconds", "Fitted seconds per query token (b).", per_token)
         yield gauge("step_cost_per_verify_seconds", "Fitted seconds per sequence verifying drafts (c).", per_seq)
