@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram, histogram_family, samples
