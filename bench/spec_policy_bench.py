@@ -8,7 +8,8 @@ Usage: .venv/bin/python bench/spec_policy_bench.py [--novel 8] [--repeated 4] [-
 One demo target (SmolLM2-135M) with the default flags (load-aware speculation, the default seam)
 and a ``suffix`` draft worker, as real processes over etcd, NATS and gRPC; plain decoding is the
 same target with γ = 0 per request, run next to each speculative request on the same prompt, the
-order alternating (the second finds the prompt in the prefix cache); outputs must be equal. Reported per group: tokens/s against plain, drafts verified per request,
+order alternating (the second finds the prompt in the prefix cache); outputs must be equal.
+Reported per group: tokens/s against plain, drafts verified per request,
 and the acceptance length (tokens per verify pass: accepted drafts + the target's own token, over
 the passes that verified a draft). Then ``--mixed`` groups of ``--concurrency`` requests in flight
 together, one repeated prompt among fresh ones, speculative and plain in alternating order: the case
@@ -100,7 +101,8 @@ async def amain(args) -> dict:
             # mixed: a repeated request among ``concurrency - 1`` novel ones, all in flight together (the
             # batch's average request does not pay for drafting; the repeated one does)
             for i in range(args.mixed):
-                batch = [repeats[i % len(repeats)]] + fresh[i * (args.concurrency - 1) : (i + 1) * (args.concurrency - 1)]
+                others = args.concurrency - 1
+                batch = [repeats[i % len(repeats)]] + fresh[i * others : (i + 1) * others]
                 runs = {}
                 for gamma in ((None, 0) if i % 2 == 0 else (0, None)):
                     accs = (spec if gamma is None else plain)
