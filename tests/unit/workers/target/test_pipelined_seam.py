@@ -10,12 +10,10 @@ import pytest
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.draft.loopback import draft_on_loopback
-from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.draft.ngram import NgramProposer
 from workers.draft.oracle import OracleProposer
 from workers.draft.service import DraftService
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.weights import load_model
 from workers.speculation.payloads import DraftOutput
 from workers.target.step_loop import StepLoop
 from tests.support.draft_pool import FixedPool as _Pool
@@ -25,13 +23,6 @@ pytestmark = pytest.mark.unit
 CFG = EngineConfig(num_blocks=128, block_size=4)
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = {"a": list(range(10, 22)), "b": [7, 8, 9, 7, 8, 9, 7, 8, 9, 7], "c": list(range(40, 47))}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_hf_model("llama", path)
-    return load_model(path)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ import pytest
 
 from runtime.errors import EngineFailed, InvalidRequest
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.weights import load_model
 from workers.speculation.payloads import DraftOutput
 from workers.target.draft_watch import DraftWatch
 from workers.target.disagg import DisaggStats
@@ -24,13 +22,6 @@ pytestmark = pytest.mark.unit
 CFG = EngineConfig(num_blocks=64, block_size=4)
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = list(range(10, 22))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_hf_model("llama", path)
-    return load_model(path)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ import pytest
 from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV
 from runtime.messages import GenerateRequest, KvEventKind, SamplingParams, TokenDelta
-from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.weights import load_model
 from workers.target.metrics import TargetCollector
 from workers.target.worker import TargetWorker, merge_deltas
 
@@ -32,13 +30,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)  # see tests/unit/workers/engine/conftest.py
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_hf_model("llama", path)
-    return load_model(path)
 
 
 async def test_generate_streams_engine_tokens_and_cancel_frees_blocks(model):

@@ -1,0 +1,16 @@
+"""Shared fixtures of the target worker's unit tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.workers.engine.helpers import tiny_hf_model
+from workers.engine.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny random Llama (tests/unit/workers/engine/helpers.py), loaded once per test module."""
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_hf_model("llama", path)
+    return load_model(path)
