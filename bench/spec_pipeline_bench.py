@@ -55,21 +55,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the target and the draft 
 
 async def serve_draft(refs: str, error_rate: float, token_cost_ms: float, vocab: int) -> None:
     """Child mode: an oracle DraftService on a free loopback port; prints the port."""
-    import grpc
-
-    from proto import spec_pb2_grpc
+    from bench.loopback_draft import serve_on_loopback
     from workers.draft.oracle import OracleProposer
-    from workers.draft.service import DraftService
 
     proposer = OracleProposer.from_file(refs, error_rate, vocab, seed=1, token_cost_s=token_cost_ms / 1000)
-    service = DraftService(proposer, "bench-draft", 16)
-    await service.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, flush=True)
-    await server.wait_for_termination()
+    await serve_on_loopback(proposer, "bench-draft")
 
 
 def build_model(hidden: int, layers: int, vocab: int):

@@ -25,20 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 async def serve_draft() -> None:
     """Child mode: an n-gram DraftService on a free loopback port; prints the port."""
-    import grpc
-
-    from proto import spec_pb2_grpc
+    from bench.loopback_draft import serve_on_loopback
     from workers.draft.ngram import NgramProposer
-    from workers.draft.service import DraftService
 
-    service = DraftService(NgramProposer(1, 3), "bench-draft")
-    await service.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, flush=True)
-    await server.wait_for_termination()
+    await serve_on_loopback(NgramProposer(1, 3), "bench-draft")
 
 
 def tiny_engine():
