@@ -79,6 +79,7 @@ class ResponseStream(Generic[T]):
         self._next_seq = 0
         self.last_frame = time.monotonic()
         self._sent_at = self.last_frame
+        self._first_sent_at = self.last_frame  # resends in a blip never push the acknowledgement past a bound
         self._probed_at = 0.0
 
     def _push(self, item, size: int = 0) -> None:
@@ -128,7 +129,10 @@ class ResponseStream(Generic[T]):
         if self._done:
             return
         if not self._acked:
-            if now - self._sent_at > ack_timeout:
+            # from the latest send (a resend in a NATS blip restarts it), but never longer than the blip
+            # grace and two acknowledgement timeouts from the first: a blip that never ends is no excuse
+            if (now - self._sent_at > ack_timeout
+                    or now - self._first_sent_at > 2 * ack_timeout + self._client._blip_grace):
                 self._put(InstanceTimeout(self.instance_id, ack_timeout))
                 self._done_pending()
         elif now - self.last_frame > stall_timeout:
