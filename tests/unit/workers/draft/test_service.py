@@ -44,22 +44,30 @@ async def run_rounds(client, seq_id: str, accepted: list[int]) -> None:
         client.verified([verify_to_pb(VerifyResult(seq_id, rnd, n, list(range(n + 1))))])
 
 
+async def eventually(check, timeout: float = 5.0) -> None:
+    """Drafting ahead runs on the service's loop after it answers (and the verdict is fire-and-forget),
+    so what it did after the last round shows up shortly after ``propose`` returns: wait for it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def test_drafting_ahead_backs_off_for_rejected_proposals_and_resumes_after_full_ones():
     async def main():
         proposer = CountingProposer()
         async with draft_on_loopback(DraftService(proposer, "d1")) as client:
             await run_rounds(client, "good", [4] * 10)  # every proposal wholly accepted
-            assert proposer.predrafted.count("good") == 10
+            await eventually(lambda: proposer.predrafted.count("good") == 10)
             await run_rounds(client, "bad", [0] * 20)  # rejected at the first token every time
+            await asyncio.sleep(0.2)  # the last round's drafting ahead, if any, has happened
             bad_ahead = proposer.predrafted.count("bad")
             assert 1 <= bad_ahead <= 7
             await run_rounds(client, "bad", [4, 4, 4])  # a draft that got good again
-            assert proposer.predrafted.count("bad") > bad_ahead
+            await eventually(lambda: proposer.predrafted.count("bad") > bad_ahead)
+            assert proposer.predrafted.count("good") == 10  # nothing drafted ahead for a finished round twice
             client.release(["good", "bad"])
-            for _ in range(100):
-                if proposer.released:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: len(proposer.released) == 2)
             assert sorted(proposer.released) == ["bad", "good"]
 
     asyncio.run(main())
