@@ -96,16 +96,19 @@ def build_gpu_model():
     model = gpu_bench.random_model(gpu_bench.llama8b_config(32), max_positions=2048)
     import torch
 
-    # Wide argmax margins: the head reads back the token embedding that the residual stream carries
-    # (head = embeddings, residual branches scaled down). With gpu_bench's plain random weights, bf16
+    # Wide argmax margins: the head reads back the token embedding that dominates the residual stream
+    # (embeddings scaled up, residual branches down, head = embeddings: each step repeats its last
+    # token, by a margin no rounding flips). With gpu_bench's plain random weights, bf16
     # verify and decode kernels (other shapes) flipped near-tied argmaxes, every output left the
     # plain run's at batch 8, and the oracle, drafting from those references, had nothing to propose
     # from there on (641 plain sequence steps of 768 on an H200). The step costs are the 8B shape's.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(0.3)
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+                p.mul_(0.02)
+        model.model.embed_tokens.weight.mul_(64)
+        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     return model
 
 
