@@ -252,6 +252,8 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
             for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "sync", "pipelined", "of_ideal",
                         "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr"):
                 row[key] = statistics.median(r[key] for r in reps)
+            # a pipelined verify cycle against the synchronous one (less its wait): what overlapping costs
+            row["pipelined_verify_s"] = statistics.median(r["pipelined_verify_s"] or 0.0 for r in reps)
             row["pipelined_plain_steps"] = reps[len(reps) // 2]["pipelined_plain_steps"]
             row["equal"] = ", ".join(f"{seam} {r[f'{seam}_equal']}" for r in reps for seam in ("sync", "pipelined"))
             print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
