@@ -418,6 +418,42 @@ def _scaled_mm_works(device: torch.device) -> bool:
     return _PROBED[key]
 
 
+@torch.no_grad()
+def quantize_in_place(model: DecoderModel, method: str, group: int = 128, kernel: str = "auto") -> dict[str, int]:
+    """Quantize a loaded dense model's layer projections in memory, as the checkpoint writers do:
+    ``fp8``: per output channel, scale = amax / 448 (llm-compressor's min-max observer, symmetric);
+    ``awq``: 4-bit asymmetric min-max per group of ``group`` inputs, scale = (max − min) / 15,
+    zero = round(−min / scale) (AutoAWQ's zero-point scheme without the activation-aware search).
+    The dense weights are freed; returns :func:`use_kernel`'s counts. For benches on shapes no
+    checkpoint here has (a random 8B-shaped model) and for serving a dense checkpoint quantized."""
+    if method not in ("fp8", "awq"):
+        raise ValueError(f"method must be fp8 or awq, got {method!r}")
+    for layer in model.model.layers:
+        for proj, (parent, _) in PROJECTIONS.items():
+            linear: Linear = getattr(getattr(layer, parent), proj)
+            w = linear.weight.detach().float()
+            n, k = w.shape
+            if method == "fp8":
+                scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+                q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                linear.quant = Fp8Weight(q.contiguous(), scale.contiguous())
+            else:
+                if k % group:
+                    raise ValueError(f"{proj}: {k} inputs do not split into groups of {group}")
+                wg = w.view(n, k // group, group)
+                lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+                scales = ((hi - lo) / 15).clamp(min=1e-8).half()
+                zeros = (-lo / scales.float()).round().clamp(0, 15)
+                q = (wg / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15).view(n, k)
+                groups = torch.arange(k, device=w.device) // group
+                linear.quant = Int4Weight(_pack_nibbles(q), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
+                                          groups)
+            del w
+            del linear.weight
+            linear.register_parameter("weight", None)
+    return use_kernel(model, kernel)
+
+
 def weight_bytes(model: DecoderModel) -> dict[str, int]:
     """Bytes of the model's weights: ``quantized`` projections (with scales and zeros), ``dense``
     parameters (embeddings, norms, LM head, unquantized projections), and ``total``."""

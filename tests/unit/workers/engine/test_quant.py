@@ -121,3 +121,26 @@ def test_unsupported_quantization_configs_are_refused():
         QuantScheme.of({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
             "g": {"format": "pack-quantized", "weights": {"type": "int", "num_bits": 4}}}}})
     assert QuantScheme.of({}) is None
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_quantizing_in_memory_gives_the_checkpoint_writers_weights(tmp_path, method):
+    """``quantize_in_place`` (the GPU bench's 8B-shaped model has no checkpoint) makes what the
+    writers make and the loader reads: FP8 per channel as compressed-tensors writes it, INT4 as the
+    AWQ GEMM checkpoint of the same min-max quantization."""
+    from workers.engine.quant import quantize_in_place
+
+    _tiny().save_pretrained(tmp_path / "f32")
+    ours = load_model(tmp_path / "f32")
+    assert quantize_in_place(ours, method) == {"dense": 8}
+    if method == "fp8":
+        write_fp8(_tiny(), tmp_path / "q", "channel")
+    else:
+        write_int4(_tiny(), tmp_path / "q", "awq", group=128)
+    theirs = load_model(tmp_path / "q")
+    for mine, ref in zip(ours.modules(), theirs.modules()):
+        if getattr(mine, "quant", None) is not None:
+            assert mine.weight is None
+            for a, b in zip(mine.quant.tensors(), ref.quant.tensors()):
+                assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
+    assert (_logits_ours(ours) - _logits_ours(theirs)).abs().max().item() == 0
