@@ -221,7 +221,7 @@ def main() -> None:
 
     from tests.support.quant import read_fp8_reference, write_fp8, write_int4
     from workers.demo_model import demo_model_dir
-    from workers.engine.quant import weight_bytes
+    from workers.engine.quant import use_kernel, weight_bytes
     from workers.engine.weights import load_model
 
     torch.set_num_threads(args.threads)
@@ -242,17 +242,22 @@ def main() -> None:
         for strategy in ("tensor", "channel"):
             path = write_fp8(hf(), tmp / f"fp8-{strategy}", strategy)
             formats[f"fp8 per {strategy}"] = (path, read_fp8_reference(path))
+        formats["fp8 per channel, scaled_mm"] = (tmp / "fp8-channel", "dense")
         for method in ("awq", "gptq"):
             ref = write_int4(hf(), tmp / method, method, group=args.group)
             formats[f"int4 {method} g{args.group}"] = (tmp / method, ref)
         for name, (path, ref) in formats.items():
             dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
             model = load_model(path, dtype=dtype)
+            if ref == "dense":  # FP8 activations through torch._scaled_mm, against the dequantizing path
+                want = logits(model, prompt).float()
+                use_kernel(model, "scaled_mm")
             mem = weight_bytes(model)["total"]
             ours = logits(model, prompt).float()
             if ref is not None:
-                with torch.inference_mode():
-                    want = ref(torch.tensor([prompt])).logits[0]
+                if ref != "dense":
+                    with torch.inference_mode():
+                        want = ref(torch.tensor([prompt])).logits[0]
                 vs_ref = f"{(ours - want).abs().max().item():.1e}"
             else:
                 vs_ref = "-"

@@ -31,7 +31,7 @@ import triton.language as tl
 @triton.jit
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                       stride_sn, stride_zn, stride_os, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -60,8 +60,12 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_per_split,
         z = tl.load(z_ptr + rn64 * stride_zn + g, mask=n_ok, other=0).to(tl.float32)
         w_even = (((p & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(x_even.dtype)
         w_odd = ((((p >> 4) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(x_even.dtype)
-        acc += tl.dot(x_even, tl.trans(w_even))
-        acc += tl.dot(x_odd, tl.trans(w_odd))
+        if IEEE:  # float32 activations (tests): full float32 products, not TF32
+            acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
+            acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
+        else:
+            acc += tl.dot(x_even, tl.trans(w_even))
+            acc += tl.dot(x_odd, tl.trans(w_odd))
     out = out_ptr + pid_k * stride_os + rm64[:, None] * stride_om + rn64[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -107,5 +111,6 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
         _int4_gemm_kernel[grid](x, packed, scales, zeros, out, m, n, k, per_split * bk, x.stride(0),
                                 packed.stride(0), scales.stride(0), zeros.stride(0), out.stride(0), out.stride(1),
-                                GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
+                                GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
+                                num_warps=4, num_stages=3)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
