@@ -15,6 +15,9 @@ with float32 over the prompt positions, and greedy decode tokens/s at batch 1 an
 the same run. On CPU the quantized formats dequantize every matmul: they save memory, not time.
 The row "fp8 per channel, scaled_mm" runs the FP8 checkpoint through ``torch._scaled_mm`` with FP8
 activations (per token), as CUDA does: its reference column is the dequantizing path's logits.
+The row "gguf Q4_1 kept quantized" loads the demo's own GGUF file with ``gguf_quantized=True``: the
+projections keep the file's Q4_1 blocks; its reference is the float32 model, which is that file
+dequantized on load (the embedding, Q8_0 in the file, is dequantized in both).
 
 GPU (``--gpu``): a random-weight Llama-3.1-8B-shaped model (hidden 4096, intermediate 14336, 32/8
 heads, vocab 128256; ``--layers`` of its 32 layers, default 8 so that the three engines build and
@@ -220,7 +223,7 @@ def main() -> None:
     import transformers as tf
 
     from tests.support.quant import read_fp8_reference, write_fp8, write_int4
-    from workers.demo_model import demo_model_dir
+    from workers.demo_model import demo_model_dir, gguf_path
     from workers.engine.quant import use_kernel, weight_bytes
     from workers.engine.weights import load_model
 
@@ -246,16 +249,20 @@ def main() -> None:
         for method in ("awq", "gptq"):
             ref = write_int4(hf(), tmp / method, method, group=args.group)
             formats[f"int4 {method} g{args.group}"] = (tmp / method, ref)
+        formats["gguf Q4_1 kept quantized"] = (gguf_path(), "float32")
         for name, (path, ref) in formats.items():
+            print(f"{name} ...", file=sys.stderr, flush=True)
             dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
-            model = load_model(path, dtype=dtype)
+            model = load_model(path, dtype=dtype, gguf_quantized=name.startswith("gguf"))
             if ref == "dense":  # FP8 activations through torch._scaled_mm, against the dequantizing path
                 want = logits(model, prompt).float()
                 use_kernel(model, "scaled_mm")
             mem = weight_bytes(model)["total"]
             ours = logits(model, prompt).float()
             if ref is not None:
-                if ref != "dense":
+                if ref == "float32":  # the demo's float32 weights are the GGUF dequantized on load
+                    want = full
+                elif ref != "dense":
                     with torch.inference_mode():
                         want = ref(torch.tensor([prompt])).logits[0]
                 vs_ref = f"{(ours - want).abs().max().item():.1e}"

@@ -66,7 +66,7 @@ _AWQ_UNDO = torch.tensor([AWQ_ORDER.index(j) for j in range(8)])  # column j's n
 class QuantScheme:
     """A checkpoint's quantization: ``method`` fp8 | awq | gptq, and INT4's group size."""
 
-    method: str
+    method: str  # fp8 | awq | gptq | gguf (a GGUF file's Q4_1 projections, see weights.load_model)
     group_size: int = 0
     strategy: str = ""  # fp8: tensor | channel
 
@@ -231,6 +231,43 @@ class Int4Weight(QuantWeight):
         return [t for t in (self.packed, self.scales, self.zeros, self.groups, self.perm) if t is not None]
 
 
+class Q4_1Weight(QuantWeight):
+    """A GGUF ``Q4_1`` weight [out, in], as llama.cpp stores it: blocks of 32 inputs, each with a
+    float16 scale d and minimum m, and 16 bytes whose low nibbles are the block's inputs 0-15 and
+    high nibbles its inputs 16-31; W = q · d + m. ``qs`` uint8 [out, in/32, 16], ``d`` and ``m``
+    float16 [out, in/32]: 20 bytes per 32 weights (5 bits a weight), the file's own bytes."""
+
+    BLOCK = 32
+    BYTES = 20  # per block in the file: d, m (float16), 16 bytes of nibbles
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+        self.qs, self.d, self.m = qs, d, m
+
+    @staticmethod
+    def from_gguf(raw: torch.Tensor) -> Q4_1Weight:
+        """From a GGUF tensor's bytes, uint8 [out, in/32 · 20]."""
+        blocks = raw.reshape(raw.shape[0], -1, Q4_1Weight.BYTES)
+        return Q4_1Weight(blocks[..., 4:].contiguous(), blocks[..., 0:2].contiguous().view(torch.float16)[..., 0],
+                          blocks[..., 2:4].contiguous().view(torch.float16)[..., 0])
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        q = torch.cat((self.qs & 0xF, self.qs >> 4), dim=-1).float()  # [out, in/32, 32]
+        w = q * self.d.float()[..., None] + self.m.float()[..., None]
+        return w.reshape(self.qs.shape[0], -1).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qs, self.d, self.m]
+
+    @staticmethod
+    def cat(parts: list[Q4_1Weight]) -> Q4_1Weight:
+        """Parts stacked along the output (a fused projection)."""
+        return Q4_1Weight(*(torch.cat([getattr(p, k) for p in parts]) for k in ("qs", "d", "m")))
+
+    def rows(self, index: torch.Tensor) -> Q4_1Weight:
+        """The output rows ``index`` (llama.cpp permutes a Llama's q/k rows per head)."""
+        return Q4_1Weight(self.qs[index], self.d[index], self.m[index])
+
+
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[out, in] integers in 0..15 → uint8 [out, in/2], the even input in the low nibble."""
     q = q.to(torch.uint8).view(q.shape[0], -1, 2)
@@ -324,6 +361,9 @@ class _Fused:
 
 
 def _fused(scheme: QuantScheme, parts: list[dict[str, torch.Tensor]], where: str) -> _Fused:
+    if scheme.method == "gguf":  # GGUF Q4_1 tensors kept as the file holds them
+        w = Q4_1Weight.cat([t["q4_1"] for t in parts])
+        return _Fused(w, (w.qs.shape[0], w.qs.shape[1] * Q4_1Weight.BLOCK))
     if scheme.method == "fp8":
         ws, ss = [], []
         for t in parts:
@@ -364,7 +404,9 @@ def _fused(scheme: QuantScheme, parts: list[dict[str, torch.Tensor]], where: str
 
 def _to(fused: _Fused, device) -> _Fused:
     w = fused.weight
-    if isinstance(w, Fp8Weight):
+    if isinstance(w, Q4_1Weight):
+        fused.weight = Q4_1Weight(w.qs.to(device), w.d.to(device), w.m.to(device))
+    elif isinstance(w, Fp8Weight):
         fused.weight = Fp8Weight(w.weight.to(device), w.scale.to(device))
     else:
         fused.weight = Int4Weight(w.packed.to(device), w.scales.to(device), w.zeros.to(device), w.groups.to(device),
@@ -392,6 +434,8 @@ def use_kernel(model: DecoderModel, kernel: str = "auto") -> dict[str, int]:
 def auto_kernel(qw: QuantWeight) -> str:
     """CPU: ``dense``. CUDA: ``scaled_mm`` for FP8 where a probe call works (Hopper, Ada), ``triton``
     for INT4."""
+    if isinstance(qw, Q4_1Weight):
+        return "dense"
     t = qw.weight if isinstance(qw, Fp8Weight) else qw.packed
     if t.device.type != "cuda":
         return "dense"
