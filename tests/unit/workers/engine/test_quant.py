@@ -170,3 +170,16 @@ def test_a_gguf_file_served_from_its_q4_1_blocks(tmp_path):
     _tiny().save_pretrained(tmp_path / "dir")
     with pytest.raises(ValueError, match="gguf_quantized needs a .gguf file"):
         load_model(tmp_path / "dir", gguf_quantized=True)
+
+
+def test_the_target_worker_builds_its_engine_from_a_gguf_kept_quantized(tmp_path):
+    """``--gguf-quantized`` reaches the loader: the worker's engine holds Q4_1 projections."""
+    from tests.unit.workers.engine.helpers import write_llama_gguf
+    from workers.engine.quant import Q4_1Weight
+    from workers.target.__main__ import build_engine, parse_args, target_config
+
+    write_llama_gguf(_tiny(), tmp_path / "tiny.gguf", projections="Q4_1")
+    args = parse_args(["--model", str(tmp_path / "tiny.gguf"), "--gguf-quantized", "--num-blocks", "16",
+                       "--device", "cpu"])
+    engine = build_engine(target_config(args, tmp_path / "tiny.gguf"), "w0")
+    assert isinstance(engine.runner.model.model.layers[1].mlp.down_proj.quant, Q4_1Weight)
