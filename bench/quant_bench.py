@@ -100,7 +100,8 @@ def projection_bytes(model) -> int:
     for layer in model.model.layers:
         for proj, (parent, _) in PROJECTIONS.items():
             linear = getattr(getattr(layer, parent), proj)
-            total += linear.quant.nbytes() if linear.quant is not None else linear.weight.numel() * linear.weight.element_size()
+            w = linear.weight
+            total += linear.quant.nbytes() if linear.quant is not None else w.numel() * w.element_size()
     return total
 
 
@@ -150,6 +151,50 @@ def gpu_format(args, cfg, fmt: str, probe, reference, bandwidth: float, kv_per_t
     return reference
 
 
+def kernel_times(cfg, batches=(1, 16), reps: int = 20) -> list[dict]:
+    """Microseconds per projection matmul at each decode batch size, from CUDA graphs of ``reps``
+    calls (launch overhead out): bf16 ``F.linear``, FP8 ``torch._scaled_mm`` (with the activations'
+    quantization), INT4 Triton, on the four projection shapes of one layer."""
+    import torch
+    import torch.nn.functional as F
+
+    from workers.engine.quant import quantize_weight
+
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size)}
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        fp8, int4 = quantize_weight(w, "fp8"), quantize_weight(w, "awq", 128)
+        int4.kernels()
+        fp8.kernel, int4.kernel = "scaled_mm", "triton"
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"proj": name, "n": n, "k": k, "m": m}
+            for label, fn in (("bf16", lambda: F.linear(x, w)), ("fp8", lambda: fp8.linear(x, None)),
+                              ("int4", lambda: int4.linear(x, None))):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(reps):
+                        fn()
+                graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(5):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                row[label] = start.elapsed_time(end) * 1e3 / (5 * reps)
+            rows.append(row)
+        del w, fp8, int4
+    return rows
+
+
 def gpu_main(args) -> None:
     """The 8B-shaped bf16 / FP8 / INT4 decode comparison (see the module docstring)."""
     import json
@@ -173,6 +218,12 @@ def gpu_main(args) -> None:
             traceback.print_exc()
             failed.append(fmt)
         torch.cuda.empty_cache()
+    kernels = []
+    try:
+        kernels = kernel_times(cfg)
+    except Exception:  # the engine table above stands without it
+        traceback.print_exc()
+        failed.append("kernel timings")
     if not rows:
         sys.exit(f"quant_bench --gpu: every format failed: {failed}")
     lines = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; Llama-3.1-8B shape, "
@@ -185,14 +236,23 @@ def gpu_main(args) -> None:
     base = rows[0]
     for r in rows:
         graphed = "" if r["b1_graphed"] and r["b16_graphed"] else " (not all steps graphed)"
-        lines.append(f"| {r['format']} | {', '.join(f'{k} ×{v}' for k, v in r['kernels'].items())}{graphed} "
-                     f"| {r['weights_gib']:.2f} | {r['projections_gib']:.2f} | {r['b1']:.0f} | {r['b1'] / base['b1']:.2f}× "
-                     f"| {r['b1_roofline']:.2f} | {r['b16']:.0f} | {r['b16'] / base['b16']:.2f}× | {r['b16_roofline']:.2f} "
-                     f"| {r['vs_dequantized']:.4f} | {r['vs_bf16']:.3f} | {r['top1_vs_bf16']:.2f} |")
+        kernels_used = ", ".join(f"{k} ×{v}" for k, v in r["kernels"].items())
+        lines.append(f"| {r['format']} | {kernels_used}{graphed} | {r['weights_gib']:.2f} | {r['projections_gib']:.2f} "
+                     f"| {r['b1']:.0f} | {r['b1'] / base['b1']:.2f}× | {r['b1_roofline']:.2f} | {r['b16']:.0f} "
+                     f"| {r['b16'] / base['b16']:.2f}× | {r['b16_roofline']:.2f} | {r['vs_dequantized']:.4f} "
+                     f"| {r['vs_bf16']:.3f} | {r['top1_vs_bf16']:.2f} |")
     lines.append("Logit differences are max |Δ| over the 16 probe prompts' last-token logits, divided by the "
-                 "reference's max |logit|; random weights give flat logits, so top-1 against bf16 is a weak signal.")
+                 "reference's max |logit|; random weights give flat logits: top-1 against bf16 is a weak signal.")
+    if kernels:
+        lines += ["", "One projection's matmul, µs per call (CUDA graph of 20 calls; bf16 / FP8 / INT4 g128 weights):",
+                  "",
+                  "| projection | N × K | batch | bf16 µs | fp8 µs | fp8 / bf16 | int4 µs | int4 / bf16 |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in kernels:
+            lines.append(f"| {r['proj']} | {r['n']} × {r['k']} | {r['m']} | {r['bf16']:.1f} | {r['fp8']:.1f} "
+                         f"| {r['fp8'] / r['bf16']:.2f} | {r['int4']:.1f} | {r['int4'] / r['bf16']:.2f} |")
     if failed:
-        lines.append(f"FAILED formats (traceback above): {', '.join(failed)}")
+        lines.append(f"FAILED (traceback above): {', '.join(failed)}")
     lines.append(f"\n{time.perf_counter() - started:.0f} s in all")
     text = "\n".join(lines)
     print(text)

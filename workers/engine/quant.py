@@ -426,7 +426,7 @@ def use_kernel(model: DecoderModel, kernel: str = "auto") -> dict[str, int]:
         if qw is None:
             continue
         want = auto_kernel(qw) if kernel == "auto" else kernel
-        qw.kernel = want if want in qw.kernels() else "dense"
+        qw.kernel = want if want == "dense" or want in qw.kernels() else "dense"
         counts[qw.kernel] = counts.get(qw.kernel, 0) + 1
     return counts
 
@@ -463,6 +463,28 @@ def _scaled_mm_works(device: torch.device) -> bool:
 
 
 @torch.no_grad()
+def quantize_weight(w: torch.Tensor, method: str, group: int = 128) -> QuantWeight:
+    """One dense [out, in] weight quantized as :func:`quantize_in_place` does (kernel ``dense``)."""
+    w = w.detach().float()
+    n, k = w.shape
+    if method == "fp8":
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return Fp8Weight(q.contiguous(), scale.contiguous())
+    if method != "awq":
+        raise ValueError(f"method must be fp8 or awq, got {method!r}")
+    if k % group:
+        raise ValueError(f"{k} inputs do not split into groups of {group}")
+    wg = w.view(n, k // group, group)
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).half()
+    zeros = (-lo / scales.float()).round().clamp(0, 15)
+    q = (wg / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15).view(n, k)
+    return Int4Weight(_pack_nibbles(q), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
+                      torch.arange(k, device=w.device) // group)
+
+
+@torch.no_grad()
 def quantize_in_place(model: DecoderModel, method: str, group: int = 128, kernel: str = "auto") -> dict[str, int]:
     """Quantize a loaded dense model's layer projections in memory, as the checkpoint writers do:
     ``fp8``: per output channel, scale = amax / 448 (llm-compressor's min-max observer, symmetric);
@@ -475,24 +497,7 @@ def quantize_in_place(model: DecoderModel, method: str, group: int = 128, kernel
     for layer in model.model.layers:
         for proj, (parent, _) in PROJECTIONS.items():
             linear: Linear = getattr(getattr(layer, parent), proj)
-            w = linear.weight.detach().float()
-            n, k = w.shape
-            if method == "fp8":
-                scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-                q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-                linear.quant = Fp8Weight(q.contiguous(), scale.contiguous())
-            else:
-                if k % group:
-                    raise ValueError(f"{proj}: {k} inputs do not split into groups of {group}")
-                wg = w.view(n, k // group, group)
-                lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-                scales = ((hi - lo) / 15).clamp(min=1e-8).half()
-                zeros = (-lo / scales.float()).round().clamp(0, 15)
-                q = (wg / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15).view(n, k)
-                groups = torch.arange(k, device=w.device) // group
-                linear.quant = Int4Weight(_pack_nibbles(q), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
-                                          groups)
-            del w
+            linear.quant = quantize_weight(linear.weight, method, group)
             del linear.weight
             linear.register_parameter("weight", None)
     return use_kernel(model, kernel)
