@@ -4,8 +4,9 @@ Formats, read from ``config.json``'s ``quantization_config``:
 
 - ``compressed-tensors``, format ``float-quantized`` (what llm-compressor writes for FP8 schemes):
   ``W.weight`` in ``float8_e4m3fn`` with ``W.weight_scale`` float32, ``[1]`` (strategy ``tensor``)
-  or ``[out, 1]`` (``channel``); W ≈ weight · scale. Activation quantization (``input_activations``,
-  dynamic or static ``input_scale``) is not emulated: activations stay in the compute dtype.
+  or ``[out, 1]`` (``channel``); W ≈ weight · scale. The checkpoint's activation scheme
+  (``input_activations``, a static ``input_scale``) is not read: ``dense`` keeps activations in the
+  compute dtype, ``scaled_mm`` quantizes them dynamically per token (below).
 - ``awq`` (AutoAWQ's GEMM layout, 4 bits, zero point): ``qweight`` int32 ``[in, out/8]`` packing 8
   output columns per word in the order 0 2 4 6 1 3 5 7, ``qzeros`` int32 ``[in/g, out/8]`` the same
   way, ``scales`` ``[in/g, out]``; W[o, i] = (q - z) · s of i's group.
@@ -13,6 +14,9 @@ Formats, read from ``config.json``'s ``quantization_config``:
   input rows per word (low bits first), ``qzeros`` int32 ``[in/g, out/8]`` holding zero − 1 packed
   along the output, ``scales`` ``[in/g, out]``, ``g_idx`` ``[in]`` (each input's group; act-order
   checkpoints permute it); W[o, i] = (q - (z + 1)) · s[g_idx[i]].
+- GGUF ``Q4_1`` (``load_model(..., gguf_quantized=True)``, the demo file's projections): blocks of
+  32 inputs with a float16 scale and minimum, W = q · d + m (:class:`Q4_1Weight`), kept as the
+  file's bytes; dequantized per matmul on every device.
 
 A quantized projection keeps its weight in its stored width: 1 byte a weight for FP8, 4 bits for
 INT4 (two per byte), plus the scales (and zeros); :func:`weight_bytes` counts it. Our fused
