@@ -34,6 +34,7 @@ token's logits against bf16 (top-1 agreement over 16 prompts, max |Δ| over the 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import tempfile
@@ -217,6 +218,7 @@ def gpu_main(args) -> None:
         except Exception:  # one format failing (a kernel the device refuses) keeps the others' rows
             traceback.print_exc()
             failed.append(fmt)
+        gc.collect()  # the engine and its graphs hold the device memory the next format needs
         torch.cuda.empty_cache()
     kernels = []
     try:
