@@ -85,9 +85,10 @@ def block_k(group: int) -> int:
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group: int) -> torch.Tensor:
+                group: int, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] (float16, bfloat16 or float32) · dequantized Wᵀ → [M, N] in x's dtype (see the module
-    docstring for the weight's layout). K must be a multiple of ``group``, and ``group`` of 32."""
+    docstring for the weight's layout). K must be a multiple of ``group``, and ``group`` of 32.
+    ``split_k``: programs per output tile along K (default: chosen from the shapes on CUDA, 1 elsewhere)."""
     m, k = x.shape
     n = packed.shape[0]
     bk = block_k(group)
@@ -99,7 +100,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = k // bk
     split = 1
-    if x.is_cuda and m <= 64:  # few tiles: spread K over more programs (about two per SM)
+    if split_k is not None:
+        split = max(1, min(k_blocks, split_k))
+    elif x.is_cuda and m <= 64:  # few tiles: spread K over more programs (about two per SM)
         split = max(1, min(k_blocks, 16, triton.cdiv(2 * _sm_count(x.device.index or 0), tiles)))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)

@@ -96,6 +96,18 @@ def test_int4_triton_kernel_matches_the_dequantized_weight(method, act_order, m)
         assert torch.allclose(got.float(), want, atol=rel * want.abs().max().item(), rtol=rel), dtype
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_int4_kernel_split_over_k_sums_the_parts(split):
+    """Split-K (what CUDA runs at decode batch sizes): K = 384 in 3 steps of 128 over 2 programs
+    leaves the second a step past K; over 3, one step each."""
+    n, k, group = 48, 384, 128
+    qw = _int4_weight("awq", n, k, group, False)
+    x = torch.randn(3, k, generator=_gen(5)).to(DEVICE)
+    want = x @ qw.dense(torch.float32).to(DEVICE).T
+    got = int4_matmul(x, *(t.to(DEVICE) for t in (qw.packed, qw.scales, qw.zeros)), group, split_k=split)
+    assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
 def test_int4_kernel_rejects_a_group_it_cannot_step_through():
     x = torch.zeros(2, 48, device=DEVICE)
     with pytest.raises(ValueError, match="group"):
