@@ -139,7 +139,8 @@ def gpu_format(args, cfg, fmt: str, probe, reference, bandwidth: float, kv_per_t
                                         max_model_len=1024, kv_cache_bytes=2 << 30), eos_token_ids=())
     row = {"format": fmt, "kernels": kernels, "weights_gib": mem["total"] / 2**30,
            "projections_gib": projection_bytes(model) / 2**30, "top1_vs_bf16": top1, "vs_bf16": vs_bf16,
-           "vs_dequantized": vs_dense, "graphs": len(engine.runner.graphs.graphs)}
+           "vs_dequantized": vs_dense,
+           "graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0}
     for b in (1, 16):
         d = decode_throughput(engine, b, args.prompt_len, args.steps, cfg.vocab_size)
         step_bytes = read + b * (d["mean_context"] + 1) * kv_per_token
