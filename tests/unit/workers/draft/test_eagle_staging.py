@@ -1,0 +1,105 @@
+"""EAGLE under the pipelined seam: staged branches are forks of the head's own chain, and speculation
+through the stager (as the draft service runs it, in process) stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.messages import SamplingParams
+from tests.unit.workers.draft.test_eagle import H, _head_chain, target_dir, write_eagle3  # noqa: F401
+from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts
+from workers.draft.eagle import load_eagle, load_target_parts
+from workers.draft.eagle_proposer import EagleProposer
+from workers.draft.stager import Branch, Stager
+from workers.engine.engine import Engine
+from workers.engine.weights import load_model
+from workers.speculation.payloads import DraftInput
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture()
+def head(target_dir, tmp_path):  # noqa: F811
+    write_eagle3(tmp_path, seed=5)
+    embed, lm_head, tcfg = load_target_parts(target_dir)
+    return load_eagle(tmp_path, embed, lm_head, tcfg, 512)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_branches_continue_the_heads_own_chain_after_the_tokens_they_assume(head, graphs):
+    """A branch that assumes the first a tokens of the chain the synchronous seam drafts (features of
+    those positions: the head's own, as in that chain) drafts the rest of that chain; one that
+    assumes another token drafts what the head gives after it (the reference chain); alternatives are
+    the head's next likeliest tokens. The prompt's last block is partly filled, so forks copy it."""
+    head, layers = head
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (11,), generator=gen).tolist()
+    hidden = [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers]
+    sync = EagleProposer(head, layers, num_blocks=64, block_size=4)
+    (chain,) = sync.propose([DraftInput("s", 0, tokens, 6, hidden_states=hidden)])
+    assert len(chain.token_ids) == 6
+
+    staged = EagleProposer(head, layers, num_blocks=64, block_size=4, cuda_graphs=graphs)
+    assert staged.stages and (staged.graphs is not None) == graphs
+    staged.commit("s", tokens, hidden)
+    x = chain.token_ids
+    feats = head.project(hidden)
+    other = next(t for t in _head_chain(head, feats, tokens, [])[0].topk(3).indices.tolist() if t != x[0])
+    branches = [Branch("s", tuple(x[:a]), 6 - a, 2) for a in range(4)] + [Branch("s", (other,), 3, 2)]
+    free = staged.blocks.num_free_blocks
+    for _ in range(2):  # the second time from the root kept in the cache
+        out = staged.draft_branches(branches)
+        for a in range(4):
+            assert out[a].tokens == x[a:], f"a = {a}"
+            assert len(out[a].alternatives) == len(out[a].tokens) and len(out[a].confidence) == len(out[a].tokens)
+        ref = _head_chain(head, feats, tokens, [other] + out[4].tokens)
+        assert out[4].tokens == [int(ref[1 + j].argmax()) for j in range(3)]
+        for j, alts in enumerate(out[4].alternatives):  # the head's 2nd and 3rd likeliest at each depth
+            assert alts == ref[1 + j].topk(3).indices.tolist()[1:]
+        conf = out[0].confidence
+        assert all(0 < c <= 1 for c in conf) and conf == sorted(conf, reverse=True)
+        # the forks' blocks are given back: what stays holds the committed pairs
+        assert staged.blocks.num_free_blocks == free - len(staged._seqs["s"].blocks)
+    staged.release(["s"])
+    assert len(staged) == 0
+
+
+def test_pipelined_eagle_speculation_in_process_equals_plain_decoding(target_dir, tmp_path):  # noqa: F811
+    """The engine under the pipelined seam, fed by the stager over an EAGLE-3 proposer the way the
+    draft service drives it (commits with their hidden rows, verdicts, answers and staged branches),
+    emits what plain decoding does, verifying staged proposals; greedy and sampled requests alike
+    finish, and the head's cache is empty at the end."""
+    write_eagle3(tmp_path)
+    embed, lm_head, tcfg = load_target_parts(target_dir)
+    head, layers = load_eagle(tmp_path, embed, lm_head, tcfg, 512)
+    batch = prompts(16, seed=43)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = plain(target_dir, batch, params)
+    engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=3, hidden_layers=tuple(layers),
+                    adaptive=False)
+    engine.spec.pipelined = True
+    proposer = EagleProposer(head, layers, num_blocks=512, block_size=4)
+    stager = Stager(proposer, alternatives=1)
+    got = {rid: [] for rid in batch}
+    for rid, tokens in batch.items():
+        engine.add_request(rid, tokens, params)
+    engine.add_request("sampled", next(iter(batch.values())), SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=3))
+    got["sampled"] = []
+    while engine.has_work():
+        for rid, delta in engine.step():
+            got[rid].extend(delta.token_ids)
+        stager.verified(engine.take_verdicts())
+        stager.release(engine.take_released())
+        inputs = engine.draft_inputs()
+        for d in inputs:
+            stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_length, d.hidden_states, d.sampling.greedy)
+        answers, asked = stager.answer_and_stage([d.seq_id for d in inputs])
+        engine.offer(answers + stager.stage(asked))
+    assert len(got.pop("sampled")) == 16
+    assert got == want
+    counters = engine.counters[""]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0 and stager.staged > 0
+    assert engine.spec.num_bad_proposals == 0
+    assert not any(s.broken for s in proposer._seqs.values())
+    assert len(proposer) == 0 and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
