@@ -266,6 +266,11 @@ class Stager:
         k = len(x)
         size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
         todo = []
+        for j in range(over, skip):  # a token expected to be committed plainly first, the target's another:
+            alts = alternatives[j] if j < len(alternatives) else []  # the draft's alternatives to it
+            for b in [t for t in alts if t != drafted[j]][: self.alternatives]:
+                todo.append((seq_id, Branch(seq_id, base + tuple(drafted[over:j]) + (b,), size, self.alternatives),
+                             False, spare, False))
         for a in range(k + 1):
             if a < k:
                 alts = alternatives[skip + a] if skip + a < len(alternatives) else []
