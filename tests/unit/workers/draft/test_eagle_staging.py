@@ -90,7 +90,8 @@ def test_pipelined_eagle_speculation_in_process_equals_plain_decoding(target_dir
     got = {rid: [] for rid in batch}
     for rid, tokens in batch.items():
         engine.add_request(rid, tokens, params)
-    engine.add_request("sampled", next(iter(batch.values())), SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=3))
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=3)
+    engine.add_request("sampled", next(iter(batch.values())), sampled)
     got["sampled"] = []
     while engine.has_work():
         for rid, delta in engine.step():
