@@ -79,7 +79,7 @@ def test_pipelined_eagle_speculation_in_process_equals_plain_decoding(target_dir
     write_eagle3(tmp_path)
     embed, lm_head, tcfg = load_target_parts(target_dir)
     head, layers = load_eagle(tmp_path, embed, lm_head, tcfg, 512)
-    batch = prompts(16, seed=43)
+    batch = prompts(8, seed=43)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = plain(target_dir, batch, params)
     engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=3, hidden_layers=tuple(layers),
