@@ -382,7 +382,11 @@ class EagleProposer(Proposer):
             if root is None or br.num_tokens <= 0:
                 continue
             seq = self._seqs[br.seq_id]
-            fork = _Fork(i, seq.committed - 1, list(br.extra), br.num_tokens, 1 + br.alternatives, root)
+            # no deeper than the head has positions for (its rotary tables: the target's context)
+            room = self.head.rotary.cos.shape[0] - seq.committed - len(br.extra)
+            if min(br.num_tokens, room) <= 0:
+                continue
+            fork = _Fork(i, seq.committed - 1, list(br.extra), min(br.num_tokens, room), 1 + br.alternatives, root)
             steps = fork.steps
             if steps > 0:
                 at = fork.base // bs  # the block of the fork's first pair: the committed ones before it shared

@@ -155,3 +155,16 @@ async def test_pipelined_eagle3_over_grpc_with_the_real_step_loop_equals_plain_d
     counters = engine.counters["d1"]
     assert service.stager.staged > 0 and counters.num_drafts > 0 and counters.num_accepted_tokens > 0, counters
     assert engine.spec.num_bad_proposals == 0
+
+
+def test_branches_stop_at_the_heads_last_position(head):
+    """Near the end of the context the head has positions for, branches are cut there (an EAGLE
+    head's rotary tables end where the target's context does) instead of failing the batch."""
+    head, layers = head
+    limit = head.rotary.cos.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (limit - 3,), generator=gen).tolist()
+    proposer = EagleProposer(head, layers, num_blocks=256, block_size=4)
+    proposer.commit("s", tokens, [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers])
+    out = proposer.draft_branches([Branch("s", (), 8, 1), Branch("s", (5,), 8, 1), Branch("s", (5, 6, 7), 8, 1)])
+    assert [len(o.tokens) for o in out] == [3, 2, 0]  # up to position limit - 1
