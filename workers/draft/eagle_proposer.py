@@ -31,7 +31,12 @@ committed pairs (the root, one batched pass, its output kept for the next call w
 committed), then every branch is a fork of it with cache blocks of its own (the committed ones
 shared; the partly filled last one copied), fed one pair per pass: an assumed token while it has
 them, then its own greedy draft, every branch of every sequence in one head pass per depth (one
-pair per branch: the CUDA graphs of :mod:`.head_graphs` replay it). Each drafted token comes with
+pair per branch: the CUDA graphs of :mod:`.head_graphs` replay it). The forks of the last
+``KEPT_CALLS`` calls are kept (their blocks, each pass's token and output): a later branch whose
+assumed tokens a kept fork already ran (the outcomes staged for a proposal: its first a tokens
+and a bonus) forks that fork at its last such pass instead of running them again (its blocks
+copied up to there), so staging takes about γ passes instead of about 2γ; the positions committed
+since then keep the head's predicted features in that fork (the root, next call, has the real ones). Each drafted token comes with
 the head's next likeliest ones (the stager's bonus guesses) and the head's confidence (the product
 of its probabilities along the chain). Branch blocks are freed afterwards; when commits and verdicts
 bring the target's real features, the head's KV is re-based on them as for the synchronous seam.
@@ -60,6 +65,8 @@ from .proposer import (DraftInput, DraftOutput, Proposer, SamplingSpec, SparseDi
 
 log = logging.getLogger(__name__)
 
+KEPT_CALLS = 2  # pipelined seam: the forks of this many recent calls are kept for branches that fork them
+
 
 @dataclass
 class _Seq:
@@ -73,6 +80,7 @@ class _Seq:
     generator: torch.Generator | None = None
     broken: bool = False  # target features missing: no proposals
     root: tuple[int, torch.Tensor] | None = None  # (pairs, the head's output at the last of them), while cached
+    kept: list = field(default_factory=list)  # per recent draft_branches call, its forks (pipelined seam)
 
     @property
     def tail(self) -> list[int]:
@@ -90,8 +98,13 @@ class _Fork:
     num_tokens: int
     k: int  # tokens kept per depth: the draft and its alternatives
     feat: torch.Tensor  # the head's newest output: the feature of the next pair
-    own: list[int] = field(default_factory=list)  # its cache blocks (freed after the call)
+    committed: int = 0  # its sequence's committed tokens when it was drafted
+    assumed: list[int] = field(default_factory=list)  # tokens at positions committed .. base (a fork of a fork)
+    shared: int = 0  # leading blocks of ``table`` that are its sequence's own (the rest are ``own``)
+    own: list[int] = field(default_factory=list)  # its cache blocks (kept for forks of it, then freed)
     table: list[int] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # the token of each pass's pair
+    outs: list[torch.Tensor] = field(default_factory=list)  # each pass's output
     tokens: list[int] = field(default_factory=list)
     alternatives: list[list[int]] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
@@ -104,6 +117,10 @@ class _Fork:
     def token(self, depth: int) -> int:
         """The token of the pair at ``base + depth``: the one after position base + depth."""
         return self.extra[depth] if depth < len(self.extra) else self.tokens[depth - len(self.extra)]
+
+    def tokens_from(self, committed: int) -> list[int]:
+        """The tokens it assumed and fed, from position ``committed`` on (its pairs' inputs)."""
+        return self.assumed + self.inputs
 
     def take(self, ids: list[int], logps: list[float]) -> None:
         self.tokens.append(ids[0])
@@ -227,6 +244,8 @@ class EagleProposer(Proposer):
             seq = self._seqs.pop(seq_id, None)
             if seq is not None and self.recorder is not None:
                 self.recorder.finish(seq_id, seq.tokens[: seq.committed])
+            if seq is not None:
+                self._drop_kept(seq)
             if seq is not None and seq.blocks:
                 self.blocks.free(seq.blocks)
 
@@ -243,6 +262,7 @@ class EagleProposer(Proposer):
         for k, v in state.items():
             own[k].copy_(v.to(own[k].dtype))
         for seq in self._seqs.values():
+            self._drop_kept(seq)
             self._truncate_tail(seq)
             self._rollback(seq, 0)
         self.weight_swaps += 1
@@ -267,6 +287,8 @@ class EagleProposer(Proposer):
             self.blocks.truncate(seq.blocks, pairs)
             if seq.root is not None and pairs < seq.root[0]:
                 seq.root = None
+            if seq.kept and any(pairs < f.shared * self.block_size for call in seq.kept for f in call):
+                self._drop_kept(seq)  # forks reading cache blocks of the sequence that are rewritten
 
     @torch.inference_mode()
     def _set_features(self, seq: _Seq, start: int, hidden: list[torch.Tensor], rows: int) -> None:
@@ -373,6 +395,8 @@ class EagleProposer(Proposer):
         """Pipelined seam: one greedy chain per branch, every branch a fork of its sequence's committed
         pairs, all of them one head pass per depth (see the module docstring)."""
         out = [Chain([]) for _ in branches]
+        if self.blocks.num_free_blocks < self.blocks.num_blocks // 4:  # short of blocks: forks kept go first
+            self._drop_kept_all()
         roots = self._roots(list(dict.fromkeys(b.seq_id for b in branches)))
         bs = self.block_size
         forks: list[_Fork] = []
@@ -386,17 +410,30 @@ class EagleProposer(Proposer):
             room = self.head.rotary.cos.shape[0] - seq.committed - len(br.extra)
             if min(br.num_tokens, room) <= 0:
                 continue
-            fork = _Fork(i, seq.committed - 1, list(br.extra), min(br.num_tokens, room), 1 + br.alternatives, root)
+            c = seq.committed
+            source, depth = self._reusable(seq, list(br.extra))
+            if source is None:  # from the root: pairs from the last committed position on
+                fork = _Fork(i, c - 1, list(br.extra), min(br.num_tokens, room), 1 + br.alternatives, root,
+                             committed=c)
+                src_table, src_shared = seq.blocks, (c - 1) // bs
+            else:  # from a kept fork's pass ``depth``: the assumed tokens it covers are not run again
+                base = source.base + depth + 1
+                context = seq.tokens[c:] + list(br.extra)  # (seq.tokens holds the committed ones only)
+                fork = _Fork(i, base, context[base + 1 - c :], min(br.num_tokens, room), 1 + br.alternatives,
+                             source.outs[depth], committed=c, assumed=context[: base + 1 - c])
+                src_table, src_shared = source.table, source.shared
             steps = fork.steps
+            fork.shared = src_shared
             if steps > 0:
-                at = fork.base // bs  # the block of the fork's first pair: the committed ones before it shared
-                need = -(-(fork.base + steps) // bs) - at
+                # its own blocks: copies of the source's past its shared ones up to its first pair (the
+                # last one partly filled), then fresh ones
+                copied = -(-fork.base // bs) - src_shared
+                need = -(-(fork.base + steps) // bs) - src_shared
                 if not self.blocks.can_allocate(need):
                     continue
                 fork.own = self.blocks.allocate(need)
-                if fork.base % bs:  # partly filled with committed pairs: the fork writes into a copy
-                    copies.append((seq.blocks[at], fork.own[0]))
-                fork.table = seq.blocks[:at] + fork.own
+                copies += [(src_table[src_shared + j], fork.own[j]) for j in range(copied)]
+                fork.table = seq.blocks[:src_shared] + fork.own
             forks.append(fork)
         try:
             if copies:
@@ -406,13 +443,57 @@ class EagleProposer(Proposer):
                     k[dst] = k[src]
                     v[dst] = v[src]
             self._grow_forks(forks)
-        finally:
+        except BaseException:
             for fork in forks:
                 if fork.own:
                     self.blocks.free(fork.own)
+            raise
+        by_seq: dict[str, list[_Fork]] = {}
         for fork in forks:
             out[fork.index] = Chain(fork.tokens, fork.alternatives, fork.confidence)
+            if fork.own:
+                by_seq.setdefault(branches[fork.index].seq_id, []).append(fork)
+        for sid, kept in by_seq.items():  # kept for the next calls' branches that assume what they drafted
+            seq = self._seqs[sid]
+            seq.kept.append(kept)
+            while len(seq.kept) > KEPT_CALLS:
+                for fork in seq.kept.pop(0):
+                    self.blocks.free(fork.own)
         return out
+
+    def _reusable(self, seq: _Seq, extra: list[int]) -> tuple[_Fork | None, int]:
+        """A kept fork whose passes already ran the tokens a branch assumes after ``seq``'s committed
+        ones (``extra``), and the last such pass: the one reaching furthest (None: none reaches past
+        the root)."""
+        c = seq.committed
+        best, best_depth, best_pos = None, -1, c - 1
+        for call in seq.kept:
+            for fork in call:
+                if fork.committed > c or not fork.outs:
+                    continue
+                toks = fork.tokens_from(fork.committed)
+                # the positions from fork.committed on: committed ones, then the branch's assumed ones
+                matched = 0
+                for q in range(fork.committed, c + len(extra)):
+                    i = q - fork.committed
+                    if i >= len(toks) or toks[i] != (seq.tokens[q] if q < c else extra[q - c]):
+                        break
+                    matched += 1
+                # pass d's pair (position base + d) fed the token at base + d + 1: usable while matched
+                depth = min(len(fork.outs), fork.committed + matched - 1 - fork.base) - 1
+                if depth >= 0 and fork.base + depth + 1 > best_pos:
+                    best, best_depth, best_pos = fork, depth, fork.base + depth + 1
+        return best, best_depth
+
+    def _drop_kept(self, seq: _Seq) -> None:
+        for call in seq.kept:
+            for fork in call:
+                self.blocks.free(fork.own)
+        seq.kept = []
+
+    def _drop_kept_all(self) -> None:
+        for seq in self._seqs.values():
+            self._drop_kept(seq)
 
     def _grow_forks(self, forks: list[_Fork]) -> None:
         """Draft every fork to its length: the roots' next tokens, then one batched pass per depth."""
@@ -432,6 +513,8 @@ class EagleProposer(Proposer):
                                        [1] * len(batch), [p + 1 for p in pos], [f.table for f in batch])
                 drafting = [r for r, f in enumerate(batch) if depth + 1 >= len(f.extra)]
                 for fork, feat in zip(batch, hidden):
+                    fork.inputs.append(fork.token(depth))
+                    fork.outs.append(feat)
                     fork.feat = feat
                 if drafting:
                     ids, logps = self.head.top_tokens(hidden[drafting], max(batch[r].k for r in drafting))
