@@ -144,9 +144,10 @@ if wanted served; then
             --json "$OUT/served-default.json"
         run served-eagle3 "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
             --spec-args=--no-load-aware-speculation --json "$OUT/served-eagle3.json"
-        # the same on the synchronous seam: what the pipelined one changes on this machine
-        run served-eagle3-sync "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
-            --spec-seam sync --spec-args=--no-load-aware-speculation --json "$OUT/served-eagle3-sync.json"
+        # the same with the head staging for the pipelined seam (the draft worker's --eagle-pipelined)
+        run served-eagle3-pipelined "$(cap 150)" fig_served -- env TANDEM_EAGLE_PIPELINED=1 "$PY" \
+            bench/served_bench.py "${SERVED[@]}" --spec-args=--no-load-aware-speculation \
+            --json "$OUT/served-eagle3-pipelined.json"
         run served-ngram "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
             "--spec-args=--draft-method ngram --no-load-aware-speculation" --json "$OUT/served-ngram.json"
     else

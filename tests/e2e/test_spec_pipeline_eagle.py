@@ -57,7 +57,8 @@ async def test_eagle3_greedy_output_equals_the_target_alone_under_both_seams(rt,
                    "--propose-min-wait", "0.5", "--spec-seam", seam, "--lease-ttl", "3", "--health-port", "0",
                    name="target")
     spawn("workers.draft", "--method", "eagle3", "--eagle-model", str(head_dir), "--target-model", str(target_dir),
-          "--block-size", "8", "--num-blocks", "512", "--lease-ttl", "3", "--health-port", "0", name="draft")
+          "--block-size", "8", "--num-blocks", "512", "--lease-ttl", "3", "--health-port", "0",
+          *(["--eagle-pipelined"] if seam == "pipelined" else []), name="draft")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     [draft] = await (await rt.client("draft", "speculate")).wait_for_instances(1, timeout=90)

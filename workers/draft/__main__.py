@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage-alternatives", type=int, default=1,
                         help="pipelined seam (ngram, suffix, oracle, eagle, eagle3): bonus-token guesses staged per rejected depth "
                              "(0: only the branch where everything is accepted, a rolling tail)")
+    parser.add_argument("--eagle-pipelined", action="store_true",
+                        help="eagle, eagle3: stage branches for the pipelined seam (off by default: on an H200 the "
+                             "served demo's staged EAGLE-3 head had no proposal in time for any of 1,325 steps and "
+                             "cost the target 0.9 ms a step; without it an EAGLE head serves the synchronous seam)")
     parser.add_argument("--oracle-file", default=None,
                         help="benchmarks only (method oracle): JSON list of reference token sequences")
     parser.add_argument("--oracle-error-rate", type=float, default=0.0, help="method oracle: wrong-token probability")
@@ -133,7 +137,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         grpc_host=args.grpc_host, grpc_port=args.grpc_port, advertise_host=args.advertise_host,
         draft_model=args.draft_model, eagle_model=args.eagle_model, target_model=args.target_model,
         num_blocks=args.num_blocks, block_size=args.block_size, overlap=not args.no_overlap,
-        stage_alternatives=args.stage_alternatives,
+        stage_alternatives=args.stage_alternatives, eagle_pipelined=args.eagle_pipelined,
         cuda_graphs=not args.no_cuda_graphs,
         oracle_file=args.oracle_file, oracle_error_rate=args.oracle_error_rate, oracle_vocab_size=args.oracle_vocab_size,
         oracle_token_cost_ms=args.oracle_token_cost_ms, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -187,7 +191,7 @@ def make_proposer(cfg: DraftConfig) -> Proposer:
         head, layers = load_eagle(cfg.eagle_model, embed, lm_head, target_cfg, target_cfg.max_position_embeddings)
         return EagleProposer(place_head(head, device, dtype), layers, cfg.num_blocks, cfg.block_size,
                              tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
-                             cuda_graphs=cfg.cuda_graphs and device.type == "cuda")
+                             cuda_graphs=cfg.cuda_graphs and device.type == "cuda", staging=cfg.eagle_pipelined)
     if cfg.method in ("medusa", "mlp_speculator"):
         if not cfg.eagle_model or not cfg.target_model:
             raise SystemExit(f"--method {cfg.method} needs --head-model PATH and --target-model PATH")

@@ -83,6 +83,7 @@ class DraftConfig:
     max_speculative_tokens: int = 16
     tree_topk: int = 1
     tree_depth: int = 0
+    eagle_pipelined: bool = False  # an EAGLE head stages for the pipelined seam (else: the synchronous seam)
     online_distill: bool = False
     distill_share: float = 0.5
     distill_threads: int = 1

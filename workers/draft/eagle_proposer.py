@@ -136,12 +136,15 @@ class EagleProposer(Proposer):
 
     def __init__(self, head: EagleHead, hidden_layers: list[int], num_blocks: int, block_size: int = 16,
                  max_support: int = 64, tree_topk: int = 1, tree_depth: int = 0, cuda_graphs: bool = False,
-                 graph_batch: int = 64):
+                 graph_batch: int = 64, staging: bool = True):
         """``cuda_graphs``: replay chain steps after the first as CUDA graphs (:mod:`.head_graphs`) of up
-        to ``graph_batch`` sequences; on a CPU head the same static steps run eagerly (tests)."""
+        to ``graph_batch`` sequences; on a CPU head the same static steps run eagerly (tests).
+        ``staging``: draft branches for the pipelined seam (the draft worker's ``--eagle-pipelined``;
+        without it the head serves the synchronous seam)."""
         if tree_topk < 1 or tree_depth < 0:
             raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")
         self.head = head
+        self.staging = staging
         self.tree_topk = tree_topk  # defaults for requests that do not ask for a shape (1: chains)
         self.tree_depth = tree_depth  # 0: as deep as the node budget allows
         self.method = "eagle3" if head.version == 3 else "eagle"
@@ -178,8 +181,8 @@ class EagleProposer(Proposer):
 
     @property
     def stages(self) -> bool:
-        """Branches are chains: set to draft trees, it serves the synchronous seam."""
-        return self.tree_topk <= 1
+        """Branches are chains: set to draft trees, or not to stage, it serves the synchronous seam."""
+        return self.staging and self.tree_topk <= 1
 
     # ------------------------------------------------------------------ protocol
 

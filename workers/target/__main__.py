@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec-seam", default="pipelined", choices=["sync", "pipelined"],
                         help="the draft seam: pipelined (the draft streams proposals ahead, staged for the likely "
                              "outcomes of each round; a step uses what fits its committed tokens and waits for "
-                             "nothing), where the draft worker stages (ngram, suffix, oracle, eagle, eagle3) and "
+                             "nothing), where the draft worker stages (ngram, suffix, oracle; eagle and eagle3 with its "
+                             "--eagle-pipelined) and "
                              "proposals are chains (not with --speculative-eagle-topk > 1); else, or with sync, each "
                              "step waits (within --propose-timeout) for the answer to the round it asked")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
