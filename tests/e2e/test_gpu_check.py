@@ -25,10 +25,10 @@ def test_gpu_check_dry_run_starts_every_part(tmp_path):
     summary = (out / "summary.md").read_text()
     rows = {line.split("|")[1].strip(): line for line in summary.splitlines() if line.startswith("| ")}
     assert rows["tests"].split("|")[2].strip() == "ok" and "tests collected" in rows["tests"]
-    for part in ("bench", "sweep", "oracle"):
+    for part in ("bench", "quant", "sweep", "oracle"):
         assert "skipped:" in rows[part], summary  # each GPU part says why it did not run
     served = rows["served"]
     assert served.split("|")[2].strip() == "ok", summary
     assert "equal 1/1" in served, summary  # speculation through the stack gave the plain output
-    for log in ("tests", "served", "bench", "sweep", "oracle"):
+    for log in ("tests", "served", "bench", "quant", "sweep", "oracle"):
         assert (out / f"{log}.log").exists()

@@ -25,6 +25,7 @@ only: proposals, verdicts (a head's projection of the hidden states), releases a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -57,6 +58,7 @@ class _Stream:
 # AHEAD_MIN the service stops drafting ahead for it until full acceptances bring the average back.
 AHEAD_WEIGHT = 0.3
 AHEAD_MIN = 0.15
+FLUSH_TIMEOUT = 0.005  # the most staging waits for its proposals to be written (normally ~0.1 ms)
 ROWS_ON_LOOP = 256  # hidden rows a message may take off the data plane on the event loop (more: in a thread)
 
 
@@ -172,14 +174,14 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
 
         started = time.perf_counter()
         staged, answered = await asyncio.to_thread(apply_and_draft)
-        self._send_staged(staged, streams)
+        await self._send_staged(staged, streams)
         if answered:  # their answers exist now: stage what verifying them may lead to
             more = await asyncio.to_thread(stager.stage, answered)
-            self._send_staged(more, streams)
+            await self._send_staged(more, streams)
             staged += more
         if self._work.empty():  # no news yet: one level further for the likeliest outcome
             ahead = await asyncio.to_thread(stager.stage_ahead, list(streams))
-            self._send_staged(ahead, streams)
+            await self._send_staged(ahead, streams)
             staged += ahead
         stats = self.stats
         stats.latency.observe(time.perf_counter() - started)
@@ -189,13 +191,19 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         stats.draft_tokens += sum(len(p.token_ids) for p in staged)
 
     @staticmethod
-    def _send_staged(proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
+    async def _send_staged(proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
+        """Stream staged proposals, and wait (briefly) until they are written: the next drafting call
+        runs in a thread that, for a model-based draft, holds the interpreter for most of a switch
+        interval at a time, and a proposal still queued behind it reaches the target that much late."""
         per_stream: dict[int, list] = {}
         for prop in proposals:
             stream = streams[prop.seq_id][0]
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(prop))
         for stream, *batch in per_stream.values():
             stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
+        if per_stream:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(s.out.join() for s, *_ in per_stream.values())), FLUSH_TIMEOUT)
 
     def swap_weights(self, state) -> None:
         """Queue new head weights (online distillation): the proposer takes them between proposal
@@ -254,10 +262,12 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             while True:
                 msg = await stream.out.get()
                 if msg is None:
+                    stream.out.task_done()
                     if reader.done():
                         break
                     continue
                 yield msg
+                stream.out.task_done()  # gRPC resumes this generator once it has written ``msg``
         finally:
             reader.cancel()
             self.streams.pop(id(stream), None)

@@ -53,7 +53,7 @@ def build_engine(cfg, worker_id: str):
             raise StartupError(f"tensor parallelism over {size} ranks: {exc}") from None
     else:
         model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
-                           attention_fn=attention_fn, fused=triton and cuda)
+                           attention_fn=attention_fn, fused=triton and cuda, gguf_quantized=cfg.gguf_quantized)
     lora = None
     if cfg.max_loras:
         from workers.engine.lora import LoraManager

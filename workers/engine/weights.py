@@ -102,6 +102,43 @@ def iter_gguf_sliced(path: Path, slicer: Slicer, cfg: ModelConfig) -> Iterator[t
         yield name, torch.from_numpy(np.ascontiguousarray(w))
 
 
+def read_gguf_quantized(path: Path, cfg: ModelConfig) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """A GGUF checkpoint whose layer projections stay quantized: ({(layer, part): {"q4_1": weight}}
+    for :func:`quant.load`, [(name, float32 tensor)] for the rest, dequantized). Only ``Q4_1``
+    projections are kept (what the demo file holds); another type is refused (load without
+    ``gguf_quantized``). A Llama's q/k rows are put back from llama.cpp's per-head rotary order."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    quantized: dict[tuple[int, str], dict] = {}
+    dense = []
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        mapped = (_GGUF_LAYER if parts[0] == "blk" else _GGUF_TOP).get(parts[2] if parts[0] == "blk" else parts[0])
+        if mapped is None:
+            if "rope" in t.name:
+                continue
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+        proj = mapped.split(".")[-1]
+        if parts[0] == "blk" and proj in quant._PART and parts[-1] == "weight":
+            if t.tensor_type != GGMLQuantizationType.Q4_1:
+                raise ValueError(f"{t.name}: keeping GGUF weights quantized supports Q4_1 projections, "
+                                 f"not {t.tensor_type.name}")
+            w = quant.Q4_1Weight.from_gguf(torch.from_numpy(np.array(t.data)))
+            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                rows = w.qs.shape[0]
+                w = w.rows(torch.arange(rows).reshape(rows // cfg.head_dim, cfg.head_dim // 2, 2)
+                           .swapaxes(1, 2).reshape(-1))
+            quantized[(int(parts[1]), proj)] = {"q4_1": w}
+            continue
+        name = f"model.layers.{parts[1]}.{mapped}.{parts[-1]}" if parts[0] == "blk" else f"{mapped}.{parts[-1]}"
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        dense.append((name, torch.from_numpy(w)))
+    return quantized, dense
+
+
 def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, state dict) of a GGUF checkpoint, dequantized by transformers."""
     from transformers import AutoModelForCausalLM
@@ -114,36 +151,43 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                max_positions: int | None = None, attention_fn=None, fused: bool = False,
-               tp: TensorParallel = SINGLE) -> DecoderModel:
+               tp: TensorParallel = SINGLE, gguf_quantized: bool = False) -> DecoderModel:
     """Build a :class:`DecoderModel` from a model directory or a ``.gguf`` file, in eval mode.
 
     ``max_positions`` bounds the rotary tables (default: the config's max_position_embeddings);
     ``fused`` runs the GPU path's Triton kernels (see :mod:`workers.engine.model`); ``tp``: build
-    and load this rank's shard only.
+    and load this rank's shard only. ``gguf_quantized`` (a ``.gguf`` file, one rank): the layer
+    projections keep the file's Q4_1 blocks (:class:`quant.Q4_1Weight`, dequantized per matmul)
+    instead of becoming float tensors; embeddings and norms are dequantized as usual.
     """
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model path {path} does not exist")
     started = time.perf_counter()
     gguf = path.suffix == ".gguf"
-    if gguf and not tp.enabled:
+    if gguf_quantized and (not gguf or tp.enabled):
+        raise ValueError("gguf_quantized needs a .gguf file and one rank")
+    if gguf and not tp.enabled and not gguf_quantized:
         raw, state = read_gguf(path)
         cfg = ModelConfig.from_dict(raw)
     else:
         cfg = ModelConfig.from_dict(gguf_config(path)) if gguf else ModelConfig.from_dir(path)
-    scheme = None if gguf else QuantScheme.of_dir(path)
+    scheme = QuantScheme("gguf") if gguf_quantized else None if gguf else QuantScheme.of_dir(path)
     with torch.device("meta"):
         model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn, fused, tp)
     if scheme is not None:  # the projections' weights stay quantized (workers.engine.quant)
         quant.prepare(model)
-    if gguf:
+    if gguf_quantized:
+        quantized, weights = read_gguf_quantized(path, cfg)
+        weights = iter(weights)
+    elif gguf:
         weights = iter_gguf_sliced(path, model.checkpoint_slice, cfg) if tp.enabled else iter(state.items())
     else:
         weights = iter_safetensors(path, model.checkpoint_slice if tp.enabled else None)
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_buffers()
-    if scheme is not None:
+    if scheme is not None and not gguf_quantized:
         quantized, weights = quant.split(weights, scheme)
     model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights)
     if scheme is not None:

@@ -86,6 +86,7 @@ class TargetConfig:
     max_loras: int = 0  # LoRA adapter slots in a batch (0: no adapters)
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters loaded at start
+    gguf_quantized: bool = False  # a .gguf model's Q4_1 projections stay in the file's blocks
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -146,6 +147,8 @@ class TargetConfig:
             raise ValueError(f"--hidden-ring-mib must be at least 1, got {self.hidden_ring_mib}")
         if self.max_loras < 0 or self.max_lora_rank <= 0:
             raise ValueError("--max-loras must be >= 0 and --max-lora-rank positive")
+        if self.gguf_quantized and (not self.model.endswith(".gguf") or self.tensor_parallel_size > 1):
+            raise ValueError("--gguf-quantized needs a .gguf --model and --tensor-parallel-size 1")
         if self.lora_modules and not self.max_loras:
             raise ValueError("--lora-modules needs --max-loras > 0")
         if self.max_loras and (self.tensor_parallel_size > 1 or self.role != "aggregated"):
@@ -283,7 +286,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         hidden_ring_mib=args.hidden_ring_mib, kv_offload_host_gb=args.kv_offload_host_gb,
                         kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        lora_modules=tuple(lora_module(m) for m in args.lora_modules))
+                        lora_modules=tuple(lora_module(m) for m in args.lora_modules),
+                        gguf_quantized=args.gguf_quantized)
 
 
 def lora_module(spec: str) -> tuple[str, str]:

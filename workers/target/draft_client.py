@@ -141,9 +141,26 @@ class DraftClient:
         if segment is not None:
             segment.close()
         return PlaneWriter(layout)
+
     async def _requests(self):
+        # gRPC asks for the next message once it has written the last one: that one is out then
         while (msg := await self._outgoing.get()) is not None:
             yield msg
+            self._outgoing.task_done()
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, until every message queued so far is written to the
+        stream. The step loop calls it before a step: otherwise the writer runs on the event loop
+        while the step's thread holds the interpreter, and what the draft needs to stage ahead
+        (this step's verdicts and round requests) can leave a whole switch interval late, the
+        staged proposals with it. True when written (or nothing was waiting)."""
+        if self.broken:
+            return False
+        try:
+            await asyncio.wait_for(self._outgoing.join(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def _read(self) -> None:
         try:

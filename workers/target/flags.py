@@ -45,5 +45,11 @@ LORA_MODULES = SharedFlag(("--lora-modules",), dict(
     help="PEFT LoRA adapters to load at start; a request names one in its model field (more are loaded at run "
          "time with POST /v1/load_lora_adapter)"))
 
+# Quantized weights (workers/engine/quant.py)
+GGUF_QUANTIZED = SharedFlag(("--gguf-quantized",), dict(
+    action="store_true",
+    help="with a .gguf --model: keep its Q4_1 layer projections in the file's 4-bit blocks (dequantized per "
+         "matmul) instead of float tensors; the demo SmolLM2's projections take 66 MB instead of 425 MB"))
+
 ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, KV_OFFLOAD_HOST_GB,
-                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES)
+                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED)

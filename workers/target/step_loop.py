@@ -48,6 +48,7 @@ from .draft_watch import DraftWatch
 
 log = logging.getLogger(__name__)
 
+FLUSH_TIMEOUT = 0.005  # pipelined: the most a step waits for the draft stream's writes (normally ~0.1 ms)
 BROKEN_AFTER = 3  # engine steps failing in a row (each on a fresh batch) mark the engine broken
 
 
@@ -260,6 +261,10 @@ class StepLoop:
             await self._wake.wait()
             return
         started = time.perf_counter()
+        client = self._client
+        if client is not None and getattr(client, "pipelined", False):
+            # the last step's verdicts and round requests leave before this step takes the interpreter
+            await client.flush(FLUSH_TIMEOUT)
         proposals = await self._collect()
         context = await self._draft_context()
         commands = list(self._commands)

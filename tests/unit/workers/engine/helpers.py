@@ -64,9 +64,10 @@ _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_llama_gguf(model, path: Path) -> None:
-    """Write a HF Llama model as an F32 GGUF file the way llama.cpp's converter lays it out
-    (q/k rows permuted for its rotary layout), so transformers' GGUF loader can read it back."""
+def write_llama_gguf(model, path: Path, projections: str = "F32") -> None:
+    """Write a HF Llama model as a GGUF file the way llama.cpp's converter lays it out (q/k rows
+    permuted for its rotary layout), so transformers' GGUF loader can read it back. ``projections``:
+    the layer projections' type, F32 or Q4_1 (quantized by gguf-py, llama.cpp's reference code)."""
     import gguf
     import numpy as np
 
@@ -97,7 +98,13 @@ def write_llama_gguf(model, path: Path) -> None:
                 t = permute(t, cfg.num_attention_heads)
             elif gguf_name == "attn_k":
                 t = permute(t, cfg.num_key_value_heads)
-            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(t))
+            t = np.ascontiguousarray(t)
+            if projections != "F32" and t.ndim == 2:
+                qtype = gguf.GGMLQuantizationType[projections]
+                writer.add_tensor(f"blk.{i}.{gguf_name}.weight", gguf.quants.quantize(t, qtype),
+                                  raw_dtype=qtype)
+            else:
+                writer.add_tensor(f"blk.{i}.{gguf_name}.weight", t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

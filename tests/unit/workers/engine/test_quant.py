@@ -121,3 +121,65 @@ def test_unsupported_quantization_configs_are_refused():
         QuantScheme.of({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
             "g": {"format": "pack-quantized", "weights": {"type": "int", "num_bits": 4}}}}})
     assert QuantScheme.of({}) is None
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_quantizing_in_memory_gives_the_checkpoint_writers_weights(tmp_path, method):
+    """``quantize_in_place`` (the GPU bench's 8B-shaped model has no checkpoint) makes what the
+    writers make and the loader reads: FP8 per channel as compressed-tensors writes it, INT4 as the
+    AWQ GEMM checkpoint of the same min-max quantization."""
+    from workers.engine.quant import quantize_in_place
+
+    _tiny().save_pretrained(tmp_path / "f32")
+    ours = load_model(tmp_path / "f32")
+    assert quantize_in_place(ours, method) == {"dense": 8}
+    if method == "fp8":
+        write_fp8(_tiny(), tmp_path / "q", "channel")
+    else:
+        write_int4(_tiny(), tmp_path / "q", "awq", group=128)
+    theirs = load_model(tmp_path / "q")
+    for mine, ref in zip(ours.modules(), theirs.modules()):
+        if getattr(mine, "quant", None) is not None:
+            assert mine.weight is None
+            for a, b in zip(mine.quant.tensors(), ref.quant.tensors()):
+                assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
+    assert (_logits_ours(ours) - _logits_ours(theirs)).abs().max().item() == 0
+
+
+def test_a_gguf_file_served_from_its_q4_1_blocks(tmp_path):
+    """``gguf_quantized``: a Llama GGUF with Q4_1 projections (written by gguf-py, q/k rows in
+    llama.cpp's order) keeps the file's blocks — 20 bytes per 32 weights, 5/32 of float32 — and
+    gives the logits and greedy tokens of the same file dequantized on load by transformers."""
+    from tests.unit.workers.engine.helpers import write_llama_gguf
+    from workers.engine.quant import Q4_1Weight
+
+    write_llama_gguf(_tiny(), tmp_path / "tiny.gguf", projections="Q4_1")
+    reference = load_model(tmp_path / "tiny.gguf")
+    ours = load_model(tmp_path / "tiny.gguf", gguf_quantized=True)
+    qkv = ours.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant, Q4_1Weight) and qkv.weight is None
+    projections = sum(p.numel() for n, p in reference.named_parameters()
+                      if n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")))
+    assert weight_bytes(ours)["quantized"] == projections * 20 // 32
+    assert weight_bytes(ours)["dense"] == weight_bytes(reference)["total"] - 4 * projections
+    assert (_logits_ours(ours) - _logits_ours(reference)).abs().max().item() <= TOLERANCE
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = [Engine(m, EngineConfig(num_blocks=64, block_size=4), eos_token_ids=()).generate({"r": PROMPT}, params)
+            for m in (ours, reference)]
+    assert outs[0] == outs[1]
+    _tiny().save_pretrained(tmp_path / "dir")
+    with pytest.raises(ValueError, match="gguf_quantized needs a .gguf file"):
+        load_model(tmp_path / "dir", gguf_quantized=True)
+
+
+def test_the_target_worker_builds_its_engine_from_a_gguf_kept_quantized(tmp_path):
+    """``--gguf-quantized`` reaches the loader: the worker's engine holds Q4_1 projections."""
+    from tests.unit.workers.engine.helpers import write_llama_gguf
+    from workers.engine.quant import Q4_1Weight
+    from workers.target.__main__ import build_engine, parse_args, target_config
+
+    write_llama_gguf(_tiny(), tmp_path / "tiny.gguf", projections="Q4_1")
+    args = parse_args(["--model", str(tmp_path / "tiny.gguf"), "--gguf-quantized", "--num-blocks", "16",
+                       "--device", "cpu"])
+    engine = build_engine(target_config(args, tmp_path / "tiny.gguf"), "w0")
+    assert isinstance(engine.runner.model.model.layers[1].mlp.down_proj.quant, Q4_1Weight)

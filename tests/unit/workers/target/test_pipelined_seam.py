@@ -98,6 +98,9 @@ class _Scripted:
     def release(self, ids):
         pass
 
+    async def flush(self, timeout):
+        return True
+
 
 async def run_scripted(model, script, max_tokens=12):
     engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
@@ -174,3 +177,22 @@ async def test_malformed_streamed_proposals_are_dropped_and_counted(model, expec
     engine, loop, deltas = await run_scripted(model, hostile)
     assert [t for d in deltas for t in d.token_ids] == want
     assert engine.spec.dropped.get(bad, 0) > 0
+
+
+async def test_flush_returns_once_what_was_queued_is_written_to_the_stream():
+    """The step loop flushes the draft stream before each pipelined step (so that the round requests the
+    draft stages from leave before the step's thread takes the interpreter): flush waits for the
+    writes, and a broken stream does not hold a step."""
+    refs = [PROMPTS["a"] + list(range(30))]
+    service = DraftService(OracleProposer(refs, 0.0, 256), "d1", 8)
+    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+        from workers.speculation.convert import draft_input_to_pb
+        from workers.speculation.payloads import DraftInput
+
+        for rnd in range(20):
+            client.send([draft_input_to_pb(DraftInput("a", rnd, PROMPTS["a"] if rnd == 0 else [], 3), "")])
+        assert client._outgoing.qsize() > 0  # nothing written yet: the loop has not run the writer
+        assert await client.flush(5.0)
+        assert client._outgoing.empty() and client._outgoing._unfinished_tasks == 0
+        client._break("test", quiet=True)
+        assert not await client.flush(5.0)

@@ -145,6 +145,7 @@ def test_merge_deltas_keeps_order_and_the_last_finish():
     ({"kv_offload_host_gb": -1}, "kv-offload-host-gb"),
     ({"kv_offload_disk_dir": "/somewhere"}, "needs a host tier"),
     ({"kv_offload_host_gb": 1, "enable_prefix_caching": False}, "prefix caching"),
+    ({"gguf_quantized": True}, "needs a .gguf --model"),
 ])
 def test_target_config_rejects_bad_flags(tmp_path, monkeypatch, kwargs, message):
     from workers.target.__main__ import TargetConfig
