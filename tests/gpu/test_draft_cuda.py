@@ -162,3 +162,35 @@ def test_greedy_speculation_with_the_cuda_draft_equals_plain_decoding(target_dir
     assert run_spec(engine, proposer, batch, params) == want
     assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0 and proposer.graphs.replays > 0
     assert not any(s.broken for s in proposer._seqs.values())
+
+
+def test_staged_branches_on_cuda_replay_and_continue_the_synchronous_chains(target_dir):
+    """The pipelined seam's branches on CUDA: every branch of every sequence one pair per pass,
+    replayed as CUDA graphs; in float32 a branch that assumes the first a tokens of the chain the
+    synchronous seam drafted drafts the rest of it (graph and eager attention agree to rounding)."""
+    from workers.draft.stager import Branch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sync = make_proposer(_config(target_dir, "cuda", "float32", cuda_graphs=False))
+    staged = make_proposer(_config(target_dir, "cuda", "float32"))
+    assert staged.stages and staged.graphs is not None
+    batch = _inputs(sync, 8, seed=3, num_tokens=5)
+    chains = sync.propose(batch)
+    branches = []
+    for item in batch:
+        staged.commit(item.seq_id, item.new_tokens, item.hidden_states)
+    for item, chain in zip(batch, chains):
+        branches += [Branch(item.seq_id, tuple(chain.token_ids[:a]), 5 - a, 1) for a in range(4)]
+    replays = staged.graphs.replays
+    out = staged.draft_branches(branches)
+    assert staged.graphs.replays > replays  # the branches' passes replayed
+    want = [tuple(chain.token_ids[a:]) for chain in chains for a in range(4)]
+    same = sum(tuple(o.tokens) == w for o, w in zip(out, want))
+    assert same >= len(want) - len(want) // 8, [(o.tokens, w) for o, w in zip(out, want)]
+    assert all(len(o.alternatives) == len(o.tokens) for o in out)
+    bf16 = make_proposer(_config(target_dir, "cuda"))  # bfloat16 with graphs: drafts from its own vocabulary
+    for item in batch:
+        bf16.commit(item.seq_id, item.new_tokens, item.hidden_states)
+    allowed = _target_ids(bf16)
+    for o in bf16.draft_branches(branches):
+        assert o.tokens and set(o.tokens) <= allowed, o

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per draft KV cache block")
     parser.add_argument("--no-overlap", action="store_true", help="do not draft ahead while the target verifies")
     parser.add_argument("--stage-alternatives", type=int, default=1,
-                        help="pipelined seam (ngram, suffix, oracle): bonus-token guesses staged per rejected depth "
+                        help="pipelined seam (ngram, suffix, oracle, eagle, eagle3): bonus-token guesses staged per rejected depth "
                              "(0: only the branch where everything is accepted, a rolling tail)")
     parser.add_argument("--oracle-file", default=None,
                         help="benchmarks only (method oracle): JSON list of reference token sequences")

@@ -58,6 +58,12 @@ class EagleHead(nn.Module):
         """[T, H] -> the argmax of each row's ``logits`` (target ids), in one pass and one sync."""
         return self.logits(features).argmax(-1).tolist()
 
+    def top_tokens(self, features: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """[T, H] -> per row the ``k`` likeliest next tokens (target ids, best first) and their
+        log-probabilities, in one pass and one sync."""
+        values, ids = self.logits(features).log_softmax(-1).topk(k, dim=-1)
+        return ids.tolist(), values.tolist()
+
 
 class Eagle1Head(EagleHead):
     version = 1
@@ -143,6 +149,12 @@ class Eagle3Head(EagleHead):
         if not increasing:
             return super().greedy_tokens(features)
         return ids[self.lm_head(self.norm(features)).argmax(-1)].tolist()
+
+    def top_tokens(self, features: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Over the draft vocabulary only (every other target id has probability 0), mapped to target ids."""
+        ids, _ = self._target_ids()
+        values, top = self.lm_head(self.norm(features)).float().log_softmax(-1).topk(min(k, ids.shape[0]), dim=-1)
+        return ids[top].tolist(), values.tolist()
 
     def _target_ids(self) -> tuple[torch.Tensor, bool]:
         """The target id of each draft token, and whether they increase: worked out once per d2t

@@ -9,10 +9,10 @@ batcher takes everything queued, runs one ``propose`` call in a worker thread (m
 proposers run torch there, off the event loop) and routes each proposal back to its stream.
 
 A target that runs the pipelined seam (``Hello.staged``) gets, from a proposer that stages
-(ngram and suffix drafting chains, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
+(ngram, suffix and EAGLE drafting chains, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
 (:class:`.stager.Stager`): the news of everything queued is applied in order, then, once per
 sequence, a proposal from its committed tokens if none streamed fits them, and staged proposals for
-the outcomes of the one the target verifies next. Other methods (eagle, draft_model, heads) serve
+the outcomes of the one the target verifies next. Other methods (draft_model, heads, trees) serve
 every target through the synchronous seam.
 
 Hidden states come inline (protobuf Tensors) or, when the target's Hello offers a data plane, from
@@ -166,7 +166,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         def apply_and_draft() -> tuple[list, list[str]]:
             for kind, x in news:
                 if kind == "commit":
-                    stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length)
+                    stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length, x.hidden_states,
+                                  x.sampling.greedy)
                 else:
                     stager.verified(x)
             # one drafting call: answers for the sequences nothing fits, the others' outcomes staged

@@ -66,12 +66,14 @@ class Chain:
 
 
 class Drafter(Protocol):
-    """What a proposer offers to stage (ngram, suffix, oracle)."""
+    """What a proposer offers to stage (ngram, suffix, oracle, EAGLE)."""
 
     stages: bool  # it drafts branches now (chains: a proposer set to draft trees serves the synchronous seam)
 
     def commit(self, seq_id: str, tokens: list[int]) -> None:
-        """The target committed ``tokens`` after the ones already heard of (the first call: the prompt)."""
+        """The target committed ``tokens`` after the ones already heard of (the first call: the prompt).
+        A drafter with ``hidden_layers`` (EAGLE) also takes ``hidden_states, greedy``: the rows of the
+        positions before each token (see :class:`workers.speculation.payloads.DraftInput`)."""
         ...
 
     def verified(self, results: list[VerifyResult]) -> None: ...
@@ -126,12 +128,17 @@ class Stager:
 
     # ------------------------------------------------------------------ news from the target
 
-    def commit(self, seq_id: str, round_: int, tokens: list[int], gamma: int) -> None:
-        """A round request: the tokens committed since the last news, and the budget to draft."""
+    def commit(self, seq_id: str, round_: int, tokens: list[int], gamma: int, hidden_states: list = (),
+               greedy: bool = True) -> None:
+        """A round request: the tokens committed since the last news, and the budget to draft (a drafter
+        fed by the target's hidden states, EAGLE, gets their rows and whether the request is greedy)."""
         seq = self._seqs.setdefault(seq_id, _Seq())
         seq.tokens.extend(tokens)
         seq.round, seq.gamma = max(seq.round, round_), gamma
-        self.drafter.commit(seq_id, list(tokens))
+        if hidden_states:
+            self.drafter.commit(seq_id, list(tokens), hidden_states, greedy)
+        else:
+            self.drafter.commit(seq_id, list(tokens))
 
     def verified(self, results: list[VerifyResult]) -> None:
         self.drafter.verified(results)
@@ -259,6 +266,11 @@ class Stager:
         k = len(x)
         size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
         todo = []
+        for j in range(over, skip):  # a token expected to be committed plainly first, the target's another:
+            alts = alternatives[j] if j < len(alternatives) else []  # the draft's alternatives to it
+            for b in [t for t in alts if t != drafted[j]][: self.alternatives]:
+                todo.append((seq_id, Branch(seq_id, base + tuple(drafted[over:j]) + (b,), size, self.alternatives),
+                             False, spare, False))
         for a in range(k + 1):
             if a < k:
                 alts = alternatives[skip + a] if skip + a < len(alternatives) else []

@@ -48,6 +48,8 @@ class Outcome:
 
 def verify(scores: torch.Tensor, candidates: list[Candidate]) -> list[Outcome]:
     """scores [R, V] float (rows of every candidate); returns one :class:`Outcome` per candidate."""
+    if all(c.greedy and not c.parents for c in candidates):
+        return _greedy_chains(scores, candidates)
     device, vocab = scores.device, scores.shape[-1]
     batch = len(candidates)
     width = max(len(c.tokens) for c in candidates)
@@ -64,6 +66,9 @@ def verify(scores: torch.Tensor, candidates: list[Candidate]) -> list[Outcome]:
     target = scores.index_select(0, rows).softmax(-1).view(batch, width + 1, vocab)  # [B, W+1, V]
     draft_tokens = torch.tensor(tokens, dtype=torch.long, device=device).view(batch, width)  # [B, W]
     greedy = torch.tensor([c.greedy for c in candidates], device=device)  # [B]
+    if any(c.greedy for c in candidates):  # greedy rows by the plain decode rule: the argmax of the scores
+        best = scores.index_select(0, rows).view(batch, width + 1, vocab).argmax(-1, keepdim=True)
+        target = torch.where(greedy[:, None, None], torch.zeros_like(target).scatter_(-1, best, 1.0), target)
     draft_probs = _draft_probs(candidates, width, vocab, device)  # [B, W, V] or None (all one-hot)
     if all(c.greedy for c in candidates):  # no draws: the greedy rule reads no randomness
         u = torch.zeros(batch, width, device=device)
@@ -92,6 +97,26 @@ def verify(scores: torch.Tensor, candidates: list[Candidate]) -> list[Outcome]:
         chosen = row[1 + depth : 1 + depth + n] if path is not None else list(range(n))
         results.append(Outcome(chosen, row[1 : 2 + n]))
     return results
+
+
+def _greedy_chains(scores: torch.Tensor, candidates: list[Candidate]) -> list[Outcome]:
+    """A batch of greedy chains (the common case): accept while each draft token is its row's argmax,
+    then emit the next row's argmax. That is the plain decode rule itself (:func:`.sampling.sample`
+    takes the argmax of the same scores), with no softmax over the vocabulary, no draws and no
+    dense one-hot drafts: one argmax on the device and one copy to the host. (The general path takes
+    the argmax of the softmax, which can tie where the scores do not.)"""
+    rows = [r for c in candidates for r in range(c.root_row, c.root_row + len(c.tokens) + 1)]
+    best = scores.index_select(0, torch.tensor(rows, device=scores.device)).argmax(-1).tolist()
+    out, at = [], 0
+    for c in candidates:
+        k = len(c.tokens)
+        row = best[at : at + k + 1]
+        at += k + 1
+        n = 0
+        while n < k and c.tokens[n] == row[n]:
+            n += 1
+        out.append(Outcome(list(range(n)), c.tokens[:n] + [row[n]]))
+    return out
 
 
 def _draft_probs(candidates: list[Candidate], width: int, vocab: int, device) -> torch.Tensor | None:

@@ -227,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec-seam", default="pipelined", choices=["sync", "pipelined"],
                         help="the draft seam: pipelined (the draft streams proposals ahead, staged for the likely "
                              "outcomes of each round; a step uses what fits its committed tokens and waits for "
-                             "nothing), where the draft worker stages (ngram, suffix, oracle) and proposals are chains "
-                             "(not with --speculative-eagle-topk > 1); else, or with sync, each step waits (within "
-                             "--propose-timeout) for the answer to the round it asked")
+                             "nothing), where the draft worker stages (ngram, suffix, oracle, eagle, eagle3) and "
+                             "proposals are chains (not with --speculative-eagle-topk > 1); else, or with sync, each "
+                             "step waits (within --propose-timeout) for the answer to the round it asked")
     parser.add_argument("--propose-timeout", type=float, default=2.0,
                         help="the most seconds to wait for a draft worker's proposals before decoding plainly (the "
                              "wait is three times this worker's own step time, at least 20 ms, within this bound)")
