@@ -323,7 +323,7 @@ def plane_offer(engine, cfg: TargetConfig):
 
 def client_tls(args: argparse.Namespace):
     """TLS towards draft workers from the flags (None: plaintext)."""
-    from workers.speculation.tls import ClientTls
+    from runtime.tls import ClientTls
 
     if not (args.draft_tls_ca or args.draft_tls_cert or args.draft_tls_key):
         return None

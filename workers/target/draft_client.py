@@ -33,12 +33,12 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 from runtime.backoff import backoff_delay
 from runtime.messages import InstanceRecord
+from runtime.tls import ClientTls
 
 from ..speculation.checks import hello_ack_problem
 from ..speculation.convert import DTYPES, draft_input_to_pb, draft_output_from_pb
 from ..speculation.hidden_plane import PlaneOffer, PlaneWriter, Ring, RowLayout, distinct, make_ring
 from ..speculation.payloads import DraftInput, DraftOutput
-from ..speculation.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
