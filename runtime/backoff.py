@@ -1,5 +1,5 @@
-"""Capped exponential backoff: the one formula every retry in Tandem waits by (etcd watches and
-connects, draft workers that failed, draft streams that were late)."""
+"""Capped exponential backoff for cooldowns that a loop checks (draft workers that failed, late draft
+streams, a failed distillation trainer); loops that retry a call (etcd connects, watches) use tenacity."""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from typing import Generic, TypeVar
 
 import aetcd
 import msgspec
+from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 
-from .backoff import backoff_delay
 from .messages import decode
 
 log = logging.getLogger(__name__)
@@ -216,19 +216,15 @@ class Snapshot(Generic[T]):
             return None
 
     async def _run(self) -> None:
-        failures = 0
-        while True:
-            try:
-                await self._sync_and_watch()
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self.ready.is_set():
-                    log.warning("etcd watch on %s failed (%r); will re-read the prefix", self._prefix, exc)
-                self.ready.clear()
-                await asyncio.sleep(backoff_delay(failures, RETRY_MIN, RETRY_MAX))
-                failures += 1
+        retrying = AsyncRetrying(wait=wait_exponential(RETRY_MIN, max=RETRY_MAX), before_sleep=self._watch_failed)
+        while True:  # a watch that ends is re-read at once; one that fails, after a backoff (from RETRY_MIN again)
+            await retrying(self._sync_and_watch)
+
+    def _watch_failed(self, retry_state: RetryCallState) -> None:
+        if self.ready.is_set():
+            log.warning("etcd watch on %s failed (%r); will re-read the prefix", self._prefix,
+                        retry_state.outcome.exception())
+        self.ready.clear()
 
     async def _sync_and_watch(self) -> None:
         result = await self._client.get_prefix(self._prefix.encode())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import signal
@@ -29,8 +28,8 @@ from typing import Any, TypeVar
 import aetcd
 import msgspec
 import nats
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from .backoff import backoff_delay
 from .config import RuntimeConfig, redact_url
 from .discovery import Registrar, Snapshot
 from .etcd import EtcdClient
@@ -238,28 +237,28 @@ class Runtime:
         connected = True
         host, port = cfg.etcd_host_port
         security = cfg.etcd_security()
-        deadline = time.monotonic() + cfg.connect_timeout
-        for attempt in itertools.count():  # etcd: retry until the deadline unless the cause is final, then one line
-            try:
-                self.etcd = EtcdClient(host, port, security, timeout=min(5.0, cfg.connect_timeout))
-                await self.etcd.connect()
-                # a read first: etcd grants leases without auth, so this is what finds missing credentials
-                await self.etcd.get(instances_prefix(self.namespace).encode())
-                self._registrar = Registrar(self.etcd, cfg.lease_ttl)
-                await self._registrar.start()
-                break
-            except Exception as exc:
-                await self.etcd.close()
-                if _refused(exc):  # wrong user or password, auth required, no permission: retrying will not help
-                    who = f" as {security.user}" if security.user else ""
-                    raise StartupError(f"etcd at {redact_url(cfg.etcd_url)} refused us{who}: {exc}") from None
-                where = f"etcd at {redact_url(cfg.etcd_url)}"
-                cause = final_cause(exc)
-                if cause is not None:
-                    raise StartupError(f"cannot reach {where}: {cause}") from None
-                if time.monotonic() >= deadline:
-                    raise StartupError(f"cannot reach {where}: {gave_up(cfg.connect_timeout, [exc])}") from None
-                await asyncio.sleep(backoff_delay(attempt, 0.1, 0.5))
+        retrying = AsyncRetrying(stop=stop_after_delay(cfg.connect_timeout), wait=wait_exponential(0.1, max=0.5),
+                                 retry=retry_if_exception(lambda exc: not _refused(exc) and final_cause(exc) is None),
+                                 reraise=True)
+        try:  # etcd: retried until the deadline unless the cause is final, then one line
+            async for attempt in retrying:
+                with attempt:
+                    self.etcd = EtcdClient(host, port, security, timeout=min(5.0, cfg.connect_timeout))
+                    try:
+                        await self.etcd.connect()
+                        # a read first: etcd grants leases without auth, so this is what finds missing credentials
+                        await self.etcd.get(instances_prefix(self.namespace).encode())
+                        self._registrar = Registrar(self.etcd, cfg.lease_ttl)
+                        await self._registrar.start()
+                    except Exception:
+                        await self.etcd.close()
+                        raise
+        except Exception as exc:
+            if _refused(exc):  # wrong user or password, auth required, no permission: retrying will not help
+                who = f" as {security.user}" if security.user else ""
+                raise StartupError(f"etcd at {redact_url(cfg.etcd_url)} refused us{who}: {exc}") from None
+            cause = final_cause(exc) or gave_up(cfg.connect_timeout, [exc])
+            raise StartupError(f"cannot reach etcd at {redact_url(cfg.etcd_url)}: {cause}") from None
         self.events = EventPlane(self.nc, self.namespace)
         self._server = RequestServer(self.nc, self.namespace, self.instance_id, cfg.heartbeat_interval)
         await self._server.start()

@@ -25,13 +25,13 @@ from runtime.messages import ModelCard
 from runtime.errors import StartupError
 from runtime.flags import SERVED_MODEL_NAME, first_name
 from runtime.service import check_log_level, exit_on_bad_config, run_service
+from runtime.tls import ServerTls
 
 from .config import DTYPES, TENSOR_METHODS, DraftConfig
 from .methods import BENCH_METHODS, METHODS
 from .metrics import DraftCollector
 from .ngram import NgramProposer
 from .proposer import Proposer
-from ..speculation.tls import ServerTls
 from .service import DraftService
 
 log = logging.getLogger("workers.draft")

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.backoff import backoff_delay
+
 from .train.online_trainer import DistillConfig, trainable_state, trainer_main
 
 __all__ = ["DistillConfig", "DistillStats", "Distiller", "Follower", "Recorder", "trainable_state"]
@@ -200,7 +202,7 @@ class Distiller:
             self._base_alive += last_alive
             last_busy = last_alive = 0.0
             self._kill()
-            wait = min(self.RESTART_BASE * 2 ** self._restarts, self.RESTART_MAX)
+            wait = backoff_delay(self._restarts, self.RESTART_BASE, self.RESTART_MAX)
             self._restarts += 1
             log.warning("online distillation: trainer failed (%s); serving keeps its weights, restarting in %.0f s",
                         msg[1] if msg else f"exit code {self._proc.exitcode}", wait)

@@ -13,7 +13,7 @@ one that fits its committed tokens, and decodes the others plainly (``no_proposa
 Budgets: adaptive γ per sequence, +2 after a fully accepted chain, −1 otherwise; at 0 the sequence
 decodes plainly for ``pause_steps`` steps and then tries one draft token again. A tree's node
 budget halves after a pass that accepts nothing and doubles after any hit. With ``load_aware``,
-each step's budgets come from :func:`workers.speculation.budget.plan` within those caps.
+each step's budgets come from :func:`workers.engine.budget.plan` within those caps.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 from runtime.messages import SpecUsage
 from runtime.spec_stats import SpecCounters
 
-from ..speculation.budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput, SparseDist
 from ..speculation.staging import SPARE_MAX, Staged, position_problem
 from ..speculation.tree import tree_depths
+from .budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from .sequence import Sequence
 
 

@@ -33,12 +33,12 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 from runtime.backoff import backoff_delay
 from runtime.messages import InstanceRecord
+from runtime.tls import ClientTls
 
 from ..speculation.checks import hello_ack_problem
 from ..speculation.convert import DTYPES, draft_input_to_pb, draft_output_from_pb
 from ..speculation.hidden_plane import PlaneOffer, PlaneWriter, Ring, RowLayout, distinct, make_ring
 from ..speculation.payloads import DraftInput, DraftOutput
-from ..speculation.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class DraftPool:
         self._instances = instances
         self._hidden_layers = list(hidden_layers)
         self.client: DraftClient | None = None
-        self._failed: dict[str, tuple[float, int]] = {}  # draft id -> (when it last failed, failures in a row)
+        self._failed: dict[str, tuple[float, int]] = {}  # draft id -> (when it may be tried again, failures in a row)
         self._connecting: asyncio.Task | None = None  # a background get() started by poll()
         self.refused: dict[str, int] = {}  # drafts refused at the handshake, by reason
         self._closed_bytes: dict[str, int] = {}  # hidden-state bytes of closed clients, by plane
@@ -365,18 +365,15 @@ class DraftPool:
         registered = {r.instance_id for r in live}
         for draft_id in [d for d in self._failed if d not in registered]:
             del self._failed[draft_id]
-        return [r for r in live if r.grpc_address and now >= self._retry_at(r.instance_id)
+        return [r for r in live if r.grpc_address and now >= self._failed.get(r.instance_id, (0.0, 0))[0]
                 and (not r.model or r.model == self._model)]
-
-    def _retry_at(self, draft_id: str) -> float:
-        when, failures = self._failed.get(draft_id, (0.0, 0))
-        return when + backoff_delay(failures - 1, RETRY_BASE_S, RETRY_MAX_S) if failures else 0.0
 
     def _mark_failed(self, draft_id: str) -> float:
         """Record a failure; returns the seconds until the draft worker is tried again."""
-        now = asyncio.get_running_loop().time()
-        self._failed[draft_id] = (now, self._failed.get(draft_id, (0.0, 0))[1] + 1)
-        return self._retry_at(draft_id) - now
+        failures = self._failed.get(draft_id, (0.0, 0))[1] + 1
+        wait = backoff_delay(failures - 1, RETRY_BASE_S, RETRY_MAX_S)
+        self._failed[draft_id] = (asyncio.get_running_loop().time() + wait, failures)
+        return wait
 
     async def prune(self) -> None:
         """Close the stream to a draft worker that deregistered (e.g. while this target is idle)."""
@@ -415,7 +412,7 @@ class DraftPool:
             await client.connect()
         except IncompatibleDraft as exc:
             self.refused[exc.label] = self.refused.get(exc.label, 0) + 1
-            self._failed[choice.instance_id] = (asyncio.get_running_loop().time(), 99)  # the longest backoff
+            self._failed[choice.instance_id] = (asyncio.get_running_loop().time() + RETRY_MAX_S, 99)  # the longest backoff
             log.error("%s; not speculating with it (trying again in %.0f s)", exc, RETRY_MAX_S)
             await client.close()
             return current

@@ -12,9 +12,9 @@ import pytest
 
 from proto import spec_pb2_grpc
 from runtime.messages import InstanceRecord
+from runtime.tls import ClientTls, ServerTls
 from workers.draft.proposer import DraftInput, DraftOutput, Proposer
 from workers.draft.service import DraftService
-from workers.speculation.tls import ClientTls, ServerTls
 from workers.target.draft_client import DraftClient
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")]

@@ -11,7 +11,7 @@ from tests.unit.workers.engine.test_tree_verify import target_dir  # noqa: F401 
 from workers.draft.ngram import NgramProposer
 from workers.engine.engine import Engine
 from workers.engine.weights import load_model
-from workers.speculation.budget import Acceptance, StepCost, plan
+from workers.engine.budget import Acceptance, StepCost, plan
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_load_aware_engine_is_still_lossless(target_dir):  # noqa: F811
 
 
 def test_realized_rates_veto_speculation_that_does_worse():
-    from workers.speculation.budget import RealizedRates
+    from workers.engine.budget import RealizedRates
 
     rates = RealizedRates(min_samples=2, explore_every=4)
     for _ in range(3):
@@ -151,7 +151,7 @@ def test_steps_the_realized_rates_veto_say_load_not_draft_late():
 def test_calibration_earns_what_a_draft_claims_and_no_more():
     """A draft's confidence is worth what the target has seen it be worth: honest certainty earns
     near-certain gains, the same claims from a draft that is always wrong earn almost nothing."""
-    from workers.speculation.budget import Calibration
+    from workers.engine.budget import Calibration
 
     fresh = Calibration()
     assert fresh.gains([1.0, 1.0])[0] < 0.5  # nothing earned yet: a weak, pessimistic prior
@@ -185,7 +185,7 @@ def _pipelined_speculator(claim: float, accepted_of_4: int):
     speculating does not pay at batch 1, its draft's claims calibrated by 40 chains of 4 drafts that
     claimed ``claim`` per token and had ``accepted_of_4`` accepted."""
     from workers.engine.speculator import Speculator
-    from workers.speculation.budget import Calibration
+    from workers.engine.budget import Calibration
 
     spec = Speculator(100, 4, load_aware=True)
     spec.pipelined = True
