@@ -125,7 +125,8 @@ class _Fork:
     def take(self, ids: list[int], logps: list[float]) -> None:
         self.tokens.append(ids[0])
         self.alternatives.append([t for t, lp in zip(ids[1 : self.k], logps[1 : self.k]) if lp != float("-inf")])
-        self.confidence.append((self.confidence[-1] if self.confidence else 1.0) * math.exp(logps[0]))
+        # a peaked log_softmax can round a hair above 0 (exp > 1), which the target drops as malformed
+        self.confidence.append(min(1.0, (self.confidence[-1] if self.confidence else 1.0) * math.exp(logps[0])))
 
 
 class EagleProposer(Proposer):

@@ -26,7 +26,7 @@ def proposal_problem(prop: DraftOutput, asked: int, vocab_size: int) -> str | No
     token, each ROOT or an earlier index; ``distributions`` empty or one per token, each with as
     many ids as probabilities, ids in the vocabulary, probabilities finite in [0, 1] summing to at
     most 1, and a positive probability on the token it carries (a token drawn from q has q(x) > 0);
-    ``confidence`` empty or one finite value in [0, 1] per token.
+    ``confidence`` empty or one finite value in [0, 1] per token (1 + ``PROB_SLACK`` at most: rounding).
     """
     tokens = prop.token_ids
     if len(tokens) > asked:
@@ -50,7 +50,8 @@ def proposal_problem(prop: DraftOutput, asked: int, vocab_size: int) -> str | No
             if not any(i == token and p > 0 for i, p in zip(dist.ids, dist.probs)):
                 return "probabilities"
     conf = prop.confidence
-    if conf and (len(conf) != len(tokens) or any(not (math.isfinite(c) and 0.0 <= c <= 1.0) for c in conf)):
+    # (a probability computed in float32 or bf16 may round a hair above 1: as much slack as distributions get)
+    if conf and (len(conf) != len(tokens) or any(not (math.isfinite(c) and 0.0 <= c <= 1.0 + PROB_SLACK) for c in conf)):
         return "confidence"
     return None
 

@@ -170,3 +170,16 @@ def test_branches_stop_at_the_heads_last_position(head):
     proposer.commit("s", tokens, [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers])
     out = proposer.draft_branches([Branch("s", (), 8, 1), Branch("s", (5,), 8, 1), Branch("s", (5, 6, 7), 8, 1)])
     assert [len(o.tokens) for o in out] == [3, 2, 0]  # up to position limit - 1
+
+
+def test_a_staged_chains_confidence_never_exceeds_one():
+    """A peaked head's float32 log_softmax can round its top value a hair above 0; the confidence
+    streamed with a staged chain (cumulative, per token) stays a probability."""
+    import torch
+
+    from workers.draft.eagle_proposer import _Fork
+
+    fork = _Fork(0, 0, [], 3, 2, torch.zeros(1))
+    for logp in (2.4e-7, -0.1, 1e-7):
+        fork.take([5, 6], [logp, -3.0])
+    assert all(0.0 <= c <= 1.0 for c in fork.confidence) and fork.confidence[0] == 1.0

@@ -25,6 +25,8 @@ def test_a_sane_proposal_passes():
     assert proposal_problem(prop([1, 2], dists), 2, V) is None
     assert proposal_problem(prop([]), 4, V) is None
     assert proposal_problem(DraftOutput("s", 0, [1, 2], confidence=[0.9, 0.5]), 2, V) is None
+    # a float32 log_softmax of a peaked head rounds a hair above 0: exp of it a hair above 1, not malformed
+    assert proposal_problem(DraftOutput("s", 0, [1], confidence=[1.0000002]), 1, V) is None
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -46,6 +48,7 @@ def test_a_sane_proposal_passes():
     (prop([1], [SparseDist([1], [math.inf])]), "probabilities"),
     (DraftOutput("s", 0, [1, 2], confidence=[0.9]), "confidence"),  # one value for two tokens
     (DraftOutput("s", 0, [1], confidence=[1.5]), "confidence"),
+    (DraftOutput("s", 0, [1], confidence=[1.01]), "confidence"),
     (DraftOutput("s", 0, [1], confidence=[math.nan]), "confidence"),
     (DraftOutput("s", 0, [1], confidence=[-0.1]), "confidence"),
 ])
