@@ -104,7 +104,8 @@ cells() { grep -E "$2" "$1" | sed -E 's/^\| *//; s/ *\|$//; s/ *\| */|/g'; }
 fig_bench() { cells "$1" '^\| (1|16|64) \| (off|on) \|' | awk -F'|' '{printf "b%s async %s: %s tok/s, %s of roofline\n", $1, $2, $3, $6}'; }
 fig_served() { cells "$1" '^\| all \|' | awk -F'|' '{printf "plain %s, spec %s tok/s: %s, AL %s, equal %s; %s drafts, plain steps: %s\n", $2, $3, $4, $6, $9, $5, $8}'
                grep -o 'waiting on drafts .*' "$1" | tail -1
-               grep -o 'target busy ms per engine step.*' "$1" | tail -1; }
+               grep -o 'target busy ms per engine step.*' "$1" | tail -1
+               grep -o 'draft worker: .* on average' "$1" | tail -1; }
 fig_sweep() { cells "$1" '^\| [0-9]+ \| [a-z_]+ \|' | awk -F'|' '{printf "c%s %s: %s tok/s, %s\n", $1, $2, $3, $4}'; }
 fig_quant() { cells "$1" '^\| (bf16|fp8|int4) \|' | awk -F'|' '{printf "%s: b1 %s tok/s (%s), b16 %s tok/s (%s), %s GiB, Δ vs dequantized %s\n", $1, $5, $6, $8, $9, $3, $11}'; }
 fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -1; }

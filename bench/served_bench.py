@@ -138,6 +138,22 @@ class Stack:
             return True
         return False
 
+    def draft_metrics(self) -> dict[str, float]:
+        """The draft worker's propose calls: how many and their seconds in all, from its /metrics."""
+        found = re.search(r"draft\S*\s+pid\s+\d+\s+health (http://\S+)/health", self.proc.logs())
+        if found is None:
+            return {}
+        try:
+            text = httpx.get(f"{found.group(1)}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return {}
+        out = {}
+        for name in ("count", "sum"):
+            m = re.search(rf"^tandem_draft_proposal_seconds_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            if m:
+                out[name] = float(m.group(1))
+        return out
+
     def target_metrics(self) -> dict[str, float]:
         """The target worker's step-loop counters (busy and draft-wait seconds) from its /metrics."""
         found = re.search(r"target\S*\s+pid\s+\d+\s+health (http://\S+)/health", self.proc.logs())
@@ -320,6 +336,7 @@ def run(args: argparse.Namespace) -> dict:
                       f"{warmup[name]['seconds']:.2f}s, spec_decode {warmup[name]['spec_decode']}", flush=True)
             waits["before"] = stacks["spec"].target_metrics()
             waits["plain_before"] = stacks["plain"].target_metrics()
+            waits["draft_before"] = stacks["spec"].draft_metrics()
             print(f"\n{len(prompts)} prompts x {args.rounds} rounds, max_tokens {args.max_tokens}, greedy, batch 1; "
                   f"spec stack: tandem up {shlex.join(spec_extra) or '(defaults)'}\n", flush=True)
             for rnd in range(args.rounds):
@@ -339,6 +356,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"{'' if pair['equal'] else ', OUTPUT DIFFERS'}", flush=True)
             waits["after"] = stacks["spec"].target_metrics()
             waits["plain_after"] = stacks["plain"].target_metrics()
+            waits["draft_after"] = stacks["spec"].draft_metrics()
     finally:
         # a second Ctrl-C (or a SIGTERM) must not cut the stop short and orphan the stacks
         old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -364,6 +382,10 @@ def run(args: argparse.Namespace) -> dict:
         steps = b1.get("engine_steps", 0.0) - b0.get("engine_steps", 0.0)
         if steps > 0 and "busy_seconds" in b1:
             step_ms[name] = 1e3 * (b1["busy_seconds"] - b0["busy_seconds"]) / steps
+    d0, d1 = waits.get("draft_before", {}), waits.get("draft_after", {})
+    calls = d1.get("count", 0.0) - d0.get("count", 0.0)
+    if calls > 0:  # how long the draft worker takes per call (a late one is of no use to the target)
+        print(f"draft worker: {calls:.0f} drafting calls, {1e3 * (d1['sum'] - d0['sum']) / calls:.2f} ms each on average")
     if step_ms:  # where a speculative step's time goes: its loop's busy time per step, the fitted cost model
         cost = {k[5:]: 1e3 * v for k, v in after.items() if k.startswith("cost_")}
         print("target busy ms per engine step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items())
