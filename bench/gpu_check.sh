@@ -149,6 +149,10 @@ if wanted served; then
         run served-eagle3-pipelined "$(cap 150)" fig_served -- env TANDEM_EAGLE_PIPELINED=1 "$PY" \
             bench/served_bench.py "${SERVED[@]}" --spec-args=--no-load-aware-speculation \
             --json "$OUT/served-eagle3-pipelined.json"
+        # the same head on the CPU: on one GPU the target and the draft worker are two CUDA contexts the
+        # driver time-slices, and the GPU draft answered later than a CPU one in every H200 run
+        run served-eagle3-cpu-draft "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
+            "--spec-args=--no-load-aware-speculation --draft-device cpu" --json "$OUT/served-eagle3-cpu-draft.json"
         run served-ngram "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
             "--spec-args=--draft-method ngram --no-load-aware-speculation" --json "$OUT/served-ngram.json"
     else
