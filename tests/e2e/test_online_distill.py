@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
-from tests.unit.workers.draft.test_eagle import write_eagle3
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.serving import tiny_target_with_eagle3
 from tests.unit.workers.engine.test_spec_engine import VOCAB
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
@@ -26,11 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = tmp_path_factory.mktemp("distill-target")
-    tiny_hf_model("llama", target, seed=7, vocab=VOCAB, layers=4, max_positions=1024)
-    head = tmp_path_factory.mktemp("distill-head")
-    write_eagle3(head, seed=3)
-    return target, head
+    return tiny_target_with_eagle3(tmp_path_factory, "distill")
 
 
 async def draft_metrics(draft) -> dict[str, float]:

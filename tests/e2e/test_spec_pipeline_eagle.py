@@ -17,8 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 from tests.e2e.test_spec_pipeline import target_metrics
-from tests.unit.workers.draft.test_eagle import write_eagle3
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.serving import tiny_target_with_eagle3
 from tests.unit.workers.engine.test_spec_engine import VOCAB
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
@@ -30,10 +29,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = tmp_path_factory.mktemp("eagle-pipe-target")
-    tiny_hf_model("llama", target, seed=7, vocab=VOCAB, layers=4, max_positions=1024)
-    head = tmp_path_factory.mktemp("eagle-pipe-head")
-    write_eagle3(head, seed=3)
+    target, head = tiny_target_with_eagle3(tmp_path_factory, "eagle-pipe")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (5 + 3 * i,), generator=gen).tolist() for i in range(6)]
     want = Engine(load_model(target), EngineConfig(block_size=8, num_blocks=512, max_num_seqs=16)).generate(

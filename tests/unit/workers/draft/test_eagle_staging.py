@@ -3,8 +3,6 @@ through the stager (as the draft service runs it, in process) stays lossless."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompt
 from workers.draft.eagle import load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
 from tests.support.draft_pool import FixedPool
+from tests.support.serving import serve_through
 from tests.unit.workers.draft.loopback import draft_on_loopback
 from workers.draft.service import DraftService
 from workers.draft.stager import Branch, Stager
@@ -140,16 +139,7 @@ async def test_pipelined_eagle3_over_grpc_with_the_real_step_loop_equals_plain_d
         loop = StepLoop(engine, FixedPool(client))
         loop.start()
         try:
-            async def one(rid):
-                queue, tokens = loop.submit(rid, batch[rid], params), []
-                while True:
-                    delta = await asyncio.wait_for(queue.get(), 60)
-                    assert not isinstance(delta, BaseException), delta
-                    tokens.extend(delta.token_ids)
-                    if delta.finish_reason:
-                        return tokens
-
-            got = dict(zip(batch, await asyncio.gather(*(one(r) for r in batch))))
+            got = await serve_through(loop, batch, params, timeout=60)
         finally:
             await loop.stop()
     assert got == want

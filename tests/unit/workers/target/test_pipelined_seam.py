@@ -17,6 +17,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.speculation.payloads import DraftOutput
 from workers.target.step_loop import StepLoop
 from tests.support.draft_pool import FixedPool as _Pool
+from tests.support.serving import serve_through
 
 pytestmark = pytest.mark.unit
 
@@ -31,17 +32,7 @@ def expected(model):
 
 
 async def serve_all(loop: StepLoop) -> dict[str, list[int]]:
-    async def one(rid):
-        queue = loop.submit(rid, PROMPTS[rid], PARAMS)
-        tokens = []
-        while True:
-            delta = await asyncio.wait_for(queue.get(), 30)
-            assert not isinstance(delta, BaseException), delta
-            tokens.extend(delta.token_ids)
-            if delta.finish_reason:
-                return tokens
-
-    return dict(zip(PROMPTS, await asyncio.gather(*(one(r) for r in PROMPTS))))
+    return await serve_through(loop, PROMPTS, PARAMS)
 
 
 @pytest.mark.parametrize("method", ["oracle", "ngram"])
