@@ -202,9 +202,10 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(prop))
         for stream, *batch in per_stream.values():
             stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
-        if per_stream:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(s.out.join() for s, *_ in per_stream.values())), FLUSH_TIMEOUT)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FLUSH_TIMEOUT):
+                for stream, *_ in per_stream.values():
+                    await stream.out.join()
 
     def swap_weights(self, state) -> None:
         """Queue new head weights (online distillation): the proposer takes them between proposal

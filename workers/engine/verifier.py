@@ -63,11 +63,12 @@ def verify(scores: torch.Tensor, candidates: list[Candidate]) -> list[Outcome]:
         tokens.extend([PAD] * (width - k))
         lengths.append(k)
     rows = torch.tensor(index, device=device)
-    target = scores.index_select(0, rows).softmax(-1).view(batch, width + 1, vocab)  # [B, W+1, V]
+    picked = scores.index_select(0, rows).view(batch, width + 1, vocab)  # [B, W+1, V]
+    target = picked.softmax(-1)
     draft_tokens = torch.tensor(tokens, dtype=torch.long, device=device).view(batch, width)  # [B, W]
     greedy = torch.tensor([c.greedy for c in candidates], device=device)  # [B]
     if any(c.greedy for c in candidates):  # greedy rows by the plain decode rule: the argmax of the scores
-        best = scores.index_select(0, rows).view(batch, width + 1, vocab).argmax(-1, keepdim=True)
+        best = picked.argmax(-1, keepdim=True)
         target = torch.where(greedy[:, None, None], torch.zeros_like(target).scatter_(-1, best, 1.0), target)
     draft_probs = _draft_probs(candidates, width, vocab, device)  # [B, W, V] or None (all one-hot)
     if all(c.greedy for c in candidates):  # no draws: the greedy rule reads no randomness

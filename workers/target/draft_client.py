@@ -157,9 +157,10 @@ class DraftClient:
         if self.broken:
             return False
         try:
-            await asyncio.wait_for(self._outgoing.join(), timeout)
+            async with asyncio.timeout(timeout):  # (no task per call: this runs before every step)
+                await self._outgoing.join()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def _read(self) -> None:
