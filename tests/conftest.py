@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
+
+import torch
+
+# Without CUDA a Triton kernel runs only under Triton's interpreter, and Triton decides once, when it
+# is first imported, whether its own library (tl.sum, …) is interpreted or compiled: a test module
+# that switches the interpreter on for itself fails (16 times, "Cannot call @triton.jit'd outside of
+# the scope of a kernel") whenever an earlier one imported Triton first. So for the whole session,
+# before anything imports it (on a CUDA machine nothing changes).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -1,7 +1,9 @@
-"""Triton kernels on CPU for the tests: Triton's interpreter (``TRITON_INTERPRET=1``) while one test
-module's tests run, not for the whole session. Triton reads the variable when a kernel is defined and
-again while it runs, so :func:`interpreted` imports the kernel modules (reloads those imported without
-it) with the variable set and keeps it set until the block ends. With CUDA nothing changes."""
+"""Triton kernels on CPU for the tests: Triton's interpreter (``TRITON_INTERPRET=1``). Triton decides
+when it is first imported whether its own library (``tl.sum``, …) is interpreted, so
+``tests/conftest.py`` sets the variable for the whole session on a machine without CUDA. Triton also
+reads it when a kernel is defined and while it runs, so :func:`interpreted` imports a test module's
+kernel modules (reloads those imported without it) with the variable set, and keeps it set until the
+block ends. With CUDA nothing changes."""
 
 from __future__ import annotations
 
