@@ -145,7 +145,10 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
     emitted = float(len(caps))  # without drafts each decoding sequence emits one token
     tokens, verified = base_tokens, 0
     plain_rate = emitted / max(cost.seconds(tokens, 0), 1e-9)
-    best_rate, best = plain_rate * (1 + MARGIN), dict(gamma)
+    # the drafts in the order they are added; the plan is the best prefix of it (no copy of the whole
+    # plan at each improvement: this runs every step, for every decoding sequence)
+    order: list[str] = []
+    best_rate, best_n = plain_rate * (1 + MARGIN), 0
 
     def gain(sid: str, j: int) -> float:  # what the j-th draft (1-based) of ``sid`` adds
         own = gains.get(sid)
@@ -155,19 +158,30 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
 
     heap = [(-gain(sid, 1), sid) for sid, cap in caps.items() if cap > 0 and gain(sid, 1) > 0]
     heapq.heapify(heap)
+    # Every further draft adds at most the largest gain left and costs at least b seconds: once that
+    # ratio and the current rate are both at most the best rate, no longer prefix can beat it (the
+    # rate of a sum is at most the larger of the two ratios), so the search stops there.
+    least_cost = cost.coefficients()[1]
+    rate = plain_rate
     while heap:
+        if least_cost > 0 and rate <= best_rate and -heap[0][0] <= best_rate * least_cost:
+            break
         neg_gain, sid = heapq.heappop(heap)
         emitted -= neg_gain
         tokens += 1
         verified += gamma[sid] == 0
         gamma[sid] += 1
+        order.append(sid)
         rate = emitted / max(cost.seconds(tokens, verified), 1e-9)
         if rate > best_rate:
-            best_rate, best = rate, dict(gamma)
+            best_rate, best_n = rate, len(order)
         if gamma[sid] < caps[sid]:
             next_gain = min(gain(sid, gamma[sid] + 1), -neg_gain)  # never more than the draft before it
             if next_gain > 1e-6:
                 heapq.heappush(heap, (-next_gain, sid))
+    best = dict.fromkeys(caps, 0)
+    for sid in order[:best_n]:
+        best[sid] += 1
     return best
 
 
