@@ -118,7 +118,8 @@ class _Fork:
         """The token of the pair at ``base + depth``: the one after position base + depth."""
         return self.extra[depth] if depth < len(self.extra) else self.tokens[depth - len(self.extra)]
 
-    def tokens_from(self, committed: int) -> list[int]:
+    @property
+    def fed(self) -> list[int]:
         """The tokens it assumed and fed, from position ``committed`` on (its pairs' inputs)."""
         return self.assumed + self.inputs
 
@@ -223,9 +224,7 @@ class EagleProposer(Proposer):
                greedy: bool = True) -> None:
         """Pipelined seam: the target committed ``tokens`` (with their hidden rows, as a proposal
         request carries them)."""
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            seq = self._seqs[seq_id] = _Seq()
+        seq = self._seqs.setdefault(seq_id, _Seq())
         if tokens:
             self._commit(seq, seq_id, list(tokens), list(hidden_states), greedy)
 
@@ -246,11 +245,12 @@ class EagleProposer(Proposer):
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             seq = self._seqs.pop(seq_id, None)
-            if seq is not None and self.recorder is not None:
+            if seq is None:
+                continue
+            if self.recorder is not None:
                 self.recorder.finish(seq_id, seq.tokens[: seq.committed])
-            if seq is not None:
-                self._drop_kept(seq)
-            if seq is not None and seq.blocks:
+            self._drop_kept(seq)
+            if seq.blocks:
                 self.blocks.free(seq.blocks)
 
     @torch.no_grad()
@@ -475,7 +475,7 @@ class EagleProposer(Proposer):
             for fork in call:
                 if fork.committed > c or not fork.outs:
                     continue
-                toks = fork.tokens_from(fork.committed)
+                toks = fork.fed
                 # the positions from fork.committed on: committed ones, then the branch's assumed ones
                 matched = 0
                 for q in range(fork.committed, c + len(extra)):
