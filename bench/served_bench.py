@@ -161,7 +161,7 @@ class Stack:
             return {}
         text = httpx.get(f"{found.group(1)}/metrics", timeout=5).text
         out = {}
-        for name in ("busy_seconds", "draft_wait_seconds", "engine_steps"):
+        for name in ("busy_seconds", "draft_wait_seconds", "draft_flush_seconds", "engine_steps"):
             m = re.search(rf"^tandem_target_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
             if m:
                 out[name] = float(m.group(1))
@@ -386,16 +386,21 @@ def run(args: argparse.Namespace) -> dict:
     calls = d1.get("count", 0.0) - d0.get("count", 0.0)
     if calls > 0:  # how long the draft worker takes per call (a late one is of no use to the target)
         print(f"draft worker: {calls:.0f} drafting calls, {1e3 * (d1['sum'] - d0['sum']) / calls:.2f} ms each on average")
+    flush_ms = None
+    if "spec" in step_ms and "draft_flush_seconds" in after:  # of the spec step: handing news to the draft
+        steps = after["engine_steps"] - before.get("engine_steps", 0.0)
+        flush_ms = 1e3 * (after["draft_flush_seconds"] - before.get("draft_flush_seconds", 0.0)) / steps
     if step_ms:  # where a speculative step's time goes: its loop's busy time per step, the fitted cost model
         cost = {k[5:]: 1e3 * v for k, v in after.items() if k.startswith("cost_")}
         print("target busy ms per engine step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items())
+              + (f" (of which {flush_ms:.3f} handing the news to the draft stream)" if flush_ms is not None else "")
               + ("; spec target's fitted step cost (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in cost.items())
                  if cost else ""))
     return {"config": {"prompts_file": args.prompts_file, "prompts": len(prompts), "rounds": args.rounds,
                        "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
                        "plain_model": stacks["plain"].model, "tiny_target": args.tiny_target,
                        "spec_seam": args.spec_seam},
-            "draft_wait_share": share, "target_step_ms": step_ms,
+            "draft_wait_share": share, "target_step_ms": step_ms, "target_flush_ms": flush_ms,
             "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
             "warmup": warmup, "per_prompt": pairs}
 

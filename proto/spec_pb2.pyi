@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetMessage(_message.Message):
-    __slots__ = ("hello", "propose", "verify", "release", "hidden_rows")
+    __slots__ = ("hello", "propose", "verify", "release", "hidden_rows", "step")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     propose: ProposeBatch
     verify: VerifyBatch
     release: ReleaseBatch
     hidden_rows: HiddenRows
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., hidden_rows: _Optional[_Union[HiddenRows, _Mapping]] = ...) -> None: ...
+    step: StepNews
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., hidden_rows: _Optional[_Union[HiddenRows, _Mapping]] = ..., step: _Optional[_Union[StepNews, _Mapping]] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
     __slots__ = ("hello_ack", "proposals")
@@ -51,7 +53,7 @@ class Hello(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., staged: _Optional[bool] = ..., hidden_planes: _Optional[_Iterable[str]] = ..., hidden_shm: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_plane_dtype: _Optional[str] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "stages", "hidden_plane")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "stages", "hidden_plane", "step_news")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class HelloAck(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_PLANE_FIELD_NUMBER: _ClassVar[int]
+    STEP_NEWS_FIELD_NUMBER: _ClassVar[int]
     draft_id: str
     method: str
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -68,7 +71,8 @@ class HelloAck(_message.Message):
     vocab_size: int
     stages: bool
     hidden_plane: str
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stages: _Optional[bool] = ..., hidden_plane: _Optional[str] = ...) -> None: ...
+    step_news: bool
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stages: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")
@@ -201,6 +205,16 @@ class VerifyBatch(_message.Message):
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[VerifyOutcome]
     def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...
+
+class StepNews(_message.Message):
+    __slots__ = ("verify", "release", "propose")
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    verify: VerifyBatch
+    release: ReleaseBatch
+    propose: ProposeBatch
+    def __init__(self, verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ...) -> None: ...
 
 class ReleaseBatch(_message.Message):
     __slots__ = ("seq_ids",)

@@ -21,3 +21,13 @@ class FixedPool:
 
     async def close(self):
         pass
+
+
+class NewsByParts:
+    """For a draft-client stand-in with ``verified``, ``release`` and ``send``: ``DraftClient.news``
+    (a step's verdicts, released sequences and requests, in that order) made of those three."""
+
+    def news(self, verdicts, released, requests):
+        self.verified(verdicts)
+        self.release(released)
+        return self.send(requests) if requests else {}

@@ -38,6 +38,7 @@ class NgramProposer(Proposer):
     """Prompt lookup over each sequence's own tokens."""
 
     method = "ngram"
+    on_loop = True  # pure Python, no torch
 
     def __init__(self, min_n: int = 1, max_n: int = 4, tree_topk: int = 1):
         if not 1 <= min_n <= max_n:

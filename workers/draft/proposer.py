@@ -30,6 +30,9 @@ class Proposer:
     drafts_ahead: bool = False  # implements :meth:`predraft`
     stages: bool = False  # drafts staged branches for the pipelined seam (:class:`.stager.Drafter`)
     distillable: bool = False  # an EAGLE-3 head online distillation can train (:meth:`load_weights`, ``recorder``)
+    # Drafts in pure Python in microseconds (n-gram, suffix): the service calls it on its event loop,
+    # where a hop to a worker thread and back would cost more than the call (and a turn of the loop)
+    on_loop: bool = False
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         """Draft for every sequence of the batch (one output per input, same order)."""

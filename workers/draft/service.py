@@ -1,8 +1,9 @@
 """The draft worker's gRPC service: one bidirectional stream per target worker, proposals batched
 across every sequence of every stream.
 
-Each stream reads TargetMessages: ``propose`` batches are queued for the shared batcher, ``verify``
-batches and ``release`` batches go straight to the proposer (in arrival order relative to
+Each stream reads TargetMessages (a target step's ``step`` news is its ``verify``, ``release`` and
+``propose`` batches in that order, in one message): ``propose`` batches are queued for the shared
+batcher, ``verify`` batches and ``release`` batches go straight to the proposer (in arrival order relative to
 proposals, through the same queue, so a verdict is never applied after a later proposal), and so do
 new head weights from online distillation (:meth:`DraftService.swap_weights`). The
 batcher takes everything queued, runs one ``propose`` call in a worker thread (model-based
@@ -19,7 +20,9 @@ Hidden states come inline (protobuf Tensors) or, when the target's Hello offers 
 it (:mod:`workers.speculation.hidden_plane`): the stream maps the target's shared-memory ring when it
 can (same host), else takes streamed chunks, and resolves each message's descriptors into rows as
 the message is read, in order, before anything is queued. Proposers run torch in a worker thread
-only: proposals, verdicts (a head's projection of the hidden states), releases and new weights.
+only: proposals, verdicts (a head's projection of the hidden states), releases and new weights; a
+pure-Python proposer that drafts in microseconds (:attr:`.proposer.Proposer.on_loop`: n-gram,
+suffix) is called on the event loop instead, where a thread hop each way would cost more than it.
 """
 
 from __future__ import annotations
@@ -130,11 +133,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 await self._propose(batch)
                 batch = []
             if kind == "verify":  # torch (a head's projection) runs off the event loop, as proposals do
-                await asyncio.to_thread(self.proposer.verified, payload)
+                await self._run_proposer(self.proposer.verified, payload)
                 self._note_verdicts(payload)
             elif kind == "weights":  # between two proposal batches, never during one
                 try:
-                    await asyncio.to_thread(self.proposer.load_weights, payload)
+                    await self._run_proposer(self.proposer.load_weights, payload)
                 except Exception:
                     log.exception("new head weights not taken; serving goes on with the old ones")
                 else:
@@ -147,7 +150,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                             for kind, x in news if kind != "commit" or x.seq_id not in gone]
                     for seq_id in gone:
                         staged.pop(seq_id, None)
-                await asyncio.to_thread(self.stager.release if self.stager is not None else self.proposer.release,
+                await self._run_proposer(self.stager.release if self.stager is not None else self.proposer.release,
                                         payload)
                 for seq_id in payload:
                     self._ahead.pop(seq_id, None)
@@ -174,14 +177,14 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             return stager.answer_and_stage(list(streams))
 
         started = time.perf_counter()
-        staged, answered = await asyncio.to_thread(apply_and_draft)
+        staged, answered = await self._run_proposer(apply_and_draft)
         await self._send_staged(staged, streams)
         if answered:  # their answers exist now: stage what verifying them may lead to
-            more = await asyncio.to_thread(stager.stage, answered)
+            more = await self._run_proposer(stager.stage, answered)
             await self._send_staged(more, streams)
             staged += more
         if self._work.empty():  # no news yet: one level further for the likeliest outcome
-            ahead = await asyncio.to_thread(stager.stage_ahead, list(streams))
+            ahead = await self._run_proposer(stager.stage_ahead, list(streams))
             await self._send_staged(ahead, streams)
             staged += ahead
         stats = self.stats
@@ -207,6 +210,13 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 for stream, *_ in per_stream.values():
                     await stream.out.join()
 
+    async def _run_proposer(self, fn, *args):
+        """``fn(*args)`` in a worker thread (torch, off the event loop), or here for a proposer that
+        drafts on the loop (:attr:`Proposer.on_loop`)."""
+        if self.proposer.on_loop:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
     def swap_weights(self, state) -> None:
         """Queue new head weights (online distillation): the proposer takes them between proposal
         batches, in order with the proposals and verdicts around them. Call on the event loop."""
@@ -219,7 +229,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             by_gamma.setdefault(2 * gamma + 1, []).append(seq_id)
         self._ahead.clear()
         for length, seq_ids in by_gamma.items():
-            await asyncio.to_thread(self.proposer.predraft, seq_ids, length)
+            await self._run_proposer(self.proposer.predraft, seq_ids, length)
         self.stats.drafted_ahead += 1
 
     def _note_verdicts(self, results) -> None:
@@ -238,7 +248,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             self._ahead.update((d.seq_id, d.chain_length) for d in inputs
                                if d.chain_length > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         started = time.perf_counter()
-        outputs = await asyncio.to_thread(self.proposer.propose, inputs)
+        outputs = await self._run_proposer(self.proposer.propose, inputs)
         stats = self.stats
         stats.latency.observe(time.perf_counter() - started)
         stats.batch_size.observe(len(inputs))
@@ -268,8 +278,10 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     if reader.done():
                         break
                     continue
+                # done once handed over: gRPC starts its write as it takes it (and asks for the next
+                # message only once that write completed), so a flush (join) need not wait for that
+                stream.out.task_done()
                 yield msg
-                stream.out.task_done()  # gRPC resumes this generator once it has written ``msg``
         finally:
             reader.cancel()
             self.streams.pop(id(stream), None)
@@ -289,12 +301,32 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             raise ValueError("hidden-state descriptors on a stream without a data plane")
         before = plane.bytes
         if sum(ref.count for ref in refs if ref is not None) > ROWS_ON_LOOP:
-            rows = await asyncio.to_thread(plane.resolve, refs)
+            rows = await asyncio.to_thread(plane.resolve, refs)  # (not the proposer: a large copy)
         else:
             rows = plane.resolve(refs)
         self.stats.hidden_bytes += plane.bytes - before
         return [item if ref is None else dataclasses.replace(item, hidden_states=r, hidden_ref=None)
                 for item, ref, r in zip(items, refs, rows)]
+
+    async def _on_propose(self, stream: _Stream, batch: spec_pb2.ProposeBatch, seqs: set[str]) -> None:
+        self.stats.hidden_bytes += sum(len(t.data) for r in batch.requests for t in r.hidden_states)
+        inputs = []
+        for r in batch.requests:
+            d = draft_input_from_pb(r)
+            if d.num_tokens > self.max_speculative_tokens:
+                d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
+            seqs.add(d.seq_id)
+            inputs.append(d)
+        self._work.put_nowait(("propose", stream, await self._with_rows(stream, inputs)))
+
+    async def _on_verify(self, stream: _Stream, batch: spec_pb2.VerifyBatch) -> None:
+        self.stats.hidden_bytes += sum(len(t.data) for o in batch.outcomes for t in o.hidden_states)
+        results = [verify_from_pb(o) for o in batch.outcomes]
+        self._work.put_nowait(("verify", stream, await self._with_rows(stream, results)))
+
+    def _on_release(self, stream: _Stream, batch: spec_pb2.ReleaseBatch, seqs: set[str]) -> None:
+        seqs.difference_update(batch.seq_ids)
+        self._work.put_nowait(("release", stream, list(batch.seq_ids)))
 
     async def _read(self, request_iterator, stream: _Stream) -> None:
         seqs: set[str] = set()
@@ -317,30 +349,27 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         hidden_layers=self.proposer.hidden_layers,
                         max_speculative_tokens=self.max_speculative_tokens,
                         hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
-                        stages=self.stager is not None, hidden_plane=plane)))
+                        stages=self.stager is not None, hidden_plane=plane, step_news=True)))
                 elif body == "hidden_rows":
                     if stream.plane is None:
                         raise ValueError("hidden rows on a stream without a data plane")
                     before = stream.plane.bytes
                     stream.plane.chunk(msg.hidden_rows)
                     self.stats.hidden_bytes += stream.plane.bytes - before
+                elif body == "step":  # one target step's news: verdicts, releases, requests, in that order
+                    step = msg.step
+                    if step.verify.outcomes:
+                        await self._on_verify(stream, step.verify)
+                    if step.release.seq_ids:
+                        self._on_release(stream, step.release, seqs)
+                    if step.propose.requests:
+                        await self._on_propose(stream, step.propose, seqs)
                 elif body == "propose":
-                    self.stats.hidden_bytes += sum(len(t.data) for r in msg.propose.requests for t in r.hidden_states)
-                    inputs = []
-                    for r in msg.propose.requests:
-                        d = draft_input_from_pb(r)
-                        if d.num_tokens > self.max_speculative_tokens:
-                            d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
-                        seqs.add(d.seq_id)
-                        inputs.append(d)
-                    self._work.put_nowait(("propose", stream, await self._with_rows(stream, inputs)))
+                    await self._on_propose(stream, msg.propose, seqs)
                 elif body == "verify":
-                    self.stats.hidden_bytes += sum(len(t.data) for o in msg.verify.outcomes for t in o.hidden_states)
-                    results = [verify_from_pb(o) for o in msg.verify.outcomes]
-                    self._work.put_nowait(("verify", stream, await self._with_rows(stream, results)))
+                    await self._on_verify(stream, msg.verify)
                 elif body == "release":
-                    seqs.difference_update(msg.release.seq_ids)
-                    self._work.put_nowait(("release", stream, list(msg.release.seq_ids)))
+                    self._on_release(stream, msg.release, seqs)
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         except Exception:  # a malformed message: end this stream (the target falls back), say why

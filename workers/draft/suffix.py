@@ -73,6 +73,7 @@ class SuffixProposer(Proposer):
     """Suffix decoding over each request's tokens and a bounded global tree of earlier outputs."""
 
     method = "suffix"
+    on_loop = True  # pure Python, no torch
 
     def __init__(self, config: SuffixConfig = SuffixConfig()):
         self.config = config

@@ -124,6 +124,9 @@ class TargetCollector(Collector):
                       "proposals included).", w.loop.busy_seconds)
         yield counter("draft_wait_seconds", "Seconds the step loop waited for rounds of draft proposals "
                       "(the planner's draft:target rule reads its share of busy_seconds).", w.loop.draft_wait_seconds)
+        yield counter("draft_flush_seconds", "Seconds the step loop spent, before its steps, handing the previous "
+                      "step's news to the draft stream (pipelined seam; part of busy_seconds, not of draft_wait).",
+                      w.loop.draft_flush_seconds)
         spec = engine.spec  # speculation budgets and the step-cost model behind load-aware ones
         fixed, per_token, per_seq, speculating = spec.cost.coefficients()
         yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.", spec.planned_draft_tokens)

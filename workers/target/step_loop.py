@@ -148,6 +148,7 @@ class StepLoop:
         self.steps = 0
         self.busy_seconds = 0.0  # time in iterations with work (waiting for proposals included)
         self.draft_wait_seconds = 0.0  # of that, time spent waiting for a round of proposals (pipelined: none)
+        self.draft_flush_seconds = 0.0  # of that, pipelined: time handing each step's news to the stream
         self.step_failures = 0
         self.loop_errors = 0
         self.proposals_dropped = 0
@@ -264,7 +265,8 @@ class StepLoop:
         client = self._client
         if client is not None and getattr(client, "pipelined", False):
             # the last step's verdicts and round requests leave before this step takes the interpreter
-            await client.flush(FLUSH_TIMEOUT)
+            await client.flush(FLUSH_TIMEOUT)  # (normally taken already: see after the cycle)
+            self.draft_flush_seconds += time.perf_counter() - started
         proposals = await self._collect()
         context = await self._draft_context()
         commands = list(self._commands)
@@ -276,7 +278,15 @@ class StepLoop:
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
             self._resolve(cmd, result, error)
-        self._talk_to_draft(cycle)  # first: the draft works while the loop delivers
+        if self._talk_to_draft(cycle):  # first: the draft works while the loop delivers
+            # One turn of the event loop, before the deliveries wake anything: the stream's writer
+            # takes this step's news (gRPC starts writing it as it takes it). Otherwise it would
+            # wait behind every request handler the deliveries wake, or, once the next step's thread
+            # holds the interpreter, a switch interval; the flush before the next step then finds
+            # nothing left to wait for.
+            handed = time.perf_counter()
+            await asyncio.sleep(0)
+            self.draft_flush_seconds += time.perf_counter() - handed
         self.handoffs.update(cycle.handoffs)  # before the deltas whose finish reason says "handoff"
         self._deliver(cycle.outputs)
         for rid, error in cycle.failed:
@@ -477,16 +487,16 @@ class StepLoop:
             self._arrived = 0
         self.proposals_dropped += cycle.dropped
 
-    def _talk_to_draft(self, cycle: Cycle) -> None:
+    def _talk_to_draft(self, cycle: Cycle) -> bool:
+        """Queue the step's news on the draft stream; True when that is the pipelined seam's."""
         client = self._client
         if client is None or client.broken:
-            return
-        client.verified(cycle.verdicts)
-        client.release(cycle.released)
-        if cycle.requests:
-            self._pending = client.send(cycle.requests)
-            if getattr(client, "pipelined", False):
-                self._streamed = len(cycle.requests)
+            return False
+        self._pending = client.news(cycle.verdicts, cycle.released, cycle.requests)
+        if not getattr(client, "pipelined", False):
+            return False
+        self._streamed = len(cycle.requests)
+        return bool(cycle.verdicts or cycle.released or cycle.requests)
 
     async def _housekeeping(self) -> None:
         """Publish the spec-decode counters per draft worker (cumulative, when they changed, and every

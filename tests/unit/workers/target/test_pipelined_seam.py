@@ -16,7 +16,7 @@ from workers.draft.service import DraftService
 from workers.engine.engine import Engine, EngineConfig
 from workers.speculation.payloads import DraftOutput
 from workers.target.step_loop import StepLoop
-from tests.support.draft_pool import FixedPool as _Pool
+from tests.support.draft_pool import FixedPool as _Pool, NewsByParts
 from tests.support.serving import serve_through
 
 pytestmark = pytest.mark.unit
@@ -60,7 +60,7 @@ async def test_pipelined_greedy_equals_the_target_alone_and_never_waits(model, e
         assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0
 
 
-class _Scripted:
+class _Scripted(NewsByParts):
     """A pipelined draft stream stand-in: whatever ``script(seq_id, committed)`` streams, nothing else."""
 
     def __init__(self, script):

@@ -15,7 +15,7 @@ from workers.target.draft_watch import DraftWatch
 from workers.target.disagg import DisaggStats
 from workers.target.metrics import RequestStats, TargetCollector
 from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
-from tests.support.draft_pool import FixedPool as _Pool
+from tests.support.draft_pool import FixedPool as _Pool, NewsByParts
 
 pytestmark = pytest.mark.unit
 
@@ -131,7 +131,7 @@ async def test_failing_commands_reach_their_callers_only(model, expected):
         await loop.stop()
 
 
-class _Client:
+class _Client(NewsByParts):
     """A draft stream stand-in that answers every round with the target's own next token."""
 
     def __init__(self, expected):
