@@ -32,15 +32,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .proposer import grow_blocks
 from .stager import Branch, Chain
-
-if TYPE_CHECKING:
-    from .eagle_proposer import _Seq
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +90,14 @@ class EagleStaging:
     """Mixin of :class:`.eagle_proposer.EagleProposer`: its ``draft_branches`` (see the module
     docstring). It reads the proposer's sequences (``_seqs``: each one's ``root`` and ``kept`` forks),
     head, KV cache and block manager, and runs the head through the proposer's ``_forward``; the
-    proposer's ``_rollback`` drops a sequence's kept forks when it rewrites blocks they read."""
+    proposer's ``_rollback`` drops a sequence's kept forks when it rewrites blocks they read. A
+    ``seq`` here is one of the proposer's (its module's ``_Seq``), not imported: that would be a cycle."""
 
     def _roots(self, seq_ids: list[str]) -> dict[str, torch.Tensor]:
         """Seq id -> the head's output after each sequence's committed pairs (the feature it predicts
         for its last committed position), the pairs not yet in the cache run in one batched pass."""
         roots: dict[str, torch.Tensor] = {}
-        todo: list[tuple[str, _Seq]] = []
+        todo: list[tuple[str, object]] = []  # (seq id, its sequence)
         for sid in seq_ids:
             seq = self._seqs.get(sid)
             if seq is None or seq.broken:
@@ -210,7 +207,7 @@ class EagleStaging:
                     self.blocks.free(fork.own)
         return out
 
-    def _reusable(self, seq: _Seq, extra: list[int]) -> tuple[_Fork | None, int]:
+    def _reusable(self, seq, extra: list[int]) -> tuple[_Fork | None, int]:
         """A kept fork whose passes already ran the tokens a branch assumes after ``seq``'s committed
         ones (``extra``), and the last such pass: the one reaching furthest (None: none reaches past
         the root)."""
@@ -234,7 +231,7 @@ class EagleStaging:
                     best, best_depth, best_pos = fork, depth, fork.base + depth + 1
         return best, best_depth
 
-    def _drop_kept(self, seq: _Seq) -> None:
+    def _drop_kept(self, seq) -> None:
         for call in seq.kept:
             for fork in call:
                 self.blocks.free(fork.own)
