@@ -167,7 +167,7 @@ def test_a_staged_chains_confidence_never_exceeds_one():
     streamed with a staged chain (cumulative, per token) stays a probability."""
     import torch
 
-    from workers.draft.eagle_proposer import _Fork
+    from workers.draft.eagle_staging import _Fork
 
     fork = _Fork(0, 0, [], 3, 2, torch.zeros(1))
     for logp in (2.4e-7, -0.1, 1e-7):
