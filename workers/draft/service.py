@@ -68,6 +68,8 @@ ROWS_ON_LOOP = 256  # hidden rows a message may take off the data plane on the e
 class DraftService(spec_pb2_grpc.DraftServiceServicer):
     """Serves :class:`Proposer` proposals to any number of target workers."""
 
+    takes_step_news = True  # HelloAck.step_news: a target may send each step's news as one StepNews
+
     def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
                  alternatives: int = 1):
         self.proposer = proposer
@@ -349,7 +351,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         hidden_layers=self.proposer.hidden_layers,
                         max_speculative_tokens=self.max_speculative_tokens,
                         hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
-                        stages=self.stager is not None, hidden_plane=plane, step_news=True)))
+                        stages=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news)))
                 elif body == "hidden_rows":
                     if stream.plane is None:
                         raise ValueError("hidden rows on a stream without a data plane")

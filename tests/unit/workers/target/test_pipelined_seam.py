@@ -187,3 +187,47 @@ async def test_flush_returns_once_what_was_queued_is_written_to_the_stream():
         assert client._outgoing.empty() and client._outgoing._unfinished_tasks == 0
         client._break("test", quiet=True)
         assert not await client.flush(5.0)
+
+
+class _Counting(DraftService):
+    """A draft service that counts the kinds of message its targets send (``takes_step_news``
+    False: a draft from before StepNews, which the target must send three messages a step)."""
+
+    def __init__(self, *args, step_news: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.takes_step_news = step_news
+        self.kinds: dict[str, int] = {}
+
+    async def _read(self, request_iterator, stream):
+        async def counted():
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("body")
+                self.kinds[kind] = self.kinds.get(kind, 0) + 1
+                yield msg
+
+        await super()._read(counted(), stream)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["pipelined", "sync"])
+@pytest.mark.parametrize("step_news", [True, False], ids=["step_news", "older_draft"])
+async def test_a_steps_news_travels_as_one_message_to_a_draft_that_takes_it(model, expected, staged, step_news):
+    """One StepNews a step (verdicts, releases, requests; one write on the stream) where the draft
+    announces it, three messages to one that does not; the same exact output either way."""
+    service = _Counting(NgramProposer(1, 3), "d1", 8, step_news=step_news)
+    async with draft_on_loopback(service, staged=staged, vocab_size=256) as client:
+        assert client.pipelined == staged and client.step_news == step_news
+        engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+        loop = StepLoop(engine, _Pool(client))
+        loop.start()
+        try:
+            got = await serve_all(loop)
+        finally:
+            await loop.stop()
+        await asyncio.sleep(0.2)  # the releases of the last step, read by the draft
+    assert got == expected
+    kinds = service.kinds
+    if step_news:
+        assert kinds.get("step", 0) >= len(PROMPTS) and not {"propose", "verify", "release"} & set(kinds), kinds
+    else:
+        assert "step" not in kinds and kinds.get("propose", 0) >= len(PROMPTS) and kinds.get("release"), kinds
+    assert (loop.draft_flush_seconds > 0) == staged  # pipelined: the news handed over before each next step
