@@ -1,11 +1,14 @@
-"""Tokens per target step of the demo model with its bundled EAGLE-3 head, synchronous seam against
-the pipelined seam, in one process and without clocks: what the seams can emit per step, apart from
-what a step or the wire costs.
+"""Tokens per target step of the demo model with its bundled EAGLE-3 head (or, ``--draft ngram``,
+of the served bench's tiny target with an n-gram draft), synchronous seam against the pipelined
+seam, in one process and without clocks: what the seams can emit per step, apart from what a step
+or the wire costs.
 
 Usage: .venv/bin/python bench/eagle_stage_bench.py [--prompts 6] [--max-tokens 48] [--gamma 4]
-       [--runs sync,pipelined:1:1,pipelined:1:3,pipelined:2:1]
+       [--runs sync,pipelined:1:1,pipelined:1:3,pipelined:2:1] [--draft eagle3|ngram]
 
-Each request runs alone (batch 1), greedy, on hand-written chat (``bench/prompts/natural_chat.jsonl``).
+Each request runs alone (batch 1), greedy, on hand-written chat (``bench/prompts/natural_chat.jsonl``;
+``--draft ngram``: the tiny target of ``served_bench.py --tiny-target`` on its repetitive prompts,
+``bench/prompts/repetitive.jsonl``, with the n-gram draft's defaults, 1 to 4 tokens).
 ``sync``: each step verifies the proposal the head drafted from everything committed before it (the
 synchronous seam with the draft's answer always in time: its ceiling). ``pipelined:L:A``: the target
 never waits; the stager (:mod:`workers.draft.stager`, ``A`` = ``--stage-alternatives``) drafts from
@@ -34,16 +37,18 @@ from runtime.messages import SamplingParams  # noqa: E402
 from workers.demo_model import DEMO_HEAD, demo_model_dir, demo_tokenizer_dir  # noqa: E402
 from workers.draft.eagle import load_eagle, load_target_parts  # noqa: E402
 from workers.draft.eagle_proposer import EagleProposer  # noqa: E402
+from workers.draft.ngram import NgramProposer  # noqa: E402
 from workers.draft.stager import Stager  # noqa: E402
 from workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.weights import load_model  # noqa: E402
 
 
-def run(model, head, layers, batch, params, gamma: int, mode: str, lag: int, alternatives: int, want) -> str:
+def run(model, make_proposer, layers, batch, params, gamma: int, mode: str, lag: int, alternatives: int,
+        want) -> str:
     engine = Engine(model, EngineConfig(block_size=16, num_blocks=1024, max_num_seqs=1),
                     num_speculative_tokens=gamma, hidden_layers=tuple(layers), adaptive=False)
     engine.spec.pipelined = mode == "pipelined"
-    proposer = EagleProposer(head, layers, 1024, 16)
+    proposer = make_proposer()
     stager = Stager(proposer, alternatives)
     out = {rid: [] for rid in batch}
     steps = 0
@@ -85,16 +90,26 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--runs", default="sync,pipelined:1:1,pipelined:1:3,pipelined:2:1")
+    ap.add_argument("--draft", choices=["eagle3", "ngram"], default="eagle3",
+                    help="ngram: the tiny target of served_bench.py --tiny-target, on repetitive prompts")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    path = demo_model_dir()
-    embed, lm_head, tcfg = load_target_parts(path)
-    head, layers = load_eagle(DEMO_HEAD, embed, lm_head, tcfg, 2048)
+    if args.draft == "eagle3":
+        path = demo_model_dir()
+        embed, lm_head, tcfg = load_target_parts(path)
+        head, layers = load_eagle(DEMO_HEAD, embed, lm_head, tcfg, 2048)
+        make_proposer, prompts = (lambda: EagleProposer(head, layers, 1024, 16)), "natural_chat.jsonl"
+    else:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from served_bench import tiny_target
+
+        path, layers, prompts = tiny_target(), (), "repetitive.jsonl"
+        make_proposer = NgramProposer
     model = load_model(path)
     tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir())
-    lines = [json.loads(line) for line in (ROOT / "bench/prompts/natural_chat.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (ROOT / "bench/prompts" / prompts).read_text().splitlines()]
     batch = {str(i): tok(tok.apply_chat_template(line["messages"], add_generation_prompt=True, tokenize=False))[
         "input_ids"] for i, line in enumerate(lines[: args.prompts])}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -105,7 +120,7 @@ def main() -> None:
     for spec in args.runs.split(","):
         mode, *rest = spec.split(":")
         lag, alternatives = (int(rest[0]), int(rest[1])) if rest else (0, 1)
-        print(run(model, head, layers, batch, params, args.gamma, mode, lag, alternatives, want), flush=True)
+        print(run(model, make_proposer, layers, batch, params, args.gamma, mode, lag, alternatives, want), flush=True)
 
 
 if __name__ == "__main__":

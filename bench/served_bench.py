@@ -152,6 +152,9 @@ class Stack:
             m = re.search(rf"^tandem_draft_proposal_seconds_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
             if m:
                 out[name] = float(m.group(1))
+        m = re.search(r"^process_cpu_seconds_total (\S+)$", text, re.M)
+        if m:
+            out["cpu_seconds"] = float(m.group(1))
         return out
 
     def target_metrics(self) -> dict[str, float]:
@@ -165,6 +168,9 @@ class Stack:
             m = re.search(rf"^tandem_target_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
             if m:
                 out[name] = float(m.group(1))
+        m = re.search(r"^process_cpu_seconds_total (\S+)$", text, re.M)  # (all its threads: a measure of work)
+        if m:
+            out["cpu_seconds"] = float(m.group(1))
         for name in ("fixed", "per_token", "per_verify", "speculating"):  # the target's fitted step-cost model
             m = re.search(rf"^tandem_target_step_cost_{name}_seconds(?:{{[^}}]*}})? (\S+)$", text, re.M)
             if m:
@@ -386,6 +392,21 @@ def run(args: argparse.Namespace) -> dict:
     calls = d1.get("count", 0.0) - d0.get("count", 0.0)
     if calls > 0:  # how long the draft worker takes per call (a late one is of no use to the target)
         print(f"draft worker: {calls:.0f} drafting calls, {1e3 * (d1['sum'] - d0['sum']) / calls:.2f} ms each on average")
+    # CPU time per engine step (all of a process's threads), less noisy than the busy time on a shared
+    # machine: the spec stack's target and its draft worker against the plain stack's target
+    cpu_ms = {}
+    spec_steps = after.get("engine_steps", 0.0) - before.get("engine_steps", 0.0)
+    for name, (b0, b1, steps) in {
+            "plain target": (waits.get("plain_before", {}), waits.get("plain_after", {}),
+                             waits.get("plain_after", {}).get("engine_steps", 0.0)
+                             - waits.get("plain_before", {}).get("engine_steps", 0.0)),
+            "spec target": (before, after, spec_steps),
+            "draft": (waits.get("draft_before", {}), waits.get("draft_after", {}), spec_steps)}.items():
+        if steps > 0 and "cpu_seconds" in b0 and "cpu_seconds" in b1:
+            cpu_ms[name] = 1e3 * (b1["cpu_seconds"] - b0["cpu_seconds"]) / steps
+    if cpu_ms:
+        print("CPU ms per engine step (of the stack's own target): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in cpu_ms.items()))
     flush_ms = None
     if "spec" in step_ms and "draft_flush_seconds" in after:  # of the spec step: handing news to the draft
         steps = after["engine_steps"] - before.get("engine_steps", 0.0)
@@ -400,7 +421,7 @@ def run(args: argparse.Namespace) -> dict:
                        "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
                        "plain_model": stacks["plain"].model, "tiny_target": args.tiny_target,
                        "spec_seam": args.spec_seam},
-            "draft_wait_share": share, "target_step_ms": step_ms, "target_flush_ms": flush_ms,
+            "draft_wait_share": share, "target_step_ms": step_ms, "target_flush_ms": flush_ms, "cpu_ms_per_step": cpu_ms,
             "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
             "warmup": warmup, "per_prompt": pairs}
 

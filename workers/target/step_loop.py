@@ -14,7 +14,8 @@ Only the engine's thread touches torch or the engine. Each iteration of :meth:`S
    the engine step, the verdicts and the next round's proposal requests, already converted to
    protobuf, and the KV events;
 3. on the event loop again: sends verdicts, released sequences and the next round's requests to
-   the draft stream first, so that the draft works while the loop delivers token deltas to the
+   the draft stream first (one message, :meth:`DraftClient.news`; pipelined, one turn of the event
+   loop for gRPC to take it), so that the draft works while the loop delivers token deltas to the
    requests' queues and KV events to their publisher.
 
 Without a draft worker (none registered, its stream broke, it is backed off, or speculation is
