@@ -127,8 +127,18 @@ def prompts_for(batch: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % vocab for j in range(24 + i)] for i in range(batch)]
 
 
-async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str) -> dict:
-    """Serve ``prompts`` on a fresh step loop; decode-phase tokens/s and the loop's counters."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (0.0 where /proc is absent)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str, draft_pid: int = 0) -> dict:
+    """Serve ``prompts`` on a fresh step loop; decode-phase tokens/s, the loop's counters, and the CPU
+    time the target (this process) and the draft worker (``draft_pid``) spent a step."""
     from runtime.messages import SamplingParams
     from workers.target.step_loop import StepLoop
 
@@ -175,14 +185,19 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
 
     started = time.perf_counter()
     steps0, busy0, wait0 = loop.steps, loop.busy_seconds, loop.draft_wait_seconds
+    cpu0, draft_cpu0 = time.process_time(), cpu_seconds(draft_pid) if draft_pid else 0.0
     ends = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - started
+    steps = max(loop.steps - steps0, 1)
+    cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
+    draft_cpu_ms = 1e3 * (cpu_seconds(draft_pid) - draft_cpu0) / steps if draft_pid else 0.0
     decode = max(ends) - max(firsts)
     counters = engine.counters.get(getattr(pool.client, "draft_id", ""), None) if pool is not None else None
     row = {"tok_s": sum(len(o) - 1 for o in outputs.values()) / decode, "wall": wall,
            "steps": loop.steps - steps0, "busy": loop.busy_seconds - busy0,
            "wait": loop.draft_wait_seconds - wait0, "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))],
-           "plain_steps": dict(engine.spec.plain_steps), "dropped": dict(engine.spec.dropped)}
+           "plain_steps": dict(engine.spec.plain_steps), "dropped": dict(engine.spec.dropped),
+           "cpu_ms": cpu_ms, "draft_cpu_ms": draft_cpu_ms}
     row["step_s"] = statistics.median(cycles[1:] or cycles)  # the first is the prefill
     row["verify_s"] = statistics.median(verify_cycles) if verify_cycles else None
     if counters is not None:
@@ -234,10 +249,10 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
             try:
                 for k in range(args.repeats):  # interleaved, so that a slow spell of the machine hits all alike
                     plain = await run_once(engine_for(model, 0), None, prompts, tokens, f"plain{k}")
-                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"]}
+                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"], "plain_cpu_ms": plain["cpu_ms"]}
                     for seam in ("sync", "pipelined"):
                         pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
-                        r = await run_once(engine_for(model, gamma), pool, prompts, tokens, f"{seam}{k}")
+                        r = await run_once(engine_for(model, gamma), pool, prompts, tokens, f"{seam}{k}", child.pid)
                         await pool.close()
                         equal = sum(a == b for a, b in zip(r["outputs"], first["outputs"]))
                         assert GPU or equal == len(prompts), f"{seam}: outputs differ from plain decoding"
@@ -248,6 +263,7 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                         rep[f"{seam}_plain_steps"] = r["plain_steps"]
                         rep[f"{seam}_dropped"] = r["dropped"]
                         rep[f"{seam}_verify_s"] = r["verify_s"]
+                        rep[f"{seam}_cpu_ms"], rep[f"{seam}_draft_cpu_ms"] = r["cpu_ms"], r["draft_cpu_ms"]
                     # the verify step: the synchronous run's verifying cycles, less their wait for proposals
                     rep["t_verify"] = rep["sync_verify_s"]
                     rep["ideal"] = e * rep["t_plain"] / rep["t_verify"]
@@ -262,7 +278,8 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                 child.wait()
             row = {"batch": batch, "alpha": alpha, "cost": cost, "gamma": gamma, "E": e, "repeats": reps}
             for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "sync", "pipelined", "of_ideal", "of_drawn_ideal",
-                        "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr"):
+                        "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr", "plain_cpu_ms", "sync_cpu_ms",
+                        "pipelined_cpu_ms", "sync_draft_cpu_ms", "pipelined_draft_cpu_ms"):
                 row[key] = statistics.median(r[key] for r in reps)
             # a pipelined verify cycle against the synchronous one (less its wait): what overlapping costs
             row["pipelined_verify_s"] = statistics.median(r["pipelined_verify_s"] or 0.0 for r in reps)
@@ -276,13 +293,17 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print("| batch | α | draft cost (× plain step) | γ | plain tok/s | T_plain ms | T_verify ms | ideal | sync | "
           "pipelined | pipelined / ideal | at its drawn acceptance | draft wait sync | draft wait pipelined | "
-          "tokens/round sync / pipelined | outputs equal |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "tokens/round sync / pipelined | pipelined verify cycle ÷ T_verify | CPU ms a step: target plain / sync / "
+          "pipelined, draft sync / pipelined | outputs equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['alpha']} | {r['cost']} | {r['gamma']} | {r['plain_tok_s']:.0f} | "
               f"{1e3 * r['t_plain']:.2f} | {1e3 * r['t_verify']:.2f} | {r['ideal']:.2f}× | {r['sync']:.2f}× | "
               f"{r['pipelined']:.2f}× | {r['of_ideal']:.2f} | {r['of_drawn_ideal']:.2f} | {100 * r['sync_wait']:.0f} % | "
-              f"{100 * r['pipelined_wait']:.1f} % | {r['sync_tpr']:.2f} / {r['pipelined_tpr']:.2f} | {r['equal']} |")
+              f"{100 * r['pipelined_wait']:.1f} % | {r['sync_tpr']:.2f} / {r['pipelined_tpr']:.2f} | "
+              f"{r['pipelined_verify_s'] / r['t_verify']:.2f} | {r['plain_cpu_ms']:.2f} / {r['sync_cpu_ms']:.2f} / "
+              f"{r['pipelined_cpu_ms']:.2f}, {r['sync_draft_cpu_ms']:.2f} / {r['pipelined_draft_cpu_ms']:.2f} | "
+              f"{r['equal']} |")
 
 
 def main() -> None:
