@@ -4,13 +4,18 @@ hand-written natural chat prompts, greedy, batch 1, through the OpenAI HTTP API.
 
 Usage: .venv/bin/python bench/served_bench.py [--prompts N] [--rounds 2] [--max-tokens 96]
        [--prompts-file bench/prompts/natural_chat.jsonl] [--spec-args "--num-speculative-tokens 4"]
-       [--tiny-target] [--spec-seam sync|pipelined] [--json results.json]
+       [--tiny-target [--tiny-eagle3]] [--spec-seam sync|pipelined] [--json results.json]
 
 ``--tiny-target`` serves, in both stacks, a random 2-layer Llama (hidden 64, the demo tokenizer, built
 in code with a fixed seed and saved under the cache) instead of the demo model, on repetitive prompts
 (``bench/prompts/repetitive.jsonl``) unless ``--prompts-file`` says otherwise: a target fast enough
 that the draft seam, not the verify pass, decides what speculation costs (with e.g. ``--spec-args
-"--draft-method ngram --no-load-aware-speculation"``). ``--spec-seam`` sets the speculative stack's
+"--draft-method ngram --no-load-aware-speculation"``). ``--tiny-eagle3`` gives the speculative stack
+an EAGLE-3 head with random weights built to match that target (``--draft-method eagle3
+--draft-model DIR``, the default draft method, saved under the cache; the target offers it layers 0, 1
+and 2 through ``TANDEM_HIDDEN_LAYERS``): its drafts are nearly never
+accepted, so with the default (load-aware) policy the speculative stack should cost what the plain one
+does. ``--spec-seam`` sets the speculative stack's
 target seam (``TANDEM_SPEC_SEAM``). The speculative stack's target is scraped (``/metrics``) after the
 warm-up and at the end: the share of its busy time spent waiting on drafts over the measured rounds
 (``tandem_target_draft_wait_seconds_total`` / ``tandem_target_busy_seconds_total``) is reported.
@@ -87,6 +92,50 @@ def tiny_target() -> Path:
     for item in demo.iterdir():
         if item.is_file() and not item.name.startswith(".") and item.name not in ("config.json", "model.safetensors"):
             shutil.copy(item, tmp / item.name)
+    tmp.rename(path)
+    return path
+
+
+def tiny_eagle3_head(target: Path) -> Path:
+    """A random EAGLE-3 head (seed 0, weights drawn with std 0.1) for :func:`tiny_target`: hidden 64, one
+    layer, the target's aux layers 0, 1 and 2, a draft vocabulary of the first 4,096 target ids; saved once
+    under the cache. Its drafts are guesses the target nearly never accepts."""
+    from runtime.config import cache_dir
+
+    path = cache_dir() / "tiny-llama-h64-l2-init05-eagle3-random"
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    hidden, inter, heads, kv_heads = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                                      cfg["num_key_value_heads"])
+    head_dim, draft_vocab = hidden // heads, 4096
+    gen = torch.Generator().manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    p = "midlayer."
+    state = {"fc.weight": w(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
+             "lm_head.weight": w(draft_vocab, hidden), "d2t": torch.zeros(draft_vocab, dtype=torch.long),
+             p + "self_attn.q_proj.weight": w(heads * head_dim, 2 * hidden),
+             p + "self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * hidden),
+             p + "self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * hidden),
+             p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+             p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+             p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
+             p + "hidden_norm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden)}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden,
+        "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_hidden_layers": 1, "vocab_size": cfg["vocab_size"], "rms_norm_eps": 1e-6,
+        "max_position_embeddings": cfg["max_position_embeddings"], "draft_vocab_size": draft_vocab,
+        "target_hidden_size": hidden, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}))
     tmp.rename(path)
     return path
 
@@ -327,7 +376,11 @@ def run(args: argparse.Namespace) -> dict:
     subprocess.run([sys.executable, "-m", "workers.demo_model"], cwd=ROOT, check=True, capture_output=True)
     spec_extra = shlex.split(args.spec_args)
     model = ["--model", str(tiny_target())] if args.tiny_target else []
+    if args.tiny_eagle3:
+        spec_extra = ["--draft-method", "eagle3", "--draft-model", str(tiny_eagle3_head(tiny_target())), *spec_extra]
     seam = {"TANDEM_SPEC_SEAM": args.spec_seam} if args.spec_seam else {}
+    if args.tiny_eagle3:  # a 2-layer target offers only its last layer by default; the head reads three
+        seam["TANDEM_HIDDEN_LAYERS"] = "0,1,2"
     stacks = {"plain": Stack("plain", model + ["--draft-method", "none"], args.startup_timeout),
               "spec": Stack("spec", model + spec_extra, args.startup_timeout, seam)}
     waits: dict[str, dict] = {}
@@ -420,7 +473,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"config": {"prompts_file": args.prompts_file, "prompts": len(prompts), "rounds": args.rounds,
                        "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
                        "plain_model": stacks["plain"].model, "tiny_target": args.tiny_target,
-                       "spec_seam": args.spec_seam},
+                       "spec_seam": args.spec_seam, "tiny_eagle3": args.tiny_eagle3},
             "draft_wait_share": share, "target_step_ms": step_ms, "target_flush_ms": flush_ms, "cpu_ms_per_step": cpu_ms,
             "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
             "warmup": warmup, "per_prompt": pairs}
@@ -441,11 +494,16 @@ def main() -> None:
     ap.add_argument("--tiny-target", action="store_true",
                     help="serve a random 2-layer Llama (hidden 64, the demo tokenizer) built in code, on repetitive "
                          "prompts unless --prompts-file is given")
+    ap.add_argument("--tiny-eagle3", action="store_true",
+                    help="with --tiny-target: the speculative stack drafts with a random-weight EAGLE-3 head built "
+                         "for that target (drafts nearly never accepted)")
     ap.add_argument("--spec-seam", choices=["sync", "pipelined"], default=None,
                     help="the speculative stack's target seam (TANDEM_SPEC_SEAM; default: the target's default)")
     args = ap.parse_args()
     if args.tiny_target and args.prompts_file == DEFAULT_PROMPTS:
         args.prompts_file = str(ROOT / "bench" / "prompts" / "repetitive.jsonl")
+    if args.tiny_eagle3 and not args.tiny_target:
+        ap.error("--tiny-eagle3 needs --tiny-target")
     if args.rounds < 1 or (args.prompts is not None and args.prompts < 1) or args.max_tokens < 1:
         ap.error("--rounds, --prompts and --max-tokens must be >= 1")
 
