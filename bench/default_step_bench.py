@@ -1,7 +1,7 @@
 """What a target step costs its engine thread under the default speculative policy when drafting does
 not pay, against plain decoding: the host work speculation adds to every step.
 
-Usage: .venv/bin/python bench/default_step_bench.py [--requests 40] [--max-tokens 96] [--json out.json]
+Usage: .venv/bin/python bench/default_step_bench.py [--requests 40] [--max-tokens 96] [--aa] [--json out.json]
 
 Two engines serve the same random 2-layer Llama (``bench/served_bench.py``'s tiny target: hidden 64,
 the demo vocabulary) in one process, one thread of torch, greedy, batch 1, the same requests one
@@ -19,15 +19,22 @@ first alternating), so that a slow spell of this shared machine hits both alike:
   switch itself off and cost nothing.
 
 Each cycle is timed on the engine thread's CPU clock (``time.thread_time``: time this thread was
-descheduled does not count). Reported: the mean CPU time per step of each engine (and the
-median), their difference (what the default policy adds to a step) and ratio, the rounds the
-policy asked for and the drafts verified. Both engines' outputs are compared (they must be equal).
+descheduled does not count), and so is the model's forward pass within it. Reported: the mean CPU
+time per step of each engine (and the median), their difference and ratio; the same outside the
+forward pass (the host work around it: scheduling, sampling, bookkeeping, and on the default side
+the speculation policy, the hidden-state store, the draft messages), whose difference is what the
+default policy adds to a step, measured without the forward pass's own noise (two copies of the
+same weights run a few per cent apart on this machine, whichever engine holds them, see ``--aa``);
+the rounds the policy asked for and the drafts verified. Both engines' outputs are compared (they must be equal).
+``--aa`` runs the same with plain decoding on both sides: the bench's own noise (each engine's
+figure moves by 1-2 % between runs on this shared machine, the absolute ones by far more).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -39,21 +46,24 @@ sys.path.insert(0, str(ROOT))
 LAYERS = (0, 1, 2)
 
 
-def engines(model: str):
+def engines(model: str, aa: bool):
     from workers.engine.build import build_engine
     from workers.target.__main__ import TargetConfig
 
     plain = build_engine(TargetConfig(model, "bench", hidden_layers="none", threads=1), "plain")
-    spec = build_engine(TargetConfig(model, "bench", hidden_layers=",".join(map(str, LAYERS)), threads=1), "default")
+    layers = "none" if aa else ",".join(map(str, LAYERS))
+    spec = build_engine(TargetConfig(model, "bench", hidden_layers=layers, threads=1), "default")
     return plain, spec
 
 
-def loops(plain, spec):
+def loops(plain, spec, aa: bool):
     from workers.target.step_loop import DraftContext, StepLoop
 
     class Pool:  # a draft worker connected (never asked to open anything: _cycle only checks it is there)
         pass
 
+    if aa:  # the A/A control: plain decoding on both sides
+        return StepLoop(plain, None), StepLoop(spec, None), None
     context = DraftContext("bench-draft", LAYERS, "float32", ask=True)
     return StepLoop(plain, None), StepLoop(spec, Pool()), context
 
@@ -63,9 +73,19 @@ class Driver:
     runs them (the synchronous seam: the answers to a round are in hand at the next cycle)."""
 
     def __init__(self, loop, context):
-        import random
-
         self.loop, self.context = loop, context
+        self.forward = 0.0  # engine-thread CPU seconds in the model's forward passes, running total
+        self.outside: list[float] = []  # per cycle that stepped: its CPU seconds outside the forward pass
+        runner, forward = loop.engine.runner, loop.engine.runner.forward
+
+        def timed(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.forward += time.thread_time() - started
+
+        runner.forward = timed
         self.draw = random.Random(2)
         self.last, self.asked, self.requests = 0.0, False, []
         self.rounds = 0
@@ -83,7 +103,7 @@ class Driver:
     def step(self) -> None:
         from workers.speculation.payloads import DraftOutput
 
-        started, wall = time.thread_time(), time.perf_counter()
+        started, wall, forward = time.thread_time(), time.perf_counter(), self.forward
         answers = {r.seq_id: DraftOutput(r.seq_id, r.round, [self.draw.randrange(self.loop.engine.vocab_size)
                                                              for _ in range(r.num_tokens)])
                    for r in self.requests}  # a random head's answers to the last round, in time
@@ -95,6 +115,7 @@ class Driver:
         self.rounds += bool(cycle.requests)
         if cycle.stepped:
             self.cpu.append(cpu)
+            self.outside.append(cpu - (self.forward - forward))
         for error in (e for _, _, e in cycle.results if e is not None):
             raise error
         for _, delta in cycle.outputs:
@@ -109,41 +130,46 @@ def run(args: argparse.Namespace) -> dict:
     from runtime.messages import SamplingParams
 
     torch.manual_seed(0)
-    plain, spec = engines(str(tiny_target()))
-    plain_loop, spec_loop, context = loops(plain, spec)
+    plain, spec = engines(str(tiny_target()), args.aa)
+    plain_loop, spec_loop, context = loops(plain, spec, args.aa)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     drivers = {"plain": Driver(plain_loop, None), "default": Driver(spec_loop, context)}
     equal, warm = 0, 2  # the first two requests warm up
+    order = random.Random(3)
     for i in range(args.requests + warm):
         prompt = torch.randint(100, 40000, (32,), generator=gen).tolist()
         if i == warm:
             for d in drivers.values():
                 d.cpu.clear()
+                d.outside.clear()
         for d in drivers.values():
             d.start(f"r{i}", prompt, params)
-        flip = False
-        while not all(d.done for d in drivers.values()):  # one cycle each in turn, who goes first alternating
-            for d in (list(drivers.values())[::-1] if flip else drivers.values()):
+        while not all(d.done for d in drivers.values()):  # one cycle each in turn, who goes first at random
+            for d in sorted(drivers.values(), key=lambda _: order.random()):
                 if not d.done:
                     d.step()
-            flip = not flip
         equal += i >= warm and drivers["plain"].tokens == drivers["default"].tokens
     cpu = {name: d.cpu for name, d in drivers.items()}
     mean = {name: statistics.fmean(v) for name, v in cpu.items()}
+    outside = {name: statistics.fmean(d.outside) for name, d in drivers.items()}
     med = {name: statistics.median(v) for name, v in cpu.items()}
     rounds = drivers["default"].rounds
-    result = {"requests": args.requests, "max_tokens": args.max_tokens, "steps": {k: len(v) for k, v in cpu.items()},
+    result = {"aa": args.aa, "requests": args.requests, "max_tokens": args.max_tokens, "steps": {k: len(v) for k, v in cpu.items()},
               "cpu_us_per_step": {k: 1e6 * v for k, v in mean.items()},
               "median_cpu_us_per_step": {k: 1e6 * v for k, v in med.items()},
               "extra_us_per_step": 1e6 * (mean["default"] - mean["plain"]), "ratio": mean["default"] / mean["plain"],
+              "outside_forward_us_per_step": {k: 1e6 * v for k, v in outside.items()},
+              "extra_outside_forward_us_per_step": 1e6 * (outside["default"] - outside["plain"]),
               "rounds_asked": rounds, "drafts_verified": sum(c.num_drafts for c in spec.counters.values()),
               "accepted_tokens": sum(c.num_accepted_tokens for c in spec.counters.values()),
               "plain_steps": dict(spec.spec.plain_steps), "outputs_equal": equal}
     print(f"engine-thread CPU per step (mean over {len(cpu['plain'])} steps; {args.requests} requests, "
           f"{args.max_tokens} tokens each; median plain {1e6 * med['plain']:.1f}, default {1e6 * med['default']:.1f} us): "
           f"plain {result['cpu_us_per_step']['plain']:.1f} us, default {result['cpu_us_per_step']['default']:.1f} us: "
-          f"+{result['extra_us_per_step']:.1f} us ({result['ratio']:.3f}x); rounds asked {rounds}, drafts verified "
+          f"{result['extra_us_per_step']:+.1f} us ({result['ratio']:.3f}x); outside the model's forward pass: plain "
+          f"{1e6 * outside['plain']:.1f} us, default {1e6 * outside['default']:.1f} us: "
+          f"{result['extra_outside_forward_us_per_step']:+.1f} us; rounds asked {rounds}, drafts verified "
           f"{result['drafts_verified']} ({result['accepted_tokens']} tokens accepted); "
           f"plain-step reasons {result['plain_steps']}; outputs equal {equal}/{args.requests}")
     return result
@@ -153,6 +179,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=40, help="measured requests per engine (default 40)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default 96)")
+    ap.add_argument("--aa", action="store_true",
+                    help="A/A control: the second engine decodes plainly too (what the bench's noise is)")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
     if args.requests < 1 or args.max_tokens < 2:

@@ -236,7 +236,8 @@ class GraphRunner:
             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelOutput:
         """Run a batch :meth:`shape_for` accepted; output rows are the chunks' tokens in order.
         ``fill``: (index [m], tokens [m]) on the device, input ids written over the uploaded ones
-        (tokens the previous step sampled that the host has not seen: async scheduling)."""
+        (tokens the previous step sampled that the host has not seen: async scheduling). The hidden
+        rows and slots returned may be views of the graph's buffers: read them before the next run."""
         bucket, q, hidden, tree = shape
         entry = self._graph(bucket, q, hidden, tree)  # captures on first use of a new shape
         self._upload(chunks, bucket, q, trees if tree else None)
@@ -251,9 +252,11 @@ class GraphRunner:
         rows = [b * q + j for b, (tokens, _, _) in enumerate(chunks) for j in range(len(tokens))]
         slots = self._long[2]
         if rows[-1] == len(rows) - 1:  # every chunk fills its row (decode, full verify): copy a slice
+            # The hidden rows and their slots stay views of the graph's buffers (valid until the next
+            # replay): the engine copies them into its hidden store at once, so a copy here would
+            # only add a copy per offered layer to every step.
             k = len(rows)
-            return ModelOutput(out.logits[:k].clone(), {layer: h[:k].clone() for layer, h in out.hidden.items()},
-                               slots[:k].clone())
+            return ModelOutput(out.logits[:k].clone(), {layer: h[:k] for layer, h in out.hidden.items()}, slots[:k])
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         return ModelOutput(out.logits.index_select(0, index),
                            {layer: h.index_select(0, index) for layer, h in out.hidden.items()},

@@ -366,6 +366,8 @@ class Engine:
         """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered), or
         their ``hidden_ref`` on a data ``plane`` (see :meth:`draft_inputs`)."""
         verdicts, self._verdicts = self._verdicts, []
+        if not verdicts:  # every step that verified nothing
+            return []
         verdicts = [v for v in verdicts if v[0].request_id in self.spec.states]  # finished since: released
         layers = self.hidden_layers if layers is None else tuple(layers)
         spans = [(v[4], v[4] + len(v[3])) if layers else (0, 0) for v in verdicts]

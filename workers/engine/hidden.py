@@ -33,7 +33,8 @@ class HiddenStore:
     def write(self, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         """Store a forward pass's rows: slots [T] long, hidden[layer] [T, hidden] for every layer."""
         for layer, rows in self.rows.items():
-            rows.index_copy_(0, slots, hidden[layer].to(rows.dtype))
+            h = hidden[layer]
+            rows.index_copy_(0, slots, h if h.dtype == rows.dtype else h.to(rows.dtype))
 
     @torch.inference_mode()
     def read(self, slots: torch.Tensor, layers: tuple[int, ...], dtype: torch.dtype | None = None) -> list[torch.Tensor]:

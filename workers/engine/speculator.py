@@ -14,6 +14,14 @@ Budgets: adaptive γ per sequence, +2 after a fully accepted chain, −1 otherwi
 decodes plainly for ``pause_steps`` steps and then tries one draft token again. A tree's node
 budget halves after a pass that accepts nothing and doubles after any hit. With ``load_aware``,
 each step's budgets come from :func:`workers.engine.budget.plan` within those caps.
+
+When drafting does not pay, that costs a step next to nothing: a plan that is not drafted (it
+drafts nothing, or the realized rates veto it) holds for up to ``REPLAN_EVERY`` steps while the
+same sequences decode with the same caps. Nothing the plan reads changes meanwhile but the cost
+model's fit, by a few steps' weight (a sequence's acceptance moves only when its drafts are
+verified, and none are asked), so the plan would say the same; refitting the cost model and
+planning on every step of a fast target was the bulk of what the speculative path added to a
+step that did not speculate.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from ..speculation.staging import SPARE_MAX, Staged, position_problem
 from ..speculation.tree import tree_depths
 from .budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from .sequence import Sequence
+
+REPLAN_EVERY = 8  # steps a plan not drafted holds while the batch and its caps stay the same
 
 
 @dataclass
@@ -133,6 +143,10 @@ class Speculator:
         self.draft_id = ""  # the draft worker proposing now (set by the worker)
         self.planned_draft_tokens = 0  # draft tokens asked for in the latest round (a gauge)
         self.unplanned_steps = 0  # rounds the load-aware plan chose not to speculate although it could
+        self.plans = 0  # load-aware plans made (steps held on a plan that drafts nothing make none)
+        # the plan not drafted that holds: ((decoding, caps), the plan), and for how many more steps
+        self._held: tuple[tuple[int, dict[str, int]], dict[str, int]] | None = None
+        self._hold = 0
         self.dropped: dict[str, int] = {}  # proposals refused, by reason
         self.plain_steps: dict[str, int] = {}  # decode steps of speculating requests without a draft, by why
         self.released: list[str] = []  # sequences the draft worker knew and may forget
@@ -211,11 +225,7 @@ class Speculator:
             else:
                 st.why_plain = "no_room"
         if self.load_aware and caps and not self.pipelined:
-            planned = plan(caps, {sid: self.states[sid].acceptance.alpha for sid in caps}, decoding, self.cost)
-            if any(planned.values()) and not self.realized.allow(decoding):
-                # speculating did worse here than the model thinks, or plain is due a measure: these
-                # sequences decode plainly because of load too (not "draft_late": nothing is asked)
-                planned = dict.fromkeys(planned, 0)
+            planned = self._load_plan(caps, decoding)
             if not any(planned.values()):
                 self.unplanned_steps += 1
             for sid, k in planned.items():
@@ -232,6 +242,37 @@ class Speculator:
                 st.asked = k
                 out.append(Request(seq, st, k, room if room < k else 0))
         return out
+
+    def _load_plan(self, caps: dict[str, int], decoding: int) -> dict[str, int]:
+        """The load-aware γ per sequence this step (synchronous seam): :func:`plan`, overruled where
+        the realized rates veto speculating (:meth:`RealizedRates.allow`, consulted on every step
+        the plan drafts, as its exploring schedule counts them). A plan that is not drafted (none
+        in it, or vetoed) holds for up to ``REPLAN_EVERY`` steps while the same sequences decode
+        with the same caps; a step the realized rates let speculate plans afresh."""
+        key = (decoding, caps)
+        held = self._hold > 0 and self._held is not None and self._held[0] == key
+        if held:
+            self._hold -= 1
+            raw = self._held[1]
+        else:
+            raw = self._plan(caps, decoding)
+        planned = raw
+        if any(raw.values()):
+            if not self.realized.allow(decoding):
+                # speculating did worse here than the model thinks, or plain is due a measure: these
+                # sequences decode plainly because of load too (not "draft_late": nothing is asked)
+                planned = dict.fromkeys(raw, 0)
+            elif held:  # this step speculates (an exploring one): on a plan made now
+                raw = planned = self._plan(caps, decoding)
+                held = False
+        if not held:
+            drafting = any(planned.values())  # its verdicts will move the acceptance: plan afresh next step
+            self._held, self._hold = (None, 0) if drafting else ((key, raw), REPLAN_EVERY - 1)
+        return planned
+
+    def _plan(self, caps: dict[str, int], decoding: int) -> dict[str, int]:
+        self.plans += 1
+        return plan(caps, {sid: self.states[sid].acceptance.alpha for sid in caps}, decoding, self.cost)
 
     # ------------------------------------------------------------------ verifying
 

@@ -261,3 +261,85 @@ def test_low_confidence_never_takes_away_what_the_requests_record_earned():
     spec.states["s"].round = 1
     spec.offer([DraftOutput("s", 0, [20, 21, 22, 23], start=8, assumed=seq.token_ids[-4:], confidence=[0.2] * 4)])
     assert spec.attach({}, [seq], 1024, None)["s"].tokens == [20, 21, 22, 23]
+
+
+def test_a_plan_of_no_drafts_holds_while_the_batch_does(monkeypatch):
+    """Drafting does not pay: the plan is not made again on every step (the cost model's refit and
+    the plan were most of what speculation added to a fast target's step), yet every step decodes
+    plainly for ``load`` as before, a batch that changes is planned at once, and a cost model that
+    turns in favour of drafting is heard within ``REPLAN_EVERY`` steps."""
+    from workers.engine import speculator as spec_module
+    from workers.engine.sequence import Sequence
+    from workers.engine.speculator import REPLAN_EVERY, Speculator
+
+    made = []
+
+    def counting_plan(*args, **kwargs):
+        made.append(args[0])
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(spec_module, "plan", counting_plan)
+    spec = Speculator(100, 3, load_aware=True)
+    spec.cost = fitted(0.001, 0.01, wait=0.001, per_verify=0.001)  # every draft token costs 10 steps
+    params = SamplingParams(temperature=0, max_tokens=64)
+    a = Sequence("a", list(range(8)), 8, 0, params, num_computed=7)
+    spec.add("a", None, None, None)
+    steps = 3 * REPLAN_EVERY
+    for _ in range(steps):
+        assert spec.requests([a], 1024) == []
+        assert spec.states["a"].why_plain == "load"
+        spec.count_plain(a)
+    assert len(made) == steps // REPLAN_EVERY and spec.plans == len(made)
+    assert spec.plain_steps == {"load": steps} and spec.unplanned_steps == steps
+    # a sequence joins: planned at once
+    b = Sequence("b", list(range(8)), 8, 0, params, num_computed=7)
+    spec.add("b", None, None, None)
+    made.clear()
+    assert spec.requests([a, b], 1024) == [] and len(made) == 1
+    # verifying becomes cheap and the drafts would hit: the held plan gives way within REPLAN_EVERY steps
+    spec.cost = fitted(0.02, 0.00001, wait=0.0001)
+    for sid in ("a", "b"):
+        spec.states[sid].acceptance = Acceptance(9.0, 1.0)
+    asked = [bool(spec.requests([a, b], 1024)) for _ in range(REPLAN_EVERY)]
+    assert asked[-1] and not all(asked)
+    # a plan that drafts is made again every step (the realized rates are consulted every step)
+    made.clear()
+    for _ in range(4):
+        spec.requests([a, b], 1024)
+    assert len(made) == 4
+
+
+def test_a_vetoed_plan_holds_and_the_realized_rates_explore_as_before(monkeypatch):
+    """The cost model says drafting pays, but speculating steps did worse than plain ones (a GPU whose
+    draft's round trip eats the gain): the plan is not made again on every step to be overruled,
+    and the steps that speculate are exactly those the realized rates' exploring schedule picks."""
+    from workers.engine import speculator as spec_module
+    from workers.engine.budget import RealizedRates
+    from workers.engine.sequence import Sequence
+    from workers.engine.speculator import REPLAN_EVERY, Speculator
+
+    made = []
+
+    def counting_plan(*args, **kwargs):
+        made.append(args[0])
+        return plan(*args, **kwargs)
+
+    def worse(rates: RealizedRates) -> RealizedRates:
+        for _ in range(4):
+            rates.observe(1, False, 1, 0.05)
+            rates.observe(1, True, 1, 0.10)
+        return rates
+
+    monkeypatch.setattr(spec_module, "plan", counting_plan)
+    spec = Speculator(100, 3, load_aware=True)
+    spec.cost = fitted(0.05, 0.0, wait=0.0, per_verify=0.0)  # verifying is free: the plan drafts
+    spec.realized = worse(spec.realized)
+    seq = Sequence("s", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=512), num_computed=7)
+    spec.add("s", None, None, None)
+    spec.states["s"].acceptance = Acceptance(9.0, 1.0)
+    steps = 64
+    asked = [i for i in range(steps) if spec.requests([seq], 1024)]
+    reference = worse(RealizedRates())
+    assert asked == [i for i in range(steps) if reference.allow(1)] == [15, 47]
+    assert len(made) <= steps // REPLAN_EVERY + len(asked) and spec.plans == len(made)
+    assert spec.unplanned_steps == steps - len(asked)
