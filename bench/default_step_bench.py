@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> dict:
     outside = {name: statistics.fmean(d.outside) for name, d in drivers.items()}
     med = {name: statistics.median(v) for name, v in cpu.items()}
     rounds = drivers["default"].rounds
-    result = {"aa": args.aa, "requests": args.requests, "max_tokens": args.max_tokens, "steps": {k: len(v) for k, v in cpu.items()},
+    result = {"aa": args.aa, "requests": args.requests, "max_tokens": args.max_tokens,
+              "steps": {k: len(v) for k, v in cpu.items()},
               "cpu_us_per_step": {k: 1e6 * v for k, v in mean.items()},
               "median_cpu_us_per_step": {k: 1e6 * v for k, v in med.items()},
               "extra_us_per_step": 1e6 * (mean["default"] - mean["plain"]), "ratio": mean["default"] / mean["plain"],
@@ -165,7 +166,8 @@ def run(args: argparse.Namespace) -> dict:
               "accepted_tokens": sum(c.num_accepted_tokens for c in spec.counters.values()),
               "plain_steps": dict(spec.spec.plain_steps), "outputs_equal": equal}
     print(f"engine-thread CPU per step (mean over {len(cpu['plain'])} steps; {args.requests} requests, "
-          f"{args.max_tokens} tokens each; median plain {1e6 * med['plain']:.1f}, default {1e6 * med['default']:.1f} us): "
+          f"{args.max_tokens} tokens each; median plain {1e6 * med['plain']:.1f}, "
+          f"default {1e6 * med['default']:.1f} us): "
           f"plain {result['cpu_us_per_step']['plain']:.1f} us, default {result['cpu_us_per_step']['default']:.1f} us: "
           f"{result['extra_us_per_step']:+.1f} us ({result['ratio']:.3f}x); outside the model's forward pass: plain "
           f"{1e6 * outside['plain']:.1f} us, default {1e6 * outside['default']:.1f} us: "

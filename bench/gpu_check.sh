@@ -14,8 +14,9 @@
 #   oracle  bench/spec_pipeline_bench.py --gpu (when it exists): an 8B-shaped target with the oracle
 #           draft at acceptance 0.8 served through the stack, against its ideal
 #   tiny    (only when named in --only) bench/served_bench.py --tiny-target: issue 37's fast random
-#           target with forced n-gram speculation, pipelined and synchronous seams, on this machine's
-#           cores (the CPU VM has two, shared by target, draft worker and frontend)
+#           target with forced n-gram speculation, pipelined and synchronous seams, and with the
+#           default policy and a random EAGLE-3 head (--tiny-eagle3: drafting never pays), on this
+#           machine's cores (the CPU VM has two, shared by target, draft worker and frontend)
 #
 # It prints one summary table (also $OUT/summary.md) and writes every part's log to $OUT.
 #
@@ -215,6 +216,10 @@ if wanted tiny; then
                 --spec-seam "$seam" "--spec-args=--draft-method ngram --no-load-aware-speculation" --rounds 2 \
                 --json "$OUT/tiny-ngram-$seam.json"
         done
+        # the default policy with a random EAGLE-3 head (drafting never pays): what the default
+        # speculative path costs a step on a target whose step is host work
+        run tiny-default "$(cap 90)" fig_served -- "$PY" bench/served_bench.py --tiny-target --tiny-eagle3 \
+            --rounds 2 --json "$OUT/tiny-default.json"
     fi
 fi
 
