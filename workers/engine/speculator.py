@@ -16,10 +16,10 @@ budget halves after a pass that accepts nothing and doubles after any hit. With 
 each step's budgets come from :func:`workers.engine.budget.plan` within those caps.
 
 When drafting does not pay, that costs a step next to nothing: a plan that is not drafted (it
-drafts nothing, or the realized rates veto it) holds for up to ``REPLAN_EVERY`` steps while the
-same sequences decode with the same caps. Nothing the plan reads changes meanwhile but the cost
-model's fit, by a few steps' weight (a sequence's acceptance moves only when its drafts are
-verified, and none are asked), so the plan would say the same; refitting the cost model and
+drafts nothing, or the realized rates veto it) holds for up to ``REPLAN_EVERY`` consecutive rounds
+while the same sequences decode with the same caps. Nothing the plan reads changes meanwhile but
+the cost model's fit, by a few steps' weight (a sequence's acceptance moves only when its drafts
+are verified, and none are asked), so the plan would say the same; refitting the cost model and
 planning on every step of a fast target was the bulk of what the speculative path added to a
 step that did not speculate.
 """
@@ -406,6 +406,7 @@ class Speculator:
 
     def unasked(self, running: list[Sequence], why: str) -> None:
         """No proposals are asked for this round (``why``: no draft worker, or it is backed off)."""
+        self._hold = 0  # a plan holds over consecutive rounds only: the next one asked is planned afresh
         for seq in running:
             st = self.states.get(seq.request_id)
             if st is not None and st.gamma > 0 and seq.num_uncomputed == 1:

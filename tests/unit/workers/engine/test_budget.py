@@ -291,6 +291,11 @@ def test_a_plan_of_no_drafts_holds_while_the_batch_does(monkeypatch):
         spec.count_plain(a)
     assert len(made) == steps // REPLAN_EVERY and spec.plans == len(made)
     assert spec.plain_steps == {"load": steps} and spec.unplanned_steps == steps
+    # a round not asked (the draft backed off): the next one is planned afresh
+    spec.requests([a], 1024)
+    spec.unasked([a], "draft_backoff")
+    made.clear()
+    assert spec.requests([a], 1024) == [] and len(made) == 1
     # a sequence joins: planned at once
     b = Sequence("b", list(range(8)), 8, 0, params, num_computed=7)
     spec.add("b", None, None, None)
