@@ -31,8 +31,15 @@ def expected(model):
     return Engine(model, CFG).generate(PROMPTS, PARAMS)
 
 
-async def serve_all(loop: StepLoop) -> dict[str, list[int]]:
-    return await serve_through(loop, PROMPTS, PARAMS)
+async def serve_with(model, client) -> tuple[Engine, StepLoop, dict[str, list[int]]]:
+    """Every prompt through a fresh engine (γ 3, fixed) and step loop drafting over ``client``."""
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    loop = StepLoop(engine, _Pool(client))
+    loop.start()
+    try:
+        return engine, loop, await serve_through(loop, PROMPTS, PARAMS)
+    finally:
+        await loop.stop()
 
 
 @pytest.mark.parametrize("method", ["oracle", "ngram"])
@@ -45,13 +52,7 @@ async def test_pipelined_greedy_equals_the_target_alone_and_never_waits(model, e
     service = DraftService(proposer, "d1", 8)
     async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
         assert client.pipelined
-        engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
-        loop = StepLoop(engine, _Pool(client))
-        loop.start()
-        try:
-            got = await serve_all(loop)
-        finally:
-            await loop.stop()
+        engine, loop, got = await serve_with(model, client)
     assert got == expected
     assert loop.draft_wait_seconds == 0.0  # the pipelined loop awaits no proposal
     assert service.stager.staged > 0 and engine.spec.num_bad_proposals == 0
@@ -216,13 +217,7 @@ async def test_a_steps_news_travels_as_one_message_to_a_draft_that_takes_it(mode
     service = _Counting(NgramProposer(1, 3), "d1", 8, step_news=step_news)
     async with draft_on_loopback(service, staged=staged, vocab_size=256) as client:
         assert client.pipelined == staged and client.step_news == step_news
-        engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
-        loop = StepLoop(engine, _Pool(client))
-        loop.start()
-        try:
-            got = await serve_all(loop)
-        finally:
-            await loop.stop()
+        _, loop, got = await serve_with(model, client)
         await asyncio.sleep(0.2)  # the releases of the last step, read by the draft
     assert got == expected
     kinds = service.kinds
