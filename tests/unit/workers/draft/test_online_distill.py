@@ -102,10 +102,12 @@ def test_sampled_requests_are_not_recorded_and_a_gap_ends_a_sample():
     assert s["mask"].tolist() == [False] * 5 + [True] * 3
 
 
-def wait_for(cond, timeout: float, what: str) -> None:
+def wait_for(cond, timeout: float, what) -> None:
+    """Poll ``cond`` until it holds; past ``timeout`` seconds fail with ``what`` (a string, or a
+    callable for a message that says how things stand then)."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.1)
 
 
@@ -123,7 +125,9 @@ def test_a_trainer_process_learns_the_traffic_and_its_weights_stay_lossless(targ
     try:
         for s in samples:
             distiller.recorder.sink(s)
-        wait_for(lambda: swaps, 120, f"no candidate was swapped in: {distiller.stats}")
+        wait_for(lambda: swaps, 120, lambda: f"no candidate was swapped in: {distiller.stats}; trainer process alive "
+                 f"{distiller._proc.is_alive()} (exit code {distiller._proc.exitcode}), its watcher thread alive "
+                 f"{distiller._thread.is_alive()}")
     finally:
         distiller.stop()
     st = distiller.stats
