@@ -118,7 +118,13 @@ def config(target_dir, head_dir, **kw) -> DistillConfig:
 
 
 def test_a_trainer_process_learns_the_traffic_and_its_weights_stay_lossless(target_dir, head_dir, tmp_path):
-    samples, _, _ = recorded(target_dir, head_dir, 40)
+    # traffic that repeats: 20 requests, then the same again in another order, so that every sample
+    # held back for evaluation (one in five, by arrival) has a twin in the training buffer. Random
+    # prompts to a random target have nothing a head can generalise from: with 40 distinct requests
+    # the held-back acceptance stayed at 1.02-1.03 for candidate and serving head alike, and a swap
+    # (a gain of 0.01) came or not by luck, in about 7 runs of 10.
+    samples, _, _ = recorded(target_dir, head_dir, 20)
+    samples = samples + samples[1:] + samples[:1]
     swaps: list[dict] = []
     distiller = Distiller(config(target_dir, head_dir, out_dir=str(tmp_path / "heads")), swaps.append)
     distiller.start()
