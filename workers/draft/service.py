@@ -185,7 +185,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         staged, answered = await self._run_proposer(apply_and_draft)
         if each:
             await self._send_staged(staged, streams)
-        if answered:  # their answers exist now: stage what verifying them may lead to
+        # Their answers exist now: stage what verifying them may lead to, unless news is waiting. Then
+        # this stager is behind the target, and a second drafting call would put it further behind
+        # (and a late stager drafts spare tokens, so each call gets longer: at batch 8 on two cores
+        # such a draft stayed steps late for whole runs); the answers' outcomes are staged with it.
+        if answered and self._work.empty():
             more = await self._run_proposer(stager.stage, answered)
             if each:
                 await self._send_staged(more, streams)

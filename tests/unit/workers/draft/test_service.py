@@ -105,3 +105,41 @@ def test_a_budget_over_the_drafts_maximum_is_cut_keeping_the_tree_shape():
             assert (seen.num_tokens, seen.tree_topk, seen.tree_depth, seen.max_depth) == (6, 4, 5, 3)
 
     asyncio.run(main())
+
+
+def test_a_staging_that_finds_news_waiting_takes_the_news_before_staging_its_answers():
+    """Pipelined seam: a staging call that had to answer (nothing streamed fitted) stages what
+    verifying the answers may lead to at once, in a second drafting call, only when no news is
+    waiting. With news waiting the stager is behind the target: a second call would put it further
+    behind (news waits a whole drafting call longer, and a late stager drafts spare tokens for the
+    steps it is behind, which makes each call longer still: at batch 8 on two cores such a draft
+    stayed a few steps late for whole runs). The answers' outcomes are staged with that news."""
+    from workers.draft.oracle import OracleProposer
+    from workers.draft.service import _Stream
+
+    ref = list(range(100, 160))
+
+    async def main(news_waiting: bool):
+        oracle = OracleProposer([ref], 0.0, 1000)
+        calls: list[int] = []
+        real = oracle.draft_branches
+        oracle.draft_branches = lambda branches: calls.append(len(branches)) or real(branches)
+        service = DraftService(oracle, "d1")
+        stream = _Stream("t1", asyncio.Queue(), staged=True)
+        first = DraftInput("s", 0, ref[:10], 2)
+        if news_waiting:
+            service._work.put_nowait(("propose", stream, [DraftInput("s", 1, ref[10:11], 2)]))
+        await service._stage([("commit", first)], {"s": (stream, first)})
+        sent = [p for msg in iter_queue(stream.out) for p in msg.proposals.proposals]
+        return calls, sent
+
+    calls, sent = asyncio.run(main(news_waiting=False))
+    assert len(calls) == 2  # the answer, then its outcomes
+    assert [p.start for p in sent][0] == 10 and len(sent) > 1
+    calls, sent = asyncio.run(main(news_waiting=True))
+    assert len(calls) == 1 and [p.start for p in sent] == [10]  # the answer only: the news comes first
+
+
+def iter_queue(queue: asyncio.Queue):
+    while not queue.empty():
+        yield queue.get_nowait()
