@@ -16,7 +16,8 @@ an EAGLE-3 head with random weights built to match that target (``--draft-method
 and 2 through ``TANDEM_HIDDEN_LAYERS``): its drafts are nearly never
 accepted, so with the default (load-aware) policy the speculative stack should cost what the plain one
 does. ``--spec-seam`` sets the speculative stack's
-target seam (``TANDEM_SPEC_SEAM``). The speculative stack's target is scraped (``/metrics``) after the
+target seam (``TANDEM_SPEC_SEAM``), ``--draft-lane`` whether its draft stream's messages take the fast
+lane (``TANDEM_DRAFT_LANE``). The speculative stack's target is scraped (``/metrics``) after the
 warm-up and at the end: the share of its busy time spent waiting on drafts over the measured rounds
 (``tandem_target_draft_wait_seconds_total`` / ``tandem_target_busy_seconds_total``) is reported.
 
@@ -379,6 +380,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.tiny_eagle3:
         spec_extra = ["--draft-method", "eagle3", "--draft-model", str(tiny_eagle3_head(tiny_target())), *spec_extra]
     seam = {"TANDEM_SPEC_SEAM": args.spec_seam} if args.spec_seam else {}
+    if args.draft_lane:
+        seam["TANDEM_DRAFT_LANE"] = args.draft_lane
     if args.tiny_eagle3:  # a 2-layer target offers only its last layer by default; the head reads three
         seam["TANDEM_HIDDEN_LAYERS"] = "0,1,2"
     stacks = {"plain": Stack("plain", model + ["--draft-method", "none"], args.startup_timeout),
@@ -499,6 +502,9 @@ def main() -> None:
                          "for that target (drafts nearly never accepted)")
     ap.add_argument("--spec-seam", choices=["sync", "pipelined"], default=None,
                     help="the speculative stack's target seam (TANDEM_SPEC_SEAM; default: the target's default)")
+    ap.add_argument("--draft-lane", choices=["auto", "off"], default=None,
+                    help="the speculative stack's target: its draft stream's messages on a Unix socket (auto) or on "
+                         "gRPC (off) (TANDEM_DRAFT_LANE; default: the target's default, auto)")
     args = ap.parse_args()
     if args.tiny_target and args.prompts_file == DEFAULT_PROMPTS:
         args.prompts_file = str(ROOT / "bench" / "prompts" / "repetitive.jsonl")

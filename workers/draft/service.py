@@ -39,7 +39,9 @@ import grpc
 from proto import spec_pb2, spec_pb2_grpc
 
 from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
+from ..speculation import lane
 from ..speculation.hidden_plane import PlaneReader, open_reader
+from ..speculation.lane import LaneProtocol, LaneServer
 from ..speculation.tree import tree_depths
 from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
@@ -51,9 +53,22 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Stream:
     target_id: str
-    out: asyncio.Queue  # DraftMessage or None (end)
+    out: asyncio.Queue  # DraftMessage or None (end), for the gRPC stream
     staged: bool = False  # the target runs the pipelined seam and the proposer stages
     plane: PlaneReader | None = None  # the hidden-state data plane agreed at the handshake (None: inline)
+    lane: LaneProtocol | None = None  # the fast lane the target bound (None: everything on gRPC)
+    lane_token: bytes = b""  # the token the target binds the lane with (until it does)
+    lane_queue: asyncio.Queue | None = None  # messages read off the lane, handled in order by lane_task
+    lane_task: asyncio.Task | None = None
+    seqs: set = dataclasses.field(default_factory=set)  # the sequences this target has told of
+    ended: bool = False
+
+    def send(self, msg: spec_pb2.DraftMessage) -> None:
+        """To the target: on the lane once it is bound, else on the gRPC stream."""
+        if self.lane is not None and not self.lane.closed:
+            self.lane.send(msg.SerializeToString())
+        else:
+            self.out.put_nowait(msg)
 
 
 # Drafting ahead pays only when a whole proposal is accepted. Each sequence keeps a moving average
@@ -71,7 +86,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     takes_step_news = True  # HelloAck.step_news: a target may send each step's news as one StepNews
 
     def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
-                 alternatives: int = 1):
+                 alternatives: int = 1, lanes: bool = True):
         self.proposer = proposer
         # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
         self.stager = Stager(proposer, alternatives) if proposer.stages else None
@@ -87,14 +102,22 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self.streams: dict[int, _Stream] = {}
         self.stats = DraftStats()
         self.distiller = None  # online distillation (workers.draft.online.Distiller), when on
+        self._want_lanes = lanes  # offer targets on this host a fast lane (workers.speculation.lane)
+        self._lanes: LaneServer | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="draft-batcher")
+        if self._want_lanes and self._lanes is None:
+            lanes = LaneServer()
+            self._lanes = lanes if await lanes.start() else None
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._lanes is not None:
+            await self._lanes.close()
+            self._lanes = None
 
     async def _run(self) -> None:
         while True:
@@ -111,7 +134,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     # empty proposals: the target decodes these rounds plainly (a pipelined one waits for nothing)
                     if kind == "propose" and not stream.staged:
                         empty = [spec_pb2.Proposal(seq_id=d.seq_id, round=d.round) for d in payload]
-                        stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
+                        stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
 
     async def _process(self, items) -> None:
         # Verdicts and releases that arrived before proposals apply first, in order. News for staged
@@ -218,7 +241,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             stream = streams[prop.seq_id][0]
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(prop))
         for stream, *batch in per_stream.values():
-            stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
+            stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(FLUSH_TIMEOUT):
                 for stream, *_ in per_stream.values():
@@ -278,7 +301,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         for (stream, _), out in zip(batch, outputs):
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(out))
         for stream, *proposals in per_stream.values():
-            stream.out.put_nowait(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=proposals)))
+            stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=proposals)))
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802 (gRPC name)
         stream = _Stream("?", asyncio.Queue())
@@ -287,22 +310,68 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         try:
             while True:
                 msg = await stream.out.get()
-                if msg is None:
-                    stream.out.task_done()
-                    if reader.done():
-                        break
-                    continue
                 # done once handed over: gRPC starts its write as it takes it (and asks for the next
                 # message only once that write completed), so a flush (join) need not wait for that
                 stream.out.task_done()
+                if msg is None:
+                    if reader.done() or stream.ended:
+                        break
+                    continue
                 yield msg
         finally:
             reader.cancel()
             self.streams.pop(id(stream), None)
+            self._end_lane(stream)
+            if stream.seqs:  # the target went away: forget its sequences
+                self._work.put_nowait(("release", stream, sorted(stream.seqs)))
+                stream.seqs.clear()
             if stream.plane is not None:  # waits for a resolve in progress (PlaneReader's lock)
                 stream.plane.close()
                 stream.plane = None
             log.info("stream from target %s closed", stream.target_id)
+
+    # ------------------------------------------------------------------ the fast lane
+
+    def _lane_for(self, stream: _Stream, hello: spec_pb2.Hello) -> bytes:
+        """A token for the target to bind the lane with, when it offers one this service listens on."""
+        if self._lanes is None or lane.UNIX not in hello.lanes:
+            return b""
+        stream.lane_token = self._lanes.expect(lambda proto: self._bind_lane(stream, proto))
+        return stream.lane_token
+
+    def _bind_lane(self, stream: _Stream, proto: LaneProtocol):
+        """The target connected the lane: its frames are the stream's messages from now on."""
+        if stream.ended or stream.lane is not None:
+            raise ValueError("lane for a stream that ended or has one")
+        stream.lane, stream.lane_token = proto, b""
+        queue = stream.lane_queue = asyncio.Queue()
+        proto.on_lost = lambda reason: self._lane_lost(stream, reason)
+        stream.lane_task = asyncio.create_task(self._read_lane(stream, queue), name="draft-lane")
+        return lambda frame: queue.put_nowait(spec_pb2.TargetMessage.FromString(frame))
+
+    async def _read_lane(self, stream: _Stream, queue: asyncio.Queue) -> None:
+        try:
+            while True:
+                await self._on_message(stream, await queue.get(), on_lane=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a malformed message: end this stream (the target falls back), say why
+            log.exception("lane from target %s: bad message", stream.target_id)
+            self._lane_lost(stream, "bad message")
+
+    def _lane_lost(self, stream: _Stream, reason: str) -> None:
+        if not stream.ended:
+            log.info("lane from target %s closed (%s): ending its stream", stream.target_id, reason)
+        stream.ended = True
+        stream.out.put_nowait(None)
+
+    def _end_lane(self, stream: _Stream) -> None:
+        if stream.lane_token and self._lanes is not None:
+            self._lanes.forget(stream.lane_token)
+        if stream.lane_task is not None:
+            stream.lane_task.cancel()
+        if stream.lane is not None:
+            stream.lane.close()
 
     async def _with_rows(self, stream: _Stream, items: list) -> list:
         """``items`` (DraftInputs or VerifyResults) with their hidden rows taken off the data plane,
@@ -343,52 +412,59 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._work.put_nowait(("release", stream, list(batch.seq_ids)))
 
     async def _read(self, request_iterator, stream: _Stream) -> None:
-        seqs: set[str] = set()
         try:
             async for msg in request_iterator:
-                body = msg.WhichOneof("body")
-                if body == "hello":
-                    hello = msg.hello
-                    stream.target_id = hello.target_id
-                    stream.staged = hello.staged and self.stager is not None
-                    if stream.plane is not None:
-                        stream.plane.close()
-                    plane, stream.plane = open_reader(hello.hidden_planes, hello.hidden_shm, self.proposer.hidden_layers,
-                                                      hello.hidden_size, hello.hidden_plane_dtype)
-                    log.info("target %s connected (model %s, %s seam, hidden states %s)", stream.target_id,
-                             hello.model, "pipelined" if stream.staged else "synchronous",
-                             f"on plane {plane}" if plane else "inline")
-                    stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
-                        draft_id=self.draft_id, method=self.proposer.method,
-                        hidden_layers=self.proposer.hidden_layers,
-                        max_speculative_tokens=self.max_speculative_tokens,
-                        hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
-                        stages=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news)))
-                elif body == "hidden_rows":
-                    if stream.plane is None:
-                        raise ValueError("hidden rows on a stream without a data plane")
-                    before = stream.plane.bytes
-                    stream.plane.chunk(msg.hidden_rows)
-                    self.stats.hidden_bytes += stream.plane.bytes - before
-                elif body == "step":  # one target step's news: verdicts, releases, requests, in that order
-                    step = msg.step
-                    if step.verify.outcomes:
-                        await self._on_verify(stream, step.verify)
-                    if step.release.seq_ids:
-                        self._on_release(stream, step.release, seqs)
-                    if step.propose.requests:
-                        await self._on_propose(stream, step.propose, seqs)
-                elif body == "propose":
-                    await self._on_propose(stream, msg.propose, seqs)
-                elif body == "verify":
-                    await self._on_verify(stream, msg.verify)
-                elif body == "release":
-                    self._on_release(stream, msg.release, seqs)
+                await self._on_message(stream, msg)
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         except Exception:  # a malformed message: end this stream (the target falls back), say why
             log.exception("stream from target %s: bad message", stream.target_id)
         finally:
-            if seqs:  # the target went away: forget its sequences
-                self._work.put_nowait(("release", stream, sorted(seqs)))
             stream.out.put_nowait(None)
+
+    async def _on_message(self, stream: _Stream, msg: spec_pb2.TargetMessage, on_lane: bool = False) -> None:
+        """One message of a stream (from gRPC or its lane), handled in the order it came."""
+        body = msg.WhichOneof("body")
+        seqs = stream.seqs
+        if body == "hello":
+            if on_lane:
+                raise ValueError("Hello on the lane")
+            hello = msg.hello
+            stream.target_id = hello.target_id
+            stream.staged = hello.staged and self.stager is not None
+            if stream.plane is not None:
+                stream.plane.close()
+            plane, stream.plane = open_reader(hello.hidden_planes, hello.hidden_shm, self.proposer.hidden_layers,
+                                              hello.hidden_size, hello.hidden_plane_dtype)
+            token = self._lane_for(stream, hello)
+            log.info("target %s connected (model %s, %s seam, hidden states %s%s)", stream.target_id,
+                     hello.model, "pipelined" if stream.staged else "synchronous",
+                     f"on plane {plane}" if plane else "inline", ", fast lane offered" if token else "")
+            stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
+                draft_id=self.draft_id, method=self.proposer.method,
+                hidden_layers=self.proposer.hidden_layers,
+                max_speculative_tokens=self.max_speculative_tokens,
+                hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
+                stages=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
+                lane=lane.UNIX if token else "", lane_address=self._lanes.address if token else "",
+                lane_token=token)))
+        elif body == "hidden_rows":
+            if stream.plane is None:
+                raise ValueError("hidden rows on a stream without a data plane")
+            before = stream.plane.bytes
+            stream.plane.chunk(msg.hidden_rows)
+            self.stats.hidden_bytes += stream.plane.bytes - before
+        elif body == "step":  # one target step's news: verdicts, releases, requests, in that order
+            step = msg.step
+            if step.verify.outcomes:
+                await self._on_verify(stream, step.verify)
+            if step.release.seq_ids:
+                self._on_release(stream, step.release, seqs)
+            if step.propose.requests:
+                await self._on_propose(stream, step.propose, seqs)
+        elif body == "propose":
+            await self._on_propose(stream, msg.propose, seqs)
+        elif body == "verify":
+            await self._on_verify(stream, msg.verify)
+        elif body == "release":
+            self._on_release(stream, msg.release, seqs)

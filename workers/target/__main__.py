@@ -79,6 +79,7 @@ class TargetConfig:
     gpu_memory_utilization: float | None = None  # CUDA: the device share this worker may use (None: kv_cache_gb)
     hidden_plane: str = "auto"  # how hidden states reach drafts: auto, shm, stream or inline
     hidden_ring_mib: int = 64  # the shared-memory ring per draft stream (plane shm)
+    draft_lane: str = "auto"  # auto: a draft stream's messages on a Unix socket when the draft is on this host; off
     # KV tiers below the device pool (workers/engine/kv_tiers.py): host GiB (0: off), disk dir and GiB
     kv_offload_host_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
@@ -143,6 +144,8 @@ class TargetConfig:
             raise ValueError(f"--spec-seam must be sync or pipelined, got {self.spec_seam!r}")
         if self.hidden_plane not in ("auto", "shm", "stream", "inline"):
             raise ValueError(f"--hidden-plane must be auto, shm, stream or inline, got {self.hidden_plane!r}")
+        if self.draft_lane not in ("auto", "off"):
+            raise ValueError(f"--draft-lane must be auto or off, got {self.draft_lane!r}")
         if self.hidden_ring_mib < 1:
             raise ValueError(f"--hidden-ring-mib must be at least 1, got {self.hidden_ring_mib}")
         if self.max_loras < 0 or self.max_lora_rank <= 0:
@@ -247,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "stream (stream: any host), the messages carrying descriptors; auto = shm where the "
                              "draft can map it, else stream; inline = as protobuf tensors in every message (in the "
                              "draft's dtype; for comparison)")
+    parser.add_argument("--draft-lane", default="auto", choices=["auto", "off"],
+                        help="auto = carry each draft stream's messages (step news, proposals) on a Unix-domain "
+                             "socket the draft worker offers when it runs on this host (one system call per "
+                             "message instead of gRPC's threads and wake-ups; the handshake stays on gRPC), else "
+                             "on the gRPC stream; off = always the gRPC stream")
     parser.add_argument("--hidden-ring-mib", type=int, default=64,
                         help="size of the shared-memory ring of hidden states per draft stream (a batch that finds "
                              "no room in it is streamed instead)")
@@ -284,7 +292,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         args.kv_handoff_ttl, args.async_scheduling, args.spec_seam,
                         served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
                         gpu_memory_utilization=args.gpu_memory_utilization, hidden_plane=args.hidden_plane,
-                        hidden_ring_mib=args.hidden_ring_mib, kv_offload_host_gb=args.kv_offload_host_gb,
+                        hidden_ring_mib=args.hidden_ring_mib, draft_lane=args.draft_lane,
+                        kv_offload_host_gb=args.kv_offload_host_gb,
                         kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=tuple(lora_module(m) for m in args.lora_modules),
@@ -373,7 +382,8 @@ async def amain(args: argparse.Namespace) -> None:
             drafts = await rt.client("draft", "speculate")
             pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
                              hidden_layers=engine.hidden_layers, tls=client_tls(args),
-                             staged=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1, plane=plane_offer(engine, cfg))
+                             staged=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1, plane=plane_offer(engine, cfg),
+                             lanes=cfg.draft_lane == "auto")
         if cfg.role == "decode":
             from workers.target.disagg import DisaggStats, KvReceiver
 

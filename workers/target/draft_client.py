@@ -37,7 +37,9 @@ from runtime.tls import ClientTls
 
 from ..speculation.checks import hello_ack_problem
 from ..speculation.convert import DTYPES, draft_input_to_pb, draft_output_from_pb
+from ..speculation import lane
 from ..speculation.hidden_plane import PlaneOffer, PlaneWriter, Ring, RowLayout, distinct, make_ring
+from ..speculation.lane import LaneProtocol
 from ..speculation.payloads import DraftInput, DraftOutput
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,11 @@ class DraftClient:
     """A bidirectional stream to one draft worker."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
-                 tls: ClientTls | None = None, staged: bool = False, plane: PlaneOffer | None = None):
+                 tls: ClientTls | None = None, staged: bool = False, plane: PlaneOffer | None = None,
+                 lanes: bool = True):
         self.target_id = target_id
+        self._offer_lanes = lanes and lane.available()  # offer the draft a fast lane (workers.speculation.lane)
+        self.lane: LaneProtocol | None = None  # the lane agreed and connected (None: everything on gRPC)
         self._offer = plane if plane is not None and hidden_layers else None  # hidden-state planes offered
         self._segment = None  # the ring's segment from Hello until HelloAck says whether the draft took it
         self.plane: PlaneWriter | None = None  # the plane agreed at the handshake (None: inline Tensors)
@@ -103,7 +108,8 @@ class DraftClient:
         self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
             target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers,
             staged=self.staged, hidden_planes=planes, hidden_shm=segment.name if segment else "",
-            hidden_size=offer.hidden if planes else 0, hidden_plane_dtype=offer.dtype if planes else "")))
+            hidden_size=offer.hidden if planes else 0, hidden_plane_dtype=offer.dtype if planes else "",
+            lanes=[lane.UNIX] if self._offer_lanes else [])))
         try:
             first = await asyncio.wait_for(self._call.read(), timeout)
         finally:
@@ -122,10 +128,35 @@ class DraftClient:
         self.pipelined = self.staged and ack.stages
         self.step_news = ack.step_news
         self.plane = self._plane(ack.hidden_plane, planes)
+        if ack.lane == lane.UNIX and self._offer_lanes:
+            await self._connect_lane(ack.lane_address, ack.lane_token)
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
-        log.info("speculating with draft worker %s (%s, %s seam, hidden states %s) at %s", self.draft_id, self.method,
-                 "pipelined" if self.pipelined else "synchronous",
-                 f"on plane {self.plane.kind}" if self.plane else "inline", self.instance.grpc_address)
+        log.info("speculating with draft worker %s (%s, %s seam, hidden states %s, messages %s) at %s", self.draft_id,
+                 self.method, "pipelined" if self.pipelined else "synchronous",
+                 f"on plane {self.plane.kind}" if self.plane else "inline",
+                 "on a fast lane" if self.lane is not None else "on gRPC", self.instance.grpc_address)
+
+    async def _connect_lane(self, address: str, token: bytes) -> None:
+        """Carry the stream's messages on the draft's fast lane; keep to gRPC when it is out of reach."""
+        try:
+            self.lane = await lane.connect(address, token, self._on_lane_frame, self._lane_lost)
+        except (OSError, TimeoutError) as exc:
+            log.info("draft worker %s: its fast lane %s is out of reach (%r); messages stay on gRPC",
+                     self.draft_id, address, exc)
+
+    def _on_lane_frame(self, frame: bytes) -> None:
+        self._on_message(spec_pb2.DraftMessage.FromString(frame))
+
+    def _lane_lost(self, reason: str) -> None:
+        self._break(f"fast lane: {reason}")
+
+    def _put(self, msg: spec_pb2.TargetMessage) -> None:
+        """To the draft: on the lane when there is one (written at once), else queued for gRPC."""
+        if self.lane is not None:
+            if not self.lane.closed:
+                self.lane.send(msg.SerializeToString())
+        else:
+            self._outgoing.put_nowait(msg)
 
     def _plane(self, chosen: str, offered: list[str]) -> PlaneWriter | None:
         """The writer of the plane the draft chose (None: inline, as every draft before planes)."""
@@ -161,6 +192,8 @@ class DraftClient:
         on this CPU. True when taken (or nothing was waiting)."""
         if self.broken:
             return False
+        if self._outgoing.empty():  # everything taken already (a lane takes each message as it is put)
+            return True
         try:
             async with asyncio.timeout(timeout):  # (no task per call: this runs before every step)
                 await self._outgoing.join()
@@ -174,24 +207,28 @@ class DraftClient:
                 msg = await self._call.read()
                 if msg is grpc.aio.EOF:
                     raise ConnectionError("draft stream ended")
-                if msg.WhichOneof("body") != "proposals":
-                    continue
-                if self.pipelined:
-                    self._inbox.extend(draft_output_from_pb(p) for p in msg.proposals.proposals)
-                    if len(self._inbox) > INBOX_MAX:  # nobody takes them (an idle target): keep the newest
-                        self.stray += len(self._inbox) - INBOX_MAX
-                        del self._inbox[: len(self._inbox) - INBOX_MAX]
-                    continue
-                for proposal in msg.proposals.proposals:
-                    fut = self._pending.pop((proposal.seq_id, proposal.round), None)
-                    if fut is None or fut.done():
-                        self.stray += 1
-                    else:
-                        fut.set_result(draft_output_from_pb(proposal))
+                self._on_message(msg)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._break(f"{exc!r}")
+
+    def _on_message(self, msg: spec_pb2.DraftMessage) -> None:
+        """A message from the draft (on gRPC or the lane): proposals to the inbox or their futures."""
+        if msg.WhichOneof("body") != "proposals":
+            return
+        if self.pipelined:
+            self._inbox.extend(draft_output_from_pb(p) for p in msg.proposals.proposals)
+            if len(self._inbox) > INBOX_MAX:  # nobody takes them (an idle target): keep the newest
+                self.stray += len(self._inbox) - INBOX_MAX
+                del self._inbox[: len(self._inbox) - INBOX_MAX]
+            return
+        for proposal in msg.proposals.proposals:
+            fut = self._pending.pop((proposal.seq_id, proposal.round), None)
+            if fut is None or fut.done():
+                self.stray += 1
+            else:
+                fut.set_result(draft_output_from_pb(proposal))
 
     def _break(self, reason: str, quiet: bool = False) -> None:
         if not self.broken and not quiet:
@@ -216,7 +253,7 @@ class DraftClient:
             self.release(released)
             return self.send(requests)
         self._flush_rows()
-        self._outgoing.put_nowait(spec_pb2.TargetMessage(step=spec_pb2.StepNews(
+        self._put(spec_pb2.TargetMessage(step=spec_pb2.StepNews(
             verify=spec_pb2.VerifyBatch(outcomes=verdicts), release=spec_pb2.ReleaseBatch(seq_ids=released),
             propose=spec_pb2.ProposeBatch(requests=requests))))
         return self._futures(requests)
@@ -230,7 +267,7 @@ class DraftClient:
         self._flush_rows()
         futures = self._futures(requests)
         for batch in self._inline_batches(requests):
-            self._outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=batch)))
+            self._put(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=batch)))
         return futures
 
     def _futures(self, requests: list[spec_pb2.ProposeRequest]) -> dict[str, asyncio.Future]:
@@ -276,17 +313,17 @@ class DraftClient:
         if outcomes and not self.broken:
             self._flush_rows()
             for batch in self._inline_batches(outcomes):
-                self._outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(outcomes=batch)))
+                self._put(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(outcomes=batch)))
 
     def release(self, seq_ids: list[str]) -> None:
         if seq_ids and not self.broken:
-            self._outgoing.put_nowait(spec_pb2.TargetMessage(release=spec_pb2.ReleaseBatch(seq_ids=seq_ids)))
+            self._put(spec_pb2.TargetMessage(release=spec_pb2.ReleaseBatch(seq_ids=seq_ids)))
 
     def _flush_rows(self) -> None:
         """Streamed hidden rows go first: a batch never refers to rows the draft has not had."""
         if self.plane is not None:
             for chunk in self.plane.take_chunks():
-                self._outgoing.put_nowait(spec_pb2.TargetMessage(hidden_rows=chunk))
+                self._put(spec_pb2.TargetMessage(hidden_rows=chunk))
 
     def _inline_batches(self, msgs: list) -> list[list]:
         """``msgs`` (requests or verdicts) in batches whose inline hidden states stay under
@@ -331,6 +368,8 @@ class DraftClient:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self._break("closed", quiet=True)
+        if self.lane is not None:
+            self.lane.close()
         if self._channel is not None:
             await self._channel.close()
         segment, self._segment = getattr(self, "_segment", None), None
@@ -357,8 +396,11 @@ class DraftPool:
 
     def __init__(self, target_id: str, model: str, vocab_size: int,
                  instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None,
-                 staged: bool = False, plane: PlaneOffer | None = None):
+                 staged: bool = False, plane: PlaneOffer | None = None, lanes: bool = True):
         self._target_id = target_id
+        self._lanes = lanes  # offer drafts a fast lane
+        self._preferred_of: tuple[str, ...] = ()  # the candidates _preferred last chose among, and its choice
+        self._preferred_id = ""
         self._plane = plane  # hidden-state planes offered to drafts (None: inline Tensors only)
         self._staged = staged  # ask drafts for the pipelined seam
         self._tls = tls
@@ -386,7 +428,12 @@ class DraftPool:
             self._closed_bytes[plane] = self._closed_bytes.get(plane, 0) + n
 
     def _preferred(self, candidates: list[InstanceRecord]) -> InstanceRecord:
-        return rendezvous_choice(self._target_id, candidates)
+        """The rendezvous choice among ``candidates`` (hashed once per set of candidates: the step loop
+        asks before every step)."""
+        ids = tuple(r.instance_id for r in candidates)
+        if ids != self._preferred_of:
+            self._preferred_of, self._preferred_id = ids, rendezvous_choice(self._target_id, candidates).instance_id
+        return next(r for r in candidates if r.instance_id == self._preferred_id)
 
     def _candidates(self) -> list[InstanceRecord]:
         now = asyncio.get_running_loop().time()
@@ -413,8 +460,11 @@ class DraftPool:
 
     def _keeps(self, current: DraftClient, candidates: list[InstanceRecord]) -> bool:
         """Whether ``current`` is healthy, registered and still the preferred draft worker."""
-        return (not current.broken and current.draft_id in {r.instance_id for r in self._instances()}
-                and (not candidates or self._preferred(candidates).instance_id == current.draft_id))
+        if current.broken:
+            return False
+        if candidates:  # (the preferred one is registered: candidates are)
+            return self._preferred(candidates).instance_id == current.draft_id
+        return current.draft_id in {r.instance_id for r in self._instances()}
 
     async def get(self) -> DraftClient | None:
         """A connected client to the preferred live draft worker; None without draft workers.
@@ -436,7 +486,7 @@ class DraftPool:
             return None
         choice = self._preferred(candidates)
         client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls,
-                             self._staged, self._plane)
+                             self._staged, self._plane, self._lanes)
         try:
             await client.connect()
         except IncompatibleDraft as exc:

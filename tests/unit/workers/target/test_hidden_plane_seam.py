@@ -124,8 +124,8 @@ def test_inline_hidden_states_never_pass_the_message_limit(monkeypatch):
                       DraftInput("d", 0, [1, 2, 3, 4], 1, hidden_states=rows(3)),
                       DraftInput("e", 0, [1, 2, 3, 4], 1, hidden_states=rows(3))]
             sent = []
-            real = client._outgoing.put_nowait
-            monkeypatch.setattr(client._outgoing, "put_nowait", lambda m: (sent.append(m), real(m)))
+            real = client._put
+            monkeypatch.setattr(client, "_put", lambda m: (sent.append(m), real(m)))
             got = await client.propose(inputs, timeout=5)
             assert sorted(got) == ["a", "b", "c", "d", "e"]  # every proposal came: the stream lives
             batches = [[r.seq_id for r in m.propose.requests] for m in sent if m.WhichOneof("body") == "propose"]

@@ -174,10 +174,12 @@ async def test_malformed_streamed_proposals_are_dropped_and_counted(model, expec
 async def test_flush_returns_once_what_was_queued_is_written_to_the_stream():
     """The step loop flushes the draft stream before each pipelined step (so that the round requests the
     draft stages from leave before the step's thread takes the interpreter): flush waits for the
-    writes, and a broken stream does not hold a step."""
+    writes, and a broken stream does not hold a step. (On gRPC: a fast lane writes each message as
+    it is put, and the queue stays empty.)"""
     refs = [PROMPTS["a"] + list(range(30))]
     service = DraftService(OracleProposer(refs, 0.0, 256), "d1", 8)
-    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+    async with draft_on_loopback(service, staged=True, vocab_size=256, lanes=False) as client:
+        assert client.lane is None
         from workers.speculation.convert import draft_input_to_pb
         from workers.speculation.payloads import DraftInput
 
@@ -199,14 +201,10 @@ class _Counting(DraftService):
         self.takes_step_news = step_news
         self.kinds: dict[str, int] = {}
 
-    async def _read(self, request_iterator, stream):
-        async def counted():
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("body")
-                self.kinds[kind] = self.kinds.get(kind, 0) + 1
-                yield msg
-
-        await super()._read(counted(), stream)
+    async def _on_message(self, stream, msg, on_lane: bool = False):
+        kind = msg.WhichOneof("body")
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        await super()._on_message(stream, msg, on_lane)
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["pipelined", "sync"])

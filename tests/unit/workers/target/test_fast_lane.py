@@ -1,0 +1,157 @@
+"""The draft stream's fast lane (workers.speculation.lane): the handshake on real gRPC agrees on a
+Unix-domain socket and the stream's messages travel on it; a lane out of reach keeps them on gRPC; a
+lane that breaks ends the pair and the target decodes plainly; only the stream's own token binds a
+connection. Output is the target's own throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from tests.unit.workers.draft.loopback import draft_on_loopback
+from tests.unit.workers.target.test_pipelined_seam import CFG, PARAMS, PROMPTS, serve_with
+from workers.draft.ngram import NgramProposer
+from workers.draft.oracle import OracleProposer
+from workers.draft.service import DraftService
+from workers.engine.engine import Engine
+from workers.speculation import lane
+from workers.speculation.lane import HEADER, LaneProtocol
+
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not lane.available(), reason="no Unix-domain sockets")]
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return Engine(model, CFG).generate(PROMPTS, PARAMS)
+
+
+class _Counting(DraftService):
+    """Counts the messages its targets send, by where they came: gRPC or the lane."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on: dict[bool, int] = {False: 0, True: 0}
+
+    async def _on_message(self, stream, msg, on_lane: bool = False):
+        self.on[on_lane] += 1
+        await super()._on_message(stream, msg, on_lane)
+
+
+def oracle(expected, error=0.2):
+    return OracleProposer([PROMPTS[r] + expected[r] for r in PROMPTS], error, 256, seed=3)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["pipelined", "sync"])
+async def test_after_the_handshake_every_message_travels_on_the_lane(model, expected, staged):
+    service = _Counting(oracle(expected), "d1", 8)
+    async with draft_on_loopback(service, staged=staged, vocab_size=256) as client:
+        assert client.lane is not None and client.pipelined == staged
+        engine, _, got = await serve_with(model, client)
+        sent, received = client.lane.bytes_sent, client.lane.bytes_received
+    assert got == expected
+    assert engine.counters["d1"].num_drafts > 0 and engine.counters["d1"].num_accepted_tokens > 0
+    assert service.on[False] == 1 and service.on[True] >= len(PROMPTS)  # gRPC: the Hello alone
+    assert sent > 0 and received > 0
+
+
+async def test_a_target_that_does_not_offer_a_lane_keeps_to_grpc(model, expected):
+    service = _Counting(oracle(expected), "d1", 8)
+    async with draft_on_loopback(service, staged=True, vocab_size=256, lanes=False) as client:
+        assert client.lane is None
+        _, _, got = await serve_with(model, client)
+    assert got == expected
+    assert service.on[True] == 0 and service.on[False] > len(PROMPTS)
+
+
+async def test_a_lane_out_of_reach_keeps_the_stream_on_grpc(model, expected):
+    """A draft on another host or in another container offers a socket this target cannot open: the
+    pair speculates on the gRPC stream as before."""
+    service = _Counting(oracle(expected), "d1", 8)
+    await service.start()
+    service._lanes.address = os.path.join(service._lanes._dir, "elsewhere.sock")  # as seen from another host
+    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+        assert client.lane is None and not client.broken
+        engine, _, got = await serve_with(model, client)
+    assert got == expected
+    assert engine.counters["d1"].num_drafts > 0
+    assert service.on[True] == 0 and service.on[False] > len(PROMPTS)
+
+
+async def test_a_lane_that_breaks_ends_the_pair_and_the_target_decodes_plainly(model, expected):
+    """The draft's side of the lane closes mid-run (its process or socket gone): the target's client
+    breaks, the step loop decodes plainly from then on, nothing is lost or wrong, and the draft
+    forgets that target's sequences."""
+    service = DraftService(oracle(expected), "d1", 8)
+    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+        engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+
+        async def cut_when_drafting():
+            while not engine.counters.get("d1") or not engine.counters["d1"].num_drafts:
+                await asyncio.sleep(0.001)
+            [stream] = service.streams.values()
+            stream.lane.transport.close()  # as if the draft's end went away
+            return loop.steps
+
+        from tests.support.draft_pool import FixedPool
+        from tests.support.serving import serve_through
+        from workers.target.step_loop import StepLoop
+
+        loop = StepLoop(engine, FixedPool(client))
+        loop.start()
+        cutter = asyncio.create_task(cut_when_drafting())
+        try:
+            got = await serve_through(loop, PROMPTS, PARAMS)
+        finally:
+            await loop.stop()
+        cut_at = await cutter
+        assert client.broken and loop.steps > cut_at + 10  # it went on serving, plainly
+        for _ in range(200):  # the draft ends the stream and releases its sequences
+            if not service.streams and not len(service.stager):
+                break
+            await asyncio.sleep(0.01)
+        assert not service.streams and len(service.stager) == 0
+    assert got == expected
+
+
+async def test_only_the_streams_own_token_binds_a_connection():
+    server = lane.LaneServer()
+    assert await server.start()
+    try:
+        frames: list[bytes] = []
+        token = server.expect(lambda proto: frames.append)
+        lost: list[str] = []
+        stranger = await lane.connect(server.address, b"x" * len(token), lambda f: None, lost.append)
+        for _ in range(200):
+            if lost:
+                break
+            await asyncio.sleep(0.005)
+        assert lost and stranger.closed  # refused: closed at its first frame
+        bound = await lane.connect(server.address, token, lambda f: None, lost.append)
+        bound.send(b"hello")
+        again = await lane.connect(server.address, token, lambda f: None, lost.append)  # a token binds once
+        for _ in range(200):
+            if frames and again.closed:
+                break
+            await asyncio.sleep(0.005)
+        assert frames == [b"hello"] and again.closed and not bound.closed
+        assert (os.stat(os.path.dirname(server.address)).st_mode & 0o777) == 0o700  # this user only
+        bound.close()
+    finally:
+        await server.close()
+    assert not os.path.exists(server.address)
+
+
+def test_frames_split_and_joined_arrive_whole_and_in_order():
+    got: list[bytes] = []
+    lost: list[str] = []
+    proto = LaneProtocol(got.append, lost.append)
+    frames = [b"a", b"", b"bcdef" * 100, b"g"]
+    wire = b"".join(HEADER.pack(len(f)) + f for f in frames)
+    for i in range(0, len(wire), 7):  # in pieces that split headers and bodies alike
+        proto.data_received(wire[i : i + 7])
+    proto.data_received(wire)  # and all at once
+    assert got == frames + frames and not lost
+    proto.data_received(HEADER.pack(lane.MAX_FRAME + 1))  # a corrupt length ends the lane
+    assert lost and proto.closed
