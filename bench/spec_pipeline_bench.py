@@ -32,7 +32,13 @@ instead, which is the share of the draft's time the seam hid. A batch of one run
 (``--sequence-tokens`` in all) to draw enough rounds. Every speculative run's outputs are checked
 equal to the plain run's.
 Speedups are decode-phase tokens/s (tokens after each request's first, from the moment every request
-has its first token to the last token) over the plain run's. ``draft wait`` is the loop's time
+has its first token to the last token) over the plain run's. The ideal is a whole batch's rate, but
+speculative requests of equal length finish rounds apart (each draws its own acceptance) and the
+last rounds then run part of the batch at nearly a whole batch's step cost; so the column "whole
+batch" takes the tokens/s of each run while every request of the batch decodes (from the cycle by
+which all have their first token to the first cycle that finishes one; for plain requests, which
+all finish in one cycle, and for a batch of one, that is the whole decode phase), and the target
+≥ 0.9 of ideal is read there. ``draft wait`` is the loop's time
 waiting on proposals (``tandem_target_draft_wait_seconds_total``) over its busy time. ``--cells``
 pairs each draft cost with a γ: a draft that is to hide behind verification must draft the γ + 1
 tokens a round can advance within one verify step (its staging is γ + 1 batched draft passes), so a
