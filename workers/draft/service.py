@@ -242,10 +242,13 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(prop))
         for stream, *batch in per_stream.values():
             stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(FLUSH_TIMEOUT):
-                for stream, *_ in per_stream.values():
-                    await stream.out.join()
+        # (a stream on a fast lane wrote them already: its gRPC queue is empty)
+        queued = [stream for stream, *_ in per_stream.values() if not stream.out.empty()]
+        if queued:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_TIMEOUT):
+                    for stream in queued:
+                        await stream.out.join()
 
     async def _run_proposer(self, fn, *args):
         """``fn(*args)`` in a worker thread (torch, off the event loop), or here for a proposer that
