@@ -182,11 +182,6 @@ class DraftClient:
             self._outgoing.task_done()
             yield msg
 
-    @property
-    def queued(self) -> bool:
-        """Messages wait for gRPC's writer (never on a fast lane, which writes each as it is put)."""
-        return not self._outgoing.empty()
-
     async def flush(self, timeout: float) -> bool:
         """Wait, at most ``timeout`` seconds, until gRPC has taken every message queued so far (and
         so started writing it). The step loop calls it before a step: otherwise the writer runs on
