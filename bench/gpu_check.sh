@@ -6,7 +6,8 @@
 #   tests   the GPU tests and the engine / kernel / sampler unit tests, compiled on CUDA
 #   served  bench/served_bench.py: the demo stack (tandem up: target and EAGLE-3 draft worker, both
 #           on the GPU) through the frontend on hand-written chat: the default, forced EAGLE-3 and
-#           forced n-gram speculation, each against plain decoding, outputs compared
+#           forced n-gram speculation (the last also with the draft stream on gRPC instead of the
+#           fast lane), each against plain decoding, outputs compared
 #   bench   bench/gpu_bench.py: an 8B-shaped random target, decode and verify, sync and async
 #   quant   bench/quant_bench.py --gpu: the 8B shape (8 of 32 layers) in bf16, FP8 (torch._scaled_mm)
 #           and INT4 AWQ g128 (Triton dequant-GEMM): decode tok/s at batch 1 and 16, weight memory
@@ -170,6 +171,10 @@ if wanted served; then
             "--spec-args=--no-load-aware-speculation --draft-device cpu" --json "$OUT/served-eagle3-cpu-draft.json"
         run served-ngram "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
             "--spec-args=--draft-method ngram --no-load-aware-speculation" --json "$OUT/served-ngram.json"
+        # the same with the draft stream's messages on gRPC instead of the fast lane (what the fast lane,
+        # the default, saves a step on a GPU host)
+        run served-ngram-grpc "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" --draft-lane off \
+            "--spec-args=--draft-method ngram --no-load-aware-speculation" --json "$OUT/served-ngram-grpc.json"
     else
         skip served "no CUDA device"
     fi
