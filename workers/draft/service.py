@@ -23,6 +23,11 @@ the message is read, in order, before anything is queued. Proposers run torch in
 only: proposals, verdicts (a head's projection of the hidden states), releases and new weights; a
 pure-Python proposer that drafts in microseconds (:attr:`.proposer.Proposer.on_loop`: n-gram,
 suffix) is called on the event loop instead, where a thread hop each way would cost more than it.
+
+A target on this host may take the service's fast lane (:mod:`workers.speculation.lane`): the
+service listens on one Unix-domain socket, hands each stream a token in its HelloAck, and once the
+target binds a connection with it, reads that stream's messages from the lane and writes its
+proposals there. Either the lane or the gRPC stream ending ends the stream.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ Hidden states: the target offers data planes in its Hello (:mod:`workers.specula
 a shared-memory ring made for this stream, and streamed chunks); the draft's HelloAck picks one, and
 from then on the engine writes each batch's rows once to :attr:`DraftClient.plane` and the messages
 carry descriptors. A draft that picks none (an older one) gets them inline, as before.
+
+Messages: a draft on this host offers a fast lane in its HelloAck (:mod:`workers.speculation.lane`,
+a Unix-domain socket bound to this stream by a token); the client then carries every message of
+the stream on it, written at once, and keeps the gRPC stream open as the pair's control channel.
+A lane out of reach leaves everything on gRPC; a lane that breaks breaks the client.
 """
 
 from __future__ import annotations
