@@ -124,7 +124,7 @@ fig_served() { cells "$1" '^\| all \|' | awk -F'|' '{printf "plain %s, spec %s t
                grep -o 'CPU ms per engine step.*' "$1" | tail -1; }
 fig_sweep() { cells "$1" '^\| [0-9]+ \| [a-z_]+ \|' | awk -F'|' '{printf "c%s %s: %s tok/s, %s\n", $1, $2, $3, $4}'; }
 fig_quant() { cells "$1" '^\| (bf16|fp8|int4) \|' | awk -F'|' '{printf "%s: b1 %s tok/s (%s), b16 %s tok/s (%s), %s GiB, Δ vs dequantized %s\n", $1, $5, $6, $8, $9, $3, $11}'; }
-fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -1; }
+fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -2 | tr "\n" " "; }
 fig_none() { :; }
 
 # --- the parts ---------------------------------------------------------------------------------------
