@@ -63,8 +63,7 @@ class _Stream:
     plane: PlaneReader | None = None  # the hidden-state data plane agreed at the handshake (None: inline)
     lane: LaneProtocol | None = None  # the fast lane the target bound (None: everything on gRPC)
     lane_token: bytes = b""  # the token the target binds the lane with (until it does)
-    lane_queue: asyncio.Queue | None = None  # messages read off the lane, handled in order by lane_task
-    lane_task: asyncio.Task | None = None
+    lane_task: asyncio.Task | None = None  # handles the lane's messages in order
     seqs: set = dataclasses.field(default_factory=set)  # the sequences this target has told of
     ended: bool = False
 
@@ -352,7 +351,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         if stream.ended or stream.lane is not None:
             raise ValueError("lane for a stream that ended or has one")
         stream.lane, stream.lane_token = proto, b""
-        queue = stream.lane_queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()  # messages read off the lane, for lane_task
         proto.on_lost = lambda reason: self._lane_lost(stream, reason)
         stream.lane_task = asyncio.create_task(self._read_lane(stream, queue), name="draft-lane")
         return lambda frame: queue.put_nowait(spec_pb2.TargetMessage.FromString(frame))
