@@ -263,7 +263,7 @@ def start_draft(refs: Path, error_rate: float, cost_ms: float, vocab: int, seed:
 
 async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
     from runtime.messages import InstanceRecord
-    from workers.target.draft_client import DraftPool
+    from workers.target.draft_pool import DraftPool
 
     prompts = prompts_for(batch, args.vocab)
     tokens = max(args.tokens, -(-args.sequence_tokens // batch))

@@ -53,7 +53,7 @@ def tiny_engine():
 
 async def measure(port: int, batches: list[int], tokens: int, repeats: int) -> dict:
     from runtime.messages import InstanceRecord, SamplingParams
-    from workers.target.draft_client import DraftPool
+    from workers.target.draft_pool import DraftPool
     from workers.target.step_loop import StepLoop
 
     engine = tiny_engine()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from runtime.messages import InstanceRecord
-from workers.target.draft_client import DraftPool
+from workers.target.draft_pool import DraftPool
 from workers.draft.proposer import DraftInput, VerifyResult
 from workers.speculation.convert import verify_to_pb
 

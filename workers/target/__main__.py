@@ -355,7 +355,7 @@ async def amain(args: argparse.Namespace) -> None:
     cfg = target_config(args, model_path)
     runtime_config = config_from_args(args, drain_timeout=args.drain_timeout)
     async with Runtime.connect(runtime_config) as rt:
-        from workers.target.draft_client import DraftPool
+        from workers.target.draft_pool import DraftPool
 
         engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
         followers = engine.runner.followers

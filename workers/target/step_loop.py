@@ -45,7 +45,8 @@ from runtime.messages import KvEvent, SamplingParams, TokenDelta
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
-from .draft_client import DraftClient, DraftPool
+from .draft_client import DraftClient
+from .draft_pool import DraftPool
 from .draft_watch import DraftWatch
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from runtime.messages import (GenerateRequest, KvDumpRequest, KvEvent, LoadEvent
 from ..engine.engine import HANDOFF, Engine
 from ..engine.lora import LoraError
 from .disagg import DisaggStats, HandoffKeeper, KvReceiver, release_handoff
-from .draft_client import DraftPool
+from .draft_pool import DraftPool
 from .metrics import RequestStats
 from .draft_watch import DraftWatch
 from .step_loop import StepLoop

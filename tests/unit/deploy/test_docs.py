@@ -29,7 +29,7 @@ def test_the_draft_method_list_is_the_code_s():
 
 def test_targets_pick_drafts_by_rendezvous_hashing_as_the_code_does():
     from runtime.messages import InstanceRecord
-    from workers.target.draft_client import rendezvous_choice
+    from workers.target.draft_pool import rendezvous_choice
 
     def draft(i: int) -> InstanceRecord:
         return InstanceRecord(instance_id=f"draft-{i}", namespace="t", component="draft", endpoint="speculate", subject="")
