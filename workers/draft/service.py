@@ -398,14 +398,14 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         return [item if ref is None else dataclasses.replace(item, hidden_states=r, hidden_ref=None)
                 for item, ref, r in zip(items, refs, rows)]
 
-    async def _on_propose(self, stream: _Stream, batch: spec_pb2.ProposeBatch, seqs: set[str]) -> None:
+    async def _on_propose(self, stream: _Stream, batch: spec_pb2.ProposeBatch) -> None:
         self.stats.hidden_bytes += sum(len(t.data) for r in batch.requests for t in r.hidden_states)
         inputs = []
         for r in batch.requests:
             d = draft_input_from_pb(r)
             if d.num_tokens > self.max_speculative_tokens:
                 d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
-            seqs.add(d.seq_id)
+            stream.seqs.add(d.seq_id)
             inputs.append(d)
         self._work.put_nowait(("propose", stream, await self._with_rows(stream, inputs)))
 
@@ -414,8 +414,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         results = [verify_from_pb(o) for o in batch.outcomes]
         self._work.put_nowait(("verify", stream, await self._with_rows(stream, results)))
 
-    def _on_release(self, stream: _Stream, batch: spec_pb2.ReleaseBatch, seqs: set[str]) -> None:
-        seqs.difference_update(batch.seq_ids)
+    def _on_release(self, stream: _Stream, batch: spec_pb2.ReleaseBatch) -> None:
+        stream.seqs.difference_update(batch.seq_ids)
         self._work.put_nowait(("release", stream, list(batch.seq_ids)))
 
     async def _read(self, request_iterator, stream: _Stream) -> None:
@@ -432,7 +432,6 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     async def _on_message(self, stream: _Stream, msg: spec_pb2.TargetMessage, on_lane: bool = False) -> None:
         """One message of a stream (from gRPC or its lane), handled in the order it came."""
         body = msg.WhichOneof("body")
-        seqs = stream.seqs
         if body == "hello":
             if on_lane:
                 raise ValueError("Hello on the lane")
@@ -466,12 +465,12 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             if step.verify.outcomes:
                 await self._on_verify(stream, step.verify)
             if step.release.seq_ids:
-                self._on_release(stream, step.release, seqs)
+                self._on_release(stream, step.release)
             if step.propose.requests:
-                await self._on_propose(stream, step.propose, seqs)
+                await self._on_propose(stream, step.propose)
         elif body == "propose":
-            await self._on_propose(stream, msg.propose, seqs)
+            await self._on_propose(stream, msg.propose)
         elif body == "verify":
             await self._on_verify(stream, msg.verify)
         elif body == "release":
-            self._on_release(stream, msg.release, seqs)
+            self._on_release(stream, msg.release)
