@@ -26,8 +26,10 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -37,11 +39,49 @@ HEADER = struct.Struct("<I")
 MAX_FRAME = 1 << 30  # a longer length is a corrupt stream, not a message (gRPC's own limit is 64 MiB)
 TOKEN_BYTES = 16
 CONNECT_TIMEOUT = 1.0
+DIR_PREFIX = "tandem-lane-"
+SOCKET_NAME = "draft.sock"
+STALE_AFTER = 60.0  # seconds: a lane directory this old whose socket takes no connection is a dead worker's
 
 
 def available() -> bool:
     """Whether this platform has Unix-domain sockets."""
     return hasattr(socket, "AF_UNIX")
+
+
+def sweep_stale(parent: str | None = None, *, older_than: float = STALE_AFTER) -> list[str]:
+    """Remove the lane directories that draft workers killed without a clean stop left in ``parent``
+    (the temporary directory): this user's, older than ``older_than`` seconds, whose socket is gone
+    or takes no connection (a live worker's always does). Returns the paths removed."""
+    parent = parent or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(DIR_PREFIX)]
+    except OSError:
+        return []
+    removed, now = [], time.time()
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < older_than:
+            continue  # another user's, not a directory, or one a worker may still be setting up
+        if _listening(os.path.join(path, SOCKET_NAME)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _listening(address: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            sock.connect(address)
+        except OSError:  # no such file, refused: nobody listens there
+            return False
+    return True
 
 
 class LaneProtocol(asyncio.Protocol):
@@ -124,9 +164,11 @@ class LaneServer:
         """Listen; False (and no lane offered) where Unix sockets are missing or the bind fails."""
         if not available():
             return False
+        for path in sweep_stale():
+            log.info("removed %s, a lane directory a draft worker left when it was killed", path)
         try:
-            self._dir = tempfile.mkdtemp(prefix="tandem-lane-")  # mode 0700: only this user connects
-            self.address = os.path.join(self._dir, "draft.sock")
+            self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)  # mode 0700: only this user connects
+            self.address = os.path.join(self._dir, SOCKET_NAME)
             self._server = await asyncio.get_running_loop().create_unix_server(self._accept, self.address)
         except OSError as exc:
             log.warning("no fast lane (Unix socket): %r; streams keep to gRPC", exc)

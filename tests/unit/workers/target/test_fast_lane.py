@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 
 import pytest
 
@@ -155,3 +156,44 @@ def test_frames_split_and_joined_arrive_whole_and_in_order():
     assert got == frames + frames and not lost
     proto.data_received(HEADER.pack(lane.MAX_FRAME + 1))  # a corrupt length ends the lane
     assert lost and proto.closed
+
+
+async def test_a_new_draft_worker_removes_the_lane_a_killed_one_left_and_no_other(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed = subprocess.run(  # a draft worker's lane server, then SIGKILL: no clean stop removes its directory
+        [sys.executable, "-c", "import asyncio, os, signal, sys, tempfile\n"
+         "tempfile.tempdir = sys.argv[1]\n"
+         "from workers.speculation.lane import LaneServer\n"
+         "async def main():\n"
+         "    server = LaneServer()\n"
+         "    assert await server.start()\n"
+         "    print(server.address, flush=True)\n"
+         "    os.kill(os.getpid(), signal.SIGKILL)\n"
+         "asyncio.run(main())\n", str(tmp_path)],
+        capture_output=True, text=True, cwd=os.path.dirname(lane.__file__) + "/../..", timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    dead = os.path.dirname(killed.stdout.strip())
+    assert os.path.exists(os.path.join(dead, lane.SOCKET_NAME))  # the socket file outlives its process
+    live = lane.LaneServer()
+    assert await live.start()
+    young = tempfile.mkdtemp(prefix=lane.DIR_PREFIX)  # as a worker starting right now has it: no socket yet
+    old = time.time() - 2 * lane.STALE_AFTER
+    for path in (dead, os.path.dirname(live.address)):
+        os.utime(path, (old, old))
+    server = lane.LaneServer()
+    try:
+        assert await server.start()
+        assert not os.path.exists(dead)
+        assert os.path.exists(live.address) and os.path.exists(young)
+        stream = await lane.connect(live.address, live.expect(lambda proto: (lambda f: None)), lambda f: None,
+                                    lambda r: None)  # the live worker's lane still takes its targets
+        assert not stream.closed
+        stream.close()
+    finally:
+        await server.close()
+        await live.close()
