@@ -12,7 +12,7 @@ first alternating), so that a slow spell of this shared machine hits both alike:
   serves);
 - **default**: hidden layers 0, 1 and 2 offered (what an EAGLE-3 head reads), load-aware
   speculation, and a draft worker connected on the synchronous seam: each cycle runs
-  :meth:`workers.target.step_loop.StepLoop._cycle` with a draft context that may ask, as the
+  :meth:`workers.target.step_loop.StepLoop.run_cycle` with a draft context that may ask, as the
   target's loop does, and feeds the cost model the cycle's time. Every round the policy asks for
   is answered in time (the synchronous seam's next cycle) with random tokens, what a random-weight
   EAGLE-3 head proposes: nearly never accepted, the regime in which load-aware speculation should
@@ -59,7 +59,7 @@ def engines(model: str, aa: bool):
 def loops(plain, spec, aa: bool):
     from workers.target.step_loop import DraftContext, StepLoop
 
-    class Pool:  # a draft worker connected (never asked to open anything: _cycle only checks it is there)
+    class Pool:  # a draft worker connected (never asked to open anything: run_cycle only checks it is there)
         pass
 
     if aa:  # the A/A control: plain decoding on both sides
@@ -107,7 +107,7 @@ class Driver:
         answers = {r.seq_id: DraftOutput(r.seq_id, r.round, [self.draw.randrange(self.loop.engine.vocab_size)
                                                              for _ in range(r.num_tokens)])
                    for r in self.requests}  # a random head's answers to the last round, in time
-        cycle = self.loop._cycle(self.commands, answers, self.context, self.last, self.asked)
+        cycle = self.loop.run_cycle(self.commands, answers, self.context, self.last, self.asked)
         cpu = time.thread_time() - started
         self.commands = []
         self.last = time.perf_counter() - wall if cycle.stepped else 0.0

@@ -9,7 +9,7 @@ Only the engine's thread touches torch or the engine. Each iteration of :meth:`S
    takes whatever has arrived and waits for nothing; the engine uses, per sequence, a proposal that
    fits its committed tokens, and a sequence with none decodes plainly this step. The draft stream
    comes from :meth:`DraftPool.poll`, which never waits for a stream to open;
-2. runs one *cycle* in the loop's one executor thread (:meth:`StepLoop._cycle`): the commands
+2. runs one *cycle* in the loop's one executor thread (:meth:`StepLoop.run_cycle`): the commands
    queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`, :class:`EngineCall`),
    the engine step, the verdicts and the next round's proposal requests, already converted to
    protobuf, and the KV events;
@@ -276,7 +276,7 @@ class StepLoop:
         self._commands.clear()
         loop = asyncio.get_running_loop()
         asked = self._asked > 0  # a round was asked for this cycle's step (late or not)
-        cycle = await loop.run_in_executor(self._executor, self._cycle, commands, proposals, context,
+        cycle = await loop.run_in_executor(self._executor, self.run_cycle, commands, proposals, context,
                                            self._last_cycle, self._last_asked)
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
@@ -303,9 +303,10 @@ class StepLoop:
         self.busy_seconds += time.perf_counter() - started
         self._last_asked = asked
 
-    def _cycle(self, commands: list[Command], proposals: dict, context: DraftContext | None,
-               last_cycle: float, last_asked: bool = False) -> Cycle:
-        """Everything that touches the engine, on its thread."""
+    def run_cycle(self, commands: list[Command], proposals: dict, context: DraftContext | None,
+                  last_cycle: float, last_asked: bool = False) -> Cycle:
+        """Everything of one cycle that touches the engine, on its thread: the loop runs it in its
+        executor; a driver that runs cycles itself (``bench/default_step_bench.py``) calls it directly."""
         engine, out = self.engine, Cycle()
         if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
             engine.observe_cycle(last_cycle, last_asked)
