@@ -15,8 +15,28 @@ import torch
 
 from runtime.messages import is_greedy
 
-__all__ = ["apply_token_bitmask", "apply_top_k_top_p", "exponentials", "is_greedy", "logprobs_of", "sample", "temper",
-           "uniforms"]
+__all__ = ["apply_token_bitmask", "apply_top_k_top_p", "argmax_rows", "exponentials", "is_greedy", "logprobs_of",
+           "sample", "temper", "uniforms"]
+
+ARGMAX_BLOCK = 128  # vocabularies are padded to multiples of 64 or 128 (32000, 49152, 128256, 151936)
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """scores [R, V] -> [R] long, exactly ``scores.argmax(-1)`` (the first index of a row's maximum;
+    NaN counts as the maximum, as there). On a CPU, torch's argmax over a long row runs several times
+    slower than its max (it tracks an index per element), so rows of a vocabulary are split into
+    blocks of 128: the first block holding the row's maximum (the argmax of the blocks' maxima), then
+    the first maximum within it. A 5-row verify or a batch of 8 takes 30–40 µs instead of 170–190 µs
+    over 49,152 tokens (2 threads, the 2-core VM). A single row, a CUDA tensor or an odd vocabulary
+    takes torch's argmax."""
+    rows, vocab = scores.shape
+    if (scores.device.type != "cpu" or rows < 2 or vocab % ARGMAX_BLOCK or vocab < 32 * ARGMAX_BLOCK
+            or not scores.is_contiguous()):
+        return scores.argmax(dim=-1)
+    blocks = scores.view(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)  # [R, V/B, B]
+    block = blocks.amax(dim=-1).argmax(dim=-1)  # [R] the first block holding the row's maximum
+    within = blocks[torch.arange(rows), block].argmax(dim=-1)  # [R]
+    return block * ARGMAX_BLOCK + within
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -89,13 +109,13 @@ def sample(scores: torch.Tensor, greedy: list[bool], generators: list[torch.Gene
     row, argmax instead of a draw; generators: one per row (None = the global RNG). Returns tokens
     [B] long.
     """
-    tokens = scores.argmax(dim=-1)  # [B]
+    tokens = argmax_rows(scores)  # [B]
     rows = [i for i, g in enumerate(greedy) if not g]
     if not rows:
         return tokens
     probs = (scores if len(rows) == len(greedy) else scores[rows]).softmax(dim=-1)  # [R, V]
     noise = exponentials(len(rows), scores.shape[-1], [generators[i] for i in rows], scores.device)
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = argmax_rows(probs / noise)
     if len(rows) == len(greedy):
         return drawn
     tokens[rows] = drawn

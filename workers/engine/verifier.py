@@ -20,7 +20,7 @@ from ..speculation.payloads import PAD, SparseDist
 from ..speculation.rejection import rejection_sample, sparse_to_dense
 from ..speculation.tree import chain_parents, parent_nodes
 from ..speculation.tree_rejection import tree_rejection_sample
-from .sampling import exponentials, uniforms
+from .sampling import argmax_rows, exponentials, uniforms
 
 
 @dataclass(frozen=True)
@@ -106,13 +106,23 @@ def _greedy_chains(scores: torch.Tensor, candidates: list[Candidate]) -> list[Ou
     takes the argmax of the same scores), with no softmax over the vocabulary, no draws and no
     dense one-hot drafts: one argmax on the device and one copy to the host. (The general path takes
     the argmax of the softmax, which can tie where the scores do not.)"""
-    rows = [r for c in candidates for r in range(c.root_row, c.root_row + len(c.tokens) + 1)]
-    best = scores.index_select(0, torch.tensor(rows, device=scores.device)).argmax(-1).tolist()
-    out, at = [], 0
-    for c in candidates:
+    first = min(c.root_row for c in candidates)
+    last = max(c.root_row + len(c.tokens) for c in candidates)
+    rows = sum(len(c.tokens) + 1 for c in candidates)
+    if last - first + 1 <= 2 * rows:  # the rows lie together (the usual case): the argmax of a view, no gather
+        best = argmax_rows(scores[first : last + 1]).tolist()
+        starts = [c.root_row - first for c in candidates]
+    else:  # spread among many plain rows: gather the candidates' rows first
+        index = [r for c in candidates for r in range(c.root_row, c.root_row + len(c.tokens) + 1)]
+        best = argmax_rows(scores.index_select(0, torch.tensor(index, device=scores.device))).tolist()
+        starts, at = [], 0
+        for c in candidates:
+            starts.append(at)
+            at += len(c.tokens) + 1
+    out = []
+    for c, at in zip(candidates, starts):
         k = len(c.tokens)
         row = best[at : at + k + 1]
-        at += k + 1
         n = 0
         while n < k and c.tokens[n] == row[n]:
             n += 1

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.engine.sampling import apply_top_k_top_p, logprobs_of, sample, temper
+from workers.engine.sampling import argmax_rows, apply_top_k_top_p, logprobs_of, sample, temper
 
 pytestmark = pytest.mark.unit
 
@@ -81,3 +81,21 @@ def test_logprobs():
     chosen, top_ids, top_vals = logprobs_of(logits, torch.tensor([1]), 2)
     assert chosen.item() == pytest.approx(torch.log(torch.tensor(0.25)).item())
     assert top_ids.tolist()[0][0] == 0 and top_vals.shape == (1, 2)
+
+
+def test_argmax_rows_is_torchs_argmax_exactly():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 49152
+    x = torch.randn(6, vocab, generator=gen)
+    x[0, 100] = x[0, 9000] = 50.0  # a tie across blocks: the first
+    x[1, 130] = x[1, 140] = 50.0  # a tie within a block: the first
+    x[2, 5000] = x[2, 7000] = float("nan")  # NaN counts as the maximum, the first one
+    x[3] = float("-inf")  # a row all forbidden: index 0, as torch says
+    x[4] = 0.0
+    x[4, 77] = -0.0  # signed zeros are equal
+    x[5, -1] = 60.0  # the very last token
+    for scores in (x, x[1:3], torch.randn(9, vocab, generator=gen), x.t().contiguous().t()):  # the last not contiguous
+        assert torch.equal(argmax_rows(scores), scores.argmax(-1))
+    assert torch.equal(argmax_rows(x[:1]), x[:1].argmax(-1))  # one row, and an odd vocabulary: torch's own
+    odd = torch.randn(4, 1000, generator=gen)
+    assert torch.equal(argmax_rows(odd), odd.argmax(-1))

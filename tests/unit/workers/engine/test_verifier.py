@@ -32,6 +32,11 @@ def test_greedy_chains_accept_the_scores_argmax_prefix_and_emit_the_next_argmax(
     # the same greedy rows beside a sampled one (the general path) come out the same
     mixed = verify(scores, chains + [Candidate([3], [], [], 12, False, torch.Generator().manual_seed(1))])
     assert [o.tokens for o in mixed[:3]] == [o.tokens for o in out]
+    # chains far apart among many plain rows (their rows gathered, not read as one block): the same rule
+    wide = torch.randn(40, 50, generator=gen)
+    top = _plain(wide)
+    apart = verify(wide, [Candidate([top[0]], [], [], 0, True), Candidate([(top[37] + 1) % 50, 7], [], [], 37, True)])
+    assert [o.tokens for o in apart] == [[top[0], top[1]], [top[37]]]
 
 
 def test_a_tie_in_the_softmax_that_the_scores_break_goes_the_plain_decode_way():
