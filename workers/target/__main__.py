@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import os
 
-# Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed machine, spinning
-# intra-op threads made small steps up to 70× slower. Read once when torch loads (later, lazily).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How torch's idle intra-op (OpenMP) threads wait, read once when torch loads. Spinning for long
+# (GNU OpenMP's default: 300,000 spins) made small steps up to 70× slower on a shared or
+# oversubscribed machine; never spinning (PASSIVE) makes every parallel region of a step wait about
+# 70 µs for its workers to wake, which took a tiny model's verify step from 1.4 to 3 ms. So GNU
+# OpenMP's workers spin 10,000 times (well under a millisecond) and then sleep; other OpenMP runtimes
+# sleep at once. Either variable set by the user wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = "10000"  # GNU OpenMP (torch's Linux wheels): takes precedence over PASSIVE
 
 import argparse
 import asyncio
@@ -357,7 +363,10 @@ async def amain(args: argparse.Namespace) -> None:
     async with Runtime.connect(runtime_config) as rt:
         from workers.target.draft_pool import DraftPool
 
-        engine = await asyncio.to_thread(build_engine, cfg, rt.instance_id)
+        from workers.target.step_loop import engine_thread
+
+        engine_executor = engine_thread()  # built where it steps: one OpenMP team (see engine_thread)
+        engine = await asyncio.get_running_loop().run_in_executor(engine_executor, build_engine, cfg, rt.instance_id)
         followers = engine.runner.followers
         failed: list[str] = []
         if followers is not None:
@@ -411,7 +420,8 @@ async def amain(args: argparse.Namespace) -> None:
 
         worker = TargetWorker(engine, rt.instance_id, rt.publish, cfg.served_model_name, cfg.load_interval,
                               pool=pool, propose_timeout=cfg.propose_timeout, propose_min_wait=cfg.propose_min_wait,
-                              epoch=rt.started_at, role=cfg.role, receiver=receiver, on_adapter=on_adapter)
+                              epoch=rt.started_at, role=cfg.role, receiver=receiver, on_adapter=on_adapter,
+                              executor=engine_executor)
         await worker.start()
         rt.add_health_check(lambda: worker.healthy and not failed)
         REGISTRY.register(TargetCollector(worker, cfg.served_model_name, cfg.served_model_aliases))

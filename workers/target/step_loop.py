@@ -115,13 +115,24 @@ class Cycle:
     handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs an engine's torch work: build it there (``loop.run_in_executor``)
+    and hand it to :class:`StepLoop`. On a CPU each thread that starts torch's intra-op work gets its
+    own OpenMP team; with two teams on the machine's cores, GNU OpenMP counts its threads
+    oversubscribed and stops spinning between parallel regions, so every region of a step waits
+    for its workers to wake (about 70 µs each on the 2-core VM: a tiny model's verify step took
+    2.7–3.4 ms instead of 1.4, see docs/benchmarks.md)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+
+
 class StepLoop:
     """Drives ``engine`` from one asyncio task; speculates through ``pool`` when given one."""
 
     def __init__(self, engine: Engine, pool: DraftPool | None = None, target_id: str = "", *,
                  propose_timeout: float = 2.0, on_kv_events: Callable[[list[KvEvent]], None] | None = None,
                  publish: Callable[[str, object], Awaitable[None]] | None = None, epoch: float = 0.0,
-                 stats_interval: float = 0.5, watch: DraftWatch | None = None):
+                 stats_interval: float = 0.5, watch: DraftWatch | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.pool = pool
         if self.pool is not None:
@@ -135,7 +146,7 @@ class StepLoop:
         self._commands: deque[Command] = deque()
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._executor = executor or engine_thread()  # the thread that built the engine, when given
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._has_work = False

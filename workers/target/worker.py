@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -51,7 +52,8 @@ class TargetWorker:
                  load_interval: float = 0.5, *, pool: DraftPool | None = None, propose_timeout: float = 2.0,
                  propose_min_wait: float = 0.02, epoch: float = 0.0, role: str = "aggregated",
                  receiver: KvReceiver | None = None,
-                 on_adapter: Callable[[str, bool], Awaitable[None]] | None = None):
+                 on_adapter: Callable[[str, bool], Awaitable[None]] | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.role = role
         self.disagg = receiver.stats if receiver is not None else DisaggStats()
@@ -63,7 +65,8 @@ class TargetWorker:
         self._load_interval = load_interval
         self._kv_out: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
         self.loop = StepLoop(engine, pool, worker_id, watch=DraftWatch(propose_timeout, min_wait=propose_min_wait),
-                             on_kv_events=self._kv_out.put_nowait, publish=publish, epoch=epoch)
+                             on_kv_events=self._kv_out.put_nowait, publish=publish, epoch=epoch,
+                             executor=executor)
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client
