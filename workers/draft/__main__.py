@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
-# Idle OpenMP threads must sleep, not spin: a draft and a target share the CPU cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from workers.openmp import configure_waiting, torch_thread
+
+configure_waiting(spin=False)  # before torch loads: its idle intra-op threads sleep (see workers.openmp)
 
 import grpc
 from prometheus_client import REGISTRY
@@ -276,8 +276,9 @@ def server_tls(cfg: DraftConfig) -> ServerTls | None:
 
 async def amain(args: argparse.Namespace, cfg: DraftConfig) -> None:
     tls = server_tls(cfg)
+    torch_work = torch_thread("draft-torch")  # loads the draft where it proposes: one OpenMP team
     try:
-        proposer = await asyncio.to_thread(make_proposer, cfg)
+        proposer = await asyncio.get_running_loop().run_in_executor(torch_work, make_proposer, cfg)
     except (ValueError, OSError) as exc:  # a checkpoint that does not load: one line, not a traceback
         raise StartupError(f"--method {cfg.method}: cannot load the draft: {exc}") from None
     if cfg.method in TENSOR_METHODS:
@@ -285,7 +286,7 @@ async def amain(args: argparse.Namespace, cfg: DraftConfig) -> None:
     config = config_from_args(args, drain_timeout=cfg.drain_timeout)
     async with Runtime.connect(config) as rt:
         service = DraftService(proposer, rt.instance_id, cfg.max_speculative_tokens, overlap=cfg.overlap,
-                               alternatives=cfg.stage_alternatives)
+                               alternatives=cfg.stage_alternatives, executor=torch_work)
         REGISTRY.register(DraftCollector(service, cfg.model_name or "draft", cfg.method))
         await service.start()
         distilling = start_distillation(cfg, proposer, service)

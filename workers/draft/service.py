@@ -35,8 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -48,6 +50,7 @@ from ..speculation import lane
 from ..speculation.hidden_plane import PlaneReader, open_reader
 from ..speculation.lane import LaneProtocol, LaneServer
 from ..speculation.tree import tree_depths
+from ..openmp import torch_thread
 from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
 from .stager import Stager
@@ -90,8 +93,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     takes_step_news = True  # HelloAck.step_news: a target may send each step's news as one StepNews
 
     def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
-                 alternatives: int = 1, lanes: bool = True):
+                 alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None):
         self.proposer = proposer
+        # the proposer's torch work, on one thread (the one that loaded it, when given): workers.openmp
+        self._executor = executor
+        self._own_executor: ThreadPoolExecutor | None = None
         # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
         self.stager = Stager(proposer, alternatives) if proposer.stages else None
         # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
@@ -122,6 +128,9 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         if self._lanes is not None:
             await self._lanes.close()
             self._lanes = None
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=False)
+            self._own_executor = None
 
     async def _run(self) -> None:
         while True:
@@ -259,7 +268,10 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         drafts on the loop (:attr:`Proposer.on_loop`)."""
         if self.proposer.on_loop:
             return fn(*args)
-        return await asyncio.to_thread(fn, *args)
+        executor = self._executor
+        if executor is None:
+            executor = self._own_executor = self._own_executor or torch_thread("draft-torch")
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
 
     def swap_weights(self, state) -> None:
         """Queue new head weights (online distillation): the proposer takes them between proposal

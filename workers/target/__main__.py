@@ -11,17 +11,9 @@ moves them to another target), it deregisters at once and exits with status 1.
 
 from __future__ import annotations
 
-import os
+from workers.openmp import configure_waiting, torch_thread
 
-# How torch's idle intra-op (OpenMP) threads wait, read once when torch loads. Spinning for long
-# (GNU OpenMP's default: 300,000 spins) made small steps up to 70× slower on a shared or
-# oversubscribed machine; never spinning (PASSIVE) makes every parallel region of a step wait about
-# 70 µs for its workers to wake, which took a tiny model's verify step from 1.4 to 3 ms. So GNU
-# OpenMP's workers spin 10,000 times (well under a millisecond) and then sleep; other OpenMP runtimes
-# sleep at once. Either variable set by the user wins.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ["GOMP_SPINCOUNT"] = "10000"  # GNU OpenMP (torch's Linux wheels): takes precedence over PASSIVE
+configure_waiting()  # before torch loads: how its idle intra-op threads wait (see workers.openmp)
 
 import argparse
 import asyncio
@@ -363,9 +355,7 @@ async def amain(args: argparse.Namespace) -> None:
     async with Runtime.connect(runtime_config) as rt:
         from workers.target.draft_pool import DraftPool
 
-        from workers.target.step_loop import engine_thread
-
-        engine_executor = engine_thread()  # built where it steps: one OpenMP team (see engine_thread)
+        engine_executor = torch_thread("engine-step")  # built where it steps: one OpenMP team
         engine = await asyncio.get_running_loop().run_in_executor(engine_executor, build_engine, cfg, rt.instance_id)
         followers = engine.runner.followers
         failed: list[str] = []

@@ -44,6 +44,7 @@ from runtime.messages import KvEvent, SamplingParams, TokenDelta
 
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar
+from ..openmp import torch_thread
 from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
 from .draft_client import DraftClient
 from .draft_pool import DraftPool
@@ -115,16 +116,6 @@ class Cycle:
     handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
 
 
-def engine_thread() -> ThreadPoolExecutor:
-    """The one thread that runs an engine's torch work: build it there (``loop.run_in_executor``)
-    and hand it to :class:`StepLoop`. On a CPU each thread that starts torch's intra-op work gets its
-    own OpenMP team; with two teams on the machine's cores, GNU OpenMP counts its threads
-    oversubscribed and stops spinning between parallel regions, so every region of a step waits
-    for its workers to wake (about 70 µs each on the 2-core VM: a tiny model's verify step took
-    2.7–3.4 ms instead of 1.4, see docs/benchmarks.md)."""
-    return ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-
-
 class StepLoop:
     """Drives ``engine`` from one asyncio task; speculates through ``pool`` when given one."""
 
@@ -146,7 +137,8 @@ class StepLoop:
         self._commands: deque[Command] = deque()
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._executor = executor or engine_thread()  # the thread that built the engine, when given
+        # the thread that built the engine, when given: one OpenMP team for its torch work (workers.openmp)
+        self._executor = executor or torch_thread("engine-step")
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._has_work = False
