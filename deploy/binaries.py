@@ -7,6 +7,7 @@ the binaries there), then ``PATH``.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import sys
@@ -38,9 +39,18 @@ def find_binary(name: str) -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports nobody listens on right now. Bound together, not one after another:
+    a port released can come back from the next bind, and two components of one stack were once
+    given the same health port."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

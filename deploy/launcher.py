@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.binaries import free_port, listening_socket, port_open, wait_port
+from deploy.binaries import free_port, free_ports, listening_socket, port_open, wait_port
 from deploy.children import Child, stop_tiers
 from deploy.infra import etcd_child, nats_child
 from deploy.scaling import ScaleService
@@ -207,8 +207,10 @@ class Launcher:
         self._model_path = model_path
         self._check_stop()
         etcd_url, nats_url = self._start_infra()
-        ports = {name: free_port() for name in component_names(cfg)}
-        ports["frontend"] = cfg.http_port or free_port()
+        names = component_names(cfg)
+        picked = free_ports(len(names) + 1)  # distinct (see free_ports)
+        ports = dict(zip(names, picked))
+        ports["frontend"] = cfg.http_port or picked[-1]
         try:
             self._http_socket = listening_socket(cfg.host, ports["frontend"])
         except OSError as exc:

@@ -119,3 +119,12 @@ def test_a_spare_that_dies_is_not_started_again_before_the_next_restart(caplog):
         assert child._spare is not None and child._spare is not first  # tried again after the restart
     finally:
         stop_tiers([[child]], timeout=5)
+
+
+def test_the_ports_of_one_stack_are_distinct_and_free():
+    # picked one by one, a released port could come back from the next bind: two components of one
+    # `tandem up` were once given the same health port
+    from deploy.binaries import free_ports, port_open
+
+    ports = free_ports(64)
+    assert len(set(ports)) == 64 and not any(port_open(p) for p in ports[:8])

@@ -4,6 +4,7 @@ for every draft method, alone and with 8 requests in one batch."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -86,7 +87,12 @@ def make_proposer(method: str, target_dir, draft_dir):
                                     "self_draft_tree"])
 def test_greedy_speculation_equals_plain_decoding(models, method):
     target_dir, draft_dir = models
-    batch = prompts(50, seed=hash(method) % 1000)
+    # a seed of its own per method, the same in every run: hash() of a str changes from one process to
+    # the next, which drew new prompts each run, and about one run in ten drew a prompt whose greedy
+    # path passes an exact tie of the random model (r5 of self_draft_tree under PYTHONHASHSEED=6: two
+    # logits both 3.886012), where float rounding of a verify step's shape and a decode step's picks
+    # either token
+    batch = prompts(50, seed=zlib.crc32(method.encode()) % 1000)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = plain(target_dir, batch, params)
     engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=4)
