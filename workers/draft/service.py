@@ -45,12 +45,12 @@ import grpc
 
 from proto import spec_pb2, spec_pb2_grpc
 
+from ..openmp import torch_thread
 from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
 from ..speculation import lane
 from ..speculation.hidden_plane import PlaneReader, open_reader
 from ..speculation.lane import LaneProtocol, LaneServer
 from ..speculation.tree import tree_depths
-from ..openmp import torch_thread
 from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
 from .stager import Stager
