@@ -18,7 +18,8 @@ all its torch work on one thread (:func:`torch_thread`), the model's loading inc
 
 Measured on the 2-core VM, the tiny target served through ``tandem up``:
 - plain decoding: 322 tok/s before, 434–528 after;
-- forced n-gram speculation: 0.95–0.97× of plain before, 1.03–1.05× after.
+- forced n-gram speculation: 0.95–0.97× of plain before, 1.03–1.05× after, in an alternating A/B
+  (0.98–1.07× over nine runs after, mean 1.03×).
 See docs/benchmarks.md.
 """
 
