@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
 import sys
@@ -30,7 +29,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench.load_sweep import draft_args  # noqa: E402
 from runtime import Runtime, RuntimeConfig  # noqa: E402

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -32,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the target and draft processes share two cores
 
 from runtime import Runtime, RuntimeConfig  # noqa: E402
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta  # noqa: E402

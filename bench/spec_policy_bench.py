@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 import time
@@ -31,7 +30,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # target and draft share two cores
 
 from bench.natural import natural_prompt_ids  # noqa: E402
 from bench.suffix_bench import new_totals, serve  # noqa: E402

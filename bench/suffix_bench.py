@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # targets and drafts share two cores
 
 from runtime import Runtime, RuntimeConfig  # noqa: E402
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta  # noqa: E402

@@ -16,12 +16,9 @@ between two processes, of a decode step's and a verify step's rows: the collecti
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the target worker sets: no spinning threads
-
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -31,6 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from workers.openmp import configure_waiting  # noqa: E402
+
+configure_waiting(spin=True)  # before torch loads, as the target worker does (its followers inherit it)
 
 
 def status_kb(pid: int | str, key: str) -> int:
