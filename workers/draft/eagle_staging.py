@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .proposer import grow_blocks
-from .stager import Branch, Chain
+from .stager import Branch, Chain, Ready
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class _Fork:
     tokens: list[int] = field(default_factory=list)
     alternatives: list[list[int]] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
+    streamed: int = 0  # its first tokens that are streamed: all its branch asks for but the last
 
     @property
     def steps(self) -> int:
@@ -137,10 +139,10 @@ class EagleStaging:
         return roots
 
     @torch.inference_mode()
-    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
         """Pipelined seam: one greedy chain per branch, every branch a fork of its sequence's committed
-        pairs, all of them one head pass per depth (see the module docstring)."""
-        out = [Chain([]) for _ in branches]
+        pairs, all of them one head pass per depth (see the module docstring); ``ready`` before the
+        last pass (:meth:`.stager.Drafter.draft_branches`)."""
         if self.blocks.num_free_blocks < self.blocks.num_blocks // 4:  # short of blocks: forks kept go first
             self._drop_kept_all()
         roots = self._roots(list(dict.fromkeys(b.seq_id for b in branches)))
@@ -168,6 +170,7 @@ class EagleStaging:
                 fork = _Fork(i, base, context[base + 1 - c :], min(br.num_tokens, room), 1 + br.alternatives,
                              source.outs[depth], committed=c, assumed=context[: base + 1 - c])
                 src_table, src_shared = source.table, source.shared
+            fork.streamed = min(br.num_tokens - 1, fork.num_tokens)
             steps = fork.steps
             fork.shared = src_shared
             if steps > 0:
@@ -188,15 +191,15 @@ class EagleStaging:
                 for k, v in self.kv:
                     k[dst] = k[src]
                     v[dst] = v[src]
-            self._grow_forks(forks)
+            self._grow_forks(forks, (lambda: ready(self._chains(branches, forks))) if ready is not None else None)
         except BaseException:
             for fork in forks:
                 if fork.own:
                     self.blocks.free(fork.own)
             raise
         by_seq: dict[str, list[_Fork]] = {}
+        out = self._chains(branches, forks)
         for fork in forks:
-            out[fork.index] = Chain(fork.tokens, fork.alternatives, fork.confidence)
             if fork.own:
                 by_seq.setdefault(branches[fork.index].seq_id, []).append(fork)
         for sid, kept in by_seq.items():  # kept for the next calls' branches that assume what they drafted
@@ -241,8 +244,17 @@ class EagleStaging:
         for seq in self._seqs.values():
             self._drop_kept(seq)
 
-    def _grow_forks(self, forks: list[_Fork]) -> None:
-        """Draft every fork to its length: the roots' next tokens, then one batched pass per depth."""
+    @staticmethod
+    def _chains(branches: list[Branch], forks: list[_Fork]) -> list[Chain]:
+        """Each branch's chain as drafted so far (copies: the forks may go on)."""
+        out = [Chain([]) for _ in branches]
+        for fork in forks:
+            out[fork.index] = Chain(list(fork.tokens), [list(a) for a in fork.alternatives], list(fork.confidence))
+        return out
+
+    def _grow_forks(self, forks: list[_Fork], ready: Callable[[], None] | None = None) -> None:
+        """Draft every fork to its length: the roots' next tokens, then one batched pass per depth;
+        ``ready()`` once every fork has all its tokens but the last, if a pass is still to come."""
         first = [f for f in forks if not f.extra]  # the root's output gives their first token
         if first:
             ids, logps = self.head.top_tokens(torch.stack([f.feat for f in first]), max(f.k for f in first))
@@ -252,6 +264,9 @@ class EagleStaging:
         active = [f for f in forks if f.steps > 0]
         chunk = self.graphs.max_batch if self.graphs is not None else len(active) or 1
         while active:
+            if ready is not None and all(len(f.tokens) >= f.streamed for f in forks):
+                ready()
+                ready = None
             for at in range(0, len(active), chunk):
                 batch = active[at : at + chunk]
                 pos = [f.base + depth for f in batch]

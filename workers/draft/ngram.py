@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..speculation.payloads import ROOT
 from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
-from .stager import Branch, Chain
+from .stager import Branch, Chain, Ready
 
 MAX_OCCURRENCES = 8  # ends remembered per n-gram, for tree proposals
 
@@ -164,7 +164,8 @@ class NgramProposer(Proposer):
         length = len(hist.tokens)
         return hist.tokens[start:min(stop, length)] + extra[max(0, start - length) : max(0, stop - length)]
 
-    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
+        # (``ready`` unused: drafting takes microseconds, the proposals leave when it returns)
         out = []
         for br in branches:
             hist = self._seqs.get(br.seq_id)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
-from .stager import Branch, Chain
+from .stager import Branch, Chain, Ready
 
 
 class OracleProposer(Proposer):
@@ -114,7 +114,7 @@ class OracleProposer(Proposer):
         self._ref_of[seq_id] = (index, len(committed))
         return ref
 
-    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
         out = []
         deepest = 0
         for br in branches:
@@ -132,7 +132,13 @@ class OracleProposer(Proposer):
             self.drafted_tokens += len(truth)
             out.append(Chain(tokens, alternatives))
         if self.token_cost_s and deepest:
-            time.sleep(self.token_cost_s * deepest)
+            if ready is not None and deepest > 1:  # every chain but its last token: the proposals can go
+                time.sleep(self.token_cost_s * (deepest - 1))
+                ready([Chain(c.tokens[: b.num_tokens - 1], c.alternatives[: b.num_tokens - 1])
+                       for b, c in zip(branches, out)])
+                time.sleep(self.token_cost_s)
+            else:
+                time.sleep(self.token_cost_s * deepest)
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -215,26 +215,41 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             return stager.answer_and_stage(list(streams))
 
         started = time.perf_counter()
-        # A model's drafting call takes a while: what each call drafted leaves at once. A proposer on
-        # the loop takes microseconds: all of it leaves as one message, one read for the target.
+        # A model's drafting call takes a while: what each call drafted leaves at once, and as soon
+        # as it exists: a drafter paying per depth says so before its last pass, whose tokens only
+        # guess what follows (``Stager.early``). A proposer on the loop takes microseconds: all of it
+        # leaves as one message, one read for the target.
         each = not self.proposer.on_loop
-        staged, answered = await self._run_proposer(apply_and_draft)
+        early: set[int] = set()  # ids of the proposals that left before their call returned
         if each:
-            await self._send_staged(staged, streams)
-        # Their answers exist now: stage what verifying them may lead to, unless news is waiting. Then
-        # this stager is behind the target, and a second drafting call would put it further behind
-        # (and a late stager drafts spare tokens, so each call gets longer: at batch 8 on two cores
-        # such a draft stayed steps late for whole runs); the answers' outcomes are staged with it.
-        if answered and self._work.empty():
-            more = await self._run_proposer(stager.stage, answered)
+            loop = asyncio.get_running_loop()
+
+            def send_early(proposals: list) -> None:  # (in the drafting thread)
+                early.update(id(p) for p in proposals)
+                loop.call_soon_threadsafe(self._send_now, proposals, streams)
+
+            stager.early = send_early
+        try:
+            staged, answered = await self._run_proposer(apply_and_draft)
             if each:
-                await self._send_staged(more, streams)
-            staged += more
-        if self._work.empty():  # no news yet: one level further for the likeliest outcome
-            ahead = await self._run_proposer(stager.stage_ahead, list(streams))
-            if each:
-                await self._send_staged(ahead, streams)
-            staged += ahead
+                await self._send_staged([p for p in staged if id(p) not in early], streams)
+            # Their answers exist now: stage what verifying them may lead to, unless news is waiting.
+            # Then this stager is behind the target, and a second drafting call would put it further
+            # behind (and a late stager drafts spare tokens, so each call gets longer: at batch 8 on
+            # two cores such a draft stayed steps late for whole runs); the answers' outcomes are
+            # staged with it.
+            if answered and self._work.empty():
+                more = await self._run_proposer(stager.stage, answered)
+                if each:
+                    await self._send_staged([p for p in more if id(p) not in early], streams)
+                staged += more
+            if self._work.empty():  # no news yet: one level further for the likeliest outcome
+                ahead = await self._run_proposer(stager.stage_ahead, list(streams))
+                if each:
+                    await self._send_staged([p for p in ahead if id(p) not in early], streams)
+                staged += ahead
+        finally:
+            stager.early = None
         if not each:
             await self._send_staged(staged, streams)
         stats = self.stats
@@ -245,18 +260,23 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         stats.draft_tokens += sum(len(p.token_ids) for p in staged)
 
     @staticmethod
-    async def _send_staged(proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
-        """Stream staged proposals, and wait (briefly) until they are written: the next drafting call
-        runs in a thread that, for a model-based draft, holds the interpreter for most of a switch
-        interval at a time, and a proposal still queued behind it reaches the target that much late."""
+    def _send_now(proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> list[_Stream]:
+        """Stream staged proposals, one message per stream; the streams sent to."""
         per_stream: dict[int, list] = {}
         for prop in proposals:
             stream = streams[prop.seq_id][0]
             per_stream.setdefault(id(stream), [stream]).append(draft_output_to_pb(prop))
         for stream, *batch in per_stream.values():
             stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=batch)))
+        return [stream for stream, *_ in per_stream.values()]
+
+    @classmethod
+    async def _send_staged(cls, proposals, streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
+        """Stream staged proposals, and wait (briefly) until they are written: the next drafting call
+        runs in a thread that, for a model-based draft, holds the interpreter for most of a switch
+        interval at a time, and a proposal still queued behind it reaches the target that much late."""
         # (a stream on a fast lane wrote them already: its gRPC queue is empty)
-        queued = [stream for stream, *_ in per_stream.values() if not stream.out.empty()]
+        queued = [stream for stream in cls._send_now(proposals, streams) if not stream.out.empty()]
         if queued:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FLUSH_TIMEOUT):

@@ -35,6 +35,7 @@ target validates and verifies it like any other, so nothing here affects what th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,6 +66,9 @@ class Chain:
     confidence: list[float] = field(default_factory=list)  # per token: P(it and those before are right); [] none
 
 
+Ready = Callable[[list[Chain]], None]  # the chains so far, in the branches' order
+
+
 class Drafter(Protocol):
     """What a proposer offers to stage (ngram, suffix, oracle, EAGLE)."""
 
@@ -80,8 +84,11 @@ class Drafter(Protocol):
 
     def release(self, seq_ids: list[str]) -> None: ...
 
-    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
-        """One chain per branch, drafted together (a model-based drafter: one pass per depth)."""
+    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
+        """One chain per branch, drafted together (a model-based drafter: one pass per depth). A
+        drafter that pays per depth may call ``ready`` once, with the chains so far, as soon as each
+        holds all its tokens but the last (the guess of what follows, which is not streamed): the
+        proposals leave then, a draft pass before the call returns."""
         ...
 
 
@@ -118,6 +125,9 @@ class Stager:
             raise ValueError(f"alternatives must be >= 0, got {alternatives}")
         self.drafter = drafter
         self.alternatives = alternatives
+        # where proposals go the moment they exist, before their drafting call returns (the draft
+        # service sets it while it stages); None: they are returned only
+        self.early: Callable[[list[DraftOutput]], None] | None = None
         self._seqs: dict[str, _Seq] = {}
         self.answered = 0  # proposals drafted from the committed tokens (nothing streamed fitted)
         self.staged = 0  # staged proposals streamed
@@ -291,21 +301,49 @@ class Stager:
     def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]], remember: bool = True) -> list[DraftOutput]:
         """Draft the branches in one call; ``guess_first``: the chain's first token is the guess of the
         bonus token (part of the assumed prefix), the proposal what follows it; ``likely``: the
-        likeliest outcome's branch, which :meth:`stage_ahead` goes on from (when ``remember``)."""
+        likeliest outcome's branch, which :meth:`stage_ahead` goes on from (when ``remember``).
+        With :attr:`early` set, a drafter that says its chains are ready before its last pass (the
+        last drafted token of each only guesses what follows, and is not streamed) has the
+        proposals sent then; the call's full chains complete them when it returns."""
         if not todo:
             return []
-        chains = self.drafter.draft_branches([item[1] for item in todo])
+        made: list[tuple[int, _Sent]] = []
+        early = self.early
+        if early is None:
+            chains = self.drafter.draft_branches([item[1] for item in todo])
+        else:
+            def ready(partial: list[Chain]) -> None:
+                if not made:
+                    made.extend(self._proposals(todo, partial, remember))
+                    early([sent.prop for _, sent in made])
+
+            chains = self.drafter.draft_branches([item[1] for item in todo], ready)
+        if not made:
+            made = self._proposals(todo, chains, remember)
+        else:  # streamed already: each keeps its whole chain, whose last token the next staging guesses from
+            for i, sent in made:
+                sent.chain = self._streamed(todo[i][1], todo[i][2], chains[i])[1]
+        return [sent.prop for _, sent in made]
+
+    @staticmethod
+    def _streamed(branch: Branch, guess_first: bool, chain: Chain) -> tuple[list[int], Chain, list[int]]:
+        """What a branch's chain streams: the tokens it assumes, its chain past them, and the tokens
+        proposed (all but the last drafted, which only guesses what follows)."""
+        extra = list(branch.extra)
+        if guess_first and chain.tokens:
+            extra.append(chain.tokens[0])
+            chain = Chain(chain.tokens[1:], chain.alternatives[1:], given(chain.confidence, 1))
+        return extra, chain, chain.tokens[: branch.num_tokens - 1 - guess_first]
+
+    def _proposals(self, todo: list[tuple[str, Branch, bool, int, bool]], chains: list[Chain],
+                   remember: bool) -> list[tuple[int, _Sent]]:
+        """The proposals of a drafting call's chains, remembered per sequence; with their places in ``todo``."""
         out = []
-        for (seq_id, branch, guess_first, expect, likely), chain in zip(todo, chains):
+        for i, ((seq_id, branch, guess_first, expect, likely), chain) in enumerate(zip(todo, chains)):
+            if guess_first and not chain.tokens:
+                continue
             seq = self._seqs[seq_id]
-            extra = list(branch.extra)
-            if guess_first:
-                if not chain.tokens:
-                    continue
-                extra.append(chain.tokens[0])
-                chain = Chain(chain.tokens[1:], chain.alternatives[1:], given(chain.confidence, 1))
-            # the last one drafted only guesses what follows (and a guess-first branch's first was the bonus)
-            tokens = chain.tokens[: branch.num_tokens - 1 - guess_first]
+            extra, chain, tokens = self._streamed(branch, guess_first, chain)
             if not tokens or len(extra) + ASSUMED_CONTEXT > ASSUMED_MAX:
                 continue
             context = seq.tokens + extra
@@ -319,5 +357,5 @@ class Stager:
                 seq.likely = (sent, tuple(extra))
             if len(seq.sent) > SENT_MAX:
                 del seq.sent[0]
-            out.append(prop)
+            out.append((i, sent))
         return out

@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass
 
 from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
-from .stager import Branch, Chain
+from .stager import Branch, Chain, Ready
 from .suffix_tree import SuffixTree
 from .tree_search import tree_shape
 
@@ -164,7 +164,8 @@ class SuffixProposer(Proposer):
         tokens, probs, alternatives = tree.chain_alternatives(node, limit, self.config.min_token_prob, k)
         return sum(probs), Chain(tokens, alternatives, probs)
 
-    def draft_branches(self, branches: list[Branch]) -> list[Chain]:
+    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
+        # (``ready`` unused: drafting takes microseconds, the proposals leave when it returns)
         out = []
         for br in branches:
             req = self._seqs.get(br.seq_id)

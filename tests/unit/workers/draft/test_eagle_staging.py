@@ -173,3 +173,29 @@ def test_a_staged_chains_confidence_never_exceeds_one():
     for logp in (2.4e-7, -0.1, 1e-7):
         fork.take([5, 6], [logp, -3.0])
     assert all(0.0 <= c <= 1.0 for c in fork.confidence) and fork.confidence[0] == 1.0
+
+
+def test_branches_are_ready_before_the_heads_last_pass(head):
+    """``ready`` comes once, before the last head pass, with every chain holding all its tokens but
+    the last (which only guesses what follows): a prefix of the chain the call returns."""
+    head, layers = head
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (11,), generator=gen).tolist()
+    proposer = EagleProposer(head, layers, num_blocks=64, block_size=4)
+    proposer.commit("s", tokens, [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers])
+    branches = [Branch("s", (), 4, 1), Branch("s", (7,), 3, 1), Branch("s", (7, 8), 2, 1)]
+    seen = []
+    out = proposer.draft_branches(branches, seen.append)
+    assert len(seen) == 1
+    for br, partial, whole in zip(branches, seen[0], out):
+        assert len(whole.tokens) == br.num_tokens and len(partial.tokens) == br.num_tokens - 1
+        assert partial.tokens == whole.tokens[:-1] and partial.alternatives == whole.alternatives[:-1]
+    hidden = [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers]
+    plain, called = (EagleProposer(head, layers, num_blocks=64, block_size=4) for _ in range(2))
+    for p in (plain, called):
+        p.commit("s", tokens, hidden)
+    assert [c.tokens for c in called.draft_branches(branches, seen.append)] == [
+        c.tokens for c in plain.draft_branches(branches)]
+    seen.clear()
+    called.draft_branches([Branch("s", (), 1, 1)], seen.append)  # the root's token only: no pass to come
+    assert seen == []

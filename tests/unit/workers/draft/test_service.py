@@ -123,7 +123,7 @@ def test_a_staging_that_finds_news_waiting_takes_the_news_before_staging_its_ans
         oracle = OracleProposer([ref], 0.0, 1000)
         calls: list[int] = []
         real = oracle.draft_branches
-        oracle.draft_branches = lambda branches: calls.append(len(branches)) or real(branches)
+        oracle.draft_branches = lambda branches, *ready: calls.append(len(branches)) or real(branches, *ready)
         service = DraftService(oracle, "d1")
         stream = _Stream("t1", asyncio.Queue(), staged=True)
         first = DraftInput("s", 0, ref[:10], 2)
@@ -138,6 +138,49 @@ def test_a_staging_that_finds_news_waiting_takes_the_news_before_staging_its_ans
     assert [p.start for p in sent][0] == 10 and len(sent) > 1
     calls, sent = asyncio.run(main(news_waiting=True))
     assert len(calls) == 1 and [p.start for p in sent] == [10]  # the answer only: the news comes first
+
+
+def test_staged_proposals_leave_before_the_drafting_calls_last_pass():
+    """A drafter that says its chains are ready before its last pass (that pass only guesses what
+    follows): the service streams the proposals then, while the call goes on, and not again after."""
+    import threading
+
+    from workers.draft.oracle import OracleProposer
+    from workers.draft.service import _Stream
+    from workers.draft.stager import Chain
+
+    ref = list(range(100, 160))
+    last_pass = threading.Event()
+
+    class SlowLastPass(OracleProposer):
+        def draft_branches(self, branches, ready=None):
+            chains = super().draft_branches(branches)
+            if ready is not None:
+                ready([Chain(c.tokens[: b.num_tokens - 1], c.alternatives[: b.num_tokens - 1])
+                       for b, c in zip(branches, chains)])
+                last_pass.wait(10)  # the last pass: until the test has seen the proposals (or 10 s)
+            return chains
+
+    async def main():
+        service = DraftService(SlowLastPass([ref], 0.0, 1000), "d1")
+        stream = _Stream("t1", asyncio.Queue(), staged=True)
+        first = DraftInput("s", 0, ref[:10], 2)
+        staging = asyncio.create_task(service._stage([("commit", first)], {"s": (stream, first)}))
+        for _ in range(500):
+            if not stream.out.empty() or staging.done():
+                break
+            await asyncio.sleep(0.01)
+        during = [p for msg in iter_queue(stream.out) for p in msg.proposals.proposals]
+        busy = not staging.done()
+        last_pass.set()
+        await staging
+        after = [p for msg in iter_queue(stream.out) for p in msg.proposals.proposals]
+        return busy, during, after, service.stats.proposals
+
+    busy, during, after, counted = asyncio.run(main())
+    assert busy and during and during[0].start == 10 and list(during[0].token_ids) == list(range(110, 113))
+    assert len(during) + len(after) == counted  # each proposal streamed once, all counted
+    assert all(p.start > 10 for p in after)  # the answer's outcomes, staged by the next call
 
 
 def iter_queue(queue: asyncio.Queue):

@@ -160,3 +160,34 @@ def test_one_drafting_call_answers_one_sequence_and_stages_the_others(monkeypatc
     assert all(p.start > 11 for p in props if p.seq_id == "b")
     later = stager.stage(["a", "b"])  # b's outcomes are out already: only a's are staged now
     assert later and {p.seq_id for p in later} == {"a"}
+
+
+def test_proposals_leave_before_the_drafting_calls_last_pass(monkeypatch):
+    """With ``Stager.early`` set, a drafter paying per depth hands the proposals over before its last
+    pass (whose token only guesses what follows; it is not streamed): the same proposals as without,
+    each remembering its whole chain, so the next staging guesses from it as before; the same time
+    drafted in all."""
+    events = []
+    monkeypatch.setattr("workers.draft.oracle.time.sleep", lambda s: events.append(("sleep", round(s, 6))))
+    runs, slept = {}, {}
+    for early in (False, True):
+        events.clear()
+        oracle = OracleProposer([REF], 0.3, 1000, seed=4, token_cost_s=0.01)
+        stager = Stager(oracle, alternatives=1)
+        if early:
+            stager.early = lambda props: events.append(("early", [p.token_ids for p in props]))
+        stager.commit("s", 0, REF[:10], gamma=2)
+        answers, _ = stager.answer_and_stage(["s"])
+        staged = stager.stage(["s"])
+        stager.commit("s", 1, [REF[10]], gamma=2)
+        stager.verified([VerifyResult("s", 1, 2, REF[11:14])])
+        stager.commit("s", 2, [], gamma=2)
+        later, _ = stager.answer_and_stage(["s"])
+        runs[early] = [[(p.start, p.token_ids, p.assumed) for p in props] for props in (answers, staged, later)]
+        slept[early] = round(sum(s for kind, s in events if kind == "sleep"), 6)
+    assert all(runs[True]) and runs[True] == runs[False]
+    assert slept[True] == slept[False]
+    # each call: its passes but the last, its proposals, the last pass
+    sent = [i for i, e in enumerate(events) if e[0] == "early"]
+    assert [events[i][1] for i in sent] == [[p[1] for p in props] for props in runs[True]]
+    assert all(events[i - 1][0] == "sleep" and events[i + 1] == ("sleep", 0.01) for i in sent)
