@@ -243,7 +243,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 if each:
                     await self._send_staged([p for p in more if id(p) not in early], streams)
                 staged += more
-            if self._work.empty():  # no news yet: one level further for the likeliest outcome
+            # no news yet: one level further for the likeliest outcome, if it is behind
+            if self._work.empty() and stager.behind(list(streams)):
                 ahead = await self._run_proposer(stager.stage_ahead, list(streams))
                 if each:
                     await self._send_staged([p for p in ahead if id(p) not in early], streams)

@@ -245,6 +245,12 @@ class Stager:
                 todo += self._outcomes(seq_id, seq, nxt, 0, (nxt.prop.assumed[-1],), seq.spare(False))
         return todo
 
+    def behind(self, seq_ids: list[str]) -> bool:
+        """Whether :meth:`stage_ahead` has anything to draft for these sequences (plain values only: the
+        service asks before it hands the call to the drafting thread)."""
+        return any((seq := self._seqs.get(s)) is not None and seq.likely is not None and not seq.likely[0].staged
+                   and seq.lag > 1 for s in seq_ids)
+
     def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
         """One level further, before any news: for each sequence the stager is late for (its lag over
         one step), the outcomes of its likeliest staged proposal (the one after a fully accepted round,

@@ -77,11 +77,12 @@ def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
     stager.commit("s", 0, REF[:10], gamma=2)
     stager.answer(["s"])
     [level1] = stager.stage(["s"])
-    assert stager.stage_ahead(["s"]) == []  # it keeps up (the target took one step per news so far)
+    assert not stager.behind(["s"]) and stager.stage_ahead(["s"]) == []  # it keeps up (a step per news so far)
     stager._seqs["s"].lag = 2  # it runs a step late
+    assert stager.behind(["s"])
     [level2] = stager.stage_ahead(["s"])
     assert level2.start == level1.start + 3 and level2.token_ids == REF[level2.start : level2.start + 2]
-    assert stager.stage_ahead(["s"]) == []  # one level ahead of what is in use, not more
+    assert not stager.behind(["s"]) and stager.stage_ahead(["s"]) == []  # one level ahead of what is in use
     # the target verifies the answer (after one plain step), then level 1 whole: level 2 fits, and
     # staging from it does not repeat
     committed = REF[: level1.start + 3]
