@@ -191,7 +191,7 @@ class EagleStaging:
                 for k, v in self.kv:
                     k[dst] = k[src]
                     v[dst] = v[src]
-            self._grow_forks(forks, (lambda: ready(self._chains(branches, forks))) if ready is not None else None)
+            self._grow_forks(forks, (lambda: ready(self._chains(branches, forks, copy=True))) if ready else None)
         except BaseException:
             for fork in forks:
                 if fork.own:
@@ -245,11 +245,14 @@ class EagleStaging:
             self._drop_kept(seq)
 
     @staticmethod
-    def _chains(branches: list[Branch], forks: list[_Fork]) -> list[Chain]:
-        """Each branch's chain as drafted so far (copies: the forks may go on)."""
+    def _chains(branches: list[Branch], forks: list[_Fork], copy: bool = False) -> list[Chain]:
+        """Each branch's chain as drafted so far (``copy``: of the forks' lists, which go on growing)."""
         out = [Chain([]) for _ in branches]
         for fork in forks:
-            out[fork.index] = Chain(list(fork.tokens), [list(a) for a in fork.alternatives], list(fork.confidence))
+            if copy:
+                out[fork.index] = Chain(list(fork.tokens), [list(a) for a in fork.alternatives], list(fork.confidence))
+            else:
+                out[fork.index] = Chain(fork.tokens, fork.alternatives, fork.confidence)
         return out
 
     def _grow_forks(self, forks: list[_Fork], ready: Callable[[], None] | None = None) -> None:
