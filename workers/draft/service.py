@@ -229,10 +229,14 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 loop.call_soon_threadsafe(self._send_now, proposals, streams)
 
             stager.early = send_early
+
+        async def send_rest(proposals: list) -> None:  # what each call drafted and did not send early
+            if each:
+                await self._send_staged([p for p in proposals if id(p) not in early], streams)
+
         try:
             staged, answered = await self._run_proposer(apply_and_draft)
-            if each:
-                await self._send_staged([p for p in staged if id(p) not in early], streams)
+            await send_rest(staged)
             # Their answers exist now: stage what verifying them may lead to, unless news is waiting.
             # Then this stager is behind the target, and a second drafting call would put it further
             # behind (and a late stager drafts spare tokens, so each call gets longer: at batch 8 on
@@ -240,14 +244,12 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             # staged with it.
             if answered and self._work.empty():
                 more = await self._run_proposer(stager.stage, answered)
-                if each:
-                    await self._send_staged([p for p in more if id(p) not in early], streams)
+                await send_rest(more)
                 staged += more
             # no news yet: one level further for the likeliest outcome, if it is behind
             if self._work.empty() and stager.behind(list(streams)):
                 ahead = await self._run_proposer(stager.stage_ahead, list(streams))
-                if each:
-                    await self._send_staged([p for p in ahead if id(p) not in early], streams)
+                await send_rest(ahead)
                 staged += ahead
         finally:
             stager.early = None
