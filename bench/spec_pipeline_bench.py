@@ -16,8 +16,10 @@ The target is the target worker's own step loop (``StepLoop``) on a small random
 with the oracle proposer in a child process, reached over gRPC on loopback: the seam is what is
 measured. The oracle knows the target's greedy continuations (computed first, plainly) and drafts
 each token wrong with probability 1 − α; each drafted token costs ``cost`` × the target's plain step
-time at that batch, spent as a sleep (as on its own device), once per draft depth for a whole batch
-of sequences and branches.
+time at that batch (the median step of three warm plain runs, once per batch size), spent as a sleep
+(as on its own device), once per draft depth for a whole batch of sequences and branches. The
+machine's speed drifts between runs, so the cost column also gives the cost as run: against each
+repeat's own plain step, the median over the repeats.
 
 For each batch size and (α, cost, γ): a plain run (no draft) and one run per seam, repeated
 interleaved (so that a slow spell of this shared machine hits all alike); each ratio's median over
@@ -271,9 +273,12 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
     first = await run_once(engine_for(model, 0), None, prompts, tokens, "plain-ref")
     refs = work / f"refs-{batch}.json"
     refs.write_text(json.dumps([p + o for p, o in zip(prompts, first["outputs"])]))
-    t_plain0 = first["step_s"]
-    print(f"batch {batch}: plain {first['tok_s']:.0f} tok/s, step {1e3 * t_plain0:.2f} ms, {tokens} tokens a request",
-          flush=True)
+    # the draft's cost is set from the median step of three warm runs: one run's, in a slow spell of
+    # this shared machine, was half as long again as the runs after it, and made the draft that much costlier
+    t_plain0 = statistics.median([(await run_once(engine_for(model, 0), None, prompts, tokens, f"plain-cal{k}"))["step_s"]
+                                  for k in range(3)])
+    print(f"batch {batch}: plain {first['tok_s']:.0f} tok/s, step {1e3 * t_plain0:.2f} ms warm "
+          f"({1e3 * first['step_s']:.2f} ms cold), {tokens} tokens a request", flush=True)
     rows = []
     for alpha in args.alphas:
         error = round(1 - alpha, 3)
@@ -288,7 +293,8 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
             try:
                 for k in range(args.repeats):  # interleaved, so that a slow spell of the machine hits all alike
                     plain = await run_once(engine_for(model, 0), None, prompts, tokens, f"plain{k}")
-                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"], "plain_cpu_ms": plain["cpu_ms"]}
+                    rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"], "plain_cpu_ms": plain["cpu_ms"],
+                           "cost_run": cost * t_plain0 / plain["step_s"]}  # the draft's cost against this repeat's step
                     for seam in ("sync", "pipelined"):
                         pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
                         r = await run_once(engine_for(model, gamma), pool, prompts, tokens, f"{seam}{k}", child.pid)
@@ -318,7 +324,7 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                 child.kill()
                 child.wait()
             row = {"batch": batch, "alpha": alpha, "cost": cost, "gamma": gamma, "E": e, "repeats": reps}
-            for key in ("plain_tok_s", "t_plain", "t_verify", "ideal", "sync", "pipelined", "of_ideal", "of_drawn_ideal",
+            for key in ("cost_run", "plain_tok_s", "t_plain", "t_verify", "ideal", "sync", "pipelined", "of_ideal", "of_drawn_ideal",
                         "sync_full", "pipelined_full", "of_ideal_full",
                         "sync_wait", "pipelined_wait", "sync_tpr", "pipelined_tpr", "plain_cpu_ms", "sync_cpu_ms",
                         "pipelined_cpu_ms", "sync_draft_cpu_ms", "pipelined_draft_cpu_ms"):
@@ -340,7 +346,7 @@ def print_table(rows: list[dict]) -> None:
           "pipelined, draft sync / pipelined | outputs equal |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['alpha']} | {r['cost']} | {r['gamma']} | {r['plain_tok_s']:.0f} | "
+        print(f"| {r['batch']} | {r['alpha']} | {r['cost']} ({r.get('cost_run', r['cost']):.2f} as run) | {r['gamma']} | {r['plain_tok_s']:.0f} | "
               f"{1e3 * r['t_plain']:.2f} | {1e3 * r['t_verify']:.2f} | {r['ideal']:.2f}× | {r['sync']:.2f}× | "
               f"{r['pipelined']:.2f}× | {r['of_ideal']:.2f} | {r['of_drawn_ideal']:.2f} | "
               f"{r['sync_full']:.2f}× / {r['pipelined_full']:.2f}×, **{r['of_ideal_full']:.2f}** | {100 * r['sync_wait']:.0f} % | "
