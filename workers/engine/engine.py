@@ -158,6 +158,7 @@ class Engine:
         self._immediate: list[tuple[str, TokenDelta]] = []
         # verdicts waiting for take_verdicts: (seq, round, accepted, emitted, first hidden-row position)
         self._verdicts: list[tuple[Sequence, int, int, list[int], int]] = []
+        self._added: list[Sequence] = []  # sequences added since the step loop last took them (take_added)
         self.time_steps = True  # the cost model times step(); a serving loop times whole cycles instead
         self.last_batch: list[str] = []  # request ids of the latest step's batch (what a failure concerns)
         # prefill/decode disaggregation: blocks handed off (prefill side) and being pulled (decode side)
@@ -243,6 +244,7 @@ class Engine:
                                  tree_topk, tree_depth, lora)
         if seq is not None:
             seq.prefill_only = prefill_only
+            self._added.append(seq)  # (until the step loop takes them, or the next step begins)
             if self.tiers is None or not self.scheduler.reuse_cached_prefix or not self.tiers.hold(seq):
                 self.scheduler.add(seq)  # (held: queued once its disk-tier blocks are read, see step)
 
@@ -361,6 +363,35 @@ class Engine:
             st.round += 1
         return out
 
+    def take_added(self) -> list[Sequence]:
+        """The sequences added since the last call."""
+        added, self._added = self._added, []
+        return added
+
+    def prompt_inputs(self, added: list[Sequence]) -> list[DraftInput]:
+        """Pipelined seam, a draft that needs no hidden states: proposal requests for sequences just
+        added (:meth:`take_added`), carrying their prompts, before their prefill runs. The
+        draft answers with a proposal that begins with its guess of the prefill's token; when that
+        guess comes true, the first decode step verifies the rest instead of decoding plainly (a
+        request's first round is otherwise asked only once its prefill has committed that token)."""
+        out = []
+        for seq in added:
+            st = self.spec.states.get(seq.request_id)
+            if (st is None or st.told or st.cap <= 0 or st.tree_topk > 1 or seq.prefill_only
+                    or seq.num_computed or self.seqs.get(seq.request_id) is not seq):
+                continue
+            # what the first decode step may verify: none deeper than can still be emitted after the
+            # prefill's token and the step's own
+            k = min(st.cap, seq.params.max_tokens - seq.num_generated - 2, self.max_model_len - len(seq) - 2)
+            if k <= 0:
+                continue
+            p = seq.params
+            out.append(DraftInput(seq.request_id, st.round, list(seq.token_ids), k,
+                                  SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed)))
+            st.told = len(seq)
+            st.round += 1
+        return out
+
     def take_verdicts(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
                       plane=None) -> list[VerifyResult]:
         """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered), or
@@ -430,6 +461,7 @@ class Engine:
         sequences that decode next; returns (request id, delta) pairs."""
         started = time.perf_counter()
         outputs, self._immediate = self._immediate, []
+        self._added.clear()  # their prefill starts now: too late to tell the draft their prompts first
         self.last_batch = []
         self.last_step = StepStats()
         if self._pending is not None and (proposals or self.spec.staged):  # verify steps run on host-known tokens

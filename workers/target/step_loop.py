@@ -13,6 +13,10 @@ Only the engine's thread touches torch or the engine. Each iteration of :meth:`S
    queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`, :class:`EngineCall`),
    the engine step, the verdicts and the next round's proposal requests, already converted to
    protobuf, and the KV events;
+   Pipelined, with a draft that reads no hidden states, the cycle first sends the prompts of the
+   requests just added, from the engine's thread (:meth:`Engine.prompt_inputs`): the draft can
+   then have a proposal for a request's first decode step, its first token a guess of the
+   prefill's;
 3. on the event loop again: sends verdicts, released sequences and the next round's requests to
    the draft stream first (one message, :meth:`DraftClient.news`; pipelined, then one turn of the
    event loop: gRPC takes it, or on a fast lane, where it is written at once, a fast draft's answer
@@ -96,6 +100,9 @@ class DraftContext:
     ask: bool
     pipelined: bool = False  # the pipelined seam: proposals streamed ahead, nothing awaited
     plane: object = None  # the hidden-state data plane's writer (workers.speculation.hidden_plane); None: inline
+    # pipelined, a draft that reads no hidden states: sends requests (converted) on the stream from the
+    # engine's thread, ahead of the cycle's news (new requests' prompts, before their prefill)
+    early: Callable[[list], None] | None = None
 
 
 @dataclass
@@ -150,6 +157,7 @@ class StepLoop:
         self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
         self._last_asked = False  # proposals were asked for the previous cycle's step
+        self._early: tuple[object, Callable[[list], None]] | None = None  # a draft stream, and DraftContext.early for it
         self._failures_in_a_row = 0
         self.steps = 0
         self.busy_seconds = 0.0  # time in iterations with work (waiting for proposals included)
@@ -326,6 +334,9 @@ class StepLoop:
             if engine.spec.pipelined:
                 engine.offer(proposals)
             proposals = {}
+        added = engine.take_added()
+        if added and context is not None and context.ask and context.early is not None:
+            self._prompt_news(engine.prompt_inputs(added), context)
         if engine.has_work():
             started = time.perf_counter()
             try:
@@ -380,6 +391,18 @@ class StepLoop:
         engine.reset_drafts()  # verdicts of the failed step, if any, are unsafe to send
         error = EngineFailed(f"engine step failed: {exc!r}")
         return [(rid, error) for rid in batch]
+
+    def _prompt_news(self, requests: list, context: DraftContext) -> None:
+        """New requests' prompts to the draft before their prefill step (see :meth:`Engine.prompt_inputs`)."""
+        converted = []
+        for request in requests:
+            try:
+                converted.append(draft_input_to_pb(request, context.dtype))
+            except Exception as exc:
+                log.warning("request %s: prompt not sent to the draft (%r)", request.seq_id, exc)
+                self.engine.spec.forget_told(request.seq_id)
+        if converted:
+            context.early(converted)
 
     def _draft_messages(self, out: Cycle, context: DraftContext) -> None:
         """Verdicts, released sequences and the next round's requests, converted for the wire."""
@@ -453,8 +476,16 @@ class StepLoop:
         self._client = client
         if client is None:
             return None
+        pipelined = bool(getattr(client, "pipelined", False))
+        early = None
+        if pipelined and not client.hidden_layers:
+            early = self._early
+            if early is None or early[0] is not client:
+                loop = asyncio.get_running_loop()
+                early = self._early = (client, lambda requests: loop.call_soon_threadsafe(client.news, [], [], requests))
+            early = early[1]
         return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed(),
-                            bool(getattr(client, "pipelined", False)), getattr(client, "plane", None))
+                            pipelined, getattr(client, "plane", None), early)
 
     async def _collect(self) -> dict | list:
         """Synchronous seam: the proposals asked for last cycle that arrive by the deadline ({}

@@ -73,6 +73,7 @@ class _Scripted(NewsByParts):
 
     def send(self, requests):
         self.sent += 1
+        self.requests = getattr(self, "requests", []) + [(r.seq_id, r.round, list(r.new_tokens)) for r in requests]
         for r in requests:
             seq = self.committed.setdefault(r.seq_id, [])
             seq.extend(r.new_tokens)
@@ -151,6 +152,33 @@ async def test_a_partly_committed_proposal_is_trimmed_and_used(model, expected):
     assert counters.num_drafts > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
 
 
+async def test_the_draft_hears_a_prompt_before_its_prefill_and_the_first_decode_step_verifies(model, expected):
+    """A new request's prompt goes to the draft from the engine's thread before its prefill step, so a
+    proposal guessing the prefill's token can be there for the first decode step (otherwise that step
+    is plain: the first request would carry the prefill's token, sent after the step). The prefill's
+    token then follows as round 1's news."""
+    want = expected["a"][:12]
+    first: list[tuple[int, list[int]]] = []
+
+    def from_the_prompt(seq_id, round_, committed):
+        if round_ != 0:
+            return []
+        first.append((len(committed), list(committed)))
+        n = len(committed)  # the prompt: its proposal begins with the guess of the prefill's token
+        return [DraftOutput(seq_id, round_, want[:4], start=n, assumed=committed[-2:])]
+
+    engine, loop, deltas = await run_scripted(model, from_the_prompt)
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert first == [(len(PROMPTS["a"]), PROMPTS["a"])]
+    client = loop.pool.client
+    assert client.requests[:2] == [("a", 0, PROMPTS["a"]), ("a", 1, want[:1])]
+    counters = engine.counters["d"]
+    # the first decode step verified the proposal's three tokens after the guessed one, all accepted
+    assert counters.num_drafts == 1 and counters.num_accepted_tokens == 3
+    assert deltas[1].token_ids == want[1:5]
+    assert deltas[-1].usage.spec.plain_steps == {"no_proposal": 6, "no_room": 1}  # the rest: none streamed
+
+
 @pytest.mark.parametrize("bad", ["token_id", "assumed", "position", "round", "too_long"])
 async def test_malformed_streamed_proposals_are_dropped_and_counted(model, expected, bad):
     want = expected["a"][:12]
@@ -224,3 +252,28 @@ async def test_a_steps_news_travels_as_one_message_to_a_draft_that_takes_it(mode
     else:
         assert "step" not in kinds and kinds.get("propose", 0) >= len(PROMPTS) and kinds.get("release"), kinds
     assert (loop.draft_flush_seconds > 0) == staged  # pipelined: the news handed over before each next step
+
+
+def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(model):
+    """Which new requests' prompts the draft hears before their prefill: those that speculate with a
+    chain and will have room to emit one after the prefill's token; each at most once, and none whose
+    prefill has begun."""
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("chain", PROMPTS["a"], PARAMS)
+    engine.add_request("short", PROMPTS["b"], short)  # one token to verify after the prefill's
+    engine.add_request("shorter", PROMPTS["b"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request("off", PROMPTS["c"], PARAMS, num_speculative_tokens=0)
+    engine.add_request("tree", PROMPTS["c"], PARAMS, tree_topk=2, tree_depth=2)
+    engine.add_request("handoff", PROMPTS["c"], PARAMS, prefill_only=True)
+    inputs = engine.prompt_inputs(engine.take_added())
+    assert [(i.seq_id, i.round, i.new_tokens, i.num_tokens) for i in inputs] == [
+        ("chain", 0, PROMPTS["a"], 3), ("short", 0, PROMPTS["b"], 1)]
+    assert engine.take_added() == []
+    engine.add_request("late", PROMPTS["c"], PARAMS)
+    engine.step()  # its prefill begins: too late to hear it first
+    assert engine.take_added() == []
+    # the requests told their prompts go on from the prefill's token, in round 1
+    after = {i.seq_id: (i.round, i.new_tokens) for i in engine.draft_inputs(())}
+    assert after["chain"][0] == 1 and len(after["chain"][1]) == 1
+    assert after["late"][0] == 0 and after["late"][1][:-1] == PROMPTS["c"]
