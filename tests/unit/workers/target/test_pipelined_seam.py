@@ -70,10 +70,11 @@ class _Scripted(NewsByParts):
         self.inbox: list[DraftOutput] = []
         self.committed: dict[str, list[int]] = {}
         self.sent = 0
+        self.requests: list[tuple[str, int, list[int]]] = []  # (seq id, round, new tokens), as sent
 
     def send(self, requests):
         self.sent += 1
-        self.requests = getattr(self, "requests", []) + [(r.seq_id, r.round, list(r.new_tokens)) for r in requests]
+        self.requests += [(r.seq_id, r.round, list(r.new_tokens)) for r in requests]
         for r in requests:
             seq = self.committed.setdefault(r.seq_id, [])
             seq.extend(r.new_tokens)
