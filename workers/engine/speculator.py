@@ -155,6 +155,9 @@ class Speculator:
         # and a step uses those that fit its sequences' committed tokens).
         self.pipelined = False
         self.staged = Staged(on_drop=self._drop)
+        # pipelined: sequence steps that had streamed proposals to look through, and those that found
+        # one that fits (the step loop judges the draft's use by them: DraftWatch.observe_staged)
+        self.staged_looked = self.staged_found = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -290,10 +293,13 @@ class Speculator:
                 st = self.states.get(seq.request_id)
                 if st is None or seq.num_uncomputed != 1 or st.asked <= 0:
                     continue
+                had = self.staged.has(seq.request_id)
                 prop = self.staged.take(seq.request_id, seq.token_ids)
+                self.staged_looked += had
                 if prop is None:
                     st.why_plain = "no_proposal"
                     continue
+                self.staged_found += 1
                 found.append((seq, st, prop))
             if self.load_aware and found:
                 found = self._plan_found(found, sum(1 for seq in running if seq.num_uncomputed == 1))

@@ -112,6 +112,10 @@ class Staged:
             del props[0]
             self._count("overflow")
 
+    def has(self, seq_id: str) -> bool:
+        """Whether any proposal is kept for ``seq_id`` (fitting or not)."""
+        return bool(self._by_seq.get(seq_id))
+
     def take(self, seq_id: str, committed: Sequence[int]) -> DraftOutput | None:
         """The proposal that fits ``committed`` with the most usable tokens (the freshest on a tie),
         trimmed; proposals that can no longer fit are dropped. It stays kept: a step that does not

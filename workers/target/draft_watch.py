@@ -14,9 +14,15 @@ draft is put on a backoff: no proposals are asked for (everything decodes plainl
 round probes it again. A good round clears the strikes and the backoff. So a slow, silent or
 garbage-sending draft costs a few deadlines now and then, not a timeout per step.
 
-Under the pipelined seam nothing is waited for, so the deadline is unused and lateness costs
-nothing: the step loop reports every round as arrived, and only malformed proposals (dropped as
-they are offered) strike.
+Under the pipelined seam nothing is waited for, so the deadline is unused: the step loop reports
+every round as arrived, and malformed proposals (dropped as they are offered) strike as above. A
+late draft costs no wait there, but asking still costs the target every step (the news, the hidden
+rows an EAGLE head reads, and on shared hardware the draft's own work). So the pipelined seam is
+judged by use (:meth:`DraftWatch.observe_staged`): over every ``staged_window`` sequence steps for
+which proposals had been streamed, if under ``staged_min_use`` of them found one that fits, the
+draft is backed off as above (a draft that always arrives after the target has moved on: an
+EAGLE head staging on a target that steps faster than it drafts). Sequences for which nothing was
+streamed (an n-gram draft with no match) do not count.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ class DraftWatch:
 
     def __init__(self, max_wait: float = 2.0, *, min_wait: float = 0.02, factor: float = 3.0,
                  first_wait: float = 0.25, strikes: int = 3, backoff_base: float = 0.5, backoff_max: float = 30.0,
-                 clock=time.monotonic):
+                 staged_window: int = 64, staged_min_use: float = 0.02, clock=time.monotonic):
         if max_wait <= 0 or min_wait <= 0 or factor <= 0 or strikes <= 0:
             raise ValueError("max_wait, min_wait, factor and strikes must be positive")
         self.max_wait = max_wait
@@ -44,7 +50,12 @@ class DraftWatch:
         self.strikes = strikes
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
+        self.staged_window = staged_window
+        self.staged_min_use = staged_min_use
         self._clock = clock
+        self._looked = self._found = 0  # pipelined: the current window's sequence steps with proposals, and fits
+        self._unused = 0  # pipelined: backoffs for want of use in a row (their own doubling: rounds that
+        # arrive whole, as every pipelined round does, say nothing of use)
         self.step_seconds: float | None = None  # exponential average of decode/verify steps
         self._failed_rounds = 0
         self._backoffs = 0  # backoffs in a row
@@ -93,13 +104,38 @@ class DraftWatch:
             self._failed_rounds = 0
             wait = backoff_delay(self._backoffs, self.backoff_base, self.backoff_max)
             self._backoffs += 1
-            self.backoffs_total += 1
-            self._until = self._clock() + wait
-            log.warning("draft worker %s: decoding plainly for %.1f s (step %.1f ms, deadline %.1f ms)",
-                        "too slow or silent" if late else "sends malformed proposals", wait,
-                        1e3 * (self.step_seconds or 0.0), 1e3 * self.deadline())
+            self._back_off(wait, "too slow or silent" if late else "sends malformed proposals",
+                           f"deadline {1e3 * self.deadline():.1f} ms")
+
+    def observe_staged(self, looked: int, found: int) -> None:
+        """Pipelined seam, one step: ``looked`` sequences had streamed proposals to look through, of
+        which ``found`` had one that fits. Every ``staged_window`` such sequence steps are judged;
+        a window under ``staged_min_use`` backs the draft off (doubling with each such window in a
+        row, apart from the late rounds' doubling), one at or above it clears that doubling."""
+        if looked <= 0:
+            return
+        self._looked += looked
+        self._found += found
+        if self._looked < self.staged_window:
+            return
+        use = self._found / self._looked
+        self._looked = self._found = 0
+        if use >= self.staged_min_use:
+            self._unused = 0
+            return
+        self.late_rounds += 1
+        wait = backoff_delay(self._unused, self.backoff_base, self.backoff_max)
+        self._unused += 1
+        self._back_off(wait, "streams proposals that fit no step", f"{100 * use:.1f} % of sequence steps found one")
+
+    def _back_off(self, wait: float, why: str, detail: str) -> None:
+        self.backoffs_total += 1
+        self._until = self._clock() + wait
+        log.warning("draft worker %s: decoding plainly for %.1f s (step %.1f ms, %s)", why, wait,
+                    1e3 * (self.step_seconds or 0.0), detail)
 
     def reset(self) -> None:
         """A different draft worker: no strikes, no backoff."""
         self._failed_rounds = self._backoffs = 0
+        self._looked = self._found = self._unused = 0
         self._until = 0.0

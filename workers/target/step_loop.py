@@ -118,6 +118,8 @@ class Cycle:
     released: list[str] = field(default_factory=list)
     requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
     dropped: int = 0  # proposals the engine refused as malformed this step
+    looked: int = 0  # pipelined: sequences this step that had streamed proposals to look through
+    found: int = 0  # of those, the ones with a proposal that fits
     kv_events: list[KvEvent] = field(default_factory=list)
     has_work: bool = False
     handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
@@ -329,6 +331,7 @@ class StepLoop:
         for cmd in commands:
             out.results.append(self._apply(cmd))
         dropped = engine.spec.num_bad_proposals
+        looked, found = engine.spec.staged_looked, engine.spec.staged_found
         engine.spec.pipelined = context is not None and context.pipelined
         if isinstance(proposals, list):  # pipelined: streamed ahead; checked and kept until they fit
             if engine.spec.pipelined:
@@ -349,6 +352,7 @@ class StepLoop:
                 out.failed = self._step_failed(exc)
             out.stepped = True
         out.dropped = engine.spec.num_bad_proposals - dropped
+        out.looked, out.found = engine.spec.staged_looked - looked, engine.spec.staged_found - found
         if context is not None:
             self._draft_messages(out, context)
         else:
@@ -493,8 +497,8 @@ class StepLoop:
         pending, self._pending = self._pending, {}
         client = self._client
         if client is not None and getattr(client, "pipelined", False):
-            # Nothing is waited for, so lateness costs nothing: only malformed proposals strike (see
-            # _observe_step); a round counts as arrived whole.
+            # Nothing is waited for: a round counts as arrived whole, and malformed proposals strike;
+            # a draft whose proposals fit too few steps is backed off by use (see _observe_step).
             self._asked = 0
             self._arrived, self._streamed = self._streamed, 0
             return client.take() if not client.broken else []
@@ -523,6 +527,7 @@ class StepLoop:
         elif self._arrived:  # pipelined
             self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
             self._arrived = 0
+        self.watch.observe_staged(cycle.looked, cycle.found)  # (pipelined; 0 otherwise)
         self.proposals_dropped += cycle.dropped
 
     def _talk_to_draft(self, cycle: Cycle) -> bool:

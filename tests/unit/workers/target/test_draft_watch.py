@@ -63,3 +63,49 @@ def test_a_new_draft_starts_with_a_clean_slate():
     assert not w.allowed()
     w.reset()
     assert w.allowed()
+
+
+def test_a_pipelined_draft_whose_proposals_fit_no_step_is_backed_off_by_use():
+    """Pipelined seam: nothing is awaited, so a late draft is judged by use. Over each window of 64
+    sequence steps that had streamed proposals, under 2 % fitting backs it off (doubling, as for
+    late rounds); a window at or above 2 % clears the doubling. Steps with nothing streamed (an
+    n-gram draft without a match) are not judged."""
+    clock = Clock()
+    w = DraftWatch(2.0, clock=clock)
+    for _ in range(1000):
+        w.observe_staged(0, 0)  # nothing streamed: no opinion
+    for _ in range(15):
+        w.observe_staged(4, 0)  # 60 looked at, none fitted: the window is not full yet
+    assert w.allowed()
+    w.observe_staged(4, 0)
+    assert not w.allowed() and w.backoffs_total == 1
+    clock.now = 0.51
+    assert w.allowed()
+    for _ in range(16):
+        w.observe_staged(4, 0)  # the probe finds nothing either: 1 s now
+    clock.now += 0.99
+    assert not w.allowed()
+    clock.now += 0.02
+    for _ in range(16):
+        w.observe_staged(4, 1 if _ < 2 else 0)  # 2 of 64: 3 % fitted, a healthy window
+    assert w.allowed() and w.backoffs_total == 2
+    for _ in range(16):
+        w.observe_staged(4, 0)
+    clock.now += 0.51
+    assert w.backoffs_total == 3 and w.allowed()  # the healthy window reset the doubling: 0.5 s
+
+
+def test_rounds_that_arrive_whole_do_not_clear_the_doubling_for_want_of_use():
+    """Every pipelined round arrives whole (nothing is awaited), so it says nothing of use: a draft
+    whose proposals never fit is backed off for 0.5 s, then 1 s, then 2 s, whatever rounds arrive."""
+    clock = Clock()
+    w = DraftWatch(2.0, staged_window=4, clock=clock)
+    for wait in (0.5, 1.0, 2.0):
+        for _ in range(4):
+            w.observe_round(1, 1, 0)
+            w.observe_staged(1, 0)
+        assert not w.allowed()
+        clock.now += wait - 0.01
+        assert not w.allowed()
+        clock.now += 0.02
+        assert w.allowed()

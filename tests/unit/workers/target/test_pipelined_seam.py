@@ -15,6 +15,7 @@ from workers.draft.oracle import OracleProposer
 from workers.draft.service import DraftService
 from workers.engine.engine import Engine, EngineConfig
 from workers.speculation.payloads import DraftOutput
+from workers.target.draft_watch import DraftWatch
 from workers.target.step_loop import StepLoop
 from tests.support.draft_pool import FixedPool as _Pool, NewsByParts
 from tests.support.serving import serve_through
@@ -278,3 +279,32 @@ def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(mode
     after = {i.seq_id: (i.round, i.new_tokens) for i in engine.draft_inputs(())}
     assert after["chain"][0] == 1 and len(after["chain"][1]) == 1
     assert after["late"][0] == 0 and after["late"][1][:-1] == PROMPTS["c"]
+
+
+async def test_a_draft_whose_streamed_proposals_never_fit_is_backed_off(model):
+    """A draft that always streams for positions the target has passed (a draft slower than the
+    target's steps) costs no wait, but asking it costs every step: once a window of sequence steps
+    with proposals found none that fits, the target stops asking (``draft_backoff``) and sends the
+    draft no more round requests until the backoff ends."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+
+    def late(seq_id, round_, committed):  # one token behind, and wrong about it: fits no step
+        n = len(committed) - 1
+        wrong = (committed[n] + 1) % 256
+        return [DraftOutput(seq_id, round_, [wrong, wrong, wrong], start=n, assumed=committed[n - 2 : n])]
+
+    client = _Scripted(late)
+    loop = StepLoop(engine, _Pool(client))
+    loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)  # (no probe within the test)
+    loop.start()
+    try:
+        got = await serve_through(loop, {"a": PROMPTS["a"]}, params)
+    finally:
+        await loop.stop()
+    assert got["a"] == want
+    assert loop.watch.backoffs_total == 1 and engine.spec.staged_found == 0
+    plain = engine.spec.plain_steps
+    assert plain.get("draft_backoff", 0) > 20 and plain.get("no_proposal", 0) <= 10
+    assert len(client.requests) <= 11  # the prompt, then one request a step until the window was judged
