@@ -123,7 +123,6 @@ class DraftWatch:
         if use >= self.staged_min_use:
             self._unused = 0
             return
-        self.late_rounds += 1
         wait = backoff_delay(self._unused, self.backoff_base, self.backoff_max)
         self._unused += 1
         self._back_off(wait, "streams proposals that fit no step", f"{100 * use:.1f} % of sequence steps found one")

@@ -159,7 +159,8 @@ class TargetCollector(Collector):
         watch = loop.watch
         yield counter("draft_rounds_late", "Proposal rounds most of whose proposals missed the deadline.",
                       watch.late_rounds)
-        yield counter("draft_backoffs", "Times the draft was put on a backoff (slow, silent or malformed).",
+        yield counter("draft_backoffs", "Times the draft was put on a backoff (slow, silent or malformed; "
+                      "pipelined: its proposals fit no step).",
                       watch.backoffs_total)
         yield gauge("draft_backed_off", "1 while the draft worker is backed off (decoding plainly).",
                     1 if watch.backed_off else 0)
