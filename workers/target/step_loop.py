@@ -405,8 +405,14 @@ class StepLoop:
             except Exception as exc:
                 log.warning("request %s: prompt not sent to the draft (%r)", request.seq_id, exc)
                 self.engine.spec.forget_told(request.seq_id)
-        if converted:
+        if not converted:
+            return
+        try:
             context.early(converted)
+        except Exception as exc:  # (the event loop closing): they hear of these after the prefill instead
+            log.warning("prompts not sent to the draft (%r)", exc)
+            for request in converted:
+                self.engine.spec.forget_told(request.seq_id)
 
     def _draft_messages(self, out: Cycle, context: DraftContext) -> None:
         """Verdicts, released sequences and the next round's requests, converted for the wire."""

@@ -308,3 +308,25 @@ async def test_a_draft_whose_streamed_proposals_never_fit_is_backed_off(model):
     plain = engine.spec.plain_steps
     assert plain.get("draft_backoff", 0) > 20 and plain.get("no_proposal", 0) <= 10
     assert len(client.requests) <= 11  # the prompt, then one request a step until the window was judged
+
+
+async def test_prompts_that_cannot_be_sent_early_reach_the_draft_after_the_prefill(model, expected):
+    """If handing the prompts to the event loop fails, the cycle goes on: those requests are told to
+    the draft from scratch after their prefill, as before prompts went early."""
+    want = expected["a"][:12]
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    client = _Scripted(lambda *_: [])
+    loop = StepLoop(engine, _Pool(client))
+
+    def closed(requests):
+        raise RuntimeError("Event loop is closed")
+
+    loop._early = (client, closed)
+    loop.start()
+    try:
+        got = await serve_through(loop, {"a": PROMPTS["a"]}, SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True))
+    finally:
+        await loop.stop()
+    assert got["a"] == want
+    assert client.requests[0] == ("a", 1, PROMPTS["a"] + want[:1])
