@@ -42,6 +42,11 @@ from .budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from .sequence import Sequence
 
 REPLAN_EVERY = 8  # steps a plan not drafted holds while the batch and its caps stay the same
+# Pipelined seam: the news of round r goes out after a step; a draft that keeps up streams its answer
+# during the next step, and the target offers it before the one after, when news of round r + 1 has
+# gone too. So an answer offered with ``rounds asked - 1 - r`` at 0 or 1 kept up; at 2 or more the
+# draft took longer than a target step to answer (it is late, whatever it guessed).
+LATE_ROUNDS = 2
 
 
 @dataclass
@@ -156,8 +161,11 @@ class Speculator:
         self.pipelined = False
         self.staged = Staged(on_drop=self._drop)
         # pipelined: sequence steps that had streamed proposals to look through, and those that found
-        # one that fits (the step loop judges the draft's use by them: DraftWatch.observe_staged)
+        # one that fits; sound proposals offered, and those that came late (drafted from news
+        # LATE_ROUNDS or more rounds old). The step loop judges the draft's use by them
+        # (DraftWatch.observe_staged).
         self.staged_looked = self.staged_found = 0
+        self.staged_arrived = self.staged_late = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -368,7 +376,8 @@ class Speculator:
         """Pipelined seam: check proposals streamed ahead (as strictly as answers: ids, lengths,
         parents, probabilities, and their position and assumed tokens) and keep the sound ones for
         :meth:`attach`. One for a sequence that is gone is dropped as ``stale``; one that claims to
-        answer a round not asked yet, or fails a check, is dropped as malformed."""
+        answer a round not asked yet, or fails a check, is dropped as malformed. A sound one drafted
+        from news ``LATE_ROUNDS`` or more rounds old counts as late (``staged_late``)."""
         for prop in proposals:
             st = self.states.get(prop.seq_id)
             if st is None:
@@ -381,6 +390,8 @@ class Speculator:
             if problem is not None:
                 self._drop(problem)
                 continue
+            self.staged_arrived += 1
+            self.staged_late += st.round - 1 - prop.round >= LATE_ROUNDS
             self.staged.offer(prop)
 
     def _use(self, seq: Sequence, st: SpecState, prop: DraftOutput, drafted: dict[str, Drafted],

@@ -19,10 +19,14 @@ every round as arrived, and malformed proposals (dropped as they are offered) st
 late draft costs no wait there, but asking still costs the target every step (the news, the hidden
 rows an EAGLE head reads, and on shared hardware the draft's own work). So the pipelined seam is
 judged by use (:meth:`DraftWatch.observe_staged`): over every ``staged_window`` sequence steps for
-which proposals had been streamed, if under ``staged_min_use`` of them found one that fits, the
-draft is backed off as above (a draft that always arrives after the target has moved on: an
-EAGLE head staging on a target that steps faster than it drafts). Sequences for which nothing was
-streamed (an n-gram draft with no match) do not count.
+which proposals had been streamed, if under ``staged_min_use`` of them found one that fits *and*
+at least half the proposals that arrived meanwhile came late (drafted from news too old to keep up:
+:data:`workers.engine.speculator.LATE_ROUNDS`), the draft is backed off as above (a draft that
+always arrives after the target has moved on: an EAGLE head staging on a target that steps faster
+than it drafts). A draft that keeps up but guesses wrong (a suffix draft before its tree holds
+anything like the text) is not backed off: it costs little, and it may guess right on the next
+request; its requests' acceptance is its measure. Sequences for which nothing was streamed (an
+n-gram draft with no match) do not count.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class DraftWatch:
         self.staged_window = staged_window
         self.staged_min_use = staged_min_use
         self._clock = clock
-        self._looked = self._found = 0  # pipelined: the current window's sequence steps with proposals, and fits
+        # pipelined, the current window: sequence steps with proposals, those that found one that fits;
+        # proposals that arrived, those that came late
+        self._looked = self._found = self._arrived = self._late = 0
         self._unused = 0  # pipelined: backoffs for want of use in a row (their own doubling: rounds that
         # arrive whole, as every pipelined round does, say nothing of use)
         self.step_seconds: float | None = None  # exponential average of decode/verify steps
@@ -107,25 +113,33 @@ class DraftWatch:
             self._back_off(wait, "too slow or silent" if late else "sends malformed proposals",
                            f"deadline {1e3 * self.deadline():.1f} ms")
 
-    def observe_staged(self, looked: int, found: int) -> None:
+    def observe_staged(self, looked: int, found: int, arrived: int, late: int) -> None:
         """Pipelined seam, one step: ``looked`` sequences had streamed proposals to look through, of
-        which ``found`` had one that fits. Every ``staged_window`` such sequence steps are judged;
-        a window under ``staged_min_use`` backs the draft off (doubling with each such window in a
-        row, apart from the late rounds' doubling), one at or above it clears that doubling."""
+        which ``found`` had one that fits; ``arrived`` proposals were offered, of which ``late`` came
+        late. Every ``staged_window`` such sequence steps are judged: a window under
+        ``staged_min_use`` whose arrivals were at least half late backs the draft off (doubling with
+        each such window in a row, apart from the late rounds' doubling); one at or above it clears
+        that doubling; one under it with arrivals mostly on time (a draft that guesses wrong) does
+        neither."""
+        self._arrived += arrived
+        self._late += late
         if looked <= 0:
             return
         self._looked += looked
         self._found += found
         if self._looked < self.staged_window:
             return
-        use = self._found / self._looked
-        self._looked = self._found = 0
+        use, late_share = self._found / self._looked, self._late / max(self._arrived, 1)
+        self._looked = self._found = self._arrived = self._late = 0
         if use >= self.staged_min_use:
             self._unused = 0
             return
+        if late_share < 0.5:  # it keeps up and guesses wrong: no fault of its pace
+            return
         wait = backoff_delay(self._unused, self.backoff_base, self.backoff_max)
         self._unused += 1
-        self._back_off(wait, "streams proposals that fit no step", f"{100 * use:.1f} % of sequence steps found one")
+        self._back_off(wait, "streams proposals too late to fit a step",
+                       f"{100 * use:.1f} % of sequence steps found one, {100 * late_share:.0f} % of proposals late")
 
     def _back_off(self, wait: float, why: str, detail: str) -> None:
         self.backoffs_total += 1
@@ -136,5 +150,5 @@ class DraftWatch:
     def reset(self) -> None:
         """A different draft worker: no strikes, no backoff."""
         self._failed_rounds = self._backoffs = 0
-        self._looked = self._found = self._unused = 0
+        self._looked = self._found = self._arrived = self._late = self._unused = 0
         self._until = 0.0

@@ -160,7 +160,7 @@ class TargetCollector(Collector):
         yield counter("draft_rounds_late", "Proposal rounds most of whose proposals missed the deadline.",
                       watch.late_rounds)
         yield counter("draft_backoffs", "Times the draft was put on a backoff (slow, silent or malformed; "
-                      "pipelined: its proposals fit no step).",
+                      "pipelined: its proposals come too late to fit a step).",
                       watch.backoffs_total)
         yield gauge("draft_backed_off", "1 while the draft worker is backed off (decoding plainly).",
                     1 if watch.backed_off else 0)

@@ -120,6 +120,8 @@ class Cycle:
     dropped: int = 0  # proposals the engine refused as malformed this step
     looked: int = 0  # pipelined: sequences this step that had streamed proposals to look through
     found: int = 0  # of those, the ones with a proposal that fits
+    arrived: int = 0  # pipelined: sound proposals offered this cycle
+    late: int = 0  # of those, the ones drafted from news too old to keep up (Speculator.staged_late)
     kv_events: list[KvEvent] = field(default_factory=list)
     has_work: bool = False
     handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
@@ -330,11 +332,12 @@ class StepLoop:
             proposals = {}
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        dropped = engine.spec.num_bad_proposals
-        looked, found = engine.spec.staged_looked, engine.spec.staged_found
-        engine.spec.pipelined = context is not None and context.pipelined
+        spec = engine.spec
+        dropped = spec.num_bad_proposals
+        looked, found, arrived, late = spec.staged_looked, spec.staged_found, spec.staged_arrived, spec.staged_late
+        spec.pipelined = context is not None and context.pipelined
         if isinstance(proposals, list):  # pipelined: streamed ahead; checked and kept until they fit
-            if engine.spec.pipelined:
+            if spec.pipelined:
                 engine.offer(proposals)
             proposals = {}
         added = engine.take_added()
@@ -351,8 +354,9 @@ class StepLoop:
             except Exception as exc:
                 out.failed = self._step_failed(exc)
             out.stepped = True
-        out.dropped = engine.spec.num_bad_proposals - dropped
-        out.looked, out.found = engine.spec.staged_looked - looked, engine.spec.staged_found - found
+        out.dropped = spec.num_bad_proposals - dropped
+        out.looked, out.found = spec.staged_looked - looked, spec.staged_found - found
+        out.arrived, out.late = spec.staged_arrived - arrived, spec.staged_late - late
         if context is not None:
             self._draft_messages(out, context)
         else:
@@ -533,7 +537,7 @@ class StepLoop:
         elif self._arrived:  # pipelined
             self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
             self._arrived = 0
-        self.watch.observe_staged(cycle.looked, cycle.found)  # (pipelined; 0 otherwise)
+        self.watch.observe_staged(cycle.looked, cycle.found, cycle.arrived, cycle.late)  # (pipelined; 0 otherwise)
         self.proposals_dropped += cycle.dropped
 
     def _talk_to_draft(self, cycle: Cycle) -> bool:

@@ -65,34 +65,58 @@ def test_a_new_draft_starts_with_a_clean_slate():
     assert w.allowed()
 
 
-def test_a_pipelined_draft_whose_proposals_fit_no_step_is_backed_off_by_use():
+def test_a_pipelined_draft_whose_proposals_come_too_late_to_fit_is_backed_off_by_use():
     """Pipelined seam: nothing is awaited, so a late draft is judged by use. Over each window of 64
-    sequence steps that had streamed proposals, under 2 % fitting backs it off (doubling, as for
-    late rounds); a window at or above 2 % clears the doubling. Steps with nothing streamed (an
-    n-gram draft without a match) are not judged."""
+    sequence steps that had streamed proposals, under 2 % fitting while at least half the proposals
+    that arrived came late backs it off (doubling, as for late rounds); a window at or above 2 %
+    clears the doubling. Steps with nothing streamed (an n-gram draft without a match) are not
+    judged."""
     clock = Clock()
     w = DraftWatch(2.0, clock=clock)
     for _ in range(1000):
-        w.observe_staged(0, 0)  # nothing streamed: no opinion
+        w.observe_staged(0, 0, 0, 0)  # nothing streamed: no opinion
     for _ in range(15):
-        w.observe_staged(4, 0)  # 60 looked at, none fitted: the window is not full yet
+        w.observe_staged(4, 0, 4, 4)  # 60 looked at, none fitted: the window is not full yet
     assert w.allowed()
-    w.observe_staged(4, 0)
+    w.observe_staged(4, 0, 4, 2)  # 62 of 64 arrivals late
     assert not w.allowed() and w.backoffs_total == 1
     clock.now = 0.51
     assert w.allowed()
     for _ in range(16):
-        w.observe_staged(4, 0)  # the probe finds nothing either: 1 s now
+        w.observe_staged(4, 0, 4, 4)  # the probe finds nothing either: 1 s now
     clock.now += 0.99
     assert not w.allowed()
     clock.now += 0.02
     for _ in range(16):
-        w.observe_staged(4, 1 if _ < 2 else 0)  # 2 of 64: 3 % fitted, a healthy window
+        w.observe_staged(4, 1 if _ < 2 else 0, 4, 4)  # 2 of 64: 3 % fitted, a healthy window
     assert w.allowed() and w.backoffs_total == 2
     for _ in range(16):
-        w.observe_staged(4, 0)
+        w.observe_staged(4, 0, 4, 4)
     clock.now += 0.51
     assert w.backoffs_total == 3 and w.allowed()  # the healthy window reset the doubling: 0.5 s
+
+
+def test_a_pipelined_draft_that_keeps_up_but_guesses_wrong_is_not_backed_off():
+    """Proposals that arrive in time and fit no step guessed wrong (a suffix draft before its tree
+    holds anything like the text): no backoff, however long it lasts; nor is the doubling cleared,
+    so a late window after them backs off as long as it would have right after the last late one."""
+    clock = Clock()
+    w = DraftWatch(2.0, staged_window=4, clock=clock)
+    for _ in range(400):
+        w.observe_staged(1, 0, 1, 0)
+    for _ in range(4):
+        w.observe_staged(1, 0, 2, 1)  # half the arrivals late: it is judged late
+    assert not w.allowed() and w.backoffs_total == 1
+    clock.now += 0.51
+    for _ in range(40):
+        w.observe_staged(1, 0, 3, 1)  # a third late: kept up, and no opinion
+    for _ in range(4):
+        w.observe_staged(1, 0, 1, 1)
+    assert w.backoffs_total == 2
+    clock.now += 0.99
+    assert not w.allowed()  # 1 s: the windows in between did not clear the doubling
+    clock.now += 0.02
+    assert w.allowed()
 
 
 def test_rounds_that_arrive_whole_do_not_clear_the_doubling_for_want_of_use():
@@ -103,7 +127,7 @@ def test_rounds_that_arrive_whole_do_not_clear_the_doubling_for_want_of_use():
     for wait in (0.5, 1.0, 2.0):
         for _ in range(4):
             w.observe_round(1, 1, 0)
-            w.observe_staged(1, 0)
+            w.observe_staged(1, 0, 1, 1)
         assert not w.allowed()
         clock.now += wait - 0.01
         assert not w.allowed()

@@ -281,19 +281,21 @@ def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(mode
     assert after["late"][0] == 0 and after["late"][1][:-1] == PROMPTS["c"]
 
 
-async def test_a_draft_whose_streamed_proposals_never_fit_is_backed_off(model):
-    """A draft that always streams for positions the target has passed (a draft slower than the
-    target's steps) costs no wait, but asking it costs every step: once a window of sequence steps
-    with proposals found none that fits, the target stops asking (``draft_backoff``) and sends the
-    draft no more round requests until the backoff ends."""
+async def test_a_draft_whose_streamed_proposals_come_too_late_is_backed_off(model):
+    """A draft that always streams after the target has moved on (a draft slower than the target's
+    steps: each answer drafted from news two rounds old) costs no wait, but asking it costs every
+    step: once a window of sequence steps with proposals found none that fits, the target stops
+    asking (``draft_backoff``) and sends the draft no more round requests until the backoff ends."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
     engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    drafted: list[DraftOutput] = []
 
-    def late(seq_id, round_, committed):  # one token behind, and wrong about it: fits no step
+    def late(seq_id, round_, committed):  # one token behind and wrong about it, and two sends late
         n = len(committed) - 1
         wrong = (committed[n] + 1) % 256
-        return [DraftOutput(seq_id, round_, [wrong, wrong, wrong], start=n, assumed=committed[n - 2 : n])]
+        drafted.append(DraftOutput(seq_id, round_, [wrong, wrong, wrong], start=n, assumed=committed[n - 2 : n]))
+        return [drafted[-3]] if len(drafted) >= 3 else []
 
     client = _Scripted(late)
     loop = StepLoop(engine, _Pool(client))
@@ -305,9 +307,37 @@ async def test_a_draft_whose_streamed_proposals_never_fit_is_backed_off(model):
         await loop.stop()
     assert got["a"] == want
     assert loop.watch.backoffs_total == 1 and engine.spec.staged_found == 0
+    assert engine.spec.staged_late == engine.spec.staged_arrived > 0
     plain = engine.spec.plain_steps
-    assert plain.get("draft_backoff", 0) > 20 and plain.get("no_proposal", 0) <= 10
-    assert len(client.requests) <= 11  # the prompt, then one request a step until the window was judged
+    assert plain.get("draft_backoff", 0) > 20 and plain.get("no_proposal", 0) <= 12
+    assert len(client.requests) <= 13  # the prompt, then one request a step until the window was judged
+
+
+async def test_a_draft_that_keeps_up_but_guesses_wrong_is_not_backed_off(model):
+    """The same wrong proposals streamed at once (a suffix draft before its tree holds anything
+    like the text): nothing fits, yet the draft keeps up, so it is asked every step. A backoff would
+    miss the repeats a suffix draft exists for."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+
+    def wrong(seq_id, round_, committed):
+        n = len(committed) - 1
+        bad = (committed[n] + 1) % 256
+        return [DraftOutput(seq_id, round_, [bad, bad, bad], start=n, assumed=committed[n - 2 : n])]
+
+    client = _Scripted(wrong)
+    loop = StepLoop(engine, _Pool(client))
+    loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)
+    loop.start()
+    try:
+        got = await serve_through(loop, {"a": PROMPTS["a"]}, params)
+    finally:
+        await loop.stop()
+    assert got["a"] == want
+    assert loop.watch.backoffs_total == 0 and engine.spec.staged_found == 0
+    assert engine.spec.staged_arrived > 30 and engine.spec.staged_late == 0
+    assert engine.spec.plain_steps.get("draft_backoff", 0) == 0
 
 
 async def test_prompts_that_cannot_be_sent_early_reach_the_draft_after_the_prefill(model, expected):
