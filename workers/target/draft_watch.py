@@ -19,14 +19,19 @@ every round as arrived, and malformed proposals (dropped as they are offered) st
 late draft costs no wait there, but asking still costs the target every step (the news, the hidden
 rows an EAGLE head reads, and on shared hardware the draft's own work). So the pipelined seam is
 judged by use (:meth:`DraftWatch.observe_staged`): over every ``staged_window`` sequence steps for
-which proposals had been streamed, if under ``staged_min_use`` of them found one that fits *and*
-at least half the proposals that arrived meanwhile came late (drafted from news too old to keep up:
-:data:`workers.engine.speculator.LATE_ROUNDS`), the draft is backed off as above (a draft that
-always arrives after the target has moved on: an EAGLE head staging on a target that steps faster
-than it drafts). A draft that keeps up but guesses wrong (a suffix draft before its tree holds
-anything like the text) is not backed off: it costs little, and it may guess right on the next
-request; its requests' acceptance is its measure. Sequences for which nothing was streamed (an
-n-gram draft with no match) do not count.
+which proposals had been streamed, if under ``staged_min_use`` of them found one that fits, the
+draft is backed off as above when
+
+- at least half the proposals that arrived meanwhile came late (drafted from news too old to keep
+  up: :data:`workers.engine.speculator.LATE_ROUNDS`): a draft that always arrives after the target
+  has moved on, such as an EAGLE head staging on a target that steps faster than it drafts; or
+- the draft reads hidden states: asking it costs the target the hidden rows of every token, and a
+  head that keeps up yet never fits is broken, not unlucky.
+
+A draft that reads no hidden states, keeps up and guesses wrong (a suffix draft before its tree
+holds anything like the text) is not backed off: asking it costs the news alone, and its next
+request may be the repeat it exists for; each request's acceptance is its measure. Sequences for
+which nothing was streamed (an n-gram draft with no match) do not count.
 """
 
 from __future__ import annotations
@@ -113,14 +118,14 @@ class DraftWatch:
             self._back_off(wait, "too slow or silent" if late else "sends malformed proposals",
                            f"deadline {1e3 * self.deadline():.1f} ms")
 
-    def observe_staged(self, looked: int, found: int, arrived: int, late: int) -> None:
+    def observe_staged(self, looked: int, found: int, arrived: int, late: int, reads_hidden: bool) -> None:
         """Pipelined seam, one step: ``looked`` sequences had streamed proposals to look through, of
         which ``found`` had one that fits; ``arrived`` proposals were offered, of which ``late`` came
-        late. Every ``staged_window`` such sequence steps are judged: a window under
-        ``staged_min_use`` whose arrivals were at least half late backs the draft off (doubling with
+        late; ``reads_hidden``: the draft reads hidden states. Every ``staged_window`` such sequence
+        steps are judged: a window under ``staged_min_use`` whose arrivals were at least half late,
+        or any such window of a draft that reads hidden states, backs the draft off (doubling with
         each such window in a row, apart from the late rounds' doubling); one at or above it clears
-        that doubling; one under it with arrivals mostly on time (a draft that guesses wrong) does
-        neither."""
+        that doubling; one under it of a draft that keeps up and reads no hidden states does neither."""
         self._arrived += arrived
         self._late += late
         if looked <= 0:
@@ -134,11 +139,13 @@ class DraftWatch:
         if use >= self.staged_min_use:
             self._unused = 0
             return
-        if late_share < 0.5:  # it keeps up and guesses wrong: no fault of its pace
+        late = late_share >= 0.5
+        if not late and not reads_hidden:  # it keeps up, guesses wrong, and asking it costs little
             return
         wait = backoff_delay(self._unused, self.backoff_base, self.backoff_max)
         self._unused += 1
-        self._back_off(wait, "streams proposals too late to fit a step",
+        self._back_off(wait, "streams proposals too late to fit a step" if late else
+                       "streams proposals on time that fit no step (hidden states are sent for nothing)",
                        f"{100 * use:.1f} % of sequence steps found one, {100 * late_share:.0f} % of proposals late")
 
     def _back_off(self, wait: float, why: str, detail: str) -> None:

@@ -537,7 +537,9 @@ class StepLoop:
         elif self._arrived:  # pipelined
             self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
             self._arrived = 0
-        self.watch.observe_staged(cycle.looked, cycle.found, cycle.arrived, cycle.late)  # (pipelined; 0 otherwise)
+        client = self._client  # (pipelined; 0 otherwise)
+        self.watch.observe_staged(cycle.looked, cycle.found, cycle.arrived, cycle.late,
+                                  client is not None and bool(client.hidden_layers))
         self.proposals_dropped += cycle.dropped
 
     def _talk_to_draft(self, cycle: Cycle) -> bool:

@@ -313,13 +313,17 @@ async def test_a_draft_whose_streamed_proposals_come_too_late_is_backed_off(mode
     assert len(client.requests) <= 13  # the prompt, then one request a step until the window was judged
 
 
-async def test_a_draft_that_keeps_up_but_guesses_wrong_is_not_backed_off(model):
-    """The same wrong proposals streamed at once (a suffix draft before its tree holds anything
-    like the text): nothing fits, yet the draft keeps up, so it is asked every step. A backoff would
-    miss the repeats a suffix draft exists for."""
+@pytest.mark.parametrize("reads_hidden", [False, True])
+async def test_a_draft_that_keeps_up_but_guesses_wrong_is_backed_off_only_if_it_reads_hidden_states(
+        model, reads_hidden):
+    """The same wrong proposals streamed at once: nothing fits, yet the draft keeps up. One that reads
+    no hidden states (a suffix draft before its tree holds anything like the text) costs the news
+    alone, so it is asked every step: a backoff would miss the repeats a suffix draft exists for.
+    One that reads them costs their rows every step, and a head that keeps up yet never fits is
+    broken: it is backed off."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
-    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False, hidden_layers=(1,) if reads_hidden else ())
 
     def wrong(seq_id, round_, committed):
         n = len(committed) - 1
@@ -327,6 +331,8 @@ async def test_a_draft_that_keeps_up_but_guesses_wrong_is_not_backed_off(model):
         return [DraftOutput(seq_id, round_, [bad, bad, bad], start=n, assumed=committed[n - 2 : n])]
 
     client = _Scripted(wrong)
+    if reads_hidden:
+        client.hidden_layers, client.hidden_dtype = [1], "float32"
     loop = StepLoop(engine, _Pool(client))
     loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)
     loop.start()
@@ -335,9 +341,12 @@ async def test_a_draft_that_keeps_up_but_guesses_wrong_is_not_backed_off(model):
     finally:
         await loop.stop()
     assert got["a"] == want
-    assert loop.watch.backoffs_total == 0 and engine.spec.staged_found == 0
-    assert engine.spec.staged_arrived > 30 and engine.spec.staged_late == 0
-    assert engine.spec.plain_steps.get("draft_backoff", 0) == 0
+    assert engine.spec.staged_found == 0 and engine.spec.staged_late == 0
+    if reads_hidden:
+        assert loop.watch.backoffs_total == 1 and engine.spec.plain_steps.get("draft_backoff", 0) > 20
+    else:
+        assert loop.watch.backoffs_total == 0 and engine.spec.staged_arrived > 30
+        assert engine.spec.plain_steps.get("draft_backoff", 0) == 0
 
 
 async def test_prompts_that_cannot_be_sent_early_reach_the_draft_after_the_prefill(model, expected):
