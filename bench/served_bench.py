@@ -19,7 +19,9 @@ does. ``--spec-seam`` sets the speculative stack's
 target seam (``TANDEM_SPEC_SEAM``), ``--draft-lane`` whether its draft stream's messages take the fast
 lane (``TANDEM_DRAFT_LANE``). The speculative stack's target is scraped (``/metrics``) after the
 warm-up and at the end: the share of its busy time spent waiting on drafts over the measured rounds
-(``tandem_target_draft_wait_seconds_total`` / ``tandem_target_busy_seconds_total``) is reported.
+(``tandem_target_draft_wait_seconds_total`` / ``tandem_target_busy_seconds_total``) is reported, and
+on the pipelined seam how many sequence steps with streamed proposals found one that fits and how
+many proposals came late (what the target backs a draft off on: ``workers/target/draft_watch.py``).
 
 Both stacks are started at once by ``tandem up`` (each with its own etcd and NATS, on free loopback
 ports); the speculative one gets ``--spec-args`` appended (e.g. ``--draft-model DIR`` to serve another
@@ -214,7 +216,8 @@ class Stack:
             return {}
         text = httpx.get(f"{found.group(1)}/metrics", timeout=5).text
         out = {}
-        for name in ("busy_seconds", "draft_wait_seconds", "draft_flush_seconds", "engine_steps"):
+        for name in ("busy_seconds", "draft_wait_seconds", "draft_flush_seconds", "engine_steps",
+                     "draft_proposals_streamed", "draft_proposals_late", "draft_staged_lookups", "draft_staged_fits"):
             m = re.search(rf"^tandem_target_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
             if m:
                 out[name] = float(m.group(1))
@@ -438,6 +441,12 @@ def run(args: argparse.Namespace) -> dict:
         share = wait / busy if busy > 0 else None
         print(f"\nspec stack's target over the measured rounds: busy {busy:.2f} s, waiting on drafts {wait:.3f} s "
               f"({fmt(None if share is None else 100 * share, '.1f')} % of busy time)")
+    staged = {k: after.get(f"draft_{k}", 0.0) - before.get(f"draft_{k}", 0.0)
+              for k in ("proposals_streamed", "proposals_late", "staged_lookups", "staged_fits")}
+    if staged["staged_lookups"] > 0:  # pipelined: the draft's use and pace, as the target judges them
+        print(f"pipelined seam: {staged['staged_fits']:.0f} of {staged['staged_lookups']:.0f} sequence steps with "
+              f"streamed proposals found one that fits; {staged['proposals_late']:.0f} of "
+              f"{staged['proposals_streamed']:.0f} proposals came late")
     step_ms = {}
     for name, (b0, b1) in {"plain": (waits.get("plain_before", {}), waits.get("plain_after", {})),
                            "spec": (before, after)}.items():
@@ -477,7 +486,7 @@ def run(args: argparse.Namespace) -> dict:
                        "max_tokens": args.max_tokens, "spec_args": spec_extra, "model": stacks["spec"].model,
                        "plain_model": stacks["plain"].model, "tiny_target": args.tiny_target,
                        "spec_seam": args.spec_seam, "tiny_eagle3": args.tiny_eagle3},
-            "draft_wait_share": share, "target_step_ms": step_ms, "target_flush_ms": flush_ms, "cpu_ms_per_step": cpu_ms,
+            "draft_wait_share": share, "staged": staged, "target_step_ms": step_ms, "target_flush_ms": flush_ms, "cpu_ms_per_step": cpu_ms,
             "rounds": {label: s for label, s in summaries if label != "all"}, "overall": summaries[-1][1],
             "warmup": warmup, "per_prompt": pairs}
 

@@ -60,5 +60,11 @@ async def test_greedy_output_equals_the_target_alone_under_both_seams(rt, spawn,
     if seam == "pipelined":
         assert waited == 0.0  # the pipelined loop awaits nothing
         assert after["tandem_target_draft_wait_seconds_total"] == 0.0
+        # what an operator reads of a pipelined draft's pace and use: proposals streamed and kept, the
+        # late ones among them, and sequence steps that looked for one and found one that fits
+        grew = {k: after[f"tandem_target_draft_{k}_total"] - before[f"tandem_target_draft_{k}_total"]
+                for k in ("proposals_streamed", "proposals_late", "staged_lookups", "staged_fits")}
+        assert grew["proposals_streamed"] > 0 and 0 <= grew["proposals_late"] <= grew["proposals_streamed"]
+        assert 0 < grew["staged_fits"] <= grew["staged_lookups"]
     else:
         assert waited > 0.0
