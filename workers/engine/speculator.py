@@ -36,7 +36,7 @@ from runtime.spec_stats import SpecCounters
 
 from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput, SparseDist
-from ..speculation.staging import SPARE_MAX, Staged, position_problem
+from ..speculation.staging import SPARE_MAX, Staged, StagedUse, position_problem
 from ..speculation.tree import tree_depths
 from .budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from .sequence import Sequence
@@ -160,12 +160,9 @@ class Speculator:
         # and a step uses those that fit its sequences' committed tokens).
         self.pipelined = False
         self.staged = Staged(on_drop=self._drop)
-        # pipelined: sequence steps that had streamed proposals to look through, and those that found
-        # one that fits; sound proposals offered, and those that came late (drafted from news
-        # LATE_ROUNDS or more rounds old). The step loop judges the draft's use by them
-        # (DraftWatch.observe_staged).
-        self.staged_looked = self.staged_found = 0
-        self.staged_arrived = self.staged_late = 0
+        # pipelined: what was seen of the streamed proposals (late: drafted from news LATE_ROUNDS or
+        # more rounds old); the step loop judges the draft's use by it (DraftWatch.observe_staged)
+        self.staged_use = StagedUse()
 
     # ------------------------------------------------------------------ requests
 
@@ -303,11 +300,11 @@ class Speculator:
                     continue
                 had = self.staged.has(seq.request_id)
                 prop = self.staged.take(seq.request_id, seq.token_ids)
-                self.staged_looked += had
+                self.staged_use.looked += had
                 if prop is None:
                     st.why_plain = "no_proposal"
                     continue
-                self.staged_found += 1
+                self.staged_use.found += 1
                 found.append((seq, st, prop))
             if self.load_aware and found:
                 found = self._plan_found(found, sum(1 for seq in running if seq.num_uncomputed == 1))
@@ -377,7 +374,7 @@ class Speculator:
         parents, probabilities, and their position and assumed tokens) and keep the sound ones for
         :meth:`attach`. One for a sequence that is gone is dropped as ``stale``; one that claims to
         answer a round not asked yet, or fails a check, is dropped as malformed. A sound one drafted
-        from news ``LATE_ROUNDS`` or more rounds old counts as late (``staged_late``)."""
+        from news ``LATE_ROUNDS`` or more rounds old counts as late (``staged_use``)."""
         for prop in proposals:
             st = self.states.get(prop.seq_id)
             if st is None:
@@ -390,8 +387,8 @@ class Speculator:
             if problem is not None:
                 self._drop(problem)
                 continue
-            self.staged_arrived += 1
-            self.staged_late += st.round - 1 - prop.round >= LATE_ROUNDS
+            self.staged_use.arrived += 1
+            self.staged_use.late += st.round - 1 - prop.round >= LATE_ROUNDS
             self.staged.offer(prop)
 
     def _use(self, seq: Sequence, st: SpecState, prop: DraftOutput, drafted: dict[str, Drafted],

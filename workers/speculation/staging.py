@@ -28,13 +28,32 @@ that did not come true is no fault of the draft.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 from .payloads import DraftOutput
 
 ASSUMED_MAX = 64  # most assumed tokens a proposal may carry
 KEEP = 32  # proposals kept per sequence (a round's staged branches: (γ + 1) × a few guesses)
 SPARE_MAX = 4  # tokens a streamed proposal may carry past γ (it may arrive after a few plain steps)
+
+
+@dataclass
+class StagedUse:
+    """What the target saw of a pipelined draft's proposals: sequence steps that had streamed proposals
+    to look through (``looked``) and those that found one that fits (``found``); sound proposals kept
+    (``arrived``) and those drafted from news too old to keep up (``late``). Counts add and subtract
+    (a step's share is the counts after it minus those before)."""
+
+    looked: int = 0
+    found: int = 0
+    arrived: int = 0
+    late: int = 0
+
+    def __add__(self, other: StagedUse) -> StagedUse:
+        return StagedUse(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: StagedUse) -> StagedUse:
+        return StagedUse(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
 
 def position_problem(prop: DraftOutput, vocab_size: int) -> str | None:

@@ -41,6 +41,8 @@ import time
 
 from runtime.backoff import backoff_delay
 
+from ..speculation.staging import StagedUse
+
 log = logging.getLogger(__name__)
 
 
@@ -62,9 +64,7 @@ class DraftWatch:
         self.staged_window = staged_window
         self.staged_min_use = staged_min_use
         self._clock = clock
-        # pipelined, the current window: sequence steps with proposals, those that found one that fits;
-        # proposals that arrived, those that came late
-        self._looked = self._found = self._arrived = self._late = 0
+        self._window = StagedUse()  # pipelined: what the current window saw of streamed proposals
         self._unused = 0  # pipelined: backoffs for want of use in a row (their own doubling: rounds that
         # arrive whole, as every pipelined round does, say nothing of use)
         self.step_seconds: float | None = None  # exponential average of decode/verify steps
@@ -118,25 +118,20 @@ class DraftWatch:
             self._back_off(wait, "too slow or silent" if late else "sends malformed proposals",
                            f"deadline {1e3 * self.deadline():.1f} ms")
 
-    def observe_staged(self, looked: int, found: int, arrived: int, late: int, reads_hidden: bool) -> None:
-        """Pipelined seam, one step: ``looked`` sequences had streamed proposals to look through, of
-        which ``found`` had one that fits; ``arrived`` proposals were offered, of which ``late`` came
-        late; ``reads_hidden``: the draft reads hidden states. Every ``staged_window`` such sequence
-        steps are judged: a window under ``staged_min_use`` whose arrivals were at least half late,
+    def observe_staged(self, use: StagedUse, reads_hidden: bool) -> None:
+        """Pipelined seam, one step: what it saw of the streamed proposals (``use``: sequences that had
+        some to look through, those that found one that fits; proposals kept, those that came late);
+        ``reads_hidden``: the draft reads hidden states. Every ``staged_window`` sequence steps that
+        had proposals are judged: a window under ``staged_min_use`` whose arrivals were at least half late,
         or any such window of a draft that reads hidden states, backs the draft off (doubling with
         each such window in a row, apart from the late rounds' doubling); one at or above it clears
         that doubling; one under it of a draft that keeps up and reads no hidden states does neither."""
-        self._arrived += arrived
-        self._late += late
-        if looked <= 0:
+        w = self._window = self._window + use
+        if w.looked < self.staged_window:
             return
-        self._looked += looked
-        self._found += found
-        if self._looked < self.staged_window:
-            return
-        use, late_share = self._found / self._looked, self._late / max(self._arrived, 1)
-        self._looked = self._found = self._arrived = self._late = 0
-        if use >= self.staged_min_use:
+        fits, late_share = w.found / w.looked, w.late / max(w.arrived, 1)
+        self._window = StagedUse()
+        if fits >= self.staged_min_use:
             self._unused = 0
             return
         late = late_share >= 0.5
@@ -146,7 +141,7 @@ class DraftWatch:
         self._unused += 1
         self._back_off(wait, "streams proposals too late to fit a step" if late else
                        "streams proposals on time that fit no step (hidden states are sent for nothing)",
-                       f"{100 * use:.1f} % of sequence steps found one, {100 * late_share:.0f} % of proposals late")
+                       f"{100 * fits:.1f} % of sequence steps found one, {100 * late_share:.0f} % of proposals late")
 
     def _back_off(self, wait: float, why: str, detail: str) -> None:
         self.backoffs_total += 1
@@ -157,5 +152,6 @@ class DraftWatch:
     def reset(self) -> None:
         """A different draft worker: no strikes, no backoff."""
         self._failed_rounds = self._backoffs = 0
-        self._looked = self._found = self._arrived = self._late = self._unused = 0
+        self._window = StagedUse()
+        self._unused = 0
         self._until = 0.0

@@ -163,13 +163,13 @@ class TargetCollector(Collector):
                       "pipelined: its proposals fit no step, coming late or reading hidden states).",
                       watch.backoffs_total)
         yield counter("draft_proposals_streamed", "Sound proposals streamed ahead and kept (pipelined seam).",
-                      spec.staged_arrived)
+                      spec.staged_use.arrived)
         yield counter("draft_proposals_late", "Of those, the ones drafted from news two or more rounds old: "
-                      "the draft took longer than a target step to answer (pipelined seam).", spec.staged_late)
+                      "the draft took longer than a target step to answer (pipelined seam).", spec.staged_use.late)
         yield counter("draft_staged_lookups", "Sequence steps that had streamed proposals to look through "
-                      "(pipelined seam).", spec.staged_looked)
+                      "(pipelined seam).", spec.staged_use.looked)
         yield counter("draft_staged_fits", "Of those, the ones that found a proposal that fits (pipelined seam).",
-                      spec.staged_found)
+                      spec.staged_use.found)
         yield gauge("draft_backed_off", "1 while the draft worker is backed off (decoding plainly).",
                     1 if watch.backed_off else 0)
         yield gauge("draft_deadline_seconds", "How long a round of proposals is waited for.", watch.deadline())

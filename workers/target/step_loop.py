@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from runtime.errors import EngineFailed
 from runtime.events import TOPIC_SPEC_STATS
@@ -50,6 +50,7 @@ from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..openmp import torch_thread
 from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
+from ..speculation.staging import StagedUse
 from .draft_client import DraftClient
 from .draft_pool import DraftPool
 from .draft_watch import DraftWatch
@@ -118,10 +119,7 @@ class Cycle:
     released: list[str] = field(default_factory=list)
     requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
     dropped: int = 0  # proposals the engine refused as malformed this step
-    looked: int = 0  # pipelined: sequences this step that had streamed proposals to look through
-    found: int = 0  # of those, the ones with a proposal that fits
-    arrived: int = 0  # pipelined: sound proposals offered this cycle
-    late: int = 0  # of those, the ones drafted from news too old to keep up (Speculator.staged_late)
+    staged: StagedUse = field(default_factory=StagedUse)  # pipelined: what this cycle saw of streamed proposals
     kv_events: list[KvEvent] = field(default_factory=list)
     has_work: bool = False
     handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
@@ -334,7 +332,7 @@ class StepLoop:
             out.results.append(self._apply(cmd))
         spec = engine.spec
         dropped = spec.num_bad_proposals
-        looked, found, arrived, late = spec.staged_looked, spec.staged_found, spec.staged_arrived, spec.staged_late
+        staged = replace(spec.staged_use)
         spec.pipelined = context is not None and context.pipelined
         if isinstance(proposals, list):  # pipelined: streamed ahead; checked and kept until they fit
             if spec.pipelined:
@@ -355,8 +353,7 @@ class StepLoop:
                 out.failed = self._step_failed(exc)
             out.stepped = True
         out.dropped = spec.num_bad_proposals - dropped
-        out.looked, out.found = spec.staged_looked - looked, spec.staged_found - found
-        out.arrived, out.late = spec.staged_arrived - arrived, spec.staged_late - late
+        out.staged = spec.staged_use - staged
         if context is not None:
             self._draft_messages(out, context)
         else:
@@ -538,8 +535,7 @@ class StepLoop:
             self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
             self._arrived = 0
         client = self._client  # (pipelined; 0 otherwise)
-        self.watch.observe_staged(cycle.looked, cycle.found, cycle.arrived, cycle.late,
-                                  client is not None and bool(client.hidden_layers))
+        self.watch.observe_staged(cycle.staged, client is not None and bool(client.hidden_layers))
         self.proposals_dropped += cycle.dropped
 
     def _talk_to_draft(self, cycle: Cycle) -> bool:

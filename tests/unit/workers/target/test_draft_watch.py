@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from workers.speculation.staging import StagedUse
 from workers.target.draft_watch import DraftWatch
 
 pytestmark = pytest.mark.unit
@@ -74,24 +75,24 @@ def test_a_pipelined_draft_whose_proposals_come_too_late_to_fit_is_backed_off_by
     clock = Clock()
     w = DraftWatch(2.0, clock=clock)
     for _ in range(1000):
-        w.observe_staged(0, 0, 0, 0, False)  # nothing streamed: no opinion
+        w.observe_staged(StagedUse(0, 0, 0, 0), False)  # nothing streamed: no opinion
     for _ in range(15):
-        w.observe_staged(4, 0, 4, 4, False)  # 60 looked at, none fitted: the window is not full yet
+        w.observe_staged(StagedUse(4, 0, 4, 4), False)  # 60 looked at, none fitted: the window is not full yet
     assert w.allowed()
-    w.observe_staged(4, 0, 4, 2, False)  # 62 of 64 arrivals late
+    w.observe_staged(StagedUse(4, 0, 4, 2), False)  # 62 of 64 arrivals late
     assert not w.allowed() and w.backoffs_total == 1
     clock.now = 0.51
     assert w.allowed()
     for _ in range(16):
-        w.observe_staged(4, 0, 4, 4, False)  # the probe finds nothing either: 1 s now
+        w.observe_staged(StagedUse(4, 0, 4, 4), False)  # the probe finds nothing either: 1 s now
     clock.now += 0.99
     assert not w.allowed()
     clock.now += 0.02
     for _ in range(16):
-        w.observe_staged(4, 1 if _ < 2 else 0, 4, 4, False)  # 2 of 64: 3 % fitted, a healthy window
+        w.observe_staged(StagedUse(4, 1 if _ < 2 else 0, 4, 4), False)  # 2 of 64: 3 % fitted, a healthy window
     assert w.allowed() and w.backoffs_total == 2
     for _ in range(16):
-        w.observe_staged(4, 0, 4, 4, False)
+        w.observe_staged(StagedUse(4, 0, 4, 4), False)
     clock.now += 0.51
     assert w.backoffs_total == 3 and w.allowed()  # the healthy window reset the doubling: 0.5 s
 
@@ -105,22 +106,22 @@ def test_a_pipelined_draft_that_keeps_up_but_guesses_wrong_is_not_backed_off():
     clock = Clock()
     w = DraftWatch(2.0, staged_window=4, clock=clock)
     for _ in range(400):
-        w.observe_staged(1, 0, 1, 0, False)
+        w.observe_staged(StagedUse(1, 0, 1, 0), False)
     for _ in range(4):
-        w.observe_staged(1, 0, 2, 1, False)  # half the arrivals late: it is judged late
+        w.observe_staged(StagedUse(1, 0, 2, 1), False)  # half the arrivals late: it is judged late
     assert not w.allowed() and w.backoffs_total == 1
     clock.now += 0.51
     for _ in range(40):
-        w.observe_staged(1, 0, 3, 1, False)  # a third late: kept up, and no opinion
+        w.observe_staged(StagedUse(1, 0, 3, 1), False)  # a third late: kept up, and no opinion
     for _ in range(4):
-        w.observe_staged(1, 0, 1, 1, False)
+        w.observe_staged(StagedUse(1, 0, 1, 1), False)
     assert w.backoffs_total == 2
     clock.now += 0.99
     assert not w.allowed()  # 1 s: the windows in between did not clear the doubling
     clock.now += 0.02
     assert w.allowed()
     for _ in range(4):
-        w.observe_staged(1, 0, 1, 0, True)  # on time, never fitting, and it reads hidden states
+        w.observe_staged(StagedUse(1, 0, 1, 0), True)  # on time, never fitting, and it reads hidden states
     assert not w.allowed() and w.backoffs_total == 3
 
 
@@ -132,7 +133,7 @@ def test_rounds_that_arrive_whole_do_not_clear_the_doubling_for_want_of_use():
     for wait in (0.5, 1.0, 2.0):
         for _ in range(4):
             w.observe_round(1, 1, 0)
-            w.observe_staged(1, 0, 1, 1, False)
+            w.observe_staged(StagedUse(1, 0, 1, 1), False)
         assert not w.allowed()
         clock.now += wait - 0.01
         assert not w.allowed()

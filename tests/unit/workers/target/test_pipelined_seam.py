@@ -306,8 +306,8 @@ async def test_a_draft_whose_streamed_proposals_come_too_late_is_backed_off(mode
     finally:
         await loop.stop()
     assert got["a"] == want
-    assert loop.watch.backoffs_total == 1 and engine.spec.staged_found == 0
-    assert engine.spec.staged_late == engine.spec.staged_arrived > 0
+    assert loop.watch.backoffs_total == 1 and engine.spec.staged_use.found == 0
+    assert engine.spec.staged_use.late == engine.spec.staged_use.arrived > 0
     plain = engine.spec.plain_steps
     assert plain.get("draft_backoff", 0) > 20 and plain.get("no_proposal", 0) <= 12
     assert len(client.requests) <= 13  # the prompt, then one request a step until the window was judged
@@ -341,11 +341,11 @@ async def test_a_draft_that_keeps_up_but_guesses_wrong_is_backed_off_only_if_it_
     finally:
         await loop.stop()
     assert got["a"] == want
-    assert engine.spec.staged_found == 0 and engine.spec.staged_late == 0
+    assert engine.spec.staged_use.found == 0 and engine.spec.staged_use.late == 0
     if reads_hidden:
         assert loop.watch.backoffs_total == 1 and engine.spec.plain_steps.get("draft_backoff", 0) > 20
     else:
-        assert loop.watch.backoffs_total == 0 and engine.spec.staged_arrived > 30
+        assert loop.watch.backoffs_total == 0 and engine.spec.staged_use.arrived > 30
         assert engine.spec.plain_steps.get("draft_backoff", 0) == 0
 
 
