@@ -281,31 +281,43 @@ def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(mode
     assert after["late"][0] == 0 and after["late"][1][:-1] == PROMPTS["c"]
 
 
-async def test_a_draft_whose_streamed_proposals_come_too_late_is_backed_off(model):
-    """A draft that always streams after the target has moved on (a draft slower than the target's
-    steps: each answer drafted from news two rounds old) costs no wait, but asking it costs every
-    step: once a window of sequence steps with proposals found none that fits, the target stops
-    asking (``draft_backoff``) and sends the draft no more round requests until the backoff ends."""
+def _one_behind_and_wrong(seq_id, round_, committed) -> DraftOutput:
+    """A proposal starting one token behind the committed ones and wrong about that token: it fits no step."""
+    n = len(committed) - 1
+    bad = (committed[n] + 1) % 256
+    return DraftOutput(seq_id, round_, [bad, bad, bad], start=n, assumed=committed[n - 2 : n])
+
+
+async def _serve_judged(model, engine: Engine, client) -> StepLoop:
+    """Prompt "a" for 40 greedy tokens through ``engine`` drafting over ``client``, judged by use every 8
+    sequence steps (a backoff outlasts the test: no probe); the output must equal the target alone's."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
-    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
-    drafted: list[DraftOutput] = []
-
-    def late(seq_id, round_, committed):  # one token behind and wrong about it, and two sends late
-        n = len(committed) - 1
-        wrong = (committed[n] + 1) % 256
-        drafted.append(DraftOutput(seq_id, round_, [wrong, wrong, wrong], start=n, assumed=committed[n - 2 : n]))
-        return [drafted[-3]] if len(drafted) >= 3 else []
-
-    client = _Scripted(late)
     loop = StepLoop(engine, _Pool(client))
-    loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)  # (no probe within the test)
+    loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)
     loop.start()
     try:
         got = await serve_through(loop, {"a": PROMPTS["a"]}, params)
     finally:
         await loop.stop()
     assert got["a"] == want
+    return loop
+
+
+async def test_a_draft_whose_streamed_proposals_come_too_late_is_backed_off(model):
+    """A draft that always streams after the target has moved on (a draft slower than the target's
+    steps: each answer drafted from news two rounds old) costs no wait, but asking it costs every
+    step: once a window of sequence steps with proposals found none that fits, the target stops
+    asking (``draft_backoff``) and sends the draft no more round requests until the backoff ends."""
+    engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
+    drafted: list[DraftOutput] = []
+
+    def late(seq_id, round_, committed):  # two sends late
+        drafted.append(_one_behind_and_wrong(seq_id, round_, committed))
+        return [drafted[-3]] if len(drafted) >= 3 else []
+
+    client = _Scripted(late)
+    loop = await _serve_judged(model, engine, client)
     assert loop.watch.backoffs_total == 1 and engine.spec.staged_use.found == 0
     assert engine.spec.staged_use.late == engine.spec.staged_use.arrived > 0
     plain = engine.spec.plain_steps
@@ -321,26 +333,11 @@ async def test_a_draft_that_keeps_up_but_guesses_wrong_is_backed_off_only_if_it_
     alone, so it is asked every step: a backoff would miss the repeats a suffix draft exists for.
     One that reads them costs their rows every step, and a head that keeps up yet never fits is
     broken: it is backed off."""
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
     engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False, hidden_layers=(1,) if reads_hidden else ())
-
-    def wrong(seq_id, round_, committed):
-        n = len(committed) - 1
-        bad = (committed[n] + 1) % 256
-        return [DraftOutput(seq_id, round_, [bad, bad, bad], start=n, assumed=committed[n - 2 : n])]
-
-    client = _Scripted(wrong)
+    client = _Scripted(lambda seq_id, round_, committed: [_one_behind_and_wrong(seq_id, round_, committed)])
     if reads_hidden:
         client.hidden_layers, client.hidden_dtype = [1], "float32"
-    loop = StepLoop(engine, _Pool(client))
-    loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)
-    loop.start()
-    try:
-        got = await serve_through(loop, {"a": PROMPTS["a"]}, params)
-    finally:
-        await loop.stop()
-    assert got["a"] == want
+    loop = await _serve_judged(model, engine, client)
     assert engine.spec.staged_use.found == 0 and engine.spec.staged_use.late == 0
     if reads_hidden:
         assert loop.watch.backoffs_total == 1 and engine.spec.plain_steps.get("draft_backoff", 0) > 20
