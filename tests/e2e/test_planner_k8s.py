@@ -192,6 +192,8 @@ async def test_the_planner_process_scales_an_idle_deployment_down(tmp_path, rt, 
                         "--adjustment-interval", "0.5", "--latency-window", "1", "--down-cooldown", "1",
                         "--start-timeout", "2", name="planner")
         planner.wait_for_log("pool target: 2 -> 1 (idle)", timeout=60)
+        # the decision is logged before its PATCH is sent: wait for the connector's word that it landed
+        planner.wait_for_log("deployments/tandem-target in tandem scaled to 1", timeout=30)
         assert api.deployments[("tandem", "tandem-target")] == 1
         patches = [body["spec"]["replicas"] for method, path, ctype, body in api.log
                    if method == "PATCH" and path.endswith("/scale")]
