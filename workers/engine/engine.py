@@ -50,7 +50,7 @@ from .pending import PendingStep
 from .sampling import is_greedy, logprobs_of, sample
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
-from .speculator import Drafted, Speculator
+from .speculator import Drafted, SpecState, Speculator
 from .verifier import Candidate, verify
 
 log = logging.getLogger(__name__)
@@ -353,15 +353,20 @@ class Engine:
         else:
             hidden = self._hidden_rows([r.seq for r in requests], spans, layers, dtype)
             refs = [None] * len(requests)
-        out = []
-        for r, rows, ref in zip(requests, hidden, refs):
-            st, p = r.state, r.seq.params
-            out.append(DraftInput(r.seq.request_id, st.round, r.seq.token_ids[st.told :], r.num_tokens,
-                                  SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), rows,
-                                  st.tree_topk, st.tree_depth, r.max_depth, ref))
-            st.told = len(r.seq)
-            st.round += 1
-        return out
+        return [self._tell(r.seq, r.state, r.num_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
+                           tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
+                for r, rows, ref in zip(requests, hidden, refs)]
+
+    @staticmethod
+    def _tell(seq: Sequence, st: SpecState, num_tokens: int, **extra) -> DraftInput:
+        """A proposal request for ``seq`` carrying its tokens the draft has not heard of, for the next
+        round; the draft has heard of them all from now on."""
+        p = seq.params
+        request = DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], num_tokens,
+                             SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), **extra)
+        st.told = len(seq)
+        st.round += 1
+        return request
 
     def take_added(self) -> list[Sequence]:
         """The sequences added since the last call."""
@@ -385,11 +390,7 @@ class Engine:
             k = min(st.cap, seq.params.max_tokens - seq.num_generated - 2, self.max_model_len - len(seq) - 2)
             if k <= 0:
                 continue
-            p = seq.params
-            out.append(DraftInput(seq.request_id, st.round, list(seq.token_ids), k,
-                                  SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed)))
-            st.told = len(seq)
-            st.round += 1
+            out.append(self._tell(seq, st, k))  # (told nothing yet: the whole prompt)
         return out
 
     def take_verdicts(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,

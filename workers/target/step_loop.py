@@ -397,15 +397,21 @@ class StepLoop:
         error = EngineFailed(f"engine step failed: {exc!r}")
         return [(rid, error) for rid in batch]
 
-    def _prompt_news(self, requests: list, context: DraftContext) -> None:
-        """New requests' prompts to the draft before their prefill step (see :meth:`Engine.prompt_inputs`)."""
+    def _converted(self, requests: list, dtype: str, what: str) -> list:
+        """``requests`` (DraftInput) for the wire; one that cannot be converted is not sent, and the
+        draft hears of its sequence from scratch next time."""
         converted = []
         for request in requests:
             try:
-                converted.append(draft_input_to_pb(request, context.dtype))
+                converted.append(draft_input_to_pb(request, dtype))
             except Exception as exc:
-                log.warning("request %s: prompt not sent to the draft (%r)", request.seq_id, exc)
+                log.warning("request %s: %s not sent to the draft (%r)", request.seq_id, what, exc)
                 self.engine.spec.forget_told(request.seq_id)
+        return converted
+
+    def _prompt_news(self, requests: list, context: DraftContext) -> None:
+        """New requests' prompts to the draft before their prefill step (see :meth:`Engine.prompt_inputs`)."""
+        converted = self._converted(requests, context.dtype, "prompt")
         if not converted:
             return
         try:
@@ -429,12 +435,8 @@ class StepLoop:
         if not context.ask:
             engine.spec.unasked(engine.scheduler.running, "draft_backoff")  # why the next step decodes plainly
         else:
-            for request in engine.draft_inputs(context.layers, dtype, context.plane):
-                try:
-                    out.requests.append(draft_input_to_pb(request, context.dtype))
-                except Exception as exc:
-                    log.warning("request %s: proposal not asked (%r)", request.seq_id, exc)
-                    engine.spec.forget_told(request.seq_id)
+            out.requests = self._converted(engine.draft_inputs(context.layers, dtype, context.plane), context.dtype,
+                                           "proposal request")
 
     def _resolve(self, cmd: Command, result: object, error: BaseException | None) -> None:
         if isinstance(cmd, AddRequest):
@@ -534,7 +536,7 @@ class StepLoop:
         elif self._arrived:  # pipelined
             self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
             self._arrived = 0
-        client = self._client  # (pipelined; 0 otherwise)
+        client = self._client  # (cycle.staged counts nothing but on the pipelined seam)
         self.watch.observe_staged(cycle.staged, client is not None and bool(client.hidden_layers))
         self.proposals_dropped += cycle.dropped
 
