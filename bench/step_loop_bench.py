@@ -1,13 +1,15 @@
 """How long a target step spends outside the engine step: proposal wait, thread hops, delivery.
 
-Usage: .venv/bin/python bench/step_loop_bench.py [--repeats 5] [--tokens 64]
+Usage: .venv/bin/python bench/step_loop_bench.py [--repeats 5] [--tokens 64] [--seam sync|pipelined|none]
 
 A target engine loop (the one the target worker runs) on a tiny random Llama (so that the engine
 step is short and the loop's own cost shows), speculating with a real n-gram draft service on
 gRPC in a child process. For batch 1 and 8 (greedy, ``--tokens`` tokens each, repetitive prompts
 so that the n-gram draft proposes), it measures wall time from submitting the requests to the
 last token, and the time spent inside ``Engine.step``; the difference divided by the number
-of steps is the loop's overhead per step. The best of ``--repeats`` runs is reported.
+of steps is the loop's overhead per step. The best of ``--repeats`` runs is reported. ``--seam``: the
+draft seam the loop asks for (``sync``, the default, or ``pipelined``), or ``none``: no draft at all,
+the plain loop to compare against.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def tiny_engine():
                       num_speculative_tokens=4)
 
 
-async def measure(port: int, batches: list[int], tokens: int, repeats: int) -> dict:
+async def measure(port: int | None, batches: list[int], tokens: int, repeats: int, seam: str = "sync") -> dict:
     from runtime.messages import InstanceRecord, SamplingParams
     from workers.target.draft_pool import DraftPool
     from workers.target.step_loop import StepLoop
@@ -68,13 +70,15 @@ async def measure(port: int, batches: list[int], tokens: int, repeats: int) -> d
             inside[0] += time.perf_counter() - started
 
     engine.step = timed_step
-    record = InstanceRecord("bench-draft", "bench", "draft", "speculate", "", role="draft",
-                            grpc_address=f"127.0.0.1:{port}")
-    pool = DraftPool("bench-target", "", engine.vocab_size, lambda: [record])
+    pool = None
+    if seam != "none":
+        record = InstanceRecord("bench-draft", "bench", "draft", "speculate", "", role="draft",
+                                grpc_address=f"127.0.0.1:{port}")
+        pool = DraftPool("bench-target", "", engine.vocab_size, lambda: [record], staged=seam == "pipelined")
     loop = StepLoop(engine, pool, "bench-target", propose_timeout=2.0)
     loop.start()
     deadline = time.monotonic() + 30
-    while await pool.poll() is None:
+    while pool is not None and await pool.poll() is None:
         assert time.monotonic() < deadline, "no draft stream"
         await asyncio.sleep(0.05)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -100,7 +104,8 @@ async def measure(port: int, batches: list[int], tokens: int, repeats: int) -> d
         results[batch] = best
         print(best, flush=True)
     await loop.stop()
-    await pool.close()
+    if pool is not None:
+        await pool.close()
     return results
 
 
@@ -108,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--seam", choices=["sync", "pipelined", "none"], default="sync")
     ap.add_argument("--serve-draft", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_draft:
@@ -116,7 +122,7 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, __file__, "--serve-draft"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
-        results = asyncio.run(measure(port, [1, 8], args.tokens, args.repeats))
+        results = asyncio.run(measure(port, [1, 8], args.tokens, args.repeats, args.seam))
     finally:
         child.kill()
     print("| batch | steps | wall ms/step | engine step ms | outside the engine step ms |")
