@@ -79,10 +79,13 @@ def build_engine(cfg, worker_id: str):
             followers.close()
         raise
     if cfg.kv_offload_host_gb:
-        from workers.engine.kv_tiers import build_tiers
+        from workers.engine.kv_tiers import build_tiers, weights_fingerprint
 
+        # disk-tier files are shared only by targets computing the same KV: same served name, same
+        # weight files, same kernels' view of them (Q4_1 blocks kept or dequantized)
+        model_id = (cfg.served_model_name, weights_fingerprint(cfg.model), cfg.gguf_quantized)
         engine.attach_tiers(build_tiers(engine, int(cfg.kv_offload_host_gb * (1 << 30)), cfg.kv_offload_disk_dir,
-                                        int(cfg.kv_offload_disk_gb * (1 << 30)), cfg.served_model_name))
+                                        int(cfg.kv_offload_disk_gb * (1 << 30)), repr(model_id)))
     for name, path in cfg.lora_modules:
         engine.load_lora(name, path)
     model_path = Path(cfg.model)

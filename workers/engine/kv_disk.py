@@ -11,7 +11,9 @@ File format (little-endian)::
     magic "TKVB" | version u16 | block_size u16 | hash u64 | parent u64 | payload bytes u64 | crc32 u32
     | block tokens u32 x block_size | payload (KV of every layer, then hidden rows, as the host tier holds them)
 
-``crc32`` covers the tokens and the payload. A read checks everything it can (size, magic, hash,
+``crc32`` covers the block's key (version, block size, hash, parent, payload bytes), the tokens and
+the payload, so a file renamed or copied under another block's name, or a header edited to name
+another block, fails the check like a torn or flipped payload does. A read checks everything it can (size, magic, hash,
 parent, tokens, checksum); a file that fails any check is a miss (the caller recomputes) and is
 removed. Writes never leave a torn block under a block's name: bytes go to a temporary file in the
 same directory, are fsynced, and the file is renamed into place (atomic on POSIX); a writer killed
@@ -44,8 +46,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MAGIC = b"TKVB"
-VERSION = 1
+VERSION = 2  # 2: the checksum covers the block's key too (1: tokens and payload only)
 HEADER = struct.Struct("<4sHHQQQI")
+KEY = struct.Struct("<HHQQQ")  # what the checksum covers before the body: version, block size, hash, parent, payload size
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_SECONDS = 60.0  # temporary files older than this belong to a writer that died
@@ -53,14 +56,24 @@ FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def layout_key(*parts) -> str:
-    """A short, stable directory name for a block layout (what a block's bytes mean)."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+    """A short, stable directory name for a block layout (what a block's bytes mean) and this file
+    format's version: targets of an older format keep their own directory, never reading these files."""
+    return hashlib.blake2b(repr((VERSION, *parts)).encode(), digest_size=8).hexdigest()
+
+
+def _checksum(version: int, block_size: int, block_hash: int, parent: int, payload_bytes: int,
+              body: bytes | memoryview) -> int:
+    """crc32 of a block's key (version, block size, hash, parent, payload size) and its body (tokens,
+    then payload): a file holds the block its header names, or it fails the check."""
+    key = KEY.pack(version, block_size, block_hash, parent, payload_bytes)
+    return zlib.crc32(body, zlib.crc32(key))
 
 
 def encode_block(block_hash: int, parent: int, tokens: list[int], payload: bytes | memoryview) -> list[bytes]:
     """A block file's bytes, as pieces to write in order."""
     toks = array("I", tokens).tobytes()
-    crc = zlib.crc32(payload, zlib.crc32(toks))
+    key = KEY.pack(VERSION, len(tokens), block_hash, parent, len(payload))
+    crc = zlib.crc32(payload, zlib.crc32(toks, zlib.crc32(key)))
     head = HEADER.pack(MAGIC, VERSION, len(tokens), block_hash, parent, len(payload), crc)
     return [head, toks, payload]
 
@@ -78,21 +91,24 @@ def decode_block(data: bytes | memoryview, block_hash: int, parent: int, tokens:
     payload = view[HEADER.size + toks_len :]
     if bytes(toks) != array("I", tokens).tobytes():
         return None
-    if zlib.crc32(payload, zlib.crc32(toks)) != crc:
+    if _checksum(version, bs, h, p, n, view[HEADER.size :]) != crc:
         return None
     return payload
 
 
 def check_file(path: str | Path, payload_bytes: int | None = None) -> bool:
-    """Whether a block file is whole and intact (its header, size and checksum), whatever block it
-    is; ``payload_bytes`` None: of the size its header says."""
-    data = Path(path).read_bytes()
+    """Whether a block file is whole and intact (its header, size and checksum) and named after the
+    block its header holds, whatever block that is; ``payload_bytes`` None: of the size its header says."""
+    path = Path(path)
+    data = path.read_bytes()
     if len(data) < HEADER.size:
         return False
     magic, version, bs, h, p, n, crc = HEADER.unpack_from(data)
-    if magic != MAGIC or n != (payload_bytes or n) or len(data) != HEADER.size + 4 * bs + n:
+    if magic != MAGIC or version != VERSION or n != (payload_bytes or n) or len(data) != HEADER.size + 4 * bs + n:
         return False
-    return zlib.crc32(memoryview(data)[HEADER.size :]) == crc
+    if path.name.endswith(SUFFIX) and path.name != f"{h:016x}{SUFFIX}":
+        return False
+    return _checksum(version, bs, h, p, n, memoryview(data)[HEADER.size :]) == crc
 
 
 @dataclass

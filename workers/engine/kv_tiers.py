@@ -27,12 +27,15 @@ or ``disk``) and the tier's own event sequence, drained with the device pool's e
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from prometheus_client import Histogram
@@ -85,7 +88,9 @@ class BlockCopier:
 
     @torch.inference_mode()
     def to_host(self, blocks: list[int], slab: torch.Tensor, rows: list[int]) -> None:
-        """Device blocks → host ``slab`` rows (same order)."""
+        """Device blocks → host ``slab`` rows (same order); the rows must be distinct."""
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"host rows reserved twice in one copy: {rows}")
         src = torch.tensor(blocks, dtype=torch.long, device=self.device)
         dst = torch.tensor(rows, dtype=torch.long)
         for view, (a, b) in zip(self.views, self.offsets):
@@ -123,6 +128,10 @@ class HostTier:
 
     def touch(self, block_hash: int) -> None:
         self.entries.move_to_end(block_hash)
+
+    def next_victim(self) -> int | None:
+        """The hash the next :meth:`reserve` evicts (None: a row is free)."""
+        return None if self._free else next(iter(self.entries))
 
     def reserve(self, block_hash: int, parent: int) -> tuple[int, list[int]]:
         """A row for a new block (evicting the least recently used); returns (row, evicted hashes)."""
@@ -207,11 +216,15 @@ class KvTiers:
         hashes = seq.full_block_hashes(bs, len(seq))[: (len(seq) - 1) // bs]
         device_hits = len(self.blocks.match_prefix(hashes))
         start = device_hits + self.take_prefix(hashes, device_hits)
-        if start >= len(hashes) or not self.disk.exists(hashes[start]):
+        # the host tier must hold its part of the prefix and the blocks read, together, at admission
+        end = min(len(hashes), device_hits + self.host.capacity)
+        if start >= end or not self.disk.exists(hashes[start]):
             return False
+        for h in hashes[device_hits:start]:  # most recently used: the blocks read do not evict them
+            self.host.touch(h)
         parent = hashes[start - 1] if start else ROOT_HASH
-        tokens = list(seq.token_ids[start * bs : len(hashes) * bs])
-        future = self._reader.submit(self._read_chain, hashes[start:], parent, tokens)
+        tokens = list(seq.token_ids[start * bs : end * bs])
+        future = self._reader.submit(self._read_chain, hashes[start:end], parent, tokens)
         future.add_done_callback(lambda _: self._loaded.set())
         self.held.append(_Held(seq, future, time.perf_counter()))
         return True
@@ -273,33 +286,51 @@ class KvTiers:
     # ------------------------------------------------------------------ internals
 
     def _store_computed(self) -> None:
+        """Copy the step's computed blocks to the host tier and queue them for the disk tier.
+
+        Rows are reserved, then filled in one batched copy. No reservation may evict a row reserved
+        earlier in the same batch: that row would be filled with (and written to disk as) a later
+        block's bytes under the earlier block's hash. A step storing more blocks than the tier holds
+        (or touching enough cached ones to make its own rows the least recently used) reaches that
+        point; the batch is then copied and written out first, and the next one starts."""
         todo, self._computed = self._computed, []
-        blocks, rows, stored, removed = [], [], [], []
+        batch: list[tuple[int, int, int, list[int], int]] = []  # (block, hash, parent, tokens, row)
+        pending: set[int] = set()  # hashes of the batch's rows, not filled yet
+        removed: list[int] = []
+        to_disk = self.disk is not None and not self.disk.disabled
         for b, h, parent, tokens in todo:
             if self.blocks.block_hash[b] != h:  # evicted (and maybe overwritten) within the step
                 continue
             if h in self.host:
                 self.host.touch(h)
                 continue
+            if self.host.next_victim() in pending:
+                to_disk = self._store_batch(batch, removed, to_disk)
+                batch, pending, removed = [], set(), []
             row, evicted = self.host.reserve(h, parent)
+            pending.add(h)
             removed.extend(evicted)
-            blocks.append(b)
-            rows.append(row)
-            stored.append((h, parent, tokens))
-        if not blocks:
-            return
-        self.copier.to_host(blocks, self.host.slab, rows)
+            batch.append((b, h, parent, tokens, row))
+        if batch:
+            self._store_batch(batch, removed, to_disk)
+
+    def _store_batch(self, batch: list[tuple[int, int, int, list[int], int]], removed: list[int], to_disk: bool) -> bool:
+        """Fill the rows reserved for ``batch`` (distinct, none evicted since) from the device, publish,
+        and queue the blocks for the disk tier; returns whether the disk still takes writes this step."""
+        self.copier.to_host([b for b, *_ in batch], self.host.slab, [row for *_, row in batch])
         st = self.stats["host"]
-        st.stored += len(blocks)
-        st.stored_bytes += len(blocks) * self.copier.block_bytes
+        st.stored += len(batch)
+        st.stored_bytes += len(batch) * self.copier.block_bytes
         st.evicted += len(removed)
         if removed:
             self._event("host", KvEventKind.REMOVED, removed)
-        self._stored_runs("host", [(h, p) for h, p, _ in stored])
-        if self.disk is not None and not self.disk.disabled:
-            for (h, parent, tokens), row in zip(stored, rows):
-                if not self.disk.put(h, parent, tokens, self.host.slab[row].numpy().tobytes()):
-                    break
+        self._stored_runs("host", [(h, parent) for _, h, parent, _, _ in batch])
+        if not to_disk:
+            return False
+        for _, h, parent, tokens, row in batch:
+            if not self.disk.put(h, parent, tokens, self.host.slab[row].numpy().tobytes()):
+                return False  # the writer's queue is full (or the tier turned off): the rest stay above
+        return True
 
     def _read_chain(self, hashes: list[int], parent: int, tokens: list[int]) -> list[tuple[int, int, memoryview]]:
         """Reader thread: the leading blocks of ``hashes`` readable from disk, checked."""
@@ -314,7 +345,10 @@ class KvTiers:
         return out
 
     def _take_from_disk(self, chain: list[tuple[int, int, memoryview]], seconds: float) -> None:
-        """Step thread: put blocks read from disk into the host tier."""
+        """Step thread: put blocks read from disk into the host tier. Only the leading ``capacity``
+        blocks of a chain are kept: a longer chain would evict its own head, and a prefix is only
+        loaded from its first block on."""
+        chain = chain[: self.host.capacity]
         removed, stored = [], []
         for h, parent, payload in chain:
             if h in self.host:
@@ -373,6 +407,29 @@ def _copier(engine) -> BlockCopier:
 def block_bytes(engine) -> int:
     """Bytes one block of ``engine`` takes in a lower tier (KV of every layer and its hidden rows)."""
     return _copier(engine).block_bytes
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".json")
+FINGERPRINT_BYTES = 64 << 10
+
+
+def weights_fingerprint(model: str | Path) -> str:
+    """A cheap identity of a model's files (a directory or one file): each weight and config file's
+    name, size, and its first and last 64 KiB. Two targets share disk-tier files only when this is
+    equal, so a checkpoint replaced under the same served name (another fine-tune, another
+    quantization) never reads the old one's KV."""
+    path = Path(model)
+    files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES) if path.is_dir() else [path]
+    digest = hashlib.blake2b(digest_size=8)
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(FINGERPRINT_BYTES))
+            if size > 2 * FINGERPRINT_BYTES:
+                fh.seek(-FINGERPRINT_BYTES, os.SEEK_END)
+                digest.update(fh.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()
 
 
 def build_tiers(engine, host_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0, model_id: str = "") -> KvTiers:
