@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
 
 from router.base import Router, Selection
-from runtime import EndpointClient, InstanceGone, InstanceTimeout, PendingBytes, ResponseStream, ShuttingDown
+from runtime import EndpointClient, InstanceGone, InstanceTimeout, NoInstances, PendingBytes, ResponseStream, ShuttingDown
 from runtime.errors import EngineFailed, declares_gone
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 # request continues on another worker (its prompt and the tokens so far), as many times as allowed.
 MIGRATABLE = (InstanceGone, InstanceTimeout, ShuttingDown, EngineFailed)
 END_TIMEOUT = 2.0  # seconds to wait for a worker's END frame after its finish delta
+RESTART_WAIT_S = 30.0  # default: how long a request waits for a live worker when none is left
+RESELECT_S = 0.5  # while waiting for one: the longest between two tries of the router
 
 # Closing a worker stream must finish even when the task closing it is being cancelled (a client
 # that went away); these tasks are kept here so they are not garbage-collected half way.
@@ -49,13 +52,36 @@ class Dispatcher:
     """Routes generate requests for one frontend; plain collaborators in."""
 
     def __init__(self, router: Router, client: EndpointClient, max_migrations: int = 3,
-                 on_migrate: Callable[[], None] | None = None, prefill=None):
+                 on_migrate: Callable[[], None] | None = None, prefill=None, restart_wait_s: float = RESTART_WAIT_S):
         self.router = router
         self.client = client
         self.prefill = prefill  # a frontend.disagg.RemotePrefill when prefill workers may exist
         self.max_migrations = max_migrations
+        # how long a request (or a stream whose worker died) waits for a live instance when there is
+        # none: the dead one's restart, or another one starting (0: fail at once)
+        self.restart_wait_s = restart_wait_s
+        self.waited = 0  # requests that waited for an instance
         self.migrations = 0  # requests moved to another worker
         self._on_migrate = on_migrate
+        self._present: set[str] = set()  # models some registered instance serves
+        self._gone_at: dict[str, float] = {}  # model -> when its last registered instance went
+        client.snapshot.add_listener(self._seen)
+
+    def _seen(self, items) -> None:
+        present = {record.model for record in items.values()}
+        now = time.monotonic()
+        for model in self._present - present:
+            self._gone_at[model] = now
+        self._present = present
+
+    def may_come_back(self, model: str) -> bool:
+        """Whether a request for ``model`` with no live instance should wait: an instance of it is
+        registered (a dead one stays until its lease ends) or was within ``restart_wait_s``. A model
+        no instance ever served (a card alone) gets its 503 at once."""
+        if any(r.model == model for r in self.client.snapshot.values()):
+            return True
+        gone = self._gone_at.get(model)
+        return gone is not None and time.monotonic() - gone < self.restart_wait_s
 
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
@@ -97,12 +123,41 @@ class Generation:
     def instance_id(self) -> str | None:
         return self._selection.instance_id if self._selection else None
 
+    async def _select(self) -> Selection:
+        """A worker not known dead or failing this request; with none live, wait for one (the dead
+        worker's restart) up to the dispatcher's ``restart_wait_s``, then raise ``NoInstances``."""
+        deadline = time.monotonic() + self._d.restart_wait_s
+        waited = False
+        while True:
+            # instances NATS found unreachable are excluded too (a standalone router cannot know of them)
+            exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
+            try:
+                return await self._d.router.select(self.model, self.token_ids, exclude=exclude,
+                                                   request_id=self.request_id, lora=self.lora)
+            except NoInstances:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._d.may_come_back(self.model):
+                    raise
+                if not waited:
+                    waited = True
+                    self._d.waited += 1
+                    log.info("request %s: no live worker serves %s; waiting up to %.0fs for one",
+                             self.request_id, self.model, left)
+            # a new instance, or one coming back from an unreachable mark; the router's own view
+            # (a standalone router's) may follow the snapshot a moment later, hence the short retry
+            client = self._d.client
+
+            def eligible(_items) -> bool:
+                return any(r.instance_id not in exclude for r in client.instances(self.model))
+
+            try:
+                await client.snapshot.wait_for(eligible, min(left, RESELECT_S))
+            except asyncio.TimeoutError:
+                pass
+
     async def _send(self) -> None:
         """Pick a worker (not one that failed us) and send it what is left of the request."""
-        # instances NATS found unreachable are excluded too (a standalone router cannot know of them)
-        exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
-        sel = await self._d.router.select(self.model, self.token_ids, exclude=exclude, request_id=self.request_id,
-                                          lora=self.lora)
+        sel = await self._select()
         self._selection = sel
         spec = self.speculative
         request = GenerateRequest(self.token_ids, self.sampling, self.model,

@@ -71,6 +71,7 @@ class ModelRegistry:
         self._gone: dict[str, float] = {}  # name -> when its last card went (monotonic)
         self._tokenizers: dict[tuple, asyncio.Future[Tokenizer]] = {}
         self._background: set[asyncio.Task] = set()
+        self._changed: asyncio.Event | None = None  # set (and replaced) at every update while someone waits
 
     def update(self, cards: Mapping[str, ModelCard]) -> None:
         """Replace the model set from all current cards (a snapshot listener)."""
@@ -98,6 +99,9 @@ class ModelRegistry:
         for name in models:
             self._gone.pop(name, None)
         self._models = models
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def list(self) -> list[ServedModel]:
         return sorted(self._models.values(), key=lambda m: m.name)
@@ -105,11 +109,32 @@ class ModelRegistry:
     def get(self, name: str) -> ServedModel:
         model = self._models.get(name)
         if model is None:
-            gone = self._gone.get(name)
-            if gone is not None and time.monotonic() - gone < GONE_GRACE_S:
+            if self.recently_gone(name):
                 raise NoInstances("target", "generate", name)  # 503 + Retry-After: it was just here
             raise UnknownModel(name)
         return model
+
+    def recently_gone(self, name: str) -> bool:
+        """Whether ``name`` lost its last card within :data:`GONE_GRACE_S`: its workers are likely
+        restarting, and a request may wait for them."""
+        gone = self._gone.get(name)
+        return gone is not None and time.monotonic() - gone < GONE_GRACE_S
+
+    async def wait_for(self, name: str, timeout: float) -> ServedModel:
+        """:meth:`get`, waiting up to ``timeout`` seconds for a model that was just here to come back
+        (its worker restarting); raises what :meth:`get` raises once the wait is over."""
+        deadline = time.monotonic() + timeout
+        while name not in self._models and self.recently_gone(name):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        return self.get(name)
 
     def route(self, model: ServedModel) -> tuple[str, str, frozenset[str]]:
         """(model the workers serve, LoRA adapter or "", instances to leave out) for a request to

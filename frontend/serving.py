@@ -86,11 +86,14 @@ class CompletionService:
 
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Job:
         chat = isinstance(req, ChatCompletionRequest)
-        model = self.registry.get(req.model)
-        # cheap checks before any tokenization (a body of 700k one-letter prompts must not cost seconds)
+        # cheap checks before any tokenization (a body of 700k one-letter prompts must not cost seconds), and
+        # before a wait for the model: the one bound on n, whatever the model
         count = 1 if chat else len(prompts_of(req))
         if req.n * count > self.max_n:
-            raise InvalidRequest(f"at most {self.max_n} choices per request (n times the number of prompts)", "n")
+            raise InvalidRequest(f"at most {self.max_n} choices per request ('n' times the number of prompts; "
+                                 f"the frontend's --max-n)", "n")
+        # a model whose last worker just went is waited for (its restart), up to restart_wait_s
+        model = await self.registry.wait_for(req.model, self.dispatcher.restart_wait_s)
         # compiling a schema to check it takes milliseconds (a large one 100 ms): off the event loop
         grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)

@@ -141,8 +141,10 @@ class ResponseStream(Generic[T]):
             self._done_pending()
 
     def _needs_probe(self, now: float, probe_after: float) -> bool:
-        """Acknowledged, silent for ``probe_after`` seconds, and not probed in that time."""
-        if self._done or not self._acked:
+        """Silent for ``probe_after`` seconds (acknowledged or not: a request sent as its instance
+        died is never acknowledged, and the probe's "no responders" says so long before the
+        acknowledgement timeout), and not probed in that time."""
+        if self._done:
             return False
         if now - self.last_frame <= probe_after or now - self._probed_at <= probe_after:
             return False
@@ -257,10 +259,9 @@ class RequestClient:
                 stream._push(InstanceGone(stream.instance_id, "no responders on its subject", unreachable=True))
                 stream._done_pending()
                 return
-            # a probe found nobody: the instance is gone, and with it every stream it was serving
-            for other in [s for s in self._streams.values() if s.instance_id == stream.instance_id and s._acked]:
-                other._push(InstanceGone(other.instance_id, "no responders to a probe mid-stream", unreachable=True))
-                other._done_pending()
+            # a probe found nobody: the instance is gone, and with it every stream it was serving and
+            # every request still waiting for its acknowledgement (re-sent now, not at the ack timeout)
+            self.fail_instance(stream.instance_id, "no responders to a probe mid-stream")
             return
         stream._resend = None  # it answered: the request need not be kept for a resend
         if self.suspects and stream.instance_id in self.suspects and self.on_alive is not None:
@@ -269,6 +270,15 @@ class RequestClient:
             stream._push(self._frame_decoder.decode(msg.data), len(msg.data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             stream._push(InstanceGone(stream.instance_id, f"undecodable frame: {exc}"))
+
+    def fail_instance(self, instance_id: str, why: str) -> int:
+        """The instance is known gone: end each of its streams, acknowledged or not, with
+        ``InstanceGone`` now (their callers move them elsewhere); returns how many."""
+        streams = [s for s in self._streams.values() if s.instance_id == instance_id and not s._done]
+        for s in streams:
+            s._push(InstanceGone(instance_id, why, unreachable=True))
+            s._done_pending()
+        return len(streams)
 
     async def call(
         self,

@@ -176,20 +176,46 @@ async def test_unknown_instance_is_reported_by_name(rt):
 
 
 async def test_silent_instance_times_out_naming_it(runtime_config):
-    # A raw NATS subscriber that swallows requests: it exists, so no "no responders", but never acks.
+    # A raw NATS subscriber that swallows requests and probes (a hung process: its subscriptions live
+    # on in the server), so no "no responders", but never acks.
     import dataclasses
+
+    from runtime.names import control_subject
 
     cfg = dataclasses.replace(runtime_config, ack_timeout=1.0)
     async with Runtime.connect(cfg) as rt:
         async def swallow(msg):
             pass
 
-        sub = await rt.nc.subscribe(f"{cfg.namespace}.worker.mute.cafe000000000000", cb=swallow)
+        subs = [await rt.nc.subscribe(f"{cfg.namespace}.worker.mute.cafe000000000000", cb=swallow),
+                await rt.nc.subscribe(control_subject(cfg.namespace, "cafe000000000000"), cb=swallow)]
         client = await rt.client("worker", "mute")
         with pytest.raises(InstanceTimeout) as err:
             await collect(await client.call("cafe000000000000", b""))
         assert err.value.instance_id == "cafe000000000000"
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def test_a_request_sent_to_an_instance_that_died_meanwhile_fails_at_the_first_probe(runtime_config):
+    # The request reached a subscriber that then vanished without answering (a process killed right
+    # after NATS delivered it): no "no responders" for the request itself, but the probe of its
+    # silent stream finds nobody, long before the acknowledgement timeout.
+    import dataclasses
+
+    cfg = dataclasses.replace(runtime_config, ack_timeout=30.0)
+    async with Runtime.connect(cfg) as rt:
+        async def swallow(msg):
+            pass
+
+        sub = await rt.nc.subscribe(f"{cfg.namespace}.worker.mute.dead000000000000", cb=swallow)
+        client = await rt.client("worker", "mute")
+        started = time.monotonic()
+        stream = await client.call("dead000000000000", b"")
         await sub.unsubscribe()
+        with pytest.raises(InstanceGone) as err:
+            await collect(stream)
+        assert err.value.unreachable and time.monotonic() - started < 5.0
 
 
 async def test_a_drain_that_times_out_ends_its_streams_with_a_shutting_down_frame(runtime_config, rt):

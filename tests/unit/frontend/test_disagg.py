@@ -11,6 +11,7 @@ from router.base import RoundRobinRouter
 from router.kv_router import KvRouter
 from runtime import InstanceGone
 from runtime.messages import InstanceRecord, KvHandoff, LoadEvent, PrefillDelta, SamplingParams, TokenDelta
+from tests.support.fixed_instances import FixedSnapshot
 
 pytestmark = pytest.mark.unit
 
@@ -53,6 +54,7 @@ class Client:
         self.records = records
         self.answer = answer
         self.requests = []
+        self.snapshot = FixedSnapshot(records)
 
     def instances(self, model: str | None = None) -> list[InstanceRecord]:
         return list(self.records)

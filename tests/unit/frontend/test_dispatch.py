@@ -8,6 +8,7 @@ from frontend.dispatch import Dispatcher
 from router.base import RoundRobinRouter
 from runtime import InstanceGone
 from runtime.messages import GenerateRequest, InstanceRecord, SamplingParams, TokenDelta
+from tests.support.fixed_instances import FixedSnapshot
 
 pytestmark = pytest.mark.unit
 
@@ -37,6 +38,7 @@ class FakeClient:
 
     def __init__(self):
         self.requests: list[tuple[str, GenerateRequest]] = []
+        self.snapshot = FixedSnapshot([record("a"), record("b")])
 
     def unreachable_ids(self) -> list[str]:
         return []
