@@ -1,7 +1,8 @@
 """docs/cli.md and docs/configuration.md, generated from the argument parsers themselves (a test keeps
 both current).
 
-Usage: python -m deploy.cli_reference [--check]   (writes both; --check fails if either is stale)
+Usage: python -m deploy.cli_reference [--check]   (writes both; --check fails if either is stale; --help
+       prints this and writes nothing)
 """
 
 from __future__ import annotations
@@ -154,9 +155,18 @@ def _render_configuration() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m deploy.cli_reference",
+                                     description=f"Write {DOC.relative_to(ROOT)} and {CONFIG_DOC.relative_to(ROOT)} "
+                                                 "from the argument parsers of every command.")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if either file is stale")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)  # --help and unknown arguments exit here, before anything is written
     docs = ((DOC, render()), (CONFIG_DOC, render_configuration()))
-    if "--check" in sys.argv[1:]:
+    if args.check:
         for doc, text in docs:
             if not doc.exists() or doc.read_text() != text:
                 sys.exit(f"docs/{doc.name} is stale: run python -m deploy.cli_reference")

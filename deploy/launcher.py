@@ -5,9 +5,10 @@ draft workers, target workers, the frontend. Each child runs in its own process 
 launcher's working directory with this checkout first on ``PYTHONPATH`` (so a plain checkout, not
 installed, starts them too), and its output is forwarded as ``[name] line``. The launcher waits until the frontend's ``/health`` is 200
 and lists a model (readiness alone says only that the frontend takes traffic),
-prints the URL and a curl example, and on Ctrl-C or SIGTERM stops the children in reverse order
-(SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir. While it
-serves, a child that exits without being asked is started again on the same ports under the same
+prints the URL, a curl example and where each target's ``vllm:`` metrics are (its own health port:
+the frontend's ``/metrics`` has the frontend's), and on Ctrl-C or SIGTERM stops the children in
+reverse order (SIGTERM a tier, wait for its drain, SIGKILL stragglers), then removes its temp dir.
+While it serves, a child that exits without being asked is started again on the same ports under the same
 name (:mod:`deploy.supervisor`); only the launcher's own stop ends the stack. The launcher opens
 the frontend's listening socket itself and keeps it (the frontend serves on it, ``--http-fd``), so a
 client that connects while the frontend restarts waits for the new one instead of being refused.
@@ -117,15 +118,19 @@ def gpu_visible() -> bool:
 
 
 CPU_SPECULATION_NOTE = (
-    "On a CPU most steps decode plainly, by design: verifying k draft tokens here costs about k plain steps, so "
-    "load-aware speculation drafts only where its cost model of this machine says it pays (a response's "
-    "usage.spec_decode.plain_steps counts the plain steps by reason, 'load' for these; "
-    "--no-load-aware-speculation drafts every step). On a GPU a verify costs about one step and the drafts pay.")
+    "On a CPU most steps decode plainly, by design. A verify step costs here about what a plain step does (at 4 "
+    "draft tokens, 1.02x and 1.13x in docs/benchmarks.md), so what decides is the draft's own time and how much of "
+    "it is accepted (the bundled EAGLE-3 head: a round costs about 0.2 of a target step and yields about 1.6 "
+    "tokens per verify step on chat), and load-aware speculation drafts only where its cost model of this "
+    "machine's own steps says that pays (a response's usage.spec_decode.plain_steps counts the plain steps by "
+    "reason, 'load' for these; --no-load-aware-speculation drafts every step).")
 
 
-def banner(config: StackConfig, model_path: str | None, url: str, env: dict[str, str]) -> str:
+def banner(config: StackConfig, model_path: str | None, url: str, env: dict[str, str],
+           engine_metrics: dict[str, str] | None = None) -> str:
     """What ``tandem up`` prints once the stack serves: the URL, a curl that works as printed (with the
-    API key header when keys are required), how to add a worker, and why a CPU decodes plainly."""
+    API key header when keys are required), where vLLM's metrics are (``engine_metrics``: each target
+    or prefill worker's name -> its ``/metrics`` URL), how to add a worker, and why a CPU decodes plainly."""
     name = config.model_name(model_path)
     names = config.model_names(model_path)
     worker = (f"workers.mock --served-model-name {' '.join(names)}" if config.mock
@@ -138,6 +143,10 @@ def banner(config: StackConfig, model_path: str | None, url: str, env: dict[str,
              f"\"max_tokens\": 32}}'"]
     if config.api_keys:
         lines.append("  (the server wants one of the --api-key keys: export TANDEM_API_KEY=<key> first)")
+    if engine_metrics and not config.mock:  # the mock worker exports no vllm: names
+        lines.append(f"vLLM's engine metrics (vllm:*) are each target's, not on {url}/metrics (the frontend's: "
+                     f"tandem_frontend_*, dynamo_frontend_*):")
+        lines += [f"  {where}  ({name})" for name, where in engine_metrics.items()]
     if not config.mock and config.draft_method != "none" and config.num_drafts and not gpu_visible():
         lines.append(CPU_SPECULATION_NOTE)
     lines += ["Add a worker while it runs:",
@@ -295,7 +304,9 @@ class Launcher:
         for comp in self._components:
             log.info("%-10s pid %-7d health http://127.0.0.1:%s/health", comp.name, self._children[comp.name].pid,
                      comp.health_port)
-        print(banner(self.config, self._model_path, self.url, self._env), flush=True)
+        engine_metrics = {c.name: f"http://127.0.0.1:{c.health_port}/metrics" for c in self._components
+                          if c.kind in ("target", "prefill")}
+        print(banner(self.config, self._model_path, self.url, self._env, engine_metrics), flush=True)
 
     def _supervise(self) -> int:
         """Serve until a stop is requested, restarting every child that exits without being asked

@@ -134,7 +134,7 @@ class _Sampling(Lenient):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT)
     seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)
-    n: int = Field(1, ge=1, le=1024)
+    n: int = Field(1, ge=1)  # the upper bound is the frontend's --max-n (CompletionService.prepare)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False

@@ -9,7 +9,9 @@ worker found in its prefix cache) and, for a speculated request, ``spec_decode``
 ``plain_steps`` (decode steps that ran without a draft, by why: no draft worker, draft backed off,
 late, malformed or empty, paused by acceptance, by load, no room); a rate that is undefined (no
 drafts yet) is left out. A forced tool call answers ``message.tool_calls``
-(streamed as ``delta.tool_calls``) with ``finish_reason: "tool_calls"``.
+(streamed as ``delta.tool_calls``) with ``finish_reason: "tool_calls"``; a named function's call cut
+short (``max_tokens``) is still ``tool_calls``, its arguments as far as they came, with
+``finish_reason: "length"`` (as vLLM answers it).
 """
 
 from __future__ import annotations
@@ -150,10 +152,9 @@ class ResponseBuilder:
             item = {"index": c.index}
             finish = c.finish_reason
             if self.chat:
-                content, calls = self._split(c.text, finish)
+                content, calls, finish = self._split(c.text, finish)
                 if calls:
                     item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls"
                 else:
                     item["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -171,15 +172,20 @@ class ResponseBuilder:
             chunk["usage"] = usage_ if usage_ is not None or self.running_usage is None else self.running_usage()
         return b"data: " + encode_json(chunk) + b"\n\n"
 
-    def _split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None]:
-        """(content, tool calls) of a chat choice: calls only for one that ended normally (None:
-        answer with the whole text as content)."""
-        if self.tools is None or finish_reason != "stop":
-            return text, None
-        return self.tools.split(text)
-
-    def _calls(self, text: str, finish_reason: str | None) -> list[dict] | None:
-        return self._split(text, finish_reason)[1]
+    def _split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, tool calls, finish reason) of a chat choice. Calls that ended normally and parse:
+        finish reason ``tool_calls``. A named function's call that did not (cut by max_tokens, say)
+        is still its call, with the arguments so far and the choice's own finish reason, as vLLM
+        answers it. Otherwise no calls (None): the whole text is the content."""
+        if self.tools is None:
+            return text, None, finish_reason
+        if finish_reason == "stop":
+            content, calls = self.tools.split(text)
+            if calls:
+                return content, calls, "tool_calls"
+        if self.tools.name is not None:
+            return None, [tool_call(self.tools.name, text)], finish_reason
+        return text, None, finish_reason
 
     def role_chunk(self, index: int, with_usage: bool) -> bytes:
         """The first chunk of a chat choice: the assistant role, no content yet."""
@@ -231,7 +237,7 @@ class ResponseBuilder:
             st.logprobs.extend(piece.logprobs)
         if piece.finish_reason is None:
             return out or None
-        calls = self._calls(st.text, piece.finish_reason)
+        _, calls, finish = self._split(st.text, piece.finish_reason)
         if self.tools.name is None:  # the whole array at once: calls, or the text that did not parse
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else \
                 {"content": st.text}
@@ -239,7 +245,6 @@ class ResponseBuilder:
                 logprobs = self._logprobs(index, st.logprobs) if st.logprobs else None
                 out += self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
                                    None, with_usage)
-        finish = "tool_calls" if calls else piece.finish_reason
         return out + self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}], None,
                                  with_usage)
 
@@ -251,9 +256,9 @@ class ResponseBuilder:
         st.logprobs.extend(piece.logprobs)
         out = b""
         release = len(st.text) if piece.finish_reason is not None else self.tools.parser.safe_prefix(st.text)
-        calls = None
+        calls, finish = None, piece.finish_reason
         if piece.finish_reason is not None:
-            content, calls = self._split(st.text, piece.finish_reason)
+            content, calls, finish = self._split(st.text, piece.finish_reason)
             release = len(content or "") if calls else len(st.text)
         fresh = st.text[st.sent : release]
         if fresh or (st.logprobs and (release == len(st.text) or calls)):
@@ -267,7 +272,6 @@ class ResponseBuilder:
         if calls:
             out += self._chunk([{"index": index, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
                                  "logprobs": None, "finish_reason": None}], None, with_usage)
-        finish = "tool_calls" if calls else piece.finish_reason
         return out + self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}], None,
                                  with_usage)
 

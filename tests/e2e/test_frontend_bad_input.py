@@ -92,6 +92,16 @@ def test_chat_field_errors_name_the_field(http, patch, param):
     assert_error(post(http, "/v1/chat/completions", {**CHAT, **patch}), 400, param)
 
 
+def test_one_limit_on_n_with_one_message(http):
+    """However far past the frontend's --max-n (16 here), n gets the same 400 naming it, on both endpoints."""
+    messages = set()
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        for n in (17, 1024, 1025, 100000, 10**30):
+            messages.add(assert_error(post(http, path, {**body, "n": n}), 400, "n")["message"])
+    assert messages == {"at most 16 choices per request ('n' times the number of prompts; the frontend's --max-n)"}
+    assert post(http, "/v1/chat/completions", {**CHAT, "n": 16}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("patch", "param"),
     [

@@ -188,6 +188,23 @@ def test_a_forced_tool_call_parses(client):
     assert r.choices[0].message.content
 
 
+def test_a_named_tool_call_cut_by_max_tokens_is_still_a_tool_call(client):
+    """Cut short, a named function's call comes back as that call with its arguments so far and
+    finish_reason "length" (as vLLM answers), streamed and not, never as content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(**tools_request(named)).choices[0].message.tool_calls[0].function.arguments
+    r = client.chat.completions.create(**{**tools_request(named), "max_tokens": 5})
+    [choice] = r.choices
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments and whole.startswith(call.function.arguments) and call.function.arguments != whole
+    parts = list(client.chat.completions.create(**{**tools_request(named), "max_tokens": 5}, stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in parts if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
 def test_what_is_not_supported_is_a_400_naming_it(client):
     for kwargs, param in (
         (dict(tools=[WEATHER]), "tool_choice"),  # "auto": SmolLM2's template defines no tool-call format

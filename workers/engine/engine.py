@@ -187,7 +187,7 @@ class Engine:
         """The KV cache's bytes under ``gpu_memory_utilization`` (CUDA; the CPU keeps kv_cache_bytes)."""
         config, param = self.config, next(model.parameters())
         if not param.is_cuda:
-            log.info("--gpu-memory-utilization applies on CUDA: on the CPU the KV cache takes --kv-cache-gb "
+            log.debug("--gpu-memory-utilization applies on CUDA: on the CPU the KV cache takes --kv-cache-gb "
                      "(%.2f GiB)", config.kv_cache_bytes / GIB)
             return config.kv_cache_bytes
         cfg, gamma = model.cfg, self.spec.num_speculative_tokens

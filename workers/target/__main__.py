@@ -33,7 +33,7 @@ from runtime.messages import GenerateRequest, KvDumpRequest, KvRelease, LoraAdmi
 from runtime.names import kv_release_topic
 from runtime.service import check_log_level, exit_on_bad_config, run_service
 from workers.engine.build import build_engine
-from workers.target.flags import DTYPES, ENGINE_FLAGS
+from workers.target.flags import DTYPES, ENGINE_FLAGS, gpu_memory_utilization_ignored, max_loras
 from workers.target.metrics import TargetCollector
 
 log = logging.getLogger("workers.target")
@@ -82,7 +82,7 @@ class TargetConfig:
     kv_offload_host_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
     kv_offload_disk_gb: float = 16.0
-    max_loras: int = 0  # LoRA adapter slots in a batch (0: no adapters)
+    max_loras: int = 0  # LoRA adapter slots in a batch (0: no adapters; the flag's default: one per lora_modules)
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters loaded at start
     gguf_quantized: bool = False  # a .gguf model's Q4_1 projections stay in the file's blocks
@@ -151,9 +151,11 @@ class TargetConfig:
         if self.gguf_quantized and (not self.model.endswith(".gguf") or self.tensor_parallel_size > 1):
             raise ValueError("--gguf-quantized needs a .gguf --model and --tensor-parallel-size 1")
         if self.lora_modules and not self.max_loras:
-            raise ValueError("--lora-modules needs --max-loras > 0")
+            raise ValueError("--lora-modules needs adapter slots: leave out --max-loras 0 (one slot per adapter is "
+                             "the default) or give --max-loras N")
         if self.max_loras and (self.tensor_parallel_size > 1 or self.role != "aggregated"):
-            raise ValueError("--max-loras does not combine with --tensor-parallel-size > 1 or --role prefill/decode yet")
+            raise ValueError("LoRA adapters (--max-loras, --lora-modules) do not combine with "
+                             "--tensor-parallel-size > 1 or --role prefill/decode yet")
         for name, path in self.lora_modules:
             if not name or not (Path(path) / "adapter_config.json").is_file():
                 raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there")
@@ -280,6 +282,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
     names = args.served_model_name or [model.stem if model.suffix == ".gguf" else model.name]
+    adapters = tuple(lora_module(m) for m in args.lora_modules)
     return TargetConfig(str(model), names[0], args.block_size, args.num_blocks, args.max_num_seqs,
                         args.max_num_batched_tokens, args.max_model_len, args.kv_cache_gb, args.dtype, args.device,
                         args.threads, args.attention, not args.no_prefix_caching, args.load_interval,
@@ -293,8 +296,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         hidden_ring_mib=args.hidden_ring_mib, draft_lane=args.draft_lane,
                         kv_offload_host_gb=args.kv_offload_host_gb,
                         kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb,
-                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        lora_modules=tuple(lora_module(m) for m in args.lora_modules),
+                        max_loras=max_loras(args.max_loras, len(adapters)), max_lora_rank=args.max_lora_rank,
+                        lora_modules=adapters,
                         gguf_quantized=args.gguf_quantized)
 
 
@@ -357,6 +360,9 @@ async def amain(args: argparse.Namespace) -> None:
 
         engine_executor = torch_thread("engine-step")  # built where it steps: one OpenMP team
         engine = await asyncio.get_running_loop().run_in_executor(engine_executor, build_engine, cfg, rt.instance_id)
+        ignored = gpu_memory_utilization_ignored(cfg.gpu_memory_utilization, engine.runner.device.type, cfg.num_blocks)
+        if ignored:
+            log.warning("%s", ignored)
         followers = engine.runner.followers
         failed: list[str] = []
         if followers is not None:

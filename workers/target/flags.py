@@ -18,7 +18,8 @@ GPU_MEMORY_UTILIZATION = SharedFlag(("--gpu-memory-utilization",), dict(
     type=float, default=None,
     help="on CUDA, the fraction of the device's memory this worker may use (0-1], as vLLM's: the KV cache "
          "gets what is left of it after the weights, the activations of the largest step and the CUDA graphs "
-         "(default: unset, --kv-cache-gb decides); on the CPU --kv-cache-gb decides and a log line says so"))
+         "(default: unset, --kv-cache-gb decides); it does nothing on a CPU or with --num-blocks: the worker "
+         "warns at start and its metrics do not report it"))
 DTYPE = SharedFlag(("--dtype",), dict(
     default="auto", choices=DTYPES,
     help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU"))
@@ -36,8 +37,9 @@ KV_OFFLOAD_DISK_GB = SharedFlag(("--kv-offload-disk-gb",), dict(
 
 # LoRA adapters (workers/engine/lora.py)
 MAX_LORAS = SharedFlag(("--max-loras",), dict(
-    type=int, default=0, help="LoRA adapter slots: how many different adapters one batch may run (0: no adapters); "
-                              "idle slots are reused least recently used first"))
+    type=int, default=None, help="LoRA adapter slots: how many different adapters one batch may run (0: no "
+                                 "adapters; default: one per --lora-modules adapter, else 0); idle slots are reused "
+                                 "least recently used first"))
 MAX_LORA_RANK = SharedFlag(("--max-lora-rank",), dict(
     type=int, default=16, help="the largest LoRA rank an adapter may have"))
 LORA_MODULES = SharedFlag(("--lora-modules",), dict(
@@ -50,6 +52,26 @@ GGUF_QUANTIZED = SharedFlag(("--gguf-quantized",), dict(
     action="store_true",
     help="with a .gguf --model: keep its Q4_1 layer projections in the file's 4-bit blocks (dequantized per "
          "matmul) instead of float tensors; the demo SmolLM2's projections take 66 MB instead of 425 MB"))
+
+
+def max_loras(given: int | None, lora_modules: int) -> int:
+    """``--max-loras`` as given, else one slot per adapter of ``--lora-modules``."""
+    return lora_modules if given is None else given
+
+
+def gpu_memory_utilization_ignored(given: float | None, device_type: str, num_blocks: int | None) -> str | None:
+    """Why ``--gpu-memory-utilization`` does nothing on this worker (None: not given, or in force).
+    It sizes the KV cache on CUDA alone, and only when ``--num-blocks`` does not."""
+    if given is None:
+        return None
+    if device_type != "cuda":
+        return (f"--gpu-memory-utilization {given:g} does nothing on a {device_type.upper()}: --kv-cache-gb sizes the "
+                f"KV cache; the metrics report no gpu_memory_utilization")
+    if num_blocks is not None:
+        return (f"--gpu-memory-utilization {given:g} does nothing with --num-blocks {num_blocks}, which sizes the KV "
+                f"cache; the metrics report no gpu_memory_utilization")
+    return None
+
 
 ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, KV_OFFLOAD_HOST_GB,
                 KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED)

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from runtime.histogram import REQUEST_LATENCY_BUCKETS, histogram, histogram_family, samples
 from runtime.messages import TokenDelta
 from runtime.spec_stats import SpecCounters
+from workers.target.flags import gpu_memory_utilization_ignored
 
 # vLLM's bucket bounds (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -85,6 +86,17 @@ class RequestStats:
 
     def observe_cancel(self) -> None:
         self.finished["cancelled"] += 1
+
+
+def utilization_in_force(engine) -> str:
+    """``--gpu-memory-utilization`` as a label: its value where it sized the KV cache, else empty (not
+    given, or ignored: on a CPU or under ``--num-blocks``), so that a metric never reports it in force
+    where it did nothing."""
+    cfg = engine.config
+    given = cfg.gpu_memory_utilization
+    if given is None or gpu_memory_utilization_ignored(given, engine.runner.device.type, cfg.num_blocks):
+        return ""
+    return f"{given:g}"
 
 
 class TargetCollector(Collector):
@@ -190,11 +202,12 @@ class TargetCollector(Collector):
         yield from self._disagg(w, engine, gauge, counter)
         cfg = engine.config
         info = GaugeMetricFamily("tandem_target_engine_config", "The engine's settings (labels; value 1): "
-                                 "--max-model-len as served, --dtype, --max-num-seqs, --gpu-memory-utilization, "
-                                 "the KV cache's bytes, and the names the model is served as.",
+                                 "--max-model-len as served, --dtype, --max-num-seqs, --gpu-memory-utilization "
+                                 "(empty unless it sized the KV cache), the KV cache's bytes, and the names the "
+                                 "model is served as.",
                                  labels=["model", "max_model_len", "dtype", "max_num_seqs", "gpu_memory_utilization",
                                          "kv_cache_bytes", "served_model_names"])
-        util = "" if cfg.gpu_memory_utilization is None else f"{cfg.gpu_memory_utilization:g}"
+        util = utilization_in_force(engine)
         info.add_metric([self.model, str(engine.max_model_len), dtype_name(engine.runner.dtype), str(cfg.max_num_seqs),
                          util, str(engine.kv_cache_bytes), " ".join(self.names)], 1)
         yield info
@@ -323,7 +336,7 @@ class TargetCollector(Collector):
         cfg = engine.config
         info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (labels; value 1).",
                                  labels=["block_size", "num_gpu_blocks", "gpu_memory_utilization", "cache_dtype"])
-        util = "" if cfg.gpu_memory_utilization is None else f"{cfg.gpu_memory_utilization:g}"
+        util = utilization_in_force(engine)
         info.add_metric([str(cfg.block_size), str(engine.blocks.num_blocks), util, dtype_name(engine.runner.dtype)], 1)
         yield info
         spec = SpecCounters()

@@ -95,3 +95,35 @@ def test_the_compose_example_keeps_the_model_across_commands():
     dotenv = dict(line.split("=", 1) for line in printf.split("\\n") if line)
     target = _interpolate(yaml.safe_load(COMPOSE.read_text())["services"]["target"], dotenv)
     assert f"--model={dotenv['TANDEM_MODEL']}" in target["command"]
+
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+def test_every_doc_curl_to_a_completion_is_bounded():
+    """A chat completion without max_tokens may run to the end of the context (minutes on a CPU): every
+    curl the docs show against a completion route sets a bound."""
+    found = 0
+    for doc in [ROOT / "README.md", *DOCS]:
+        # a command with its continuation lines (ending in a backslash)
+        for command in re.findall(r"^\s*curl .*?(?:\\\n.*?)*$", doc.read_text(), re.MULTILINE):
+            if any(route in command for route in COMPLETION_ROUTES):
+                found += 1
+                assert re.search(r'"max_(?:completion_|output_)?tokens"', command), f"{doc.name}: unbounded: {command}"
+    assert found  # the README's quickstart at least
+
+
+def test_the_lora_recipe_in_models_md_makes_a_random_adapter(tmp_path, monkeypatch):
+    """docs/models.md's six lines, run as written (from the repository root, saving in a scratch
+    directory): a PEFT adapter whose B matrices are not zero, so it changes the model's answers."""
+    from workers.engine.lora import read_peft_adapter
+
+    text = (ROOT / "docs" / "models.md").read_text()
+    [recipe] = re.findall(r"A test adapter for the demo model.*?```python\n(.*?)```", text, re.DOTALL)
+    assert len(recipe.strip().splitlines()) <= 6 and 'save_pretrained("my-adapter")' in recipe
+    monkeypatch.chdir(ROOT)
+    exec(recipe.replace('"my-adapter"', repr(str(tmp_path / "my-adapter"))), {})
+    config, weights = read_peft_adapter(tmp_path / "my-adapter")
+    assert config["r"] == 8 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    b = [w for name, w in weights.items() if "lora_B" in name]
+    assert b and all(w.abs().sum() > 0 for w in b)

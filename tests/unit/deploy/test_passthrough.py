@@ -183,6 +183,23 @@ def test_the_banner_names_every_served_name(monkeypatch):
     assert "(model 'a', also served as 'b')" in text and "--served-model-name a b" in text
 
 
+def test_the_banner_points_at_each_targets_vllm_metrics():
+    """vllm: names are on each target's health port, not on the frontend's /metrics: the banner says where."""
+    urls = {"target-0": "http://127.0.0.1:4100/metrics", "target-1": "http://127.0.0.1:4101/metrics"}
+    text = banner(up("--model", "/m", "--draft-method", "none", "--targets", "2"), "/m", "http://127.0.0.1:8000", ENV,
+                  urls)
+    assert "vLLM's engine metrics (vllm:*) are each target's, not on http://127.0.0.1:8000/metrics" in text
+    for port, name in ((4100, "target-0"), (4101, "target-1")):
+        assert f"  http://127.0.0.1:{port}/metrics  ({name})" in text
+    assert "vllm:" not in banner(up("--mock"), None, "http://127.0.0.1:8000", ENV, urls)  # the mock has none
+
+
+def test_the_cpu_note_says_what_was_measured():
+    """A verify step costs about a plain one on this CPU (docs/benchmarks.md): the note must not say k steps."""
+    assert "k plain steps" not in CPU_SPECULATION_NOTE
+    assert "1.02x and 1.13x" in CPU_SPECULATION_NOTE and "docs/benchmarks.md" in CPU_SPECULATION_NOTE
+
+
 def test_the_banner_says_why_a_cpu_decodes_plainly(monkeypatch):
     import deploy.launcher as launcher
 

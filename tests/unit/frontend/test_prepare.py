@@ -73,6 +73,15 @@ async def test_n_and_several_prompts_make_one_choice_each_with_distinct_seeds(se
     assert info.value.field == "n"
 
 
+async def test_n_past_max_n_is_refused_before_waiting_for_the_model(service):
+    """One bound on n (max_n), checked before the model is looked up or waited for."""
+    for n in (5, 2000, 10**30):
+        for body in ({**CHAT, "n": n}, {**CHAT, "model": "gone", "n": n}):
+            with pytest.raises(InvalidRequest) as info:
+                await prepare(service, body)
+            assert info.value.field == "n" and "at most 4 choices" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -144,8 +144,29 @@ def test_non_streaming_tool_calls():
     assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
     [call] = first["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    # cut off by max_tokens: no call, the text as content, finish_reason length
-    assert cut["finish_reason"] == "length" and cut["message"] == {"role": "assistant", "content": '{"ci'}
+    # cut off by max_tokens: the named call with its arguments so far (as vLLM answers), finish_reason length
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
+    [call] = cut["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"ci'}
+
+
+def test_cut_required_tool_calls_come_back_as_content():
+    """tool_choice "required" cut off mid-array: no call can be told apart, so the text is the content."""
+    b = ResponseBuilder(True, "m", str, False, ToolCalls())
+    [cut] = msgspec.json.decode(b.body([Choice('[{"name": "f", "argu', "length")], 5))["choices"]
+    assert cut["finish_reason"] == "length"
+    assert cut["message"] == {"role": "assistant", "content": '[{"name": "f", "argu'}
+
+
+def test_streamed_named_tool_call_cut_off_ends_with_length():
+    b = ResponseBuilder(True, "m", str, False, ToolCalls("get_weather"))
+    out = chunks(b.piece_chunk(0, Piece('{"city"'), False))
+    out += chunks(b.piece_chunk(0, Piece(': "Os', finish_reason="length"), False))
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in out[:2]]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Os'
+    assert out[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
 
 
 def test_streamed_named_tool_call_sends_arguments_as_they_come():
