@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get a 413")
     parser.add_argument("--max-n", type=int, default=16, help="most choices per request")
     parser.add_argument("--max-migrations", type=int, default=3, help="re-sends of a request whose worker died")
+    parser.add_argument("--restart-wait", type=float, default=30.0,
+                        help="seconds a request, or a stream whose worker died, waits for a live worker when none "
+                             "is left (a restart) before its 503; only for models served within that time (0: 503 "
+                             "at once)")
     parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a client has to send its whole request body (then 408)")
@@ -84,6 +88,7 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
     return FrontendConfig(host=args.host, http_port=args.http_port, router_mode=args.router_mode,
                           remote_router=args.remote_router,
                           max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_migrations=args.max_migrations,
+                          restart_wait_s=args.restart_wait,
                           max_inflight=args.max_inflight, body_timeout_s=args.body_timeout,
                           write_timeout_s=args.write_timeout, header_timeout_s=args.header_timeout,
                           idle_timeout_s=args.idle_timeout, max_stream_buffer_bytes=args.max_stream_buffer_bytes,

@@ -88,9 +88,10 @@ class Frontend:
         self.metrics = FrontendMetrics()
         if prefill is not None:
             prefill.on_decision = lambda where, why: self.metrics.prefills.labels(where, why).inc()
-        self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill)
+        self.dispatcher = Dispatcher(router, client, config.max_migrations, self.metrics.migrations.inc, prefill,
+                                     config.restart_wait_s)
         self.service = CompletionService(registry, self.dispatcher, self.metrics, config.max_n, config.tokenizer_timeout_s,
-                                         render, config.tool_call_parser)
+                                         render, config.tool_call_parser, config.restart_wait_s)
         self.tokenizing = TokenizeService(registry, self.served_models, config.tokenizer_timeout_s)
         self.render = render
         self.fastapi = build_app(self)

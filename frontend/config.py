@@ -23,6 +23,9 @@ class FrontendConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     max_n: int = 16  # most choices (n, times the number of prompts) one request may ask for
     max_migrations: int = 3  # re-sends of one request to another worker after its worker failed
+    # a request (or a stream whose worker died) with no live worker left waits this long for one (a
+    # restart) before its 503, when the model had a worker within that time (0: 503 at once)
+    restart_wait_s: float = 30.0
     max_inflight: int = 0  # requests served at once before new ones get a 429 (0: no limit)
     retry_after_s: int = 1  # Retry-After on 429 and 503 answers
     tokenizer_timeout_s: float = 120.0  # how long a request waits for its model's tokenizer to load
@@ -58,6 +61,8 @@ class FrontendConfig:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.restart_wait_s < 0:
+            raise ValueError(f"restart_wait_s must be >= 0, got {self.restart_wait_s}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if any(not k or any(c.isspace() for c in k) for k in self.api_keys):

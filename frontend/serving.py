@@ -75,8 +75,9 @@ class CompletionService:
 
     def __init__(self, registry: ModelRegistry, dispatcher: Dispatcher, metrics: FrontendMetrics,
                  max_n: int = 16, tokenizer_timeout: float = 120.0, render: RenderPool | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, restart_wait_s: float = 0.0):
         self.registry = registry
+        self.restart_wait_s = restart_wait_s  # a model whose last worker just went is waited for this long
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" in this format (None: the template's)
         self.render = render  # renders costly chat templates in a process of its own
         self.dispatcher = dispatcher
@@ -93,7 +94,7 @@ class CompletionService:
             raise InvalidRequest(f"at most {self.max_n} choices per request ('n' times the number of prompts; "
                                  f"the frontend's --max-n)", "n")
         # a model whose last worker just went is waited for (its restart), up to restart_wait_s
-        model = await self.registry.wait_for(req.model, self.dispatcher.restart_wait_s)
+        model = await self.registry.wait_for(req.model, self.restart_wait_s)
         # compiling a schema to check it takes milliseconds (a large one 100 ms): off the event loop
         grammar = await asyncio.to_thread(structured_output, req) if asks_for_grammar(req) else None
         tok = await self.registry.tokenizer(model, self.tokenizer_timeout)
