@@ -103,10 +103,14 @@ class Registrar:
 
     async def _keep_alive(self) -> None:
         interval = self._ttl / 3
-        while True:
+        while not self._revoked:
             await asyncio.sleep(interval)
             try:
-                reply = await asyncio.wait_for(self._lease.refresh(), timeout=interval)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that lands as the
+                # refresh returns, and this loop would outlive revoke(), which waits for it (a close that
+                # never ends). The loop's condition ends it too, should a library swallow the cancel.
+                async with asyncio.timeout(interval):
+                    reply = await self._lease.refresh()
                 if reply is not None and reply.TTL > 0:
                     continue
                 log.warning("etcd lease %x is gone; registering again", self._lease.id)
@@ -142,6 +146,7 @@ class Snapshot(Generic[T]):
         self._term = 0
         self._task: asyncio.Task | None = None
         self._watch = None
+        self._stopped = False
         self._changed = asyncio.Condition()
         self._listeners: list[Callable[[dict[str, T]], None]] = []
         self.ready = asyncio.Event()
@@ -182,6 +187,7 @@ class Snapshot(Generic[T]):
         await asyncio.wait_for(self.ready.wait(), timeout)
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._expiry is not None:
             self._expiry.cancel()
         if self._task:
@@ -217,7 +223,8 @@ class Snapshot(Generic[T]):
 
     async def _run(self) -> None:
         retrying = AsyncRetrying(wait=wait_exponential(RETRY_MIN, max=RETRY_MAX), before_sleep=self._watch_failed)
-        while True:  # a watch that ends is re-read at once; one that fails, after a backoff (from RETRY_MIN again)
+        # a watch that ends is re-read at once; one that fails, after a backoff (from RETRY_MIN again)
+        while not self._stopped:
             await retrying(self._sync_and_watch)
 
     def _watch_failed(self, retry_state: RetryCallState) -> None:
@@ -248,6 +255,8 @@ class Snapshot(Generic[T]):
         self.ready.set()
         await self._notify()
         self._watch = await self._client.watch_prefix(self._prefix.encode(), start_revision=revision + 1)
+        if self._stopped:  # aetcd waits for the watch with Python 3.11's wait_for, which swallows a cancel
+            return  # that lands as the watch is created: this task would then wait on it for ever
         async for event in self._watch:
             key = event.kv.key.decode()
             self._revision = max(self._revision, event.kv.mod_revision)
