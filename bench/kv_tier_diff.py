@@ -1,7 +1,7 @@
 """The KV tiers never change an output: tiered and untiered greedy outputs on the demo model.
 
 Usage: .venv/bin/python bench/kv_tier_diff.py [--prompts 200] [--host-gb 0.005,0.01,0.02,0.05,0.1]
-       [--max-tokens 8] [--served] [--json out.json]
+       [--chunks 2048,128] [--max-tokens 8] [--served] [--json out.json]
 
 Two parts, both CPU float32 with the demo model (SmolLM2-135M-Instruct):
 
@@ -158,7 +158,7 @@ def differential(args) -> list[dict]:
     waves = make_prompts(tokenizer, args.prompts, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
-    for chunk in (2048, 128):
+    for chunk in args.chunks:
         base = Engine(model, engine_config(chunk))
         started = time.perf_counter()
         want = run_waves(base, waves, params)
@@ -246,6 +246,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--host-gb", type=lambda s: [float(x) for x in s.split(",")], default=[0.005, 0.01, 0.02, 0.05, 0.1])
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 128],
+                    help="max_num_batched_tokens of the engines: 2048 prefills whole, 128 in chunks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--served", action="store_true", help="also run issue 53's repro through tandem up")
