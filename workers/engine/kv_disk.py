@@ -143,6 +143,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._files: OrderedDict[int, None] = OrderedDict()  # hash -> None, least recently used first
         self._queue: queue.Queue = queue.Queue(max_queue)
+        # blocks queued but not written yet: reads find them here (a read racing its own process's write
+        # is a hit, not a miss); hash -> (parent, tokens, payload)
+        self._unwritten: dict[int, tuple[int, list[int], bytes]] = {}
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -155,8 +158,9 @@ class DiskTier:
         return len(self._files) * self.file_bytes
 
     def exists(self, block_hash: int) -> bool:
-        """Whether a file for the block is there (one stat; another target may have written it)."""
-        return not self.disabled and self.path(block_hash).exists()
+        """Whether a file for the block is there (one stat; another target may have written it), or
+        this process has it queued for writing."""
+        return not self.disabled and (block_hash in self._unwritten or self.path(block_hash).exists())
 
     # ------------------------------------------------------------------ writes
 
@@ -164,10 +168,15 @@ class DiskTier:
         """Queue a block for writing; False when dropped (tier off, or the queue is full)."""
         if self.disabled:
             return False
+        tokens = list(tokens)
         try:
-            self._queue.put_nowait((block_hash, parent, list(tokens), payload))
+            with self._lock:
+                self._unwritten[block_hash] = (parent, tokens, payload)
+            self._queue.put_nowait((block_hash, parent, tokens, payload))
             return True
         except queue.Full:
+            with self._lock:
+                self._unwritten.pop(block_hash, None)
             self.counters.dropped += 1
             return False
 
@@ -193,6 +202,9 @@ class DiskTier:
             except Exception:
                 log.exception("KV disk tier: writing a block failed")
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._unwritten.pop(item[0], None)
                 self._queue.task_done()
 
     def _write(self, block_hash: int, parent: int, tokens: list[int], payload: bytes) -> None:
@@ -277,7 +289,12 @@ class DiskTier:
     # ------------------------------------------------------------------ reads
 
     def get(self, block_hash: int, parent: int, tokens: list[int]) -> memoryview | None:
-        """The payload of the block, checked; None for a missing or bad file (a bad one is removed)."""
+        """The payload of the block, checked; None for a missing or bad file (a bad one is removed).
+        A block this process has queued for writing is read from the queue's copy."""
+        with self._lock:
+            unwritten = self._unwritten.get(block_hash)
+        if unwritten is not None and unwritten[0] == parent and unwritten[1] == list(tokens):
+            return memoryview(bytearray(unwritten[2]))
         path = self.path(block_hash)
         try:
             buf = bytearray(self.file_bytes + 1)  # writable: the payload becomes a tensor without a copy
