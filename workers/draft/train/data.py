@@ -23,6 +23,7 @@ from runtime.messages import SamplingParams
 from ...engine.engine import Engine, EngineConfig
 from ...engine.model import DecoderModel
 from ...engine.model_runner import ModelRunner
+from .corpus import shard_samples
 from .prompts import clean_user_turn
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class SampleMaker:
                     second[rid] = ids
         for rid, reply in self._generate(second).items():
             ids = second[rid]
-            seqs[rid] = (ids + reply, _turn_mask(ids, seqs[rid]) + [True] * len(reply))
+            seqs[rid] = (ids + reply, turn_mask(ids, seqs[rid]) + [True] * len(reply))
         return [self.hidden(tokens, mask) for tokens, mask in seqs.values() if sum(mask) >= 2]
 
     @torch.inference_mode()
@@ -124,8 +125,9 @@ class SampleMaker:
                 "hidden": hidden.to(torch.float16).cpu()}
 
 
-def _turn_mask(ids: list[int], first: tuple[list[int], list[bool]]) -> list[bool]:
-    """Loss mask over a two-turn prompt: the first reply's tokens where they appear unchanged."""
+def turn_mask(ids: list[int], first: tuple[list[int], list[bool]]) -> list[bool]:
+    """Loss mask over a later turn's prompt ``ids``: the earlier turns' mask where their tokens
+    ``first`` appear unchanged, False after."""
     tokens, mask = first
     n = 0
     while n < min(len(ids), len(tokens)) and ids[n] == tokens[n]:
@@ -152,14 +154,23 @@ def write_shards(maker: SampleMaker, conversations: list[dict], out_dir: Path, s
     return paths
 
 
+def conversations_in(path: Path) -> list[dict]:
+    """A shard's samples, ``tokens`` and ``mask`` at least: a ``.pt`` shard of an earlier run, or a
+    ``.npz`` shard of a token corpus (:mod:`workers.draft.train.corpus`, no hidden states)."""
+    if path.suffix == ".npz":
+        return shard_samples(path)
+    return torch.load(path, weights_only=True)
+
+
 def rehidden_shards(maker: SampleMaker, pairs: list[tuple[Path, Path]], progress=None) -> None:
     """For each (source, destination) shard pair: the source's conversations (tokens and loss mask,
-    from any earlier run) with the hidden states of ``maker``'s layers, written to the destination
-    unless it is there already (resumable like :func:`write_shards`)."""
+    from an earlier run or a token corpus, :func:`conversations_in`) with the hidden states of
+    ``maker``'s layers, written to the destination unless it is there already (resumable like
+    :func:`write_shards`)."""
     for src, dst in pairs:
         if not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
-            samples = [maker.hidden(s["tokens"].tolist(), s["mask"].tolist()) for s in torch.load(src, weights_only=True)]
+            samples = [maker.hidden(s["tokens"].tolist(), s["mask"].tolist()) for s in conversations_in(src)]
             tmp = dst.with_suffix(".tmp")
             torch.save(samples, tmp)
             tmp.replace(dst)

@@ -7,8 +7,10 @@ Stages, each resumable (an interrupted run picks up where it stopped):
 1. data — prompts (:mod:`.prompts`), replies and hidden states (:mod:`.data`) in shards under
    ``OUT/data/{train,eval}``; the eval prompts come from another seed than the training ones. The
    hidden states are the ones the head reads (EAGLE-3: three layers; Medusa and MLP: the last).
-   ``--data-from DIR`` takes the conversations another run generated (any head) and only recomputes
-   the hidden states, with one teacher-forced forward per conversation;
+   ``--data-from DIR`` takes the conversations another run generated (any head), or a token corpus
+   (:mod:`.corpus`, made by ``python -m workers.draft.train.gen_tokens``: its first shards covering
+   ``eval_prompts`` conversations are the eval split, the rest train), and only recomputes the
+   hidden states, with one teacher-forced forward per conversation;
 2. vocabulary — the ``draft_vocab`` most frequent reply tokens (EAGLE-3's reduced LM head, Medusa's
    token map; the MLP speculator keeps the whole vocabulary, as its layout has no map);
 3. training — EAGLE-3: training-time test over ``steps`` unrolled steps (:mod:`.ttt`); Medusa and MLP:
@@ -36,6 +38,7 @@ from ...engine.config import ModelConfig
 from ..eagle import Eagle3Head, load_eagle, load_target_parts
 from ..spec_heads import save_spec_head
 from .checkpoint import save_eagle3
+from .corpus import is_corpus, read_manifest, shard_paths
 from .data import SampleMaker, eagle3_layers, load_samples, rehidden_shards, write_shards
 from .prompts import STYLES, local_prompts, mixed_conversation
 from .spec_heads import build_medusa, build_mlp, spec_head_forward
@@ -92,8 +95,10 @@ class TrainConfig:
             raise ValueError("--inner-dim must be >= 0 and --head-layers >= 1")
         if self.head == "mlp" and self.steps < 2:
             raise ValueError("--head mlp ties its stages' weights: --steps must be >= 2")
-        if self.data_from is not None and not (Path(self.data_from) / "data" / "train").is_dir():
-            raise ValueError(f"--data-from {self.data_from}: no data/train shards there (an earlier train-draft --out)")
+        if self.data_from is not None and not (Path(self.data_from) / "data" / "train").is_dir() \
+                and not is_corpus(self.data_from):
+            raise ValueError(f"--data-from {self.data_from}: neither data/train shards (an earlier train-draft --out) "
+                             f"nor a token corpus (manifest.json) there")
         if not Path(self.target).is_dir() or not (Path(self.target) / "config.json").exists():
             raise ValueError(f"target {self.target!r} is not a model directory with a config.json")
         for name in ("prompts", "max_tokens", "gen_batch", "shard_size", "draft_vocab", "steps", "epochs",
@@ -133,11 +138,11 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
     layers = layers_read(cfg, target_cfg)
     _check_layers(out, layers, target_cfg.hidden_size)
     if cfg.data_from is not None:
-        source = Path(cfg.data_from) / "data"
-        pairs = {split: [(p, out / split / p.name) for p in sorted((source / split).glob("shard_*.pt"))]
-                 for split in ("train", "eval")}
+        pairs = _corpus_pairs(cfg, out) if is_corpus(cfg.data_from) else \
+            {split: [(p, out / split / p.name) for p in sorted((Path(cfg.data_from) / "data" / split).glob("shard_*.pt"))]
+             for split in ("train", "eval")}
         if not pairs["train"]:
-            raise ValueError(f"--data-from {cfg.data_from}: no shards in {source / 'train'}")
+            raise ValueError(f"--data-from {cfg.data_from}: no training shards there")
         todo = [(src, dst) for split in pairs.values() for src, dst in split if not dst.exists()]
     else:
         train_convs = [mixed_conversation(cfg.seed, i, cfg.styles) for i in range(cfg.prompts)] + \
@@ -163,6 +168,16 @@ def make_data(cfg: TrainConfig, progress) -> tuple[list[Path], list[Path]]:
         write_shards(maker, train_convs, out / "train", shard, bar)
         bar.close()
     return _shard_names(out / "train", len(train_convs), shard), _shard_names(out / "eval", len(eval_convs), shard)
+
+
+def _corpus_pairs(cfg: TrainConfig, out: Path) -> dict[str, list[tuple[Path, Path]]]:
+    """A token corpus's shards with the hidden-state shards they become: the first ones holding
+    ``eval_prompts`` conversations evaluate (fixed as the corpus grows), the others train."""
+    shards = shard_paths(Path(cfg.data_from))
+    per_shard = read_manifest(cfg.data_from)["shard_size"]
+    n_eval = min(-(-cfg.eval_prompts // per_shard), max(len(shards) - 1, 0))
+    return {split: [(p, out / split / p.with_suffix(".pt").name) for p in part]
+            for split, part in (("eval", shards[:n_eval]), ("train", shards[n_eval:]))}
 
 
 def _check_layers(out: Path, layers: list[int], hidden_size: int) -> None:
