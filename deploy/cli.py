@@ -198,7 +198,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default="eagle3", choices=["eagle3", "medusa", "mlp"],
                    help="draft head: eagle3 (speculators layout), medusa or mlp (IBM's MLP speculator; vLLM's layouts)")
     p.add_argument("--data-from", default=None,
-                   help="reuse the conversations of an earlier --out (any head); only the hidden states are recomputed")
+                   help="reuse the conversations of an earlier --out (any head), or a token corpus made by "
+                        "`python -m workers.draft.train.gen_tokens` (workers/draft/train/corpora/); only the hidden "
+                        "states are recomputed")
     p.add_argument("--styles", default="templates",
                    help="prompt generators, comma-separated, taken in turn: templates (topic x task), chat (many "
                         "voices: casual, terse, maths, lists, role-play, rewriting, code), self-instruct (the target "
