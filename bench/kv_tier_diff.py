@@ -104,32 +104,9 @@ def make_prompts(tokenizer, n: int, seed: int) -> list[dict[str, list[int]]]:
     return waves
 
 
-def fault(rng: random.Random, directory: Path) -> str | None:
-    """Damage one random block file under ``directory``; returns what was done."""
-    from workers.engine.kv_disk import HEADER
-
-    files = sorted(directory.glob("*/*.kvb"))
-    if not files:
-        return None
-    victim = rng.choice(files)
-    kind = rng.choice(("truncate", "flip_payload", "flip_key", "delete", "copy_over"))
-    data = bytearray(victim.read_bytes())
-    if kind == "truncate":
-        victim.write_bytes(bytes(data[: rng.randrange(0, len(data))]))
-    elif kind == "flip_payload":
-        data[rng.randrange(HEADER.size, len(data))] ^= 1 << rng.randrange(8)
-        victim.write_bytes(bytes(data))
-    elif kind == "flip_key":
-        data[rng.randrange(8, 24)] ^= 1 << rng.randrange(8)
-        victim.write_bytes(bytes(data))
-    elif kind == "delete":
-        victim.unlink()
-    elif len(files) > 1:
-        shutil.copyfile(rng.choice([f for f in files if f != victim]), victim)
-    return kind
-
-
 def run_waves(engine, waves, params, rng=None, directory: Path | None = None) -> list[list[int]]:
+    from tests.support.kv_faults import damage_block_file
+
     outs = []
     for wave in waves:
         got = engine.generate(wave, params)
@@ -137,7 +114,7 @@ def run_waves(engine, waves, params, rng=None, directory: Path | None = None) ->
         if engine.tiers is not None and engine.tiers.disk is not None:
             engine.tiers.disk.flush()
         if rng is not None and directory is not None and rng.random() < 0.5:
-            fault(rng, directory)
+            damage_block_file(rng, directory)
     return outs
 
 

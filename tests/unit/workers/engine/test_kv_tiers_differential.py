@@ -16,16 +16,16 @@ earlier block's hash, with a valid checksum.
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
 
 from runtime.kv_hash import block_hashes
 from runtime.messages import SamplingParams
+from tests.support.kv_faults import damage_block_file
 from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.kv_disk import HEADER, check_file, decode_block, encode_block
+from workers.engine.kv_disk import check_file, decode_block, encode_block
 from workers.engine.kv_tiers import block_bytes, build_tiers
 from workers.engine.weights import load_model
 
@@ -71,28 +71,6 @@ def _waves(rng: random.Random) -> list[dict[str, list[int]]]:
     return waves
 
 
-def _fault(rng: random.Random, directory) -> None:
-    """Damage one random block file in ``directory`` (if any)."""
-    files = sorted(directory.glob("*/*.kvb"))
-    if not files:
-        return
-    victim = rng.choice(files)
-    kind = rng.choice(("truncate", "flip_payload", "flip_key", "delete", "copy_over"))
-    data = bytearray(victim.read_bytes())
-    if kind == "truncate":
-        victim.write_bytes(bytes(data[: rng.randrange(0, len(data))]))
-    elif kind == "flip_payload":
-        data[rng.randrange(HEADER.size, len(data))] ^= 1 << rng.randrange(8)
-        victim.write_bytes(bytes(data))
-    elif kind == "flip_key":  # the header's hash or parent field
-        data[rng.randrange(8, 8 + 16)] ^= 1 << rng.randrange(8)
-        victim.write_bytes(bytes(data))
-    elif kind == "delete":
-        victim.unlink()
-    elif len(files) > 1:  # another block's whole, valid file under this block's name
-        shutil.copyfile(rng.choice([f for f in files if f != victim]), victim)
-
-
 def _run(engine_for, waves, rng: random.Random, faults: bool, directory) -> list[list[int]]:
     outs = []
     for i, wave in enumerate(waves):
@@ -102,7 +80,7 @@ def _run(engine_for, waves, rng: random.Random, faults: bool, directory) -> list
         if e.tiers is not None and e.tiers.disk is not None:
             e.tiers.disk.flush()
         if faults and directory is not None and rng.random() < 0.5:
-            _fault(rng, directory)
+            damage_block_file(rng, directory)
     return outs
 
 
