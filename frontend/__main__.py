@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-migrations", type=int, default=3, help="re-sends of a request whose worker died")
     parser.add_argument("--restart-wait", type=float, default=30.0,
                         help="seconds a request, or a stream whose worker died, waits for a live worker when none "
-                             "is left (a restart) before its 503; only for models served within that time (0: 503 "
-                             "at once)")
+                             "is left (a restart) before its 503; only for models a worker served here (0: 503 at "
+                             "once)")
     parser.add_argument("--max-inflight", type=int, default=0, help="requests at once before a 429 (0: no limit)")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a client has to send its whole request body (then 408)")

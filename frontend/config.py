@@ -24,7 +24,7 @@ class FrontendConfig:
     max_n: int = 16  # most choices (n, times the number of prompts) one request may ask for
     max_migrations: int = 3  # re-sends of one request to another worker after its worker failed
     # a request (or a stream whose worker died) with no live worker left waits this long for one (a
-    # restart) before its 503, when the model had a worker within that time (0: 503 at once)
+    # restart) before its 503, when a worker served the model here (0: 503 at once)
     restart_wait_s: float = 30.0
     max_inflight: int = 0  # requests served at once before new ones get a 429 (0: no limit)
     retry_after_s: int = 1  # Retry-After on 429 and 503 answers

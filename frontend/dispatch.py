@@ -64,7 +64,7 @@ class Dispatcher:
         self.migrations = 0  # requests moved to another worker
         self._on_migrate = on_migrate
         self._present: set[str] = set()  # models some registered instance serves
-        self._gone_at: dict[str, float] = {}  # model -> when its last registered instance went
+        self._gone_at: dict[str, float] = {}  # model -> when its last registered instance went (the latest time)
         client.snapshot.add_listener(self._seen)
 
     def _seen(self, items) -> None:
@@ -75,13 +75,11 @@ class Dispatcher:
         self._present = present
 
     def may_come_back(self, model: str) -> bool:
-        """Whether a request for ``model`` with no live instance should wait: an instance of it is
-        registered (a dead one stays until its lease ends) or was within ``restart_wait_s``. A model
-        no instance ever served (a card alone) gets its 503 at once."""
-        if any(r.model == model for r in self.client.snapshot.values()):
-            return True
-        gone = self._gone_at.get(model)
-        return gone is not None and time.monotonic() - gone < self.restart_wait_s
+        """Whether a request for ``model`` with no live instance should wait (bounded by
+        ``restart_wait_s``): an instance of it is registered (a dead one stays until its lease ends),
+        or one was and went (its restart registers the model card before the instance). A model no
+        instance ever served here (a card alone) gets its 503 at once."""
+        return model in self._gone_at or any(r.model == model for r in self.client.snapshot.values())
 
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,

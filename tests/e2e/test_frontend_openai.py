@@ -8,6 +8,7 @@ outputs predictable: the completion of ``alpha beta gamma delta epsilon`` is tha
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import signal
 import time
 import uuid
@@ -64,11 +65,14 @@ class FrontendStack:
             proc.stop(timeout=10)
 
 
+RESTART_WAIT_S = 8  # this module's frontend: how long a request for a model that just lost its workers waits
+
+
 @pytest.fixture(scope="module")
 def stack(servers):
     s = FrontendStack(servers)
     s.worker("--token-latency-ms", "1", "--num-speculative-tokens", "4", "--acceptance-rate", "0.7")
-    s.frontend()
+    s.frontend("--restart-wait", str(RESTART_WAIT_S))
     s.wait_healthy()
     yield s
     s.stop()
@@ -357,8 +361,21 @@ def test_models_appear_and_disappear_with_their_workers(stack, client):
     while "other" in {m.id for m in client.models.list().data}:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    # just gone: 503 with Retry-After (its workers may be re-registering), not 404
+    # just gone: the request waits --restart-wait for its workers to come back, then 503 with
+    # Retry-After (they may be re-registering), not 404
+    started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
         client.with_options(max_retries=0).chat.completions.create(
             model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
+    assert time.monotonic() - started >= RESTART_WAIT_S - 0.5
+    # a worker that comes back while a request waits serves it
+    pending = concurrent.futures.ThreadPoolExecutor(1).submit(
+        client.with_options(max_retries=0, timeout=60).chat.completions.create,
+        model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    time.sleep(0.5)
+    back = stack.worker("--model-name", "other", "--token-latency-ms", "0", "--num-speculative-tokens", "0",
+                        name="other-again")
+    assert pending.result(timeout=60).usage.completion_tokens == 3, back.logs()[-2000:]
+    back.signal(signal.SIGTERM)
+    back.wait(20)
