@@ -342,8 +342,10 @@ class Engine:
         as one block and referred to by ``hidden_ref``."""
         if self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
             self._immediate.extend(self.flush())  # (their deltas come with the next step)
-        layers = self.hidden_layers if layers is None else tuple(layers)
         requests = self.spec.requests(self.scheduler.running, self.max_model_len)
+        if not requests:  # the plan drafts nothing (the usual step when drafting does not pay)
+            return []
+        layers = self.hidden_layers if layers is None else tuple(layers)
         spans = []  # per request: positions whose hidden rows it carries (those before its new tokens)
         for r in requests:
             spans.append((max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0))
@@ -537,8 +539,8 @@ class Engine:
         lora = {"adapters": [s.lora_slot for s in batch.seqs]} if self.lora is not None else {}
         out = self.runner.forward(chunks, wants, self.hidden.layers if self.hidden is not None else (), trees,
                                   (pending.tokens, sources) if pending is not None else None, **lora)
-        if self.hidden is not None:
-            self.hidden.write(out.slots, out.hidden)
+        if self.hidden is not None:  # held until a draft reads them (a graph's rows are its buffers: copied now)
+            self.hidden.write(out.slots, out.hidden, views=self.runner.graphs is not None)
         # the cost model learns from decode and verify steps only: prefill chunks cost differently
         decoding = all(n == 1 or s.request_id in drafted for s, n in zip(batch.seqs, batch.num_tokens))
         self.last_step = StepStats(sum(batch.num_tokens) if decoding else 0, len(drafted), len(batch.seqs))

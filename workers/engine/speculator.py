@@ -16,12 +16,13 @@ budget halves after a pass that accepts nothing and doubles after any hit. With 
 each step's budgets come from :func:`workers.engine.budget.plan` within those caps.
 
 When drafting does not pay, that costs a step next to nothing: a plan that is not drafted (it
-drafts nothing, or the realized rates veto it) holds for up to ``REPLAN_EVERY`` consecutive rounds
-while the same sequences decode with the same caps. Nothing the plan reads changes meanwhile but
-the cost model's fit, by a few steps' weight (a sequence's acceptance moves only when its drafts
-are verified, and none are asked), so the plan would say the same; refitting the cost model and
-planning on every step of a fast target was the bulk of what the speculative path added to a
-step that did not speculate.
+drafts nothing, or the realized rates veto it) holds for ``REPLAN_EVERY`` consecutive rounds
+while the same sequences decode with the same caps, and for twice as long each time the plan made
+then still drafts nothing, up to ``REPLAN_MAX`` (back to ``REPLAN_EVERY`` once a plan drafts).
+Nothing the plan reads changes meanwhile but the cost model's fit, by a few steps' weight (a
+sequence's acceptance moves only when its drafts are verified, and none are asked), so the plan
+would say the same; refitting the cost model and planning on every step of a fast target was the
+bulk of what the speculative path added to a step that did not speculate.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .budget import Acceptance, Calibration, RealizedRates, StepCost, plan
 from .sequence import Sequence
 
 REPLAN_EVERY = 8  # steps a plan not drafted holds while the batch and its caps stay the same
+REPLAN_MAX = 64  # ... doubling while the plans made keep drafting nothing, up to this
 # Pipelined seam: the news of round r goes out after a step; a draft that keeps up streams its answer
 # during the next step, and the target offers it before the one after, when news of round r + 1 has
 # gone too. So an answer offered with ``rounds asked - 1 - r`` at 0 or 1 kept up; at 2 or more the
@@ -152,6 +154,7 @@ class Speculator:
         # the plan not drafted that holds: ((decoding, caps), the plan), and for how many more steps
         self._held: tuple[tuple[int, dict[str, int]], dict[str, int]] | None = None
         self._hold = 0
+        self._hold_for = REPLAN_EVERY  # how long the next plan not drafted holds
         self.dropped: dict[str, int] = {}  # proposals refused, by reason
         self.plain_steps: dict[str, int] = {}  # decode steps of speculating requests without a draft, by why
         self.released: list[str] = []  # sequences the draft worker knew and may forget
@@ -241,6 +244,8 @@ class Speculator:
                     self.states[sid].why_plain = "load"
             caps = {sid: k for sid, k in planned.items() if k > 0}
         self.planned_draft_tokens = sum(caps.values())
+        if not caps:
+            return []
         out = []
         for seq in running:
             k = caps.get(seq.request_id, 0)
@@ -256,7 +261,8 @@ class Speculator:
         the realized rates veto speculating (:meth:`RealizedRates.allow`, consulted on every step
         the plan drafts, as its exploring schedule counts them). A plan that is not drafted (none
         in it, or vetoed) holds for up to ``REPLAN_EVERY`` steps while the same sequences decode
-        with the same caps; a step the realized rates let speculate plans afresh."""
+        with the same caps (twice as long after each such plan in a row, up to ``REPLAN_MAX``); a
+        step the realized rates let speculate plans afresh."""
         key = (decoding, caps)
         held = self._hold > 0 and self._held is not None and self._held[0] == key
         if held:
@@ -274,8 +280,11 @@ class Speculator:
                 raw = planned = self._plan(caps, decoding)
                 held = False
         if not held:
-            drafting = any(planned.values())  # its verdicts will move the acceptance: plan afresh next step
-            self._held, self._hold = (None, 0) if drafting else ((key, raw), REPLAN_EVERY - 1)
+            if any(planned.values()):  # its verdicts will move the acceptance: plan afresh next step
+                self._held, self._hold, self._hold_for = None, 0, REPLAN_EVERY
+            else:
+                self._held, self._hold = (key, raw), self._hold_for - 1
+                self._hold_for = min(2 * self._hold_for, REPLAN_MAX)
         return planned
 
     def _plan(self, caps: dict[str, int], decoding: int) -> dict[str, int]:

@@ -328,8 +328,8 @@ def plane_offer(engine, cfg: TargetConfig):
 
     if engine.hidden is None or cfg.hidden_plane == "inline":
         return None
-    dtype = next(iter(engine.hidden.rows.values())).dtype
-    return PlaneOffer(engine.hidden.hidden_size, dtype_name(dtype), cfg.hidden_plane, cfg.hidden_ring_mib << 20)
+    return PlaneOffer(engine.hidden.hidden_size, dtype_name(engine.hidden.dtype), cfg.hidden_plane,
+                      cfg.hidden_ring_mib << 20)
 
 
 def client_tls(args: argparse.Namespace):

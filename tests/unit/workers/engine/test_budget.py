@@ -266,11 +266,12 @@ def test_low_confidence_never_takes_away_what_the_requests_record_earned():
 def test_a_plan_of_no_drafts_holds_while_the_batch_does(monkeypatch):
     """Drafting does not pay: the plan is not made again on every step (the cost model's refit and
     the plan were most of what speculation added to a fast target's step), yet every step decodes
-    plainly for ``load`` as before, a batch that changes is planned at once, and a cost model that
-    turns in favour of drafting is heard within ``REPLAN_EVERY`` steps."""
+    plainly for ``load`` as before, a plan that keeps drafting nothing holds twice as long each time
+    (``REPLAN_EVERY`` steps, then 2×, 4×, ... up to ``REPLAN_MAX``), a batch that changes is planned at
+    once, and a cost model that turns in favour of drafting is heard within ``REPLAN_MAX`` steps."""
     from workers.engine import speculator as spec_module
     from workers.engine.sequence import Sequence
-    from workers.engine.speculator import REPLAN_EVERY, Speculator
+    from workers.engine.speculator import REPLAN_EVERY, REPLAN_MAX, Speculator
 
     made = []
 
@@ -284,12 +285,18 @@ def test_a_plan_of_no_drafts_holds_while_the_batch_does(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=64)
     a = Sequence("a", list(range(8)), 8, 0, params, num_computed=7)
     spec.add("a", None, None, None)
-    steps = 3 * REPLAN_EVERY
-    for _ in range(steps):
+    holds = [REPLAN_EVERY, 2 * REPLAN_EVERY, 4 * REPLAN_EVERY, REPLAN_MAX, REPLAN_MAX]
+    assert 4 * REPLAN_EVERY <= REPLAN_MAX
+    steps = sum(holds)
+    planned_at = []
+    for i in range(steps):
+        before = len(made)
         assert spec.requests([a], 1024) == []
         assert spec.states["a"].why_plain == "load"
         spec.count_plain(a)
-    assert len(made) == steps // REPLAN_EVERY and spec.plans == len(made)
+        if len(made) > before:
+            planned_at.append(i)
+    assert planned_at == [sum(holds[:n]) for n in range(len(holds))] and spec.plans == len(made)
     assert spec.plain_steps == {"load": steps} and spec.unplanned_steps == steps
     # a round not asked (the draft backed off): the next one is planned afresh
     spec.requests([a], 1024)
@@ -301,11 +308,11 @@ def test_a_plan_of_no_drafts_holds_while_the_batch_does(monkeypatch):
     spec.add("b", None, None, None)
     made.clear()
     assert spec.requests([a, b], 1024) == [] and len(made) == 1
-    # verifying becomes cheap and the drafts would hit: the held plan gives way within REPLAN_EVERY steps
+    # verifying becomes cheap and the drafts would hit: the held plan gives way within REPLAN_MAX steps
     spec.cost = fitted(0.02, 0.00001, wait=0.0001)
     for sid in ("a", "b"):
         spec.states[sid].acceptance = Acceptance(9.0, 1.0)
-    asked = [bool(spec.requests([a, b], 1024)) for _ in range(REPLAN_EVERY)]
+    asked = [bool(spec.requests([a, b], 1024)) for _ in range(REPLAN_MAX)]
     assert asked[-1] and not all(asked)
     # a plan that drafts is made again every step (the realized rates are consulted every step)
     made.clear()
