@@ -63,7 +63,7 @@ def model(tmp_path_factory):
 
 def test_on_the_cpu_the_utilization_leaves_the_kv_cache_gb_size(model, caplog):
     block = ModelRunner.bytes_per_block(model, 16)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("DEBUG"):
         engine = Engine(model, EngineConfig(kv_cache_bytes=100 * block, gpu_memory_utilization=0.5), eos_token_ids=())
     assert engine.blocks.num_blocks == 100 and engine.kv_cache_bytes == 100 * block
     assert "--gpu-memory-utilization applies on CUDA" in caplog.text
