@@ -60,18 +60,15 @@ class Dispatcher:
         # how long a request (or a stream whose worker died) waits for a live instance when there is
         # none: the dead one's restart, or another one starting (0: fail at once)
         self.restart_wait_s = restart_wait_s
-        self.waited = 0  # requests that waited for an instance
         self.migrations = 0  # requests moved to another worker
         self._on_migrate = on_migrate
         self._present: set[str] = set()  # models some registered instance serves
-        self._gone_at: dict[str, float] = {}  # model -> when its last registered instance went (the latest time)
+        self._lost: set[str] = set()  # models whose registered instances all went at some point
         client.snapshot.add_listener(self._seen)
 
     def _seen(self, items) -> None:
         present = {record.model for record in items.values()}
-        now = time.monotonic()
-        for model in self._present - present:
-            self._gone_at[model] = now
+        self._lost |= self._present - present
         self._present = present
 
     def may_come_back(self, model: str) -> bool:
@@ -79,7 +76,7 @@ class Dispatcher:
         ``restart_wait_s``): an instance of it is registered (a dead one stays until its lease ends),
         or one was and went (its restart registers the model card before the instance). A model no
         instance ever served here (a card alone) gets its 503 at once."""
-        return model in self._gone_at or any(r.model == model for r in self.client.snapshot.values())
+        return model in self._lost or any(r.model == model for r in self.client.snapshot.values())
 
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
@@ -125,7 +122,7 @@ class Generation:
         """A worker not known dead or failing this request; with none live, wait for one (the dead
         worker's restart) up to the dispatcher's ``restart_wait_s``, then raise ``NoInstances``."""
         deadline = time.monotonic() + self._d.restart_wait_s
-        waited = False
+        waited = False  # logged once
         while True:
             # instances NATS found unreachable are excluded too (a standalone router cannot know of them)
             exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
@@ -138,7 +135,6 @@ class Generation:
                     raise
                 if not waited:
                     waited = True
-                    self._d.waited += 1
                     log.info("request %s: no live worker serves %s; waiting up to %.0fs for one",
                              self.request_id, self.model, left)
             # a new instance, or one coming back from an unreachable mark; the router's own view
