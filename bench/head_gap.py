@@ -94,7 +94,7 @@ def main() -> None:
             proposals = {o.seq_id: o for o in proposer.propose(inputs)} if inputs else {}
             for inp in inputs:
                 seq = engine.seqs[inp.seq_id]
-                [rows] = engine._hidden_rows([seq], [(0, len(seq) - 1)], tuple(layers), None)
+                [rows] = engine.news.rows([seq], [(0, len(seq) - 1)], tuple(layers), None)
                 fresh = EagleProposer(head, layers, num_blocks=256, block_size=16)
                 first = fresh.propose([DraftInput("x", 0, list(seq.token_ids), 1, hidden_states=rows)])[0].token_ids
                 checked += 1

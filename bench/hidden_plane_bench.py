@@ -117,10 +117,10 @@ async def one_round(engine, client, fake, spans, r: int) -> tuple[float, float]:
 
     started = time.perf_counter()
     if client.plane is None:
-        hidden = engine._hidden_rows(fake, spans, tuple(LAYERS), DTYPES[client.hidden_dtype])
+        hidden = engine.news.rows(fake, spans, tuple(LAYERS), DTYPES[client.hidden_dtype])
         refs = [None] * len(fake)
     else:
-        refs = engine._hidden_block(fake, spans, client.plane)
+        refs = engine.news.block(fake, spans, client.plane)
         hidden = [[] for _ in fake]
     requests = [draft_input_to_pb(DraftInput(f"s{i}", r, [1], 1, hidden_states=h, hidden_ref=ref), client.hidden_dtype)
                 for i, (h, ref) in enumerate(zip(hidden, refs))]

@@ -115,3 +115,14 @@ def test_no_import_cycle_in_workers():
         if node not in state:
             visit(node, [node])
     assert not cycles, "\n".join(cycles)
+
+
+# Inside workers/engine/: the Engine composes its parts, which sit below it and are handed their state.
+ENGINE_PARTS = ("admission", "commits", "news", "outputs", "sizing")
+
+
+def test_engine_parts_sit_below_the_engine():
+    graph = workers_imports()
+    bad = [f"workers.engine.{part} imports workers.engine.engine"
+           for part in ENGINE_PARTS if "workers.engine.engine" in graph[f"workers.engine.{part}"]]
+    assert not bad, "\n".join(bad)

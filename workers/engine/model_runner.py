@@ -59,7 +59,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, graphs: GraphConfig | None = None,
-                 max_model_len: int | None = None, followers: Followers | None = None):
+                 max_model_len: int | None = None, followers: Followers | None = None, *, lora=None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -82,6 +82,7 @@ class ModelRunner:
                 self.graphs = GraphRunner(model, self.kv_caches, block_size, max_model_len or model.max_positions,
                                           num_blocks, graphs)
                 self.graphs.capture_all()
+        self.lora = lora  # (after the capture: graphs run the base model only)
 
     @staticmethod
     def bytes_per_block(model: DecoderModel, block_size: int) -> int:

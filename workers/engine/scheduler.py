@@ -41,7 +41,7 @@ class ScheduledBatch:
 class Scheduler:
     """Waiting queue + running list over one :class:`BlockManager`; plain values in."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *, lora=None):
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.blocks = blocks
@@ -60,7 +60,11 @@ class Scheduler:
         self.reuse_cached_prefix = True
         self.tiers = None  # KV tiers below the device pool (workers/engine/kv_tiers.py), if any
         # LoRA slots (workers.engine.lora.LoraManager): a sequence holds its adapter's slot while it runs
-        self.lora = None
+        self.lora = lora
+
+    def attach_tiers(self, tiers) -> None:
+        """Admission copies prefix blocks the KV tiers hold into fresh blocks (they count as cached)."""
+        self.tiers = tiers
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

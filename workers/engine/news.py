@@ -1,0 +1,169 @@
+"""What a draft worker hears from the engine: proposal requests, verdicts and releases.
+
+Each carries the hidden rows of the target layers the draft reads (EAGLE, Medusa, MLP heads), read
+from the :class:`.hidden.HiddenStore` in one gather per batch: copied to the host in the dtype asked,
+or written to a data plane as one block and referred to by a :class:`HiddenRef`. A request tells the
+draft every token it has not heard of yet (``SpecState.told``), so a draft keeps its own copy of each
+sequence in step with the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..speculation.payloads import DraftInput, HiddenRef, SamplingSpec, VerifyResult
+from .hidden import HiddenStore
+from .sequence import Sequence
+from .speculator import SpecState, Speculator
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One verified round of a sequence that goes on: ``accepted`` draft tokens of round ``round``
+    and the ``emitted`` tokens; its hidden rows are those of positions ``first_row`` onwards, one per
+    emitted token (the root's row, then the accepted nodes')."""
+
+    seq: Sequence
+    round: int
+    accepted: int
+    emitted: list[int]
+    first_row: int
+
+
+Span = tuple[int, int]  # positions [start, stop) of one sequence
+
+
+class DraftNews:
+    """The engine's messages to its draft worker, and the hidden rows they carry; plain values in."""
+
+    def __init__(self, spec: Speculator, hidden: HiddenStore | None, hidden_layers: tuple[int, ...],
+                 block_size: int, device: torch.device):
+        self.spec = spec
+        self.hidden = hidden
+        # as given: a draft reads its layers in its own order, repeats included (EAGLE-3 on a 4-layer
+        # target reads [2, 2, 1]); requests and verdicts default to this list
+        self.hidden_layers = hidden_layers
+        self.block_size = block_size
+        self.device = device
+        self.verdicts: list[Verdict] = []  # waiting for take_verdicts
+
+    def add(self, verdict: Verdict) -> None:
+        """A verified round of a sequence that goes on: the draft hears it with :meth:`take_verdicts`."""
+        self.verdicts.append(verdict)
+
+    def reset(self) -> None:
+        """A new draft worker knows none of our sequences: start every one from scratch."""
+        self.spec.reset()
+        self.verdicts.clear()
+
+    def inputs(self, running: list[Sequence], max_model_len: int, layers: tuple[int, ...] | None,
+               dtype: torch.dtype | None, plane=None) -> list[DraftInput]:
+        """Proposal requests for the ``running`` sequences that decode next and speculate this round
+        (:meth:`.speculator.Speculator.requests`), with their hidden rows (see :meth:`take_verdicts`)."""
+        requests = self.spec.requests(running, max_model_len)
+        if not requests:  # the plan drafts nothing (the usual step when drafting does not pay)
+            return []
+        layers = self.hidden_layers if layers is None else tuple(layers)
+        seqs = [r.seq for r in requests]
+        # per request: positions whose hidden rows it carries (those before its new tokens)
+        spans = [(max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0) for r in requests]
+        hidden, refs = self._carried(seqs, spans, layers, dtype, plane)
+        return [tell(r.seq, r.state, r.num_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
+                     tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
+                for r, rows, ref in zip(requests, hidden, refs)]
+
+    def prompt_inputs(self, added: list[Sequence], seqs: dict[str, Sequence], max_model_len: int) -> list[DraftInput]:
+        """Pipelined seam, a draft that needs no hidden states: proposal requests for sequences just
+        added, carrying their prompts, before their prefill runs. The draft answers with a proposal
+        that begins with its guess of the prefill's token; when that guess comes true, the first
+        decode step verifies the rest instead of decoding plainly (a request's first round is
+        otherwise asked only once its prefill has committed that token)."""
+        out = []
+        for seq in added:
+            st = self.spec.states.get(seq.request_id)
+            if (st is None or st.told or st.cap <= 0 or st.tree_topk > 1 or seq.prefill_only
+                    or seq.num_computed or seqs.get(seq.request_id) is not seq):
+                continue
+            # what the first decode step may verify: none deeper than can still be emitted after the
+            # prefill's token and the step's own
+            k = min(st.cap, seq.params.max_tokens - seq.num_generated - 2, max_model_len - len(seq) - 2)
+            if k > 0:
+                out.append(tell(seq, st, k))  # (told nothing yet: the whole prompt)
+        return out
+
+    def take_verdicts(self, layers: tuple[int, ...] | None, dtype: torch.dtype | None,
+                      plane=None) -> list[VerifyResult]:
+        """The verdicts since the last call, of sequences still running, with the hidden states of
+        ``layers`` (None: all offered) on the host in ``dtype``, or, given a data ``plane``
+        (:class:`workers.speculation.hidden_plane.PlaneWriter`), written to it as one block and
+        referred to by ``hidden_ref``."""
+        verdicts, self.verdicts = self.verdicts, []
+        if not verdicts:  # every step that verified nothing
+            return []
+        verdicts = [v for v in verdicts if v.seq.request_id in self.spec.states]  # finished since: released
+        layers = self.hidden_layers if layers is None else tuple(layers)
+        spans = [(v.first_row, v.first_row + len(v.emitted)) if layers else (0, 0) for v in verdicts]
+        hidden, refs = self._carried([v.seq for v in verdicts], spans, layers, dtype, plane)
+        return [VerifyResult(v.seq.request_id, v.round, v.accepted, v.emitted, rows, ref)
+                for v, rows, ref in zip(verdicts, hidden, refs)]
+
+    def take_released(self) -> list[str]:
+        """Sequences the draft worker knew that ended since the last call: it may forget them."""
+        out, self.spec.released = self.spec.released, []
+        return out
+
+    def _carried(self, seqs: list[Sequence], spans: list[Span], layers: tuple[int, ...],
+                 dtype: torch.dtype | None, plane) -> tuple[list[list[torch.Tensor]], list[HiddenRef | None]]:
+        """Per sequence: (its rows on the host, [] on a plane) and (its plane reference, or None)."""
+        if plane is not None:
+            return [[] for _ in seqs], self.block(seqs, spans, plane)
+        return self.rows(seqs, spans, layers, dtype), [None] * len(seqs)
+
+    def rows(self, seqs: list[Sequence], spans: list[Span], layers: tuple[int, ...],
+             dtype: torch.dtype | None) -> list[list[torch.Tensor]]:
+        """Per sequence, per layer, hidden rows [stop - start, hidden] for positions [start, stop), read
+        from the store in one gather per layer."""
+        if not layers or self.hidden is None or not seqs:
+            return [[] for _ in seqs]
+        rows = self.hidden.read(self._slots(seqs, spans), layers, dtype)
+        out, at = [], 0
+        for start, stop in spans:
+            out.append([layer_rows[at : at + stop - start] for layer_rows in rows])
+            at += stop - start
+        return out
+
+    def block(self, seqs: list[Sequence], spans: list[Span], plane) -> list[HiddenRef | None]:
+        """Every sequence's rows for positions [start, stop) written to ``plane`` as one block (one
+        gather for the batch); per sequence, its :class:`HiddenRef` into the block."""
+        if self.hidden is None or not seqs:
+            return [None for _ in seqs]
+        slots = self._slots(seqs, spans)
+        offset, streamed = plane.write(slots.shape[0], lambda rows: self.hidden.gather(slots, plane.layers, rows))
+        refs, at = [], offset
+        for start, stop in spans:
+            refs.append(HiddenRef(at, stop - start, streamed))
+            at += stop - start
+        return refs
+
+    def _slots(self, seqs: list[Sequence], spans: list[Span]) -> torch.Tensor:
+        """The cache slots of positions [start, stop) of each sequence, concatenated: [sum of spans] long."""
+        bs = self.block_size
+        slots: list[int] = []
+        for seq, (start, stop) in zip(seqs, spans):  # a range per block, not a Python step per position
+            for b in range(start // bs, -(-stop // bs)):
+                base = seq.block_table[b] * bs
+                slots.extend(range(base + max(start - b * bs, 0), base + min(stop - b * bs, bs)))
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+
+def tell(seq: Sequence, st: SpecState, num_tokens: int, **extra) -> DraftInput:
+    """A proposal request for ``seq`` carrying its tokens the draft has not heard of, for the next
+    round; the draft has heard of them all from now on."""
+    p = seq.params
+    request = DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], num_tokens,
+                         SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), **extra)
+    st.told = len(seq)
+    st.round += 1
+    return request
