@@ -11,6 +11,9 @@
 #   bench   bench/gpu_bench.py: an 8B-shaped random target, decode and verify, sync and async
 #   quant   bench/quant_bench.py --gpu: the 8B shape (8 of 32 layers) in bf16, FP8 (torch._scaled_mm)
 #           and INT4 AWQ g128 (Triton dequant-GEMM): decode tok/s at batch 1 and 16, weight memory
+#   moe     bench/moe_bench.py --gpu --layers 8: the Qwen3-30B-A3B shape (8 of 48 layers), bf16, decode at
+#           batch 1, 16 and 64 with the per-expert loop and with the grouped Triton expert kernels
+#           (tok/s, share of the memory roofline), and one layer's experts alone, loop against kernels
 #   sweep   bench/load_sweep.py at 1, 4, 16 and 32 in flight: off, default and off again (the A/A control)
 #   oracle  bench/spec_pipeline_bench.py --gpu (when it exists): an 8B-shaped target with the oracle
 #           draft at acceptance 0.8 served through the stack, against its ideal
@@ -37,7 +40,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 DRY=0
 PARTS_DIR=""
-ONLY="tests,bench,quant,served,sweep,oracle"
+ONLY="tests,bench,quant,moe,served,sweep,oracle"
 CAP_SCALE=1
 BUDGET=480
 while [ $# -gt 0 ]; do
@@ -124,6 +127,8 @@ fig_served() { cells "$1" '^\| all \|' | awk -F'|' '{printf "plain %s, spec %s t
                grep -o 'CPU ms per engine step.*' "$1" | tail -1; }
 fig_sweep() { cells "$1" '^\| [0-9]+ \| [a-z_]+ \|' | awk -F'|' '{printf "c%s %s: %s tok/s, %s\n", $1, $2, $3, $4}'; }
 fig_quant() { cells "$1" '^\| (bf16|fp8|int4) \|' | awk -F'|' '{printf "%s: b1 %s tok/s (%s), b16 %s tok/s (%s), %s GiB, Δ vs dequantized %s\n", $1, $5, $6, $8, $9, $3, $11}'; }
+fig_moe() { cells "$1" '^ *(1|16|64) \| *(loop|fused) \|' | awk -F'|' '{printf "b%d %s: %s tok/s, %s of roofline\n", $1, $2, $4, $7}'
+            cells "$1" '^ *(1|16|64) \| *[0-9]+ \| *[0-9]+ \|' | awk -F'|' '{printf "b%d one layer: fused %s the loop, %s of roofline\n", $1, $4, $7}'; }
 fig_oracle() { grep -E "^pipelined / ideal" "$1" | tail -2 | tr "\n" " "; }
 fig_none() { :; }
 
@@ -196,6 +201,15 @@ if wanted quant; then
     else
         run quant-args 20 fig_none -- "$PY" bench/quant_bench.py --help
         skip quant "$(why)"
+    fi
+fi
+
+if wanted moe; then
+    if cuda && [ $DRY = 0 ]; then
+        run moe "$(cap 120)" fig_moe -- "$PY" bench/moe_bench.py --gpu --layers 8 --steps 16
+    else
+        run moe-args 20 fig_none -- "$PY" bench/moe_bench.py --help
+        skip moe "$(why)"
     fi
 fi
 

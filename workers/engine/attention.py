@@ -18,6 +18,17 @@ new tokens only those its mask allows (itself and its ancestors), instead of eve
 *Static* metadata (:meth:`AttentionMetadata.static`, for CUDA graphs) holds tensors only: every
 token's sequence row, position and slot. The Triton kernel reads nothing else; the torch path then
 gathers each token's keys through its block table (a reference, for tests on CPU).
+
+Per-layer options of the attention functions, all off by default:
+
+- ``window`` W (sliding-window attention, Mistral / Gemma 3 local layers / gpt-oss): a token at
+  sequence position p sees only keys p - W < j <= p (transformers' ``sliding_window_overlay``). The
+  cache keeps every key; the window is a mask (and, for long chunks, a cut of the keys read). A
+  token of a tree sits at cache index >= its sequence position; :meth:`AttentionMetadata.window_anchor`
+  gives the sequence position the window counts back from.
+- ``sinks`` [H] (gpt-oss): a learned logit per query head that joins the softmax's denominator and
+  carries no value: ``o = Σ_j e^{s_j} v_j / (e^{sink} + Σ_j e^{s_j})``.
+- ``softcap`` c (Gemma 2's attention logit soft-capping): scores become ``c · tanh(s / c)`` before the mask.
 """
 
 from __future__ import annotations
@@ -60,10 +71,31 @@ class AttentionMetadata:
     # of tree_bits[t, j // 32] is set. Tokens of rows without a tree have tree_base = position + 1.
     tree_base: torch.Tensor | None = None  # [T] int32
     tree_bits: torch.Tensor | None = None  # [T, W] int32, W = ceil(longest mask width / 32)
+    # sliding windows, built on first use and shared by the layers of one forward
+    _anchor: torch.Tensor | None = None  # [T] int32, see window_anchor
+    _window_masks: dict = field(default_factory=dict)  # window -> batched group's mask
+    _trees: list = field(default_factory=list)  # the build's tree masks (for the window masks)
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def window_anchor(self) -> torch.Tensor:
+        """[T] int32: each token's position in its sequence, where a sliding window counts back from.
+
+        ``token_pos`` (its cache index) except in a token tree, whose nodes sit in consecutive slots
+        but at their depth's position: there it is ``tree_base`` + (keys its tree bits allow, itself
+        and its ancestors) - 1, for the verifier's trees (bits from the root on) and a draft's (from
+        the root's first child on, the root being context) alike. Tensor ops only (CUDA-graph safe).
+        """
+        if self.tree_bits is None:
+            return self.token_pos
+        if self._anchor is None:
+            words = self.tree_bits.long() & 0xFFFFFFFF  # [T, W] as unsigned
+            shifts = torch.arange(32, device=words.device)
+            count = ((words[:, :, None] >> shifts) & 1).sum((1, 2))  # [T] bits set
+            self._anchor = (self.tree_base.long() + count - 1).to(torch.int32)
+        return self._anchor
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -104,6 +136,7 @@ class AttentionMetadata:
         )
         trees = tree_masks or [None] * len(query_lens)
         meta.has_tree = any(t is not None for t in trees)
+        meta._trees = list(trees)
         rows = [b for b, q in enumerate(query_lens) if q <= BATCHED_MAX_QUERY or trees[b] is not None]
         for b, q in enumerate(query_lens):
             if q > BATCHED_MAX_QUERY and trees[b] is None:
@@ -149,15 +182,38 @@ class AttentionMetadata:
             # one sequence, decoding (sees its whole context) or prefilling from scratch (plain causal)
             self.batch_causal = qmax > 1
             return
-        key_pos = torch.arange(num_blocks * self.block_size)[None, None, :]  # [1, 1, Lpad]
-        query_pos = (c_lens - q_lens)[:, None, None] + torch.arange(qmax)[None, :, None]  # [Bg, qmax, 1]
-        mask = (key_pos <= query_pos) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lpad]
+        self.batch_mask = self._group_mask(None)
+
+    def batch_window_mask(self, window: int) -> torch.Tensor:
+        """The batched group's mask (as ``batch_mask``, never None) with a sliding window of
+        ``window`` keys; built once per window and metadata."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            mask = self._window_masks[window] = self._group_mask(window)
+        return mask
+
+    def _group_mask(self, window: int | None) -> torch.Tensor:
+        """[Bg, 1, qmax, nb * bs] bool over the batched group's padded keys, True = attend: causal (or
+        a row's tree mask over its last keys), optionally within a sliding window. Padding queries
+        copy their row's last query (so no row of the mask is empty)."""
+        rows = self.batch_rows
+        q_lens = torch.tensor([self.query_lens[b] for b in rows])
+        c_lens = torch.tensor([self.context_lens[b] for b in rows])
+        key_pos = torch.arange(self.batch_blocks.numel() // len(rows) * self.block_size)[None, None, :]  # [1, 1, Lpad]
+        offsets = torch.minimum(torch.arange(self.qmax)[None, :], (q_lens - 1)[:, None])
+        query_pos = (c_lens - q_lens)[:, None] + offsets  # [Bg, qmax]
+        mask = (key_pos <= query_pos[:, :, None]) & (key_pos < c_lens[:, None, None])  # [Bg, qmax, Lpad]
+        anchor = query_pos.clone()  # each query's sequence position
         for g, b in enumerate(rows):
-            tree = trees[b]
+            tree = self._trees[b] if self._trees else None
             if tree is not None:  # over the last m keys, the tree mask instead of causal order
                 q, c, m = self.query_lens[b], self.context_lens[b], tree.shape[1]
+                tree = tree.to("cpu", torch.bool)
                 mask[g, :q, c - m : c] = tree
-        self.batch_mask = mask[:, None].to(device)
+                anchor[g, :q] = c - m + tree.sum(1) - 1
+        if window is not None:
+            mask &= key_pos > (anchor - window)[:, :, None]
+        return mask[:, None].to(self.batch_blocks.device)
 
 
 def tree_bitmasks(query_lens: list[int], context_lens: list[int], trees: list[torch.Tensor | None],
@@ -200,17 +256,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                          sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of new queries over each sequence's cache; k/v already written.
 
     q [T, H, D]; k, v [T, Hkv, D] (this step's keys, used directly for prefill without prefix; may be
     None when the metadata has a tree, which reads every key from the cache); returns [T, H, D].
+    ``window``, ``sinks`` [H] and ``softcap``: see the module docstring (None: off).
     """
     if meta.tensors_only:
-        return _static_attention(q, k_cache, v_cache, meta, scale)
+        return _static_attention(q, k_cache, v_cache, meta, scale, window, sinks, softcap)
     num_heads, head_dim = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
-    gqa = num_heads != hkv
     out = torch.empty_like(q)
     if meta.batch_rows:
         bg, qmax, bs = len(meta.batch_rows), meta.qmax, meta.block_size
@@ -222,11 +279,13 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             qp = qp.view(bg, qmax, num_heads, head_dim)
         keys = k_cache.index_select(0, meta.batch_blocks).view(bg, -1, hkv, head_dim)  # [Bg, Lpad, Hkv, D]
         values = v_cache.index_select(0, meta.batch_blocks).view(bg, -1, hkv, head_dim)
-        if meta.batch_mask is None:
+        mask, causal = meta.batch_mask, meta.batch_causal
+        if window is not None:
+            mask, causal = meta.batch_window_mask(window), False
+        if mask is None:
             keys, values = keys[:, : meta.batch_kv_len], values[:, : meta.batch_kv_len]
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=meta.batch_mask, is_causal=meta.batch_causal, scale=scale,
-                                           enable_gqa=gqa)  # [Bg, H, qmax, D]
+        o = _attend(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, causal, scale, sinks,
+                    softcap)  # [Bg, H, qmax, D]
         o = o.transpose(1, 2).reshape(bg * qmax, num_heads, head_dim)
         if bg == q.shape[0] and qmax == 1:
             out = o
@@ -234,23 +293,58 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             out[meta.batch_token_index] = o[meta.batch_pad_index]
     for (_, start, qlen, ctx), blocks in zip(meta.singles, meta.single_blocks):
         qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, q, D]
-        if blocks is None:  # whole context is new: plain causal attention on this step's keys
-            keys = k[start : start + qlen].transpose(0, 1)[None]
+        if blocks is None:  # whole context is new: this step's keys
+            keys = k[start : start + qlen].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
             values = v[start : start + qlen].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             keys = k_cache.index_select(0, blocks).view(-1, hkv, head_dim)[:ctx].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
             values = v_cache.index_select(0, blocks).view(-1, hkv, head_dim)[:ctx].transpose(0, 1)[None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - qlen + torch.arange(qlen, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if window is None and blocks is None:  # plain causal attention
+            o = _attend(qs, keys, values, None, True, scale, sinks, softcap)
+        else:
+            first = 0 if window is None else max(0, ctx - qlen + 1 - window)  # no query sees a key before it
+            query_pos = ctx - qlen + torch.arange(qlen, device=q.device)[:, None]  # [q, 1]
+            key_pos = torch.arange(first, ctx, device=q.device)[None, :]  # [1, ctx - first]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
+            o = _attend(qs, keys[:, :, first:], values[:, :, first:], mask, False, scale, sinks, softcap)
         out[start : start + qlen] = o[0].transpose(0, 1)
     return out
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
+            sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask broadcastable to [B, H, Lq, Lk] (True = attend) or
+    None, ``causal``: query i sees keys 0..i. SDPA when there are no sinks and no soft-capping; else
+    the softmax written out (float32 scores), as transformers' eager attention does."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, H, Lq, Lk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 def _static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Reference for static metadata: each token attends to keys 0..token_pos of its row's blocks,
-    and within a token tree only to those its tree bits allow (see :class:`AttentionMetadata`).
+    within a token tree only to those its tree bits allow, within a window only to the last
+    ``window`` positions (see :class:`AttentionMetadata`).
 
     q [T, H, D] → [T, H, D]. Gathers [T, max_blocks · bs] keys per token: for tests, not speed.
     """
@@ -268,8 +362,9 @@ def _static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         rel = rel.clamp(0, width - 1)
         words = meta.tree_bits.long().gather(1, rel // 32)  # [T, L] (sign-extended: bit 31 kept)
         mask &= ~inside | ((words >> (rel % 32)) & 1).bool()
-    o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale,
-                                       enable_gqa=num_heads != hkv)  # [T, H, 1, D]
+    if window is not None:
+        mask &= key_pos > meta.window_anchor().long()[:, None] - window
+    o = _attend(q[:, :, None], keys, values, mask[:, None, None], False, scale, sinks, softcap)  # [T, H, 1, D]
     return o[:, :, 0]
 
 

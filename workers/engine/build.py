@@ -48,12 +48,19 @@ def build_engine(cfg, worker_id: str):
         try:
             model, followers = load_sharded(cfg.model, size, dtype=dtype, device=device, threads=threads,
                                             attention="triton" if triton else "torch", fused=triton and cuda,
-                                            max_positions=max_len, timeout=cfg.tensor_parallel_timeout)
+                                            max_positions=max_len, timeout=cfg.tensor_parallel_timeout,
+                                            expert_parallel=cfg.enable_expert_parallel)
         except RuntimeError as exc:  # a rank that could not start or load: its own log says why
             raise StartupError(f"tensor parallelism over {size} ranks: {exc}") from None
     else:
         model = load_model(cfg.model, dtype=getattr(torch, dtype), device=device, max_positions=max_len,
                            attention_fn=attention_fn, fused=triton and cuda, gguf_quantized=cfg.gguf_quantized)
+    if cfg.enable_expert_parallel and (size == 1 or model.cfg.moe is None):
+        log.warning("--enable-expert-parallel does nothing here: %s", "the model has no experts"
+                    if model.cfg.moe is None else "--tensor-parallel-size is 1 (every expert is on the one rank)")
+    elif cfg.enable_expert_parallel:
+        log.info("expert parallelism: %d experts, %d per rank", model.cfg.moe.num_experts,
+                 model.cfg.moe.num_experts // size)
     lora = None
     if cfg.max_loras:
         from workers.engine.lora import LoraManager

@@ -1,8 +1,11 @@
 """Model and engine configuration: the model's shape parsed from a Hugging Face ``config.json``.
 
 Supported families: Llama 2/3 (incl. ``llama3`` rope scaling), Mistral, Qwen2 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm). Both the transformers 4.x keys (``rope_theta`` + ``rope_scaling``)
-and the 5.x key (``rope_parameters``) are understood.
+Qwen3 (per-head q/k RMSNorm), and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss
+(attention sinks, alternating sliding-window layers; the experts: :mod:`workers.engine.moe_config`). Both the transformers 4.x keys (``rope_theta`` +
+``rope_scaling``) and the 5.x key (``rope_parameters``) are understood; rope scaling ``yarn``
+(gpt-oss, long-context Qwen) too. Gemma 3 (``gemma3_text``: :mod:`workers.engine.gemma3_config`)
+adds per-layer-type ropes (``rope_parameters`` keyed by layer type, or 4.x's ``rope_local_base_freq``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from .gemma3_config import Gemma3Options, parse_gemma3
+from .moe_config import MoeConfig, parse_moe
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
+                         "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between extrapolated and interpolated frequencies, and the cos/sin scale
+    # (None: 0.1 ln(factor) + 1, or the ratio of the mscale terms when both are given)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -55,6 +70,13 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # routed experts (mixtures of experts); None: dense
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
+    # per layer "sliding_attention" or "full_attention" (Gemma 3, gpt-oss, Qwen2's max_window_layers);
+    # (): every layer slides when sliding_window is set (Mistral)
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3's local base)
+    gemma: Gemma3Options | None = None  # Gemma 3's norms, scaled embeddings, GELU, soft-capping
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -65,6 +87,22 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= {"sliding_attention", "full_attention"}):
+            raise ValueError(f"layer_types must give 'sliding_attention' or 'full_attention' for each of the "
+                             f"{self.num_layers} layers, got {list(self.layer_types)}")
+
+    def window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window (it attends to its last W positions); None: all."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """Decoder layer ``layer``'s rotary embedding."""
+        if self.local_rope is not None and self.window(layer) is not None:
+            return self.local_rope
+        return self.rope
 
     @property
     def q_size(self) -> int:
@@ -81,7 +119,7 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
-        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        if model_type != "gemma3_text" and cfg.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
         attention_bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
@@ -89,6 +127,18 @@ class ModelConfig:
             window = None
         if model_type == "qwen3" and not cfg.get("use_sliding_window", False):
             window = None
+        if model_type in ("qwen3_moe", "qwen2_moe") and not cfg.get("use_sliding_window", False):
+            window = None
+        qwen2_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+        layers = int(cfg["num_hidden_layers"])
+        layer_types = tuple(cfg.get("layer_types") or ())
+        if not layer_types and window and model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+            # transformers' rule for configs written without layer_types: layers from max_window_layers on slide
+            first = int(cfg.get("max_window_layers", layers))
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+        gemma = parse_gemma3(cfg) if model_type == "gemma3_text" else None
+        if gemma is not None:
+            layer_types = gemma.layer_types
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -102,14 +152,19 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rope=_parse_rope(cfg),
+            rope=_parse_rope(cfg, "full_attention"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=(model_type == "qwen2") or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=qwen2_bias or attention_bias,
+            o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=int(window) if window else None,
             eos_token_ids=eos_ids,
+            moe=parse_moe(cfg, model_type, int(cfg["num_hidden_layers"])),
+            attention_sinks=model_type == "gpt_oss",
+            layer_types=layer_types,
+            local_rope=_parse_rope(cfg, "sliding_attention") if gemma is not None else None,
+            gemma=gemma,
         )
 
     @classmethod
@@ -129,21 +184,40 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
-def _parse_rope(cfg: dict) -> RopeConfig:
+def _parse_rope(cfg: dict, layer_type: str = "full_attention") -> RopeConfig:
+    """The rope of ``layer_type``'s layers. transformers 5 keys ``rope_parameters`` by layer type for
+    models whose layers differ (Gemma 3); in 4.x configs Gemma 3's sliding layers have only a base
+    (``rope_local_base_freq``, default 10 000) and its ``rope_scaling`` is the global layers'."""
     params = dict(cfg.get("rope_parameters") or {})
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = dict(params[layer_type])
+    elif cfg.get("model_type") == "gemma3_text" and layer_type == "sliding_attention":
+        return RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
     legacy = cfg.get("rope_scaling") or {}
     if legacy:
         params = {**legacy, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    default_theta = 1_000_000.0 if cfg.get("model_type") == "gemma3_text" else 10000.0
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if "partial_rotary_factor" in params and params["partial_rotary_factor"] != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
+    original = int(params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)))
+    factor = params.get("factor", 1.0)
+    yarn = {}
+    if rope_type == "yarn":  # as transformers' _compute_yarn_parameters reads them
+        original = int(cfg.get("original_max_position_embeddings") or original)
+        if factor is None:
+            factor = cfg.get("max_position_embeddings", original) / original
+        optional = {k: float(params[k]) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                    if params.get(k) is not None}
+        yarn = dict(beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                    truncate=bool(params.get("truncate", True)), **optional)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))),
+        original_max_position_embeddings=original,
+        **yarn,
     )

@@ -68,6 +68,7 @@ class LoadModel(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     attention: str = "torch"  # torch or triton
     fused: bool = False
     max_positions: int | None = None
+    expert_parallel: bool = False  # a mixture of experts' experts sharded over the ranks (workers.engine.moe)
 
 
 class Setup(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -268,7 +269,7 @@ class Followers:
 
 def load_sharded(path: str, size: int, *, dtype: str = "float32", device: str = "cpu", threads: int = 1,
                  attention: str = "torch", fused: bool = False, max_positions: int | None = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, expert_parallel: bool = False):
     """Rank 0's shard of the model at ``path`` over ``size`` ranks, and its :class:`Followers` (ranks
     1..size-1, started and loaded): give both to the :class:`~workers.engine.engine.Engine`. NCCL on
     CUDA, gloo on CPU; ``threads`` torch threads per rank. The caller closes the followers."""
@@ -279,14 +280,15 @@ def load_sharded(path: str, size: int, *, dtype: str = "float32", device: str = 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(rank_device(device, 0))
-    load = LoadModel(str(path), dtype, device, threads, attention, fused, max_positions)
+    load = LoadModel(str(path), dtype, device, threads, attention, fused, max_positions, expert_parallel)
     followers = Followers.start(size, load, backend=backend, timeout=timeout)
     try:
         attention_fn = None
         if attention == "triton":
             from .triton_attention import paged_attention_triton as attention_fn
         model = load_model(path, dtype=getattr(torch, dtype), device=rank_device(device, 0),
-                           max_positions=max_positions, attention_fn=attention_fn, fused=fused, tp=followers.tp)
+                           max_positions=max_positions, attention_fn=attention_fn, fused=fused, tp=followers.tp,
+                           expert_parallel=expert_parallel)
         followers.wait_loaded()
     except BaseException:
         followers.close()
@@ -344,7 +346,7 @@ def follow(rank: int, size: int, port: int, backend: str, timeout: float, stream
     if load.attention == "triton":
         from .triton_attention import paged_attention_triton as attention_fn
     model = load_model(load.model, dtype=getattr(torch, load.dtype), device=device, max_positions=load.max_positions,
-                       attention_fn=attention_fn, fused=load.fused, tp=tp)
+                       attention_fn=attention_fn, fused=load.fused, tp=tp, expert_parallel=load.expert_parallel)
     store.set(READY_KEY.format(rank=rank), "1")
     runner = None
     while True:

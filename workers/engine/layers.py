@@ -158,8 +158,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] for ``rope`` (default, linear or llama3)."""
+    """Inverse frequencies [head_dim // 2] for ``rope`` (default, linear, llama3 or yarn)."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -176,6 +178,42 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than ``beta_slow`` times over the original
+    context are interpolated (divided by ``factor``), those that turn more than ``beta_fast`` times
+    kept, a linear ramp over the dimensions between; as transformers computes it."""
+
+    def dim_for(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times
+        return (head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    interpolated = 1.0 / (rope.factor * (1.0 / inv_freq))
+    return interpolated * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def rope_attention_scale(rope: RopeConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other rope types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+    return mscale(rope.factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates query/key heads by position, NeoX style (halves, not interleaved pairs)."""
 
@@ -183,8 +221,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(rope, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)  # [P, D/2]
+        scale = rope_attention_scale(rope)  # yarn scales cos and sin (so q·k by its square); else 1
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)  # [P, D/2]
 
     # (positions, dtype, cos, sin) of the latest call: every layer of one forward passes the same
     # positions tensor, so the tables are gathered once per forward, not once per layer

@@ -161,6 +161,8 @@ class LoraManager:
             raise ValueError(f"max_lora_rank must be positive, got {max_lora_rank}")
         if model.tp.enabled:
             raise ValueError("LoRA adapters are not supported under tensor parallelism")
+        if model.cfg.moe is not None:
+            raise ValueError(f"LoRA adapters are not supported on mixtures of experts ({model.cfg.model_type})")
         if kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel must be auto, torch or triton, got {kernel!r}")
         self.max_loras = max_loras

@@ -27,6 +27,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention_torch, write_kv
 from .config import ModelConfig
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding
+from .moe import SparseMoe
 from .parallel import SINGLE, TensorParallel, split_heads, split_range
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -53,10 +54,19 @@ def _triton_ops():
 
 
 class Attention(nn.Module):
-    """Self-attention over this rank's heads (all of them at tensor-parallel size 1)."""
+    """Self-attention over this rank's heads (all of them at tensor-parallel size 1).
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE):
+    Per-layer options (:mod:`workers.engine.attention`; off by default): ``window``, a sliding window
+    of W positions; ``sinks``, a learned logit per head in the softmax's denominator (gpt-oss:
+    parameter ``sinks`` [this rank's heads]); ``softcap``, tanh soft-capping of the scores."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE, *,
+                 window: int | None = None, sinks: bool = False, softcap: float | None = None):
         super().__init__()
+        # passed to the attention function only when set: functions without the options still serve
+        self.options = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+        self.register_parameter("sinks", nn.Parameter(torch.empty(tp.heads(cfg.num_heads, cfg.num_kv_heads).q_count))
+                                if sinks else None)
         self.cfg = cfg
         heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
@@ -81,7 +91,7 @@ class Attention(nn.Module):
             rotary = self.rotary[0]
             q = _triton_ops().rotary_write_kv(self.qkv_proj(x), positions, rotary.cos, rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, h, hkv, cfg.head_dim)
-            o = self.attention_fn(q, None, None, kv[0], kv[1], meta, self.scale)  # [T, H, D]
+            o = self.attention_fn(q, None, None, kv[0], kv[1], meta, self.scale, **self._options())  # [T, H, D]
             return self.o_proj(o.view(t, self.q_size))
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, cfg.head_dim)
         if cfg.qk_norm:
@@ -91,17 +101,24 @@ class Attention(nn.Module):
             q, k = self.rotary[0].rotate(positions, qkv[:, : h + hkv]).split([h, hkv], dim=1)
             v = qkv[:, h + hkv :]
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = self.attention_fn(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
+        o = self.attention_fn(q, k, v, kv[0], kv[1], meta, self.scale, **self._options())  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def _options(self) -> dict:
+        return self.options if self.sinks is None else {**self.options, "sinks": self.sinks}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE,
+                 index: int = 0, expert_parallel: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, attention_fn, tp)
+        self.self_attn = Attention(cfg, rotary, attention_fn, tp, window=cfg.window(index), sinks=cfg.attention_sinks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, split_range(cfg.intermediate_size, tp.rank, tp.size)[1], cfg.mlp_bias, tp)
+        if cfg.moe is not None and cfg.moe.is_sparse(index):
+            self.mlp = SparseMoe(cfg.moe, cfg.hidden_size, tp, expert_parallel)
+        else:
+            self.mlp = MLP(cfg.hidden_size, split_range(cfg.intermediate_size, tp.rank, tp.size)[1], cfg.mlp_bias, tp)
 
     def forward(self, positions, x, kv, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
@@ -125,19 +142,23 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, attention_fn=None, tp: TensorParallel = SINGLE,
+                 expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if tp.enabled
                              else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_fn, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, attention_fn, tp, i, expert_parallel)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
     """The decoder with Hugging Face parameter names, except fused qkv and gate/up projections."""
 
+    backbone_class = _Backbone  # ``model.*``: a family with other layers (Gemma 3) brings its own
+
     def __init__(self, cfg: ModelConfig, max_positions: int, attention_fn=None, fused: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, expert_parallel: bool = False):
         super().__init__()
         if fused and attention_fn is None:
             from .triton_attention import paged_attention_triton as attention_fn
@@ -149,7 +170,8 @@ class DecoderModel(nn.Module):
         self.tp = tp
         self.heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)  # raises ValueError if they do not split
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.model = _Backbone(cfg, self.rotary, attention_fn, tp)
+        self.expert_parallel = expert_parallel and tp.enabled  # experts sharded over the group (see .moe)
+        self.model = self.backbone_class(cfg, self.rotary, attention_fn, tp, expert_parallel)
         self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -170,8 +192,24 @@ class DecoderModel(nn.Module):
 
     @property
     def static_capable(self) -> bool:
-        """Whether a forward reads only tensors (no host-side lengths): CUDA-graph capturable."""
+        """Whether a forward reads only tensors (no host-side lengths): CUDA-graph capturable. With
+        experts only on the fused path: the expert loop reads each expert's token count on the host
+        (:mod:`.moe`), the grouped kernels do not."""
+        if self.cfg.moe is not None and not self.fused:
+            return False
         return getattr(self.model.layers[0].self_attn.attention_fn, "static_capable", False)
+
+    def moe_block(self, name: str) -> tuple[SparseMoe, str, str] | None:
+        """(sparse layer's MoE block, the name below it, the block's parameter prefix) for a checkpoint
+        tensor of a sparse layer's MLP (``model.layers.N.mlp.*``, Mixtral's ``block_sparse_moe.*``);
+        None for any other tensor."""
+        parts = name.split(".", 4)
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] not in ("mlp", "block_sparse_moe"):
+            return None
+        if not parts[2].isdigit() or int(parts[2]) >= len(self.model.layers):
+            return None
+        mlp = self.model.layers[int(parts[2])].mlp
+        return (mlp, parts[4], f"model.layers.{parts[2]}.mlp.") if isinstance(mlp, SparseMoe) else None
 
     def release_dense_weights(self) -> int:
         """For serving on CPU: keep only the packed copies of the linear weights (``Linear.release_dense``),
@@ -234,11 +272,16 @@ class DecoderModel(nn.Module):
         tp = self.tp
         if not tp.enabled:
             return None
+        moe = self.moe_block(name)
+        if moe is not None:  # an expert this rank does not hold: length 0, not read
+            return moe[0].checkpoint_slice(moe[1])
         parts = name.split(".")
         proj = parts[-2] if len(parts) >= 2 else ""
         cfg, heads, d = self.cfg, self.heads, self.cfg.head_dim
         if proj == "q_proj":
             return 0, heads.q_start * d, heads.q_count * d
+        if proj == "self_attn" and parts[-1] == "sinks":  # one per query head
+            return 0, heads.q_start, heads.q_count
         if proj in ("k_proj", "v_proj"):
             return 0, heads.kv_start * d, heads.kv_count * d
         if proj in ("gate_proj", "up_proj"):
@@ -263,7 +306,8 @@ class DecoderModel(nn.Module):
         cfg = self.cfg
         attn = self.model.layers[0].self_attn
         q_size, kv_size = attn.q_size, attn.num_kv_heads * cfg.head_dim
-        inter = self.model.layers[0].mlp.down_proj.in_features
+        dense = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MLP)]
+        inter = dense[0].down_proj.in_features if dense else 0
         split = {"qkv_proj": [q_size, kv_size, kv_size], "gate_up_proj": [inter, inter]}
         if self.tp.enabled:  # padding rows of the vocabulary slice: never looked up, logits cut off
             for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -272,6 +316,10 @@ class DecoderModel(nn.Module):
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            moe = self.moe_block(name)
+            if moe is not None:
+                loaded.update(moe[2] + key for key in moe[0].load(moe[1], tensor))
                 continue
             parts = name.split(".")
             target, shard = name, None
@@ -297,8 +345,13 @@ class DecoderModel(nn.Module):
                 dest.copy_(tensor)
                 loaded.add(f"{target}#{shard}")
         expected = set()
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoe):
+                expected.update(f"model.layers.{i}.mlp." + key for key in layer.mlp.expected())
         for pname in params:
             if pname == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if self.moe_block(pname) is not None:  # its block's own keys, above
                 continue
             kind = pname.split(".")[-2] if "." in pname else ""
             if kind in split:

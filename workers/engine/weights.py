@@ -11,6 +11,7 @@ a column slice). A rank's peak is about 1/N of the weights plus one tensor.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,8 @@ def iter_safetensors(model_dir: Path, slicer: Slicer | None = None) -> Iterator[
                     yield name, f.get_tensor(name)
                     continue
                 dim, start, length = cut
+                if length == 0:  # none of it on this rank (another rank's expert)
+                    continue
                 index = (slice(None),) * dim + (slice(start, start + length),)
                 yield name, f.get_slice(name)[index]
 
@@ -149,9 +152,34 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, state
 
 
+def model_class(cfg: ModelConfig) -> type[DecoderModel]:
+    """The model class of ``cfg``'s family: Gemma 3 has layers of its own (:mod:`.gemma3`)."""
+    if cfg.gemma is not None:
+        from .gemma3 import Gemma3Model
+
+        return Gemma3Model
+    return DecoderModel
+
+
+def _quant_scheme(path: Path, cfg: ModelConfig) -> QuantScheme | None:
+    """A model directory's quantization: gpt-oss's MXFP4 experts are dequantized on load (None here);
+    other quantized mixtures of experts are refused."""
+    config = json.loads((path / "config.json").read_text())
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method == "mxfp4" and cfg.model_type == "gpt_oss":
+        log.info("%s: MXFP4 expert weights, dequantized on load", path)
+        return None
+    scheme = QuantScheme.of(config)
+    if scheme is not None and cfg.moe is not None:
+        raise ValueError(f"quantization method {method!r} is not supported for mixtures of experts "
+                         f"({cfg.model_type}): load its bf16 weights")
+    return scheme
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                max_positions: int | None = None, attention_fn=None, fused: bool = False,
-               tp: TensorParallel = SINGLE, gguf_quantized: bool = False) -> DecoderModel:
+               tp: TensorParallel = SINGLE, gguf_quantized: bool = False,
+               expert_parallel: bool = False) -> DecoderModel:
     """Build a :class:`DecoderModel` from a model directory or a ``.gguf`` file, in eval mode.
 
     ``max_positions`` bounds the rotary tables (default: the config's max_position_embeddings);
@@ -159,6 +187,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     and load this rank's shard only. ``gguf_quantized`` (a ``.gguf`` file, one rank): the layer
     projections keep the file's Q4_1 blocks (:class:`quant.Q4_1Weight`, dequantized per matmul)
     instead of becoming float tensors; embeddings and norms are dequantized as usual.
+    ``expert_parallel``: a mixture of experts' experts are sharded over ``tp``'s ranks instead of
+    sliced (:mod:`workers.engine.moe`).
     """
     path = Path(path)
     if not path.exists():
@@ -172,9 +202,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         cfg = ModelConfig.from_dict(raw)
     else:
         cfg = ModelConfig.from_dict(gguf_config(path)) if gguf else ModelConfig.from_dir(path)
-    scheme = QuantScheme("gguf") if gguf_quantized else None if gguf else QuantScheme.of_dir(path)
+    scheme = QuantScheme("gguf") if gguf_quantized else None if gguf else _quant_scheme(path, cfg)
     with torch.device("meta"):
-        model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, attention_fn, fused, tp)
+        model = model_class(cfg)(cfg, max_positions or cfg.max_position_embeddings, attention_fn, fused, tp,
+                                 expert_parallel=expert_parallel)
     if scheme is not None:  # the projections' weights stay quantized (workers.engine.quant)
         quant.prepare(model)
     if gguf_quantized:

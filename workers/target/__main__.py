@@ -86,6 +86,7 @@ class TargetConfig:
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters loaded at start
     gguf_quantized: bool = False  # a .gguf model's Q4_1 projections stay in the file's blocks
+    enable_expert_parallel: bool = False  # a mixture of experts' experts sharded over the tensor-parallel ranks
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -120,8 +121,7 @@ class TargetConfig:
             raise ValueError("--speculative-eagle-topk and --speculative-num-steps must be >= 0")
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
             raise ValueError("--tensor-parallel-size must be >= 1 and --tensor-parallel-timeout positive")
-        if self.tensor_parallel_size > 1:
-            self._check_shardable()
+        self._check_shardable()
         if self.role not in ("aggregated", "prefill", "decode"):
             raise ValueError(f"--role must be aggregated, prefill or decode, got {self.role!r}")
         if self.role != "aggregated" and self.tensor_parallel_size > 1:
@@ -168,7 +168,8 @@ class TargetConfig:
 
 
     def _check_shardable(self) -> None:
-        """The model's heads and sizes split over the ranks (a model directory's config; a GGUF file
+        """The model is one the engine serves (its config.json parses: family, rope, experts' router),
+        and its heads, sizes and experts split over the ranks (a model directory's config; a GGUF file
         is checked when it loads)."""
         from workers.engine.config import ModelConfig
         from workers.engine.parallel import split_heads, split_range
@@ -176,9 +177,14 @@ class TargetConfig:
         if not (Path(self.model) / "config.json").exists():
             return
         cfg = ModelConfig.from_dir(self.model)
-        for rank in range(self.tensor_parallel_size):
-            split_heads(cfg.num_heads, cfg.num_kv_heads, rank, self.tensor_parallel_size)
-            split_range(cfg.intermediate_size, rank, self.tensor_parallel_size)
+        size = self.tensor_parallel_size
+        for rank in range(size if size > 1 else 0):
+            split_heads(cfg.num_heads, cfg.num_kv_heads, rank, size)
+            split_range(cfg.intermediate_size, rank, size)
+            if cfg.moe is not None and self.enable_expert_parallel:
+                cfg.moe.local_experts(rank, size)
+            elif cfg.moe is not None:
+                split_range(cfg.moe.intermediate_size, rank, size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,7 +304,7 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb,
                         max_loras=max_loras(args.max_loras, len(adapters)), max_lora_rank=args.max_lora_rank,
                         lora_modules=adapters,
-                        gguf_quantized=args.gguf_quantized)
+                        gguf_quantized=args.gguf_quantized, enable_expert_parallel=args.enable_expert_parallel)
 
 
 def lora_module(spec: str) -> tuple[str, str]:
@@ -387,7 +393,7 @@ async def amain(args: argparse.Namespace) -> None:
             drafts = await rt.client("draft", "speculate")
             pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
                              hidden_layers=engine.hidden_layers, tls=client_tls(args),
-                             staged=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1, plane=plane_offer(engine, cfg),
+                             pipelined=cfg.spec_seam == "pipelined" and cfg.tree_topk <= 1, plane=plane_offer(engine, cfg),
                              lanes=cfg.draft_lane == "auto")
         if cfg.role == "decode":
             from workers.target.disagg import DisaggStats, KvReceiver

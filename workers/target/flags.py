@@ -53,6 +53,13 @@ GGUF_QUANTIZED = SharedFlag(("--gguf-quantized",), dict(
     help="with a .gguf --model: keep its Q4_1 layer projections in the file's 4-bit blocks (dequantized per "
          "matmul) instead of float tensors; the demo SmolLM2's projections take 66 MB instead of 425 MB"))
 
+# Mixtures of experts (workers/engine/moe.py)
+ENABLE_EXPERT_PARALLEL = SharedFlag(("--enable-expert-parallel",), dict(
+    action="store_true",
+    help="as vLLM's: with --tensor-parallel-size N, shard a mixture of experts' experts over the N ranks (each "
+         "holds num_experts/N whole experts; num_experts must divide by N) instead of slicing every expert; "
+         "attention stays tensor-parallel (it does nothing at size 1 or on a dense model: the worker says so)"))
+
 
 def max_loras(given: int | None, lora_modules: int) -> int:
     """``--max-loras`` as given, else one slot per adapter of ``--lora-modules``."""
@@ -74,4 +81,5 @@ def gpu_memory_utilization_ignored(given: float | None, device_type: str, num_bl
 
 
 ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, KV_OFFLOAD_HOST_GB,
-                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED)
+                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED,
+                ENABLE_EXPERT_PARALLEL)

@@ -32,6 +32,10 @@ def layer_config(cfg: ModelConfig) -> dict:
         rope_params.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor,
                            high_freq_factor=rope.high_freq_factor,
                            original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.rope_type == "yarn":  # gpt-oss
+        rope_params.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
+                           **{k: getattr(rope, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                              if getattr(rope, k) is not None})
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
@@ -39,6 +43,15 @@ def layer_config(cfg: ModelConfig) -> dict:
             "vocab_size": cfg.vocab_size, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
             "rope_theta": rope.theta, "rope_parameters": rope_params,
             **({"rope_scaling": rope_params} if rope.rope_type != "default" else {})}
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The config of a head trained for ``target``: one Llama layer of the target's width, heads and
+    rope, whatever the target's own layers hold (q/k norms, qkv biases, experts, sinks, sliding
+    windows): exactly what :func:`layer_config` writes and :func:`workers.draft.eagle.load_eagle`
+    reads back, so the head trained is the head served (vLLM's and SpecForge's heads for Qwen3 and
+    MoE targets are Llama layers too)."""
+    return ModelConfig.from_dict(layer_config(target))
 
 
 def save_eagle3(head: Eagle3Head, t2d: torch.Tensor, out_dir: str | Path, *, layers: list[int],

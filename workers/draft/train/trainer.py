@@ -29,7 +29,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ import torch
 from ...engine.config import ModelConfig
 from ..eagle import Eagle3Head, load_eagle, load_target_parts
 from ..spec_heads import save_spec_head
-from .checkpoint import save_eagle3
+from .checkpoint import head_config, save_eagle3
 from .corpus import is_corpus, read_manifest, shard_paths
 from .data import SampleMaker, eagle3_layers, load_samples, rehidden_shards, write_shards
 from .prompts import STYLES, local_prompts, mixed_conversation
@@ -117,9 +117,8 @@ def check_target(path: str | Path, head: str = "eagle3") -> ModelConfig:
     if head != "eagle3":
         return cfg  # Medusa and MLP read the last hidden state of any model our engine runs
     eagle3_layers(cfg.num_layers)
-    if cfg.qk_norm or cfg.qkv_bias:
-        raise ValueError(f"EAGLE-3 training supports Llama-style targets (no q/k norms or qkv biases); "
-                         f"{path} is {cfg.model_type}")
+    if cfg.model_type == "gemma3_text":  # not tried: its scaled embeddings and norms differ from the head's
+        raise ValueError(f"EAGLE-3 training does not support {cfg.model_type} targets yet ({path})")
     return cfg
 
 
@@ -204,9 +203,10 @@ def _shard_names(directory: Path, n: int, shard: int) -> list[Path]:
 
 def build_head(target_cfg: ModelConfig, embed: torch.nn.Embedding, lm_head_weight: torch.Tensor,
                draft_ids: torch.Tensor, d2t: torch.Tensor, max_positions: int, seed: int) -> Eagle3Head:
-    """A fresh head: one Llama layer shaped like the target's, LM head rows copied from the target's."""
+    """A fresh head: one Llama layer shaped like the target's (:func:`.checkpoint.head_config`), LM
+    head rows copied from the target's."""
     torch.manual_seed(seed)
-    head = Eagle3Head(replace(target_cfg, num_layers=1), embed, max_positions, target_cfg.hidden_size,
+    head = Eagle3Head(head_config(target_cfg), embed, max_positions, target_cfg.hidden_size,
                       len(draft_ids), target_cfg.vocab_size, norm_before_residual=True)
     with torch.no_grad():
         for name, p in head.named_parameters():

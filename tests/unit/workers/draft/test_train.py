@@ -274,6 +274,8 @@ def test_targets_it_cannot_train_for_are_one_line_errors(tmp_path, tiny_target):
     (small / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type"):
         check_target(small)
+    (small / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3"}))
+    assert check_target(small).qk_norm  # taken: the head is a Llama layer whatever the target's attention
 
 
 class _quiet:

@@ -33,7 +33,7 @@ def test_rope_parameters_key_and_families():
     ({"model_type": "gpt2"}, "model_type"),
     ({"model_type": "llama", "num_key_value_heads": 3}, "multiple"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type"),
 ])
 def test_unsupported_configs_raise_value_error(change, message):
     with pytest.raises(ValueError, match=message):
