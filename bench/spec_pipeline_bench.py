@@ -296,7 +296,7 @@ async def bench_batch(args, model, batch: int, work: Path) -> list[dict]:
                     rep = {"plain_tok_s": plain["tok_s"], "t_plain": plain["step_s"], "plain_cpu_ms": plain["cpu_ms"],
                            "cost_run": cost * t_plain0 / plain["step_s"]}  # the draft's cost against this repeat's step
                     for seam in ("sync", "pipelined"):
-                        pool = DraftPool("bench-target", "", args.vocab, lambda: [record], staged=seam == "pipelined")
+                        pool = DraftPool("bench-target", "", args.vocab, lambda: [record], pipelined=seam == "pipelined")
                         r = await run_once(engine_for(model, gamma), pool, prompts, tokens, f"{seam}{k}", child.pid)
                         await pool.close()
                         equal = sum(a == b for a, b in zip(r["outputs"], first["outputs"]))

@@ -74,7 +74,7 @@ async def measure(port: int | None, batches: list[int], tokens: int, repeats: in
     if seam != "none":
         record = InstanceRecord("bench-draft", "bench", "draft", "speculate", "", role="draft",
                                 grpc_address=f"127.0.0.1:{port}")
-        pool = DraftPool("bench-target", "", engine.vocab_size, lambda: [record], staged=seam == "pipelined")
+        pool = DraftPool("bench-target", "", engine.vocab_size, lambda: [record], pipelined=seam == "pipelined")
     loop = StepLoop(engine, pool, "bench-target", propose_timeout=2.0)
     loop.start()
     deadline = time.monotonic() + 30

@@ -31,12 +31,12 @@ class DraftMessage(_message.Message):
     def __init__(self, hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("target_id", "model", "vocab_size", "hidden_layers", "staged", "hidden_planes", "hidden_shm", "hidden_size", "hidden_plane_dtype", "lanes")
+    __slots__ = ("target_id", "model", "vocab_size", "hidden_layers", "pipelined", "hidden_planes", "hidden_shm", "hidden_size", "hidden_plane_dtype", "lanes")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    STAGED_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_PLANES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SHM_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -46,23 +46,23 @@ class Hello(_message.Message):
     model: str
     vocab_size: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
-    staged: bool
+    pipelined: bool
     hidden_planes: _containers.RepeatedScalarFieldContainer[str]
     hidden_shm: str
     hidden_size: int
     hidden_plane_dtype: str
     lanes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., staged: _Optional[bool] = ..., hidden_planes: _Optional[_Iterable[str]] = ..., hidden_shm: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_plane_dtype: _Optional[str] = ..., lanes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., pipelined: _Optional[bool] = ..., hidden_planes: _Optional[_Iterable[str]] = ..., hidden_shm: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_plane_dtype: _Optional[str] = ..., lanes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "stages", "hidden_plane", "step_news", "lane", "lane_address", "lane_token")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "pipelined", "hidden_plane", "step_news", "lane", "lane_address", "lane_token")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    STAGES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_PLANE_FIELD_NUMBER: _ClassVar[int]
     STEP_NEWS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
@@ -74,13 +74,13 @@ class HelloAck(_message.Message):
     max_speculative_tokens: int
     hidden_dtype: str
     vocab_size: int
-    stages: bool
+    pipelined: bool
     hidden_plane: str
     step_news: bool
     lane: str
     lane_address: str
     lane_token: bytes
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stages: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ..., lane: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., pipelined: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ..., lane: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")

@@ -2,14 +2,15 @@
 across every sequence of every stream.
 
 Each stream reads TargetMessages (a target step's ``step`` news is its ``verify``, ``release`` and
-``propose`` batches in that order, in one message): ``propose`` batches are queued for the shared
-batcher, ``verify`` batches and ``release`` batches go straight to the proposer (in arrival order relative to
-proposals, through the same queue, so a verdict is never applied after a later proposal), and so do
-new head weights from online distillation (:meth:`DraftService.swap_weights`). The
-batcher takes everything queued, runs one ``propose`` call in a worker thread (model-based
-proposers run torch there, off the event loop) and routes each proposal back to its stream.
+``propose`` batches in that order, in one message) and queues them, in arrival order, as typed work
+(:mod:`.work`: :class:`~.work.Requests`, :class:`~.work.Verdicts`, :class:`~.work.Release`) for the
+one batcher, with new head weights from online distillation (:class:`~.work.Weights`,
+:meth:`DraftService.swap_weights`). The batcher takes everything queued, applies verdicts and
+releases in order, runs one ``propose`` call for the requests between them, and routes each proposal
+back to its stream; where the proposer's work runs (the event loop or a worker thread) is
+:class:`~.work.ProposerCalls`'s to say.
 
-A target that runs the pipelined seam (``Hello.staged``) gets, from a proposer that stages
+A target that runs the pipelined seam (``Hello.pipelined``) gets, from a proposer that stages
 (ngram, suffix and EAGLE drafting chains, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
 (:class:`.stager.Stager`): the news of everything queued is applied in order, then, once per
 sequence, a proposal from its committed tokens if none streamed fits them, and staged proposals for
@@ -22,7 +23,7 @@ can (same host), else takes streamed chunks, and resolves each message's descrip
 the message is read, in order, before anything is queued. Proposers run torch in a worker thread
 only: proposals, verdicts (a head's projection of the hidden states), releases and new weights; a
 pure-Python proposer that drafts in microseconds (:attr:`.proposer.Proposer.on_loop`: n-gram,
-suffix) is called on the event loop instead, where a thread hop each way would cost more than it.
+suffix) is called on the event loop instead (:class:`~.work.ProposerCalls`).
 
 A target on this host may take the service's fast lane (:mod:`workers.speculation.lane`): the
 service listens on one Unix-domain socket, hands each stream a token in its HelloAck, and once the
@@ -35,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +45,6 @@ import grpc
 
 from proto import spec_pb2, spec_pb2_grpc
 
-from ..openmp import torch_thread
 from ..speculation.convert import draft_input_from_pb, draft_output_to_pb, verify_from_pb
 from ..speculation import lane
 from ..speculation.hidden_plane import PlaneReader, open_reader
@@ -54,6 +53,7 @@ from ..speculation.tree import tree_depths
 from .metrics import DraftStats
 from .proposer import DraftInput, Proposer
 from .stager import Stager
+from .work import News, ProposerCalls, Release, Requests, Verdicts, Weights, Work
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 class _Stream:
     target_id: str
     out: asyncio.Queue  # DraftMessage or None (end), for the gRPC stream
-    staged: bool = False  # the target runs the pipelined seam and the proposer stages
+    pipelined: bool = False  # the stream's seam, agreed at its handshake: the target asked and the proposer stages
     plane: PlaneReader | None = None  # the hidden-state data plane agreed at the handshake (None: inline)
     lane: LaneProtocol | None = None  # the fast lane the target bound (None: everything on gRPC)
     lane_token: bytes = b""  # the token the target binds the lane with (until it does)
@@ -95,9 +95,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
                  alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None):
         self.proposer = proposer
-        # the proposer's torch work, on one thread (the one that loaded it, when given): workers.openmp
-        self._executor = executor
-        self._own_executor: ThreadPoolExecutor | None = None
+        self._calls = ProposerCalls(proposer.on_loop, executor)  # where the proposer's work runs
         # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
         self.stager = Stager(proposer, alternatives) if proposer.stages else None
         # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
@@ -107,7 +105,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._full_rate: dict[str, float] = {}  # seq id -> moving average of whole proposals accepted
         self.draft_id = draft_id
         self.max_speculative_tokens = max_speculative_tokens
-        self._work: asyncio.Queue = asyncio.Queue()  # (kind, stream, payload)
+        self._work: asyncio.Queue[Work] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.streams: dict[int, _Stream] = {}
         self.stats = DraftStats()
@@ -128,9 +126,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         if self._lanes is not None:
             await self._lanes.close()
             self._lanes = None
-        if self._own_executor is not None:
-            self._own_executor.shutdown(wait=False)
-            self._own_executor = None
+        self._calls.close()
 
     async def _run(self) -> None:
         while True:
@@ -143,84 +139,74 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     await self._draft_ahead()
             except Exception:
                 log.exception("draft batch failed; answering with empty proposals")
-                for kind, stream, payload in items:
+                for item in items:
                     # empty proposals: the target decodes these rounds plainly (a pipelined one waits for nothing)
-                    if kind == "propose" and not stream.staged:
-                        empty = [spec_pb2.Proposal(seq_id=d.seq_id, round=d.round) for d in payload]
-                        stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
+                    if isinstance(item, Requests) and not item.stream.pipelined:
+                        empty = [spec_pb2.Proposal(seq_id=d.seq_id, round=d.round) for d in item.inputs]
+                        item.stream.send(spec_pb2.DraftMessage(proposals=spec_pb2.ProposalBatch(proposals=empty)))
 
-    async def _process(self, items) -> None:
-        # Verdicts and releases that arrived before proposals apply first, in order. News for staged
-        # streams is queued in order (``news``) and drafted on once per sequence at the end.
-        batch: list[tuple[_Stream, DraftInput]] = []
-        news: list[tuple[str, object]] = []
+    async def _process(self, items: list[Work]) -> None:
+        # Verdicts and releases that arrived before requests apply first, in order. News of pipelined
+        # streams is kept in order (``news``) and drafted on once per sequence at the end (_stage).
+        batch: list[tuple[_Stream, DraftInput]] = []  # synchronous streams' requests: one propose call
+        news: list[News] = []
         staged: dict[str, tuple[_Stream, DraftInput]] = {}
-        for kind, stream, payload in items:
-            if kind == "propose" and stream.staged:
-                news.extend(("commit", d) for d in payload)
-                staged.update((d.seq_id, (stream, d)) for d in payload)
+        for item in items:
+            if isinstance(item, Requests | Verdicts) and item.stream.pipelined:
+                news.append(item)
+                if isinstance(item, Requests):
+                    staged.update((d.seq_id, (item.stream, d)) for d in item.inputs)
+                else:
+                    self._note_verdicts(item.results)
                 continue
-            if kind == "verify" and stream is not None and stream.staged:
-                news.append(("verify", payload))
-                self._note_verdicts(payload)
-                continue
-            if kind == "propose":
-                batch.extend((stream, d) for d in payload)
+            if isinstance(item, Requests):
+                batch.extend((item.stream, d) for d in item.inputs)
                 continue
             if batch:
                 await self._propose(batch)
                 batch = []
-            if kind == "verify":  # torch (a head's projection) runs off the event loop, as proposals do
-                await self._run_proposer(self.proposer.verified, payload)
-                self._note_verdicts(payload)
-            elif kind == "weights":  # between two proposal batches, never during one
-                try:
-                    await self._run_proposer(self.proposer.load_weights, payload)
-                except Exception:
-                    log.exception("new head weights not taken; serving goes on with the old ones")
-                else:
-                    self._ahead.clear()  # tails drafted with the old weights are gone
-                    self.stats.weight_swaps += 1
-            else:
-                if news:  # what was heard of these sequences before they ended must not revive them
-                    gone = set(payload)
-                    news = [("commit", x) if kind == "commit" else ("verify", [r for r in x if r.seq_id not in gone])
-                            for kind, x in news if kind != "commit" or x.seq_id not in gone]
-                    for seq_id in gone:
-                        staged.pop(seq_id, None)
-                await self._run_proposer(self.stager.release if self.stager is not None else self.proposer.release,
-                                        payload)
-                for seq_id in payload:
-                    self._ahead.pop(seq_id, None)
-                    self._proposed.pop(seq_id, None)
-                    self._full_rate.pop(seq_id, None)
+            match item:
+                case Verdicts(results=results):  # torch (a head's projection) runs where proposals do
+                    await self._calls.run(self.proposer.verified, results)
+                    self._note_verdicts(results)
+                case Weights(state=state):  # between two proposal batches, never during one
+                    try:
+                        await self._calls.run(self.proposer.load_weights, state)
+                    except Exception:
+                        log.exception("new head weights not taken; serving goes on with the old ones")
+                    else:
+                        self._ahead.clear()  # tails drafted with the old weights are gone
+                        self.stats.weight_swaps += 1
+                case Release(seq_ids=seq_ids):
+                    if news:  # what was heard of these sequences before they ended must not revive them
+                        gone = set(seq_ids)
+                        news = [x.without(gone) for x in news]
+                        for seq_id in gone:
+                            staged.pop(seq_id, None)
+                    await self._calls.run(self.stager.release if self.stager is not None else self.proposer.release,
+                                          seq_ids)
+                    for seq_id in seq_ids:
+                        self._ahead.pop(seq_id, None)
+                        self._proposed.pop(seq_id, None)
+                        self._full_rate.pop(seq_id, None)
         if batch:
             await self._propose(batch)
         if news or staged:
             await self._stage(news, staged)
 
-    async def _stage(self, news: list[tuple[str, object]], streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
+    async def _stage(self, news: list[News], streams: dict[str, tuple[_Stream, DraftInput]]) -> None:
         """Pipelined seam: apply the news in order, answer the sequences nothing streamed fits, then
         stream staged proposals for the outcomes of what each verifies next (see :mod:`.stager`)."""
         stager = self.stager
 
-        def apply_and_draft() -> tuple[list, list[str]]:
-            for kind, x in news:
-                if kind == "commit":
-                    stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length, x.hidden_states,
-                                  x.sampling.greedy)
-                else:
-                    stager.verified(x)
-            # one drafting call: answers for the sequences nothing fits, the others' outcomes staged
-            return stager.answer_and_stage(list(streams))
-
-        started = time.perf_counter()
-        # A model's drafting call takes a while: what each call drafted leaves at once, and as soon
-        # as it exists: a drafter paying per depth says so before its last pass, whose tokens only
-        # guess what follows (``Stager.early``). A proposer on the loop takes microseconds: all of it
-        # leaves as one message, one read for the target.
-        each = not self.proposer.on_loop
+        # A model's drafting call (in the worker thread) takes a while: what each call drafted leaves
+        # at once, and as soon as it exists: a drafter paying per depth says so before its last pass,
+        # whose tokens only guess what follows; the stager then hands them to ``send_early``. A
+        # proposer on the loop takes microseconds: all of it leaves as one message, one read for the
+        # target.
+        each = not self._calls.on_loop
         early: set[int] = set()  # ids of the proposals that left before their call returned
+        send_early = None
         if each:
             loop = asyncio.get_running_loop()
 
@@ -228,31 +214,38 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 early.update(id(p) for p in proposals)
                 loop.call_soon_threadsafe(self._send_now, proposals, streams)
 
-            stager.early = send_early
+        def apply_and_draft() -> tuple[list, list[str]]:
+            for item in news:
+                if isinstance(item, Requests):
+                    for x in item.inputs:
+                        stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length, x.hidden_states,
+                                      x.sampling.greedy)
+                else:
+                    stager.verified(item.results)
+            # one drafting call: answers for the sequences nothing fits, the others' outcomes staged
+            return stager.answer_and_stage(list(streams), send_early)
 
         async def send_rest(proposals: list) -> None:  # what each call drafted and did not send early
             if each:
                 await self._send_staged([p for p in proposals if id(p) not in early], streams)
 
-        try:
-            staged, answered = await self._run_proposer(apply_and_draft)
-            await send_rest(staged)
-            # Their answers exist now: stage what verifying them may lead to, unless news is waiting.
-            # Then this stager is behind the target, and a second drafting call would put it further
-            # behind (and a late stager drafts spare tokens, so each call gets longer: at batch 8 on
-            # two cores such a draft stayed steps late for whole runs); the answers' outcomes are
-            # staged with it.
-            if answered and self._work.empty():
-                more = await self._run_proposer(stager.stage, answered)
-                await send_rest(more)
-                staged += more
-            # no news yet: one level further for the likeliest outcome, if it is behind
-            if self._work.empty() and stager.behind(list(streams)):
-                ahead = await self._run_proposer(stager.stage_ahead, list(streams))
-                await send_rest(ahead)
-                staged += ahead
-        finally:
-            stager.early = None
+        started = time.perf_counter()
+        staged, answered = await self._calls.run(apply_and_draft)
+        await send_rest(staged)
+        # Their answers exist now: stage what verifying them may lead to, unless news is waiting.
+        # Then this stager is behind the target, and a second drafting call would put it further
+        # behind (and a late stager drafts spare tokens, so each call gets longer: at batch 8 on
+        # two cores such a draft stayed steps late for whole runs); the answers' outcomes are
+        # staged with it.
+        if answered and self._work.empty():
+            more = await self._calls.run(stager.stage, answered, send_early)
+            await send_rest(more)
+            staged += more
+        # no news yet: one level further for the likeliest outcome, if it is behind
+        if self._work.empty() and stager.behind(list(streams)):
+            ahead = await self._calls.run(stager.stage_ahead, list(streams), send_early)
+            await send_rest(ahead)
+            staged += ahead
         if not each:
             await self._send_staged(staged, streams)
         stats = self.stats
@@ -286,20 +279,10 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                     for stream in queued:
                         await stream.out.join()
 
-    async def _run_proposer(self, fn, *args):
-        """``fn(*args)`` in a worker thread (torch, off the event loop), or here for a proposer that
-        drafts on the loop (:attr:`Proposer.on_loop`)."""
-        if self.proposer.on_loop:
-            return fn(*args)
-        executor = self._executor
-        if executor is None:
-            executor = self._own_executor = self._own_executor or torch_thread("draft-torch")
-        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
-
     def swap_weights(self, state) -> None:
         """Queue new head weights (online distillation): the proposer takes them between proposal
         batches, in order with the proposals and verdicts around them. Call on the event loop."""
-        self._work.put_nowait(("weights", None, state))
+        self._work.put_nowait(Weights(state))
 
     async def _draft_ahead(self) -> None:
         # γ drafts + a guess of the target's bonus token + γ drafts for the next round.
@@ -308,7 +291,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             by_gamma.setdefault(2 * gamma + 1, []).append(seq_id)
         self._ahead.clear()
         for length, seq_ids in by_gamma.items():
-            await self._run_proposer(self.proposer.predraft, seq_ids, length)
+            await self._calls.run(self.proposer.predraft, seq_ids, length)
         self.stats.drafted_ahead += 1
 
     def _note_verdicts(self, results) -> None:
@@ -327,7 +310,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             self._ahead.update((d.seq_id, d.chain_length) for d in inputs
                                if d.chain_length > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         started = time.perf_counter()
-        outputs = await self._run_proposer(self.proposer.propose, inputs)
+        outputs = await self._calls.run(self.proposer.propose, inputs)
         stats = self.stats
         stats.latency.observe(time.perf_counter() - started)
         stats.batch_size.observe(len(inputs))
@@ -365,7 +348,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             self.streams.pop(id(stream), None)
             self._end_lane(stream)
             if stream.seqs:  # the target went away: forget its sequences
-                self._work.put_nowait(("release", stream, sorted(stream.seqs)))
+                self._work.put_nowait(Release(stream, sorted(stream.seqs)))
                 stream.seqs.clear()
             if stream.plane is not None:  # waits for a resolve in progress (PlaneReader's lock)
                 stream.plane.close()
@@ -442,16 +425,16 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
             stream.seqs.add(d.seq_id)
             inputs.append(d)
-        self._work.put_nowait(("propose", stream, await self._with_rows(stream, inputs)))
+        self._work.put_nowait(Requests(stream, await self._with_rows(stream, inputs)))
 
     async def _on_verify(self, stream: _Stream, batch: spec_pb2.VerifyBatch) -> None:
         self.stats.hidden_bytes += sum(len(t.data) for o in batch.outcomes for t in o.hidden_states)
         results = [verify_from_pb(o) for o in batch.outcomes]
-        self._work.put_nowait(("verify", stream, await self._with_rows(stream, results)))
+        self._work.put_nowait(Verdicts(stream, await self._with_rows(stream, results)))
 
     def _on_release(self, stream: _Stream, batch: spec_pb2.ReleaseBatch) -> None:
         stream.seqs.difference_update(batch.seq_ids)
-        self._work.put_nowait(("release", stream, list(batch.seq_ids)))
+        self._work.put_nowait(Release(stream, list(batch.seq_ids)))
 
     async def _read(self, request_iterator, stream: _Stream) -> None:
         try:
@@ -472,21 +455,21 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 raise ValueError("Hello on the lane")
             hello = msg.hello
             stream.target_id = hello.target_id
-            stream.staged = hello.staged and self.stager is not None
+            stream.pipelined = hello.pipelined and self.stager is not None
             if stream.plane is not None:
                 stream.plane.close()
             plane, stream.plane = open_reader(hello.hidden_planes, hello.hidden_shm, self.proposer.hidden_layers,
                                               hello.hidden_size, hello.hidden_plane_dtype)
             token = self._lane_for(stream, hello)
             log.info("target %s connected (model %s, %s seam, hidden states %s%s)", stream.target_id,
-                     hello.model, "pipelined" if stream.staged else "synchronous",
+                     hello.model, "pipelined" if stream.pipelined else "synchronous",
                      f"on plane {plane}" if plane else "inline", ", fast lane offered" if token else "")
             stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
                 draft_id=self.draft_id, method=self.proposer.method,
                 hidden_layers=self.proposer.hidden_layers,
                 max_speculative_tokens=self.max_speculative_tokens,
                 hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
-                stages=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
+                pipelined=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
                 lane=lane.UNIX if token else "", lane_address=self._lanes.address if token else "",
                 lane_token=token)))
         elif body == "hidden_rows":

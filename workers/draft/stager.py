@@ -67,6 +67,9 @@ class Chain:
 
 
 Ready = Callable[[list[Chain]], None]  # the chains so far, in the branches' order
+# Where a drafting call's proposals go the moment they exist, before the call returns (see Stager._draft);
+# called in the drafting thread
+Early = Callable[[list[DraftOutput]], None]
 
 
 class Drafter(Protocol):
@@ -125,9 +128,6 @@ class Stager:
             raise ValueError(f"alternatives must be >= 0, got {alternatives}")
         self.drafter = drafter
         self.alternatives = alternatives
-        # where proposals go the moment they exist, before their drafting call returns (the draft
-        # service sets it while it stages); None: they are returned only
-        self.early: Callable[[list[DraftOutput]], None] | None = None
         self._seqs: dict[str, _Seq] = {}
         self.answered = 0  # proposals drafted from the committed tokens (nothing streamed fitted)
         self.staged = 0  # staged proposals streamed
@@ -182,10 +182,10 @@ class Stager:
         guess, it verifies this one next). The likeliest such one: the latest drafted."""
         return next((s for s in reversed(seq.sent) if one_ahead(s.prop, seq.tokens)), None)
 
-    def answer(self, seq_ids: list[str]) -> list[DraftOutput]:
+    def answer(self, seq_ids: list[str], early: Early | None = None) -> list[DraftOutput]:
         """Proposals from the committed tokens for the sequences none of whose streamed proposals fits
-        now or, likely, after the plain step the target takes meanwhile."""
-        out = self._draft(self._answers(seq_ids))
+        now or, likely, after the plain step the target takes meanwhile (``early``: see :meth:`_draft`)."""
+        out = self._draft(self._answers(seq_ids), early=early)
         self.answered += len(out)
         return out
 
@@ -202,7 +202,7 @@ class Stager:
                 todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
         return todo
 
-    def answer_and_stage(self, seq_ids: list[str]) -> tuple[list[DraftOutput], list[str]]:
+    def answer_and_stage(self, seq_ids: list[str], early: Early | None = None) -> tuple[list[DraftOutput], list[str]]:
         """:meth:`answer` for the sequences that need one and :meth:`stage` for the others, in one
         drafting call (a model-based drafter: one batched pass per depth for all their branches), so
         that one sequence's late proposal does not hold back the others' staged ones. Returns the
@@ -210,7 +210,7 @@ class Stager:
         :meth:`stage` them next)."""
         answers = self._answers(seq_ids)
         asked = list(dict.fromkeys(item[0] for item in answers))
-        out = self._draft(answers + self._stagings([s for s in seq_ids if s not in set(asked)]))
+        out = self._draft(answers + self._stagings([s for s in seq_ids if s not in set(asked)]), early=early)
         answered = sum(1 for p in out if p.seq_id in set(asked))
         self.answered += answered
         self.staged += len(out) - answered
@@ -222,9 +222,9 @@ class Stager:
             seq.lag = seq.round - seq.drafted_round
         seq.drafted_round = seq.round
 
-    def stage(self, seq_ids: list[str]) -> list[DraftOutput]:
+    def stage(self, seq_ids: list[str], early: Early | None = None) -> list[DraftOutput]:
         """Staged proposals for the outcomes of the proposal each sequence verifies next (once per proposal)."""
-        out = self._draft(self._stagings(seq_ids))
+        out = self._draft(self._stagings(seq_ids), early=early)
         self.staged += len(out)
         return out
 
@@ -251,7 +251,7 @@ class Stager:
         return any((seq := self._seqs.get(s)) is not None and seq.likely is not None and not seq.likely[0].staged
                    and seq.lag > 1 for s in seq_ids)
 
-    def stage_ahead(self, seq_ids: list[str]) -> list[DraftOutput]:
+    def stage_ahead(self, seq_ids: list[str], early: Early | None = None) -> list[DraftOutput]:
         """One level further, before any news: for each sequence the stager is late for (its lag over
         one step), the outcomes of its likeliest staged proposal (the one after a fully accepted round,
         the bonus guessed by the draft itself), so that they are out in time when that is what happens."""
@@ -264,7 +264,7 @@ class Stager:
             sent, extra = likely
             seq.likely = None
             todo += self._outcomes(seq_id, seq, sent, 0, extra, sent.expect)
-        out = self._draft(todo, remember=False)  # one level ahead of what is in use, not more
+        out = self._draft(todo, remember=False, early=early)  # one level ahead of what is in use, not more
         self.staged += len(out)
         return out
 
@@ -304,17 +304,18 @@ class Stager:
                 todo.append((seq_id, Branch(seq_id, pre + tuple(x), size + 1, self.alternatives), True, spare, True))
         return todo
 
-    def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]], remember: bool = True) -> list[DraftOutput]:
+    def _draft(self, todo: list[tuple[str, Branch, bool, int, bool]], remember: bool = True,
+               early: Early | None = None) -> list[DraftOutput]:
         """Draft the branches in one call; ``guess_first``: the chain's first token is the guess of the
         bonus token (part of the assumed prefix), the proposal what follows it; ``likely``: the
         likeliest outcome's branch, which :meth:`stage_ahead` goes on from (when ``remember``).
-        With :attr:`early` set, a drafter that says its chains are ready before its last pass (the
-        last drafted token of each only guesses what follows, and is not streamed) has the
-        proposals sent then; the call's full chains complete them when it returns."""
+        With ``early``, a drafter that says its chains are ready before its last pass (the last
+        drafted token of each only guesses what follows, and is not streamed) has the proposals
+        handed to ``early`` then, from the drafting thread; the call's full chains complete them when
+        it returns."""
         if not todo:
             return []
         made: list[tuple[int, _Sent]] = []
-        early = self.early
         if early is None:
             chains = self.drafter.draft_branches([item[1] for item in todo])
         else:

@@ -5,12 +5,14 @@ offers (:func:`workers.speculation.checks.hello_ack_problem`): an incompatible d
 (:class:`IncompatibleDraft`) before anything of the target changes. It then sends batched proposal
 requests and verdicts, already converted to protobuf on the engine's thread, and matches
 proposals to requests by (sequence id, round); a proposal for anything else is counted
-(``stray``) and ignored. Under the pipelined seam (the target asks for it with ``staged`` and the
-draft announces ``stages``) nothing is matched or awaited: every proposal the draft streams goes to
-an inbox the step loop empties at each step (:meth:`DraftClient.take`) and the engine reconciles
-(:mod:`workers.speculation.staging`). Any stream failure marks the client broken; every pending and later
-round then returns no proposals at once, so the target keeps decoding plainly. Which draft worker
-a target streams to, and when it opens a new client, is :mod:`.draft_pool`'s.
+(``stray``) and ignored. Under the pipelined seam (the target asks for it in ``Hello.pipelined``
+and the draft serves it, ``HelloAck.pipelined``) nothing is matched or awaited: every proposal the
+draft streams goes to an inbox the step loop empties at each step (:meth:`DraftClient.take`) and the
+engine reconciles (:mod:`workers.speculation.staging`). The handshake fixes the seam for the
+stream's lifetime: :attr:`DraftClient.seam` (:mod:`.seam`), the object the step loop talks through.
+Any stream failure marks the client broken; every pending and later round then returns no proposals
+at once, so the target keeps decoding plainly. Which draft worker a target streams to, and when it
+opens a new client, is :mod:`.draft_pool`'s.
 
 Hidden states: the target offers data planes in its Hello (:mod:`workers.speculation.hidden_plane`:
 a shared-memory ring made for this stream, and streamed chunks); the draft's HelloAck picks one, and
@@ -40,6 +42,7 @@ from ..speculation import lane
 from ..speculation.hidden_plane import PlaneOffer, PlaneWriter, Ring, RowLayout, distinct, make_ring
 from ..speculation.lane import LaneProtocol
 from ..speculation.payloads import DraftInput, DraftOutput
+from .seam import PipelinedSeam, Seam, SynchronousSeam
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class DraftClient:
     """A bidirectional stream to one draft worker."""
 
     def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
-                 tls: ClientTls | None = None, staged: bool = False, plane: PlaneOffer | None = None,
+                 tls: ClientTls | None = None, pipelined: bool = False, plane: PlaneOffer | None = None,
                  lanes: bool = True):
         self.target_id = target_id
         self._offer_lanes = lanes and lane.available()  # offer the draft a fast lane (workers.speculation.lane)
@@ -68,8 +71,8 @@ class DraftClient:
         self._offer = plane if plane is not None and hidden_layers else None  # hidden-state planes offered
         self._segment = None  # the ring's segment from Hello until HelloAck says whether the draft took it
         self.plane: PlaneWriter | None = None  # the plane agreed at the handshake (None: inline Tensors)
-        self.staged = staged  # this target runs the pipelined seam when the draft stages
-        self.pipelined = False  # both sides agreed on it at the handshake
+        self._ask_pipelined = pipelined  # ask the draft for the pipelined seam (it may serve the synchronous one)
+        self.seam: Seam | None = None  # the seam agreed at the handshake, for the stream's lifetime
         self.step_news = False  # the draft takes a step's news as one StepNews message (HelloAck.step_news)
         self._inbox: list[DraftOutput] = []  # pipelined: proposals streamed since the last take()
         self.tls = tls
@@ -104,7 +107,7 @@ class DraftClient:
         self._segment = segment
         self._outgoing.put_nowait(spec_pb2.TargetMessage(hello=spec_pb2.Hello(
             target_id=self.target_id, model=self.model, vocab_size=self.vocab_size, hidden_layers=self._offered_layers,
-            staged=self.staged, hidden_planes=planes, hidden_shm=segment.name if segment else "",
+            pipelined=self._ask_pipelined, hidden_planes=planes, hidden_shm=segment.name if segment else "",
             hidden_size=offer.hidden if planes else 0, hidden_plane_dtype=offer.dtype if planes else "",
             lanes=[lane.UNIX] if self._offer_lanes else [])))
         try:
@@ -122,14 +125,15 @@ class DraftClient:
         self.method = ack.method
         self.hidden_layers = list(ack.hidden_layers)
         self.hidden_dtype = ack.hidden_dtype
-        self.pipelined = self.staged and ack.stages
         self.step_news = ack.step_news
         self.plane = self._plane(ack.hidden_plane, planes)
+        seam = PipelinedSeam if self._ask_pipelined and ack.pipelined else SynchronousSeam
+        self.seam = seam(self, self.plane)
         if ack.lane == lane.UNIX and self._offer_lanes:
             await self._connect_lane(ack.lane_address, ack.lane_token)
         self._reader = asyncio.create_task(self._read(), name=f"draft-stream {self.draft_id}")
         log.info("speculating with draft worker %s (%s, %s seam, hidden states %s, messages %s) at %s", self.draft_id,
-                 self.method, "pipelined" if self.pipelined else "synchronous",
+                 self.method, "pipelined" if self.seam.pipelined else "synchronous",
                  f"on plane {self.plane.kind}" if self.plane else "inline",
                  "on a fast lane" if self.lane is not None else "on gRPC", self.instance.grpc_address)
 
@@ -214,7 +218,7 @@ class DraftClient:
         """A message from the draft (on gRPC or the lane): proposals to the inbox or their futures."""
         if msg.WhichOneof("body") != "proposals":
             return
-        if self.pipelined:
+        if self.seam.pipelined:
             self._inbox.extend(draft_output_from_pb(p) for p in msg.proposals.proposals)
             if len(self._inbox) > INBOX_MAX:  # nobody takes them (an idle target): keep the newest
                 self.stray += len(self._inbox) - INBOX_MAX
@@ -270,7 +274,7 @@ class DraftClient:
     def _futures(self, requests: list[spec_pb2.ProposeRequest]) -> dict[str, asyncio.Future]:
         """Synchronous seam: a future per requested sequence, resolved by its proposal (None: the
         stream broke). Pipelined: none, the proposals arrive in the inbox."""
-        if self.pipelined or not requests:
+        if self.seam.pipelined or not requests:
             return {}
         loop = asyncio.get_running_loop()
         futures = {}

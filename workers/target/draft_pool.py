@@ -43,13 +43,13 @@ class DraftPool:
 
     def __init__(self, target_id: str, model: str, vocab_size: int,
                  instances: Callable[[], list[InstanceRecord]], hidden_layers=(), tls: ClientTls | None = None,
-                 staged: bool = False, plane: PlaneOffer | None = None, lanes: bool = True):
+                 pipelined: bool = False, plane: PlaneOffer | None = None, lanes: bool = True):
         self._target_id = target_id
         self._lanes = lanes  # offer drafts a fast lane
         self._preferred_of: tuple[str, ...] = ()  # the candidates _preferred last chose among, and its choice
         self._preferred_id = ""
         self._plane = plane  # hidden-state planes offered to drafts (None: inline Tensors only)
-        self._staged = staged  # ask drafts for the pipelined seam
+        self._pipelined = pipelined  # ask drafts for the pipelined seam
         self._tls = tls
         self._model = model
         self._vocab = vocab_size
@@ -133,7 +133,7 @@ class DraftPool:
             return None
         choice = self._preferred(candidates)
         client = DraftClient(self._target_id, self._model, self._vocab, choice, self._hidden_layers, self._tls,
-                             self._staged, self._plane, self._lanes)
+                             self._pipelined, self._plane, self._lanes)
         try:
             await client.connect()
         except IncompatibleDraft as exc:

@@ -2,13 +2,14 @@
 
 Only the engine's thread touches torch or the engine. Each iteration of :meth:`StepLoop._run`:
 
-1. takes the draft's proposals. Synchronous seam: waits (bounded by
-   :class:`.draft_watch.DraftWatch`'s deadline, judged from the target's own step time) for the
-   proposals asked for at the end of the previous cycle; the event loop keeps serving meanwhile.
-   Pipelined seam (the draft streams proposals ahead, see :mod:`workers.speculation.staging`):
-   takes whatever has arrived and waits for nothing; the engine uses, per sequence, a proposal that
-   fits its committed tokens, and a sequence with none decodes plainly this step. The draft stream
-   comes from :meth:`DraftPool.poll`, which never waits for a stream to open;
+1. takes the draft's proposals through the stream's seam (:mod:`.seam`, chosen at its handshake).
+   Synchronous seam: waits (bounded by :class:`.draft_watch.DraftWatch`'s deadline, judged from the
+   target's own step time) for the proposals asked for at the end of the previous cycle; the event
+   loop keeps serving meanwhile. Pipelined seam (the draft streams proposals ahead, see
+   :mod:`workers.speculation.staging`): takes whatever has arrived and waits for nothing; the engine
+   uses, per sequence, a proposal that fits its committed tokens, and a sequence with none decodes
+   plainly this step. The draft stream comes from :meth:`DraftPool.poll`, which never waits for a
+   stream to open;
 2. runs one *cycle* in the loop's one executor thread (:meth:`StepLoop.run_cycle`): the commands
    queued by request handlers (:class:`AddRequest`, :class:`AbortRequest`, :class:`EngineCall`),
    the engine step, the verdicts and the next round's proposal requests, already converted to
@@ -18,8 +19,8 @@ Only the engine's thread touches torch or the engine. Each iteration of :meth:`S
    then have a proposal for a request's first decode step, its first token a guess of the
    prefill's;
 3. on the event loop again: sends verdicts, released sequences and the next round's requests to
-   the draft stream first (one message, :meth:`DraftClient.news`; pipelined, then one turn of the
-   event loop: gRPC takes it, or on a fast lane, where it is written at once, a fast draft's answer
+   the draft stream first (one message, the seam's ``news``; pipelined, then one turn of the event
+   loop: gRPC takes it, or on a fast lane, where it is written at once, a fast draft's answer
    may come in before the next step), so that the draft works while the loop delivers token deltas
    to the requests' queues and KV events to their publisher.
 
@@ -54,6 +55,7 @@ from ..speculation.staging import StagedUse
 from .draft_client import DraftClient
 from .draft_pool import DraftPool
 from .draft_watch import DraftWatch
+from .seam import Proposals
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class DraftContext:
     layers: tuple[int, ...]
     dtype: str
     ask: bool
-    pipelined: bool = False  # the pipelined seam: proposals streamed ahead, nothing awaited
+    pipelined: bool = False  # the stream's seam, fixed at its handshake: proposals streamed ahead, none awaited
     plane: object = None  # the hidden-state data plane's writer (workers.speculation.hidden_plane); None: inline
     # pipelined, a draft that reads no hidden states: sends requests (converted) on the stream from the
     # engine's thread, ahead of the cycle's news (new requests' prompts, before their prefill)
@@ -151,15 +153,11 @@ class StepLoop:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._has_work = False
-        self._client: DraftClient | None = None  # the stream the pending round went to
-        self._pending: dict[str, asyncio.Future] = {}  # the round of proposals asked for
-        self._asked = self._arrived = 0  # the latest collected round: sequences asked, proposals in time
-        self._streamed = 0  # pipelined: sequences asked at the end of the previous cycle
+        self._client: DraftClient | None = None  # the stream the latest news went to (its seam holds the round)
         self._draft_id = ""
         self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
         self._last_asked = False  # proposals were asked for the previous cycle's step
-        self._early: tuple[object, Callable[[list], None]] | None = None  # a draft stream, and DraftContext.early for it
         self._failures_in_a_row = 0
         self.steps = 0
         self.busy_seconds = 0.0  # time in iterations with work (waiting for proposals included)
@@ -266,29 +264,31 @@ class StepLoop:
             except Exception as exc:  # a bug outside the engine step: fail what is open, keep serving
                 self.loop_errors += 1
                 log.exception("target step loop: iteration failed; failing its open requests")
-                self._pending = {}
+                self._forget_round()
                 for rid in list(self._queues):
                     self._fail(rid, EngineFailed(f"target step loop failed: {exc!r}"))
                     self._commands.append(AbortRequest(rid))
 
     async def _iteration(self) -> None:
         if not self._commands and not self._has_work:
-            self._pending = {}  # proposals for sequences that are gone: not worth waiting for
+            self._forget_round()  # proposals for sequences that are gone: not worth waiting for
             self._wake.clear()
             await self._wake.wait()
             return
         started = time.perf_counter()
-        client = self._client
-        if client is not None and getattr(client, "pipelined", False):
-            # the last step's verdicts and round requests leave before this step takes the interpreter
-            await client.flush(FLUSH_TIMEOUT)  # (normally taken already: see after the cycle)
-            self.draft_flush_seconds += time.perf_counter() - started
-        proposals = await self._collect()
+        proposals = Proposals()
+        if self._client is not None:
+            seam = self._client.seam
+            # pipelined: the last step's verdicts and round requests leave before this step takes the
+            # interpreter (normally taken already: see after the cycle)
+            self.draft_flush_seconds += await seam.flush(FLUSH_TIMEOUT)
+            proposals = await seam.collect(self.watch.deadline())
+            self.draft_wait_seconds += proposals.waited
         context = await self._draft_context()
         commands = list(self._commands)
         self._commands.clear()
         loop = asyncio.get_running_loop()
-        asked = self._asked > 0  # a round was asked for this cycle's step (late or not)
+        asked = proposals.asked > 0  # a round was asked for this cycle's step (late or not)
         cycle = await loop.run_in_executor(self._executor, self.run_cycle, commands, proposals, context,
                                            self._last_cycle, self._last_asked)
         self._has_work = cycle.has_work
@@ -311,40 +311,39 @@ class StepLoop:
             self._on_kv_events(cycle.kv_events)
         if cycle.stepped:
             self.steps += 1
-        self._observe_step(cycle)
+        self._observe_step(cycle, proposals)
         self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
         self.busy_seconds += time.perf_counter() - started
         self._last_asked = asked
 
-    def run_cycle(self, commands: list[Command], proposals: dict, context: DraftContext | None,
+    def run_cycle(self, commands: list[Command], proposals: Proposals, context: DraftContext | None,
                   last_cycle: float, last_asked: bool = False) -> Cycle:
         """Everything of one cycle that touches the engine, on its thread: the loop runs it in its
         executor; a driver that runs cycles itself (``bench/default_step_bench.py``) calls it directly."""
         engine, out = self.engine, Cycle()
         if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
             engine.observe_cycle(last_cycle, last_asked)
+        spec = engine.spec
         draft_id = context.draft_id if context is not None else ""
-        if draft_id != engine.draft_id:
-            engine.reset_drafts()  # a new draft worker (or none) knows none of our sequences
+        pipelined = context is not None and context.pipelined
+        if draft_id != engine.draft_id or pipelined != spec.pipelined:
+            engine.reset_drafts()  # a new draft stream (or none) knows none of our sequences
             engine.draft_id = draft_id
-            proposals = {}
+            spec.pipelined = pipelined  # the stream's seam, fixed at its handshake
+            proposals = Proposals()
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        spec = engine.spec
         dropped = spec.num_bad_proposals
         staged = replace(spec.staged_use)
-        spec.pipelined = context is not None and context.pipelined
-        if isinstance(proposals, list):  # pipelined: streamed ahead; checked and kept until they fit
-            if spec.pipelined:
-                engine.offer(proposals)
-            proposals = {}
+        if proposals.streamed:  # pipelined: streamed ahead; checked and kept until they fit
+            engine.offer(proposals.streamed)
         added = engine.take_added()
         if added and context is not None and context.ask and context.early is not None:
             self._prompt_news(engine.prompt_inputs(added), context)
         if engine.has_work():
             started = time.perf_counter()
             try:
-                out.outputs = engine.step(proposals)
+                out.outputs = engine.step(proposals.answers)
                 out.handoffs = engine.handoffs.take()  # prefill role: where handed-off requests' KV waits
                 self._failures_in_a_row = 0
                 if engine.last_step.tokens:
@@ -489,69 +488,33 @@ class StepLoop:
         self._client = client
         if client is None:
             return None
-        pipelined = bool(getattr(client, "pipelined", False))
-        early = None
-        if pipelined and not client.hidden_layers:
-            early = self._early
-            if early is None or early[0] is not client:
-                loop = asyncio.get_running_loop()
-                early = self._early = (client, lambda requests: loop.call_soon_threadsafe(client.news, [], [], requests))
-            early = early[1]
+        seam = client.seam
         return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed(),
-                            pipelined, getattr(client, "plane", None), early)
+                            seam.pipelined, seam.plane, seam.send_prompts if seam.prompts_early else None)
 
-    async def _collect(self) -> dict | list:
-        """Synchronous seam: the proposals asked for last cycle that arrive by the deadline ({}
-        without any). Pipelined seam: every proposal streamed since the last cycle, at once."""
-        pending, self._pending = self._pending, {}
-        client = self._client
-        if client is not None and getattr(client, "pipelined", False):
-            # Nothing is waited for: a round counts as arrived whole, and malformed proposals strike;
-            # a draft whose proposals fit too few steps is backed off by use (see _observe_step).
-            self._asked = 0
-            self._arrived, self._streamed = self._streamed, 0
-            return client.take() if not client.broken else []
-        if not pending or client is None:
-            return {}
-        deadline = self.watch.deadline()
-        started = time.perf_counter()
-        try:
-            got = await client.collect(pending, deadline)
-        except Exception as exc:  # speculation is optional: decode plainly this step
-            log.warning("draft proposals failed: %r", exc)
-            got = {}
-        self._asked, self._arrived = len(pending), len(got)
-        self.draft_wait_seconds += time.perf_counter() - started
-        if len(got) < len(pending):
-            log.debug("draft round: %d of %d proposals within the %.1f ms deadline (waited %.1f ms)", len(got),
-                      len(pending), 1e3 * deadline, 1e3 * (time.perf_counter() - started))
-        return got
+    def _forget_round(self) -> None:
+        """Give up the round of proposals asked for, if any."""
+        if self._client is not None:
+            self._client.seam.forget()
 
-    def _observe_step(self, cycle: Cycle) -> None:
+    def _observe_step(self, cycle: Cycle, proposals: Proposals) -> None:
         if cycle.decode_seconds:
             self.watch.observe_step(cycle.decode_seconds)
-        if self._asked:
-            self.watch.observe_round(self._asked, self._arrived, cycle.dropped)
-            self._asked = 0
-        elif self._arrived:  # pipelined
-            self.watch.observe_round(self._arrived, self._arrived, cycle.dropped)
-            self._arrived = 0
+        if proposals.asked:
+            self.watch.observe_round(proposals.asked, proposals.arrived, cycle.dropped)
+        elif proposals.arrived:  # pipelined
+            self.watch.observe_round(proposals.arrived, proposals.arrived, cycle.dropped)
         client = self._client  # (cycle.staged counts nothing but on the pipelined seam)
         self.watch.observe_staged(cycle.staged, client is not None and bool(client.hidden_layers))
         self.proposals_dropped += cycle.dropped
 
     def _talk_to_draft(self, cycle: Cycle) -> bool:
-        """Queue the step's news on the draft stream; True when that is the pipelined seam's."""
+        """Send the step's news on the draft stream's seam; True when the seam wants the stream's
+        writer given a turn of the event loop (the pipelined one, when anything went)."""
         client = self._client
-        if client is None or client.broken:
+        if client is None:
             return False
-        self._pending = client.news(cycle.verdicts, cycle.released, cycle.requests)
-        if not getattr(client, "pipelined", False):
-            return False
-        self._streamed = len(cycle.requests)
-        # (on a fast lane the news is written already; the turn still lets a fast draft's proposals in
-        # before the next step: 429-446 drafts verified against 392 without it, tiny target, n-gram)
-        return bool(cycle.verdicts or cycle.released or cycle.requests)
+        return client.seam.news(cycle.verdicts, cycle.released, cycle.requests)
 
     async def _housekeeping(self) -> None:
         """Publish the spec-decode counters per draft worker (cumulative, when they changed, and every

@@ -15,9 +15,9 @@ from workers.target.draft_client import DraftClient
 
 @contextlib.asynccontextmanager
 async def draft_on_loopback(service: DraftService, hidden_layers: list[int] = (),
-                            staged: bool = False, vocab_size: int = 100, plane=None,
+                            pipelined: bool = False, vocab_size: int = 100, plane=None,
                             lanes: bool = True) -> AsyncIterator[DraftClient]:
-    """Start ``service`` on a free loopback port and yield a connected target-side client (``staged``:
+    """Start ``service`` on a free loopback port and yield a connected target-side client (``pipelined``:
     asking for the pipelined seam; ``plane``: the hidden-state planes it offers, a PlaneOffer;
     ``lanes``: it offers a fast lane, which a service that listens on one takes)."""
     await service.start()
@@ -26,7 +26,7 @@ async def draft_on_loopback(service: DraftService, hidden_layers: list[int] = ()
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     record = InstanceRecord(service.draft_id, "ns", "draft", "speculate", "", grpc_address=f"127.0.0.1:{port}")
-    client = DraftClient("t1", "m", vocab_size, record, hidden_layers=list(hidden_layers), staged=staged, plane=plane,
+    client = DraftClient("t1", "m", vocab_size, record, hidden_layers=list(hidden_layers), pipelined=pipelined, plane=plane,
                          lanes=lanes)
     try:
         await client.connect()

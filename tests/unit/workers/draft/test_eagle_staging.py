@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.draft.test_eagle import H, _head_chain, target_dir, write_eagle3  # noqa: F401
+from tests.support.eagle_heads import H, write_eagle3
+from tests.unit.workers.draft.test_eagle import _head_chain, target_dir  # noqa: F401
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts
 from workers.draft.eagle import load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
@@ -133,8 +134,8 @@ async def test_pipelined_eagle3_over_grpc_with_the_real_step_loop_equals_plain_d
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = Engine(model, cfg).generate(batch, params)
     service = DraftService(EagleProposer(head, layers, num_blocks=256, block_size=16), "d1", 8)
-    async with draft_on_loopback(service, hidden_layers=layers, staged=True, vocab_size=tcfg.vocab_size) as client:
-        assert client.pipelined and client.method == "eagle3"
+    async with draft_on_loopback(service, hidden_layers=layers, pipelined=True, vocab_size=tcfg.vocab_size) as client:
+        assert client.seam.pipelined and client.method == "eagle3"
         engine = Engine(model, cfg, num_speculative_tokens=3, hidden_layers=tuple(layers), adaptive=False)
         loop = StepLoop(engine, FixedPool(client))
         loop.start()

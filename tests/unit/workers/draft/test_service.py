@@ -7,9 +7,11 @@ import asyncio
 
 import pytest
 
+from tests.support.wait import eventually
 from tests.unit.workers.draft.loopback import draft_on_loopback
 from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 from workers.draft.service import DraftService
+from workers.draft.work import Requests
 from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.unit
@@ -44,30 +46,28 @@ async def run_rounds(client, seq_id: str, accepted: list[int]) -> None:
         client.verified([verify_to_pb(VerifyResult(seq_id, rnd, n, list(range(n + 1))))])
 
 
-async def eventually(check, timeout: float = 5.0) -> None:
-    """Drafting ahead runs on the service's loop after it answers (and the verdict is fire-and-forget),
-    so what it did after the last round shows up shortly after ``propose`` returns: wait for it."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_drafting_ahead_backs_off_for_rejected_proposals_and_resumes_after_full_ones():
     async def main():
         proposer = CountingProposer()
         async with draft_on_loopback(DraftService(proposer, "d1")) as client:
             await run_rounds(client, "good", [4] * 10)  # every proposal wholly accepted
-            await eventually(lambda: proposer.predrafted.count("good") == 10)
+            # drafting ahead runs on the service's loop after it answers (and the verdict is fire-and-forget),
+            # so what it did after the last round shows up shortly after ``propose`` returns: wait for it
+            await eventually(lambda: proposer.predrafted.count("good") == 10, timeout=5, interval=0.01,
+                             what=lambda: f"10 rounds drafted ahead (got {proposer.predrafted.count('good')})")
             await run_rounds(client, "bad", [0] * 20)  # rejected at the first token every time
-            await asyncio.sleep(0.2)  # the last round's drafting ahead, if any, has happened
+            # a count that should stop growing has no event to wait on: give the last round's drafting
+            # ahead, if any, time to happen
+            await asyncio.sleep(0.2)
             bad_ahead = proposer.predrafted.count("bad")
             assert 1 <= bad_ahead <= 7
             await run_rounds(client, "bad", [4, 4, 4])  # a draft that got good again
-            await eventually(lambda: proposer.predrafted.count("bad") > bad_ahead)
+            await eventually(lambda: proposer.predrafted.count("bad") > bad_ahead, timeout=5, interval=0.01,
+                             what="drafting ahead resumed")
             assert proposer.predrafted.count("good") == 10  # nothing drafted ahead for a finished round twice
             client.release(["good", "bad"])
-            await eventually(lambda: len(proposer.released) == 2)
+            await eventually(lambda: len(proposer.released) == 2, timeout=5, interval=0.01,
+                             what=lambda: f"both released (released: {proposer.released})")
             assert sorted(proposer.released) == ["bad", "good"]
 
     asyncio.run(main())
@@ -125,11 +125,11 @@ def test_a_staging_that_finds_news_waiting_takes_the_news_before_staging_its_ans
         real = oracle.draft_branches
         oracle.draft_branches = lambda branches, *ready: calls.append(len(branches)) or real(branches, *ready)
         service = DraftService(oracle, "d1")
-        stream = _Stream("t1", asyncio.Queue(), staged=True)
+        stream = _Stream("t1", asyncio.Queue(), pipelined=True)
         first = DraftInput("s", 0, ref[:10], 2)
         if news_waiting:
-            service._work.put_nowait(("propose", stream, [DraftInput("s", 1, ref[10:11], 2)]))
-        await service._stage([("commit", first)], {"s": (stream, first)})
+            service._work.put_nowait(Requests(stream, [DraftInput("s", 1, ref[10:11], 2)]))
+        await service._stage([Requests(stream, [first])], {"s": (stream, first)})
         sent = [p for msg in iter_queue(stream.out) for p in msg.proposals.proposals]
         return calls, sent
 
@@ -163,13 +163,11 @@ def test_staged_proposals_leave_before_the_drafting_calls_last_pass():
 
     async def main():
         service = DraftService(SlowLastPass([ref], 0.0, 1000), "d1")
-        stream = _Stream("t1", asyncio.Queue(), staged=True)
+        stream = _Stream("t1", asyncio.Queue(), pipelined=True)
         first = DraftInput("s", 0, ref[:10], 2)
-        staging = asyncio.create_task(service._stage([("commit", first)], {"s": (stream, first)}))
-        for _ in range(500):
-            if not stream.out.empty() or staging.done():
-                break
-            await asyncio.sleep(0.01)
+        staging = asyncio.create_task(service._stage([Requests(stream, [first])], {"s": (stream, first)}))
+        await eventually(lambda: not stream.out.empty() or staging.done(), timeout=5, interval=0.01,
+                         what="a first proposal streamed, or the staging call done")
         during = [p for msg in iter_queue(stream.out) for p in msg.proposals.proposals]
         busy = not staging.done()
         last_pass.set()

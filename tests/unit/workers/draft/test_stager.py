@@ -164,7 +164,7 @@ def test_one_drafting_call_answers_one_sequence_and_stages_the_others(monkeypatc
 
 
 def test_proposals_leave_before_the_drafting_calls_last_pass(monkeypatch):
-    """With ``Stager.early`` set, a drafter paying per depth hands the proposals over before its last
+    """Given an ``early`` callback, a drafter paying per depth hands the proposals over before its last
     pass (whose token only guesses what follows; it is not streamed): the same proposals as without,
     each remembering its whole chain, so the next staging guesses from it as before; the same time
     drafted in all."""
@@ -175,15 +175,14 @@ def test_proposals_leave_before_the_drafting_calls_last_pass(monkeypatch):
         events.clear()
         oracle = OracleProposer([REF], 0.3, 1000, seed=4, token_cost_s=0.01)
         stager = Stager(oracle, alternatives=1)
-        if early:
-            stager.early = lambda props: events.append(("early", [p.token_ids for p in props]))
+        send = (lambda props: events.append(("early", [p.token_ids for p in props]))) if early else None
         stager.commit("s", 0, REF[:10], gamma=2)
-        answers, _ = stager.answer_and_stage(["s"])
-        staged = stager.stage(["s"])
+        answers, _ = stager.answer_and_stage(["s"], early=send)
+        staged = stager.stage(["s"], early=send)
         stager.commit("s", 1, [REF[10]], gamma=2)
         stager.verified([VerifyResult("s", 1, 2, REF[11:14])])
         stager.commit("s", 2, [], gamma=2)
-        later, _ = stager.answer_and_stage(["s"])
+        later, _ = stager.answer_and_stage(["s"], early=send)
         runs[early] = [[(p.start, p.token_ids, p.assumed) for p in props] for props in (answers, staged, later)]
         slept[early] = round(sum(s for kind, s in events if kind == "sleep"), 6)
     assert all(runs[True]) and runs[True] == runs[False]

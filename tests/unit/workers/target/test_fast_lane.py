@@ -12,6 +12,7 @@ import tempfile
 import pytest
 
 from tests.unit.workers.draft.loopback import draft_on_loopback
+from tests.support.wait import eventually
 from tests.unit.workers.target.test_pipelined_seam import CFG, PARAMS, PROMPTS, serve_with
 from workers.draft.ngram import NgramProposer
 from workers.draft.oracle import OracleProposer
@@ -44,11 +45,11 @@ def oracle(expected, error=0.2):
     return OracleProposer([PROMPTS[r] + expected[r] for r in PROMPTS], error, 256, seed=3)
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["pipelined", "sync"])
-async def test_after_the_handshake_every_message_travels_on_the_lane(model, expected, staged):
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sync"])
+async def test_after_the_handshake_every_message_travels_on_the_lane(model, expected, pipelined):
     service = _Counting(oracle(expected), "d1", 8)
-    async with draft_on_loopback(service, staged=staged, vocab_size=256) as client:
-        assert client.lane is not None and client.pipelined == staged
+    async with draft_on_loopback(service, pipelined=pipelined, vocab_size=256) as client:
+        assert client.lane is not None and client.seam.pipelined == pipelined
         engine, _, got = await serve_with(model, client)
         sent, received = client.lane.bytes_sent, client.lane.bytes_received
     assert got == expected
@@ -59,7 +60,7 @@ async def test_after_the_handshake_every_message_travels_on_the_lane(model, expe
 
 async def test_a_target_that_does_not_offer_a_lane_keeps_to_grpc(model, expected):
     service = _Counting(oracle(expected), "d1", 8)
-    async with draft_on_loopback(service, staged=True, vocab_size=256, lanes=False) as client:
+    async with draft_on_loopback(service, pipelined=True, vocab_size=256, lanes=False) as client:
         assert client.lane is None
         _, _, got = await serve_with(model, client)
     assert got == expected
@@ -72,7 +73,7 @@ async def test_a_lane_out_of_reach_keeps_the_stream_on_grpc(model, expected):
     service = _Counting(oracle(expected), "d1", 8)
     await service.start()
     service._lanes.address = os.path.join(service._lanes._dir, "elsewhere.sock")  # as seen from another host
-    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+    async with draft_on_loopback(service, pipelined=True, vocab_size=256) as client:
         assert client.lane is None and not client.broken
         engine, _, got = await serve_with(model, client)
     assert got == expected
@@ -85,7 +86,7 @@ async def test_a_lane_that_breaks_ends_the_pair_and_the_target_decodes_plainly(m
     breaks, the step loop decodes plainly from then on, nothing is lost or wrong, and the draft
     forgets that target's sequences."""
     service = DraftService(oracle(expected), "d1", 8)
-    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
+    async with draft_on_loopback(service, pipelined=True, vocab_size=256) as client:
         engine = Engine(model, CFG, num_speculative_tokens=3, adaptive=False)
 
         async def cut_when_drafting():
@@ -108,11 +109,8 @@ async def test_a_lane_that_breaks_ends_the_pair_and_the_target_decodes_plainly(m
             await loop.stop()
         cut_at = await cutter
         assert client.broken and loop.steps > cut_at + 10  # it went on serving, plainly
-        for _ in range(200):  # the draft ends the stream and releases its sequences
-            if not service.streams and not len(service.stager):
-                break
-            await asyncio.sleep(0.01)
-        assert not service.streams and len(service.stager) == 0
+        await eventually(lambda: not service.streams and len(service.stager) == 0, timeout=2, interval=0.01,
+                         what="the draft ending the stream and releasing its sequences")
     assert got == expected
 
 
@@ -124,18 +122,13 @@ async def test_only_the_streams_own_token_binds_a_connection():
         token = server.expect(lambda proto: frames.append)
         lost: list[str] = []
         stranger = await lane.connect(server.address, b"x" * len(token), lambda f: None, lost.append)
-        for _ in range(200):
-            if lost:
-                break
-            await asyncio.sleep(0.005)
-        assert lost and stranger.closed  # refused: closed at its first frame
+        await eventually(lambda: lost, timeout=1, interval=0.005, what="the stranger's connection lost")
+        assert stranger.closed  # refused: closed at its first frame
         bound = await lane.connect(server.address, token, lambda f: None, lost.append)
         bound.send(b"hello")
         again = await lane.connect(server.address, token, lambda f: None, lost.append)  # a token binds once
-        for _ in range(200):
-            if frames and again.closed:
-                break
-            await asyncio.sleep(0.005)
+        await eventually(lambda: frames and again.closed, timeout=1, interval=0.005,
+                         what="the frame delivered and the second binding closed")
         assert frames == [b"hello"] and again.closed and not bound.closed
         assert (os.stat(os.path.dirname(server.address)).st_mode & 0o777) == 0o700  # this user only
         bound.close()

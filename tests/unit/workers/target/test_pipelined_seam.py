@@ -16,9 +16,11 @@ from workers.draft.service import DraftService
 from workers.engine.engine import Engine, EngineConfig
 from workers.speculation.payloads import DraftOutput
 from workers.target.draft_watch import DraftWatch
+from workers.target.seam import PipelinedSeam
 from workers.target.step_loop import StepLoop
 from tests.support.draft_pool import FixedPool as _Pool, NewsByParts
 from tests.support.serving import serve_through
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -51,8 +53,8 @@ async def test_pipelined_greedy_equals_the_target_alone_and_never_waits(model, e
     else:
         proposer = NgramProposer(1, 3)
     service = DraftService(proposer, "d1", 8)
-    async with draft_on_loopback(service, staged=True, vocab_size=256) as client:
-        assert client.pipelined
+    async with draft_on_loopback(service, pipelined=True, vocab_size=256) as client:
+        assert client.seam.pipelined
         engine, loop, got = await serve_with(model, client)
     assert got == expected
     assert loop.draft_wait_seconds == 0.0  # the pipelined loop awaits no proposal
@@ -67,7 +69,8 @@ class _Scripted(NewsByParts):
 
     def __init__(self, script):
         self.draft_id, self.method, self.hidden_layers, self.hidden_dtype = "d", "scripted", [], ""
-        self.broken, self.pipelined, self.script = False, True, script
+        self.broken, self.script = False, script
+        self.seam = PipelinedSeam(self)
         self.inbox: list[DraftOutput] = []
         self.committed: dict[str, list[int]] = {}
         self.sent = 0
@@ -208,7 +211,7 @@ async def test_flush_returns_once_what_was_queued_is_written_to_the_stream():
     it is put, and the queue stays empty.)"""
     refs = [PROMPTS["a"] + list(range(30))]
     service = DraftService(OracleProposer(refs, 0.0, 256), "d1", 8)
-    async with draft_on_loopback(service, staged=True, vocab_size=256, lanes=False) as client:
+    async with draft_on_loopback(service, pipelined=True, vocab_size=256, lanes=False) as client:
         assert client.lane is None
         from workers.speculation.convert import draft_input_to_pb
         from workers.speculation.payloads import DraftInput
@@ -217,7 +220,8 @@ async def test_flush_returns_once_what_was_queued_is_written_to_the_stream():
             client.send([draft_input_to_pb(DraftInput("a", rnd, PROMPTS["a"] if rnd == 0 else [], 3), "")])
         assert client._outgoing.qsize() > 0  # nothing written yet: the loop has not run the writer
         assert await client.flush(5.0)
-        assert client._outgoing.empty() and client._outgoing._unfinished_tasks == 0
+        assert client._outgoing.empty()
+        await asyncio.wait_for(client._outgoing.join(), 0.1)  # and every message taken was marked done
         client._break("test", quiet=True)
         assert not await client.flush(5.0)
 
@@ -237,23 +241,26 @@ class _Counting(DraftService):
         await super()._on_message(stream, msg, on_lane)
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["pipelined", "sync"])
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sync"])
 @pytest.mark.parametrize("step_news", [True, False], ids=["step_news", "older_draft"])
-async def test_a_steps_news_travels_as_one_message_to_a_draft_that_takes_it(model, expected, staged, step_news):
+async def test_a_steps_news_travels_as_one_message_to_a_draft_that_takes_it(model, expected, pipelined, step_news):
     """One StepNews a step (verdicts, releases, requests; one write on the stream) where the draft
     announces it, three messages to one that does not; the same exact output either way."""
-    service = _Counting(NgramProposer(1, 3), "d1", 8, step_news=step_news)
-    async with draft_on_loopback(service, staged=staged, vocab_size=256) as client:
-        assert client.pipelined == staged and client.step_news == step_news
+    proposer = NgramProposer(1, 3)
+    service = _Counting(proposer, "d1", 8, step_news=step_news)
+    async with draft_on_loopback(service, pipelined=pipelined, vocab_size=256) as client:
+        assert client.seam.pipelined == pipelined and client.step_news == step_news
         _, loop, got = await serve_with(model, client)
-        await asyncio.sleep(0.2)  # the releases of the last step, read by the draft
+        # the draft reads the last step's releases after the outputs came
+        await eventually(lambda: len(proposer) == 0, timeout=5, interval=0.01,
+                         what=lambda: f"every sequence released in the draft ({len(proposer)} held)")
     assert got == expected
     kinds = service.kinds
     if step_news:
         assert kinds.get("step", 0) >= len(PROMPTS) and not {"propose", "verify", "release"} & set(kinds), kinds
     else:
         assert "step" not in kinds and kinds.get("propose", 0) >= len(PROMPTS) and kinds.get("release"), kinds
-    assert (loop.draft_flush_seconds > 0) == staged  # pipelined: the news handed over before each next step
+    assert (loop.draft_flush_seconds > 0) == pipelined  # pipelined: the news handed over before each next step
 
 
 def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(model):
@@ -357,7 +364,7 @@ async def test_prompts_that_cannot_be_sent_early_reach_the_draft_after_the_prefi
     def closed(requests):
         raise RuntimeError("Event loop is closed")
 
-    loop._early = (client, closed)
+    client.seam.send_prompts = closed
     loop.start()
     try:
         got = await serve_through(loop, {"a": PROMPTS["a"]}, SamplingParams(temperature=0, max_tokens=12,

@@ -15,6 +15,7 @@ from workers.target.draft_watch import DraftWatch
 from workers.target.disagg import DisaggStats
 from workers.target.metrics import RequestStats, TargetCollector
 from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
+from workers.target.seam import SynchronousSeam
 from tests.support.draft_pool import FixedPool as _Pool, NewsByParts
 
 pytestmark = pytest.mark.unit
@@ -91,24 +92,20 @@ async def test_steps_that_keep_failing_mark_the_loop_unhealthy_until_one_succeed
 
 async def test_an_error_outside_the_step_fails_open_requests_and_the_loop_goes_on(model, expected):
     engine = Engine(model, CFG)
-    loop = StepLoop(engine)
-    real_deliver = loop._deliver
     failures = {"left": 1}
 
-    def deliver(outputs):
-        if failures["left"] and outputs:
+    def on_kv_events(events):  # the loop's own hook, called after the step's outputs are delivered
+        if failures["left"]:
             failures["left"] -= 1
-            raise RuntimeError("injected: delivery")
-        real_deliver(outputs)
+            raise RuntimeError("injected: publishing KV events")
 
-    loop._deliver = deliver
+    loop = StepLoop(engine, on_kv_events=on_kv_events)
     loop.start()
     try:
         failed = await drain(loop.submit("a", PROMPT, PARAMS))
         assert isinstance(failed, EngineFailed) and loop.loop_errors == 1
         assert await drain(loop.submit("b", PROMPT, PARAMS)) == expected
-        await asyncio.sleep(0.05)
-        assert not engine.seqs  # the failed request was aborted in the engine too
+        assert await loop.call(lambda e: not e.seqs)  # the failed request was aborted in the engine too
         assert loop.healthy
     finally:
         await loop.stop()
@@ -138,6 +135,7 @@ class _Client(NewsByParts):
         self.draft_id, self.method, self.hidden_layers, self.hidden_dtype = "d", "oracle", [1], "float32"
         self.broken, self.expected, self.released, self.verdicts = False, expected, [], []
         self.told: dict[str, int] = {}
+        self.seam = SynchronousSeam(self)
 
     def send(self, requests):
         loop = asyncio.get_running_loop()
