@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,92 +16,9 @@ import httpx
 import pytest
 
 from runtime.request_plane import BLIP_GRACE_S
-from tests.support import procs
-from tests.support.procs import pid_alive
-from tests.support.servers import free_port
+from tests.support.launcher import MOCK, ROOT, ask, descendants, launcher, wait_gone  # noqa: F401  (launcher: a fixture)
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (read from /proc)."""
-    return set(procs.descendants(pid))
-
-
-def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = {p for p in pids if pid_alive(p)}
-        if not left:
-            return set()
-        time.sleep(0.1)
-    return {p for p in pids if pid_alive(p)}
-
-
-class Launcher:
-    """``tandem up --mock`` on free ports, output in a log file."""
-
-    def __init__(self, *extra: str, python: str = sys.executable, cwd: Path = ROOT, env: dict | None = None):
-        self.http_port, self.etcd_port, self.nats_port = free_port(), free_port(), free_port()
-        fd, path = tempfile.mkstemp(prefix="tandem-up-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(path)
-        argv = [python, "-m", "deploy.cli", "up", "--http-port", str(self.http_port), "--etcd-port", str(self.etcd_port),
-                "--nats-port", str(self.nats_port), "--namespace", f"up{os.getpid()}", *extra]
-        self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, cwd=cwd,
-                                     env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"tandem up exited with {self.proc.returncode}:\n{self.logs()[-4000:]}"
-            if "Tandem is ready" in self.logs():
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"tandem up not ready in {timeout}s:\n{self.logs()[-4000:]}")
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            for pid in descendants(self.proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def launcher():
-    made: list[Launcher] = []
-
-    def make(*extra: str, **where) -> Launcher:
-        made.append(Launcher(*extra, **where))
-        return made[-1]
-
-    yield make
-    for item in made:
-        item.cleanup()
-
-
-def ask(url: str, model: str = "mock", max_tokens: int = 12, **extra) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": "Say something nice about tandem bicycles."}],
-            "max_tokens": max_tokens, **extra}
-    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-MOCK = ("--mock", "--mock-token-latency-ms", "2")
 
 
 def metric_names(url: str) -> set[str]:

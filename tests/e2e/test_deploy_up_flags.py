@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_deploy_up import descendants, launcher, wait_gone  # noqa: F401  (launcher: a fixture)
+from tests.support.launcher import descendants, launcher, wait_gone  # noqa: F401  (launcher: a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ KEY = "sk-flags-test"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from tests.unit.workers.engine.helpers import tiny_hf_model
+    from tests.support.tiny_models import tiny_hf_model
     from workers.demo_model import demo_tokenizer_dir
 
     try:

@@ -53,7 +53,7 @@ def total(found: dict[tuple, float], name: str, **labels) -> float:
 def test_tandem_up_with_a_prefill_worker_disaggregates_long_prompts():
     """``tandem up --prefill-workers 1``: a prefill worker and a decode worker of the demo model; a long
     prompt is prefilled remotely and a short one on the decode worker (the default --disagg-min-tokens)."""
-    from tests.e2e.test_deploy_up import Launcher
+    from tests.support.launcher import Launcher
 
     up = Launcher("--prefill-workers", "1", "--draft-method", "none")
     try:

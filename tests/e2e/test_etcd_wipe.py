@@ -5,7 +5,6 @@ answers every request with a 200 while the workers register again."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from tests.support.http import completion_load
 from tests.support.procs import ManagedProcess
 from tests.support.servers import EtcdServer, env_for, free_port
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -33,20 +33,18 @@ async def test_an_etcd_wipe_under_load_answers_every_request(nats_server, namesp
     procs.append(frontend)
     try:
         frontend.wait_for_log("frontend ready", timeout=60)
-        deadline = time.monotonic() + 60
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            while True:
+            async def both_registered() -> bool:
                 models = (await client.get("/v1/models")).json()["data"]
-                if models and models[0]["instances"] == 2:
-                    break
-                assert time.monotonic() < deadline, "workers never registered"
-                await asyncio.sleep(0.1)
+                return bool(models) and models[0]["instances"] == 2
+
+            await eventually(both_registered, timeout=60, interval=0.1, what="both workers registered")
             assert (await client.post("/v1/completions", json={"model": "mock", "prompt": "hi",
                                                                "max_tokens": 2})).status_code == 200
         statuses: Counter = Counter()
         stop = asyncio.Event()
         load = [asyncio.create_task(completion_load(url, statuses, stop, "across an etcd wipe")) for _ in range(4)]
-        await asyncio.sleep(1)
+        await eventually(lambda: statuses[200] >= 20, timeout=30, what="the load being served")
         before = sum(statuses.values())
         await asyncio.to_thread(etcd.stop, True)
         etcd.wipe()
@@ -54,20 +52,16 @@ async def test_an_etcd_wipe_under_load_answers_every_request(nats_server, namesp
         await asyncio.to_thread(etcd.start)
         # The workers notice that their lease is gone at their next refresh (every 8 s) and register
         # again; the frontend reads the empty prefix well before that.
-        deadline = time.monotonic() + 30
-        while not all("registering again" in proc.logs() for proc in procs[:2]):
-            assert time.monotonic() < deadline, "the workers did not register again"
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1)
+        await eventually(lambda: all("registering again" in proc.logs() for proc in procs[:2]), timeout=30,
+                         interval=0.2, what="the workers registering again")
+        await asyncio.sleep(1)  # the load goes on a while with the workers registered again
         stop.set()
         await asyncio.gather(*load)
         assert sum(statuses.values()) - before > 50, statuses
         assert set(statuses) == {200}, f"non-200 answers across the etcd wipe: {dict(statuses)}"
         # The frontend noticed (its watch retries every ≤ 2 s; the workers may have registered again first)
-        deadline = time.monotonic() + 15
-        while "etcd came back without its data" not in frontend.logs():
-            assert time.monotonic() < deadline, "the frontend never re-read etcd after the wipe"
-            await asyncio.sleep(0.2)
+        await eventually(lambda: "etcd came back without its data" in frontend.logs(), timeout=15, interval=0.2,
+                         what="the frontend re-reading etcd after the wipe")
     finally:
         for proc in reversed(procs):
             proc.stop(timeout=10)

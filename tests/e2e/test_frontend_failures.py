@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,8 @@ from runtime import Runtime, RuntimeConfig
 from runtime.events import TOPIC_LOAD
 from runtime.messages import LoadEvent, ModelCard
 from tests.e2e.test_frontend_openai import FrontendStack
+from tests.support.metrics import sample_value
+from tests.support.wait import eventually, eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -34,10 +35,7 @@ def stack(servers):
 def workers(stack):
     procs = [stack.worker("--token-latency-ms", "40", "--num-speculative-tokens", "0", name=f"mock{i}") for i in range(2)]
     stack.wait_healthy()
-    deadline = time.monotonic() + 30
-    while {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock", 0) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    eventually_sync(lambda: live_instances(stack) >= 2, timeout=30, interval=0.1, what="both workers routed to")
     return procs
 
 
@@ -47,15 +45,17 @@ def runtime_config(stack) -> RuntimeConfig:
                          lease_ttl=3, handle_signals=False)
 
 
+def live_instances(stack) -> int:
+    """How many instances of the mock model the frontend routes to (its /v1/models)."""
+    return {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock", 0)
+
+
+async def listed(http, model: str) -> bool:
+    return model in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+
+
 def cancelled_count(procs) -> int:
     return sum(p.logs().count(CANCELLED) for p in procs)
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_without_workers_the_frontend_is_ready_and_requests_are_503_with_retry_after(stack):
@@ -74,10 +74,7 @@ async def test_a_model_without_a_live_instance_is_503_with_retry_after(stack):
         # A worker that published its card but serves nothing (still starting, or its endpoint is gone).
         await rt.register_model(ModelCard("ghost", tokenizer_path=str(demo_tokenizer_dir())))
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-            deadline = time.monotonic() + 10
-            while "ghost" not in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            await eventually(lambda: listed(http, "ghost"), what="the ghost model listed")
             resp = await http.post("/v1/completions", json={"model": "ghost", "prompt": "hi", "max_tokens": 2})
             assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
             assert resp.json()["error"]["code"] == "no_workers"
@@ -93,7 +90,7 @@ def test_streaming_client_disconnect_cancels_the_worker_handler(stack, workers):
             lines = resp.iter_lines()
             data = [line for line in (next(lines) for _ in range(8)) if line.startswith("data:")]
             assert len(data) >= 3
-    wait_until(lambda: cancelled_count(workers) == before + 1, 10, "the worker handler was not cancelled")
+    eventually_sync(lambda: cancelled_count(workers) == before + 1, what="the worker handler cancelled")
 
 
 async def test_non_streaming_client_disconnect_cancels_the_worker_handler(stack, workers):
@@ -103,10 +100,16 @@ async def test_non_streaming_client_disconnect_cancels_the_worker_handler(stack,
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await writer.drain()
-    await asyncio.sleep(1.0)  # the worker is generating by now (500 tokens take 20 s)
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        async def generating() -> bool:  # in flight, and its first token came: the worker is generating
+            text = (await http.get("/metrics")).text
+            return (sample_value(text, "tandem_frontend_inflight_requests", model="mock") == 1
+                    and sample_value(text, "tandem_frontend_queued_requests", model="mock") == 0)
+
+        await eventually(generating, what="the worker generating (500 tokens take 20 s)")
     writer.close()
     await writer.wait_closed()
-    await asyncio.to_thread(wait_until, lambda: cancelled_count(workers) == before + 1, 10, "handler not cancelled")
+    await eventually(lambda: cancelled_count(workers) == before + 1, what="the worker handler cancelled")
 
 
 async def test_killing_the_serving_worker_migrates_the_stream(stack, workers):
@@ -126,10 +129,7 @@ async def test_killing_the_serving_worker_migrates_the_stream(stack, workers):
                     line = await anext(events)
                     if line.startswith("data: {"):
                         chunks.append(json.loads(line[6:]))
-                deadline = time.monotonic() + 5
-                while not busy:
-                    assert time.monotonic() < deadline, "no worker reported the request as running"
-                    await asyncio.sleep(0.05)
+                await eventually(lambda: busy, timeout=5, what="a worker reporting the request as running")
                 [serving] = busy
                 client = await rt.client("target", "generate")
                 [pid] = [r.pid for r in client.instances() if r.instance_id == serving]
@@ -160,8 +160,7 @@ async def start_doomed_worker(stack, name: str):
         client = await rt.client("target", "generate")
         await client.snapshot.wait_for(lambda items: any(r.pid == ghost.pid for r in items.values()), 30)
         live = len(client.instances())
-    wait_until(lambda: {m["id"]: m["instances"] for m in httpx.get(stack.url + "/v1/models").json()["data"]}.get("mock") == live,
-               10, "the frontend never saw the new worker")
+    await eventually(lambda: live_instances(stack) == live, what="the frontend routing to the new worker")
     return ghost, live
 
 
@@ -199,10 +198,7 @@ async def test_a_card_whose_tokenizer_cannot_load_is_a_500_and_the_server_stays_
     async with Runtime.connect(runtime_config(stack)) as rt:
         await rt.register_model(ModelCard("broken", tokenizer_path="/nonexistent/tokenizer"))
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-            deadline = time.monotonic() + 10
-            while "broken" not in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            await eventually(lambda: listed(http, "broken"), what="the broken model listed")
             resp = await http.post("/v1/completions", json={"model": "broken", "prompt": "hi"})
             assert resp.status_code == 500 and resp.json()["error"]["code"] == "tokenizer_unavailable"
             assert (await http.get("/live")).status_code == 200

@@ -44,7 +44,7 @@ from tests.support.hostile_draft import (
 )
 from tests.support.procs import ManagedProcess
 from tests.support.servers import env_for
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 
 pytestmark = pytest.mark.e2e
 

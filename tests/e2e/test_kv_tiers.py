@@ -30,7 +30,8 @@ from runtime.kv_hash import block_hashes
 from runtime.messages import GenerateRequest, KvEvent, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 from tests.support.procs import ManagedProcess, importable_env
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
+from tests.support.wait import eventually
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.kv_disk import TEMP_PREFIX, check_file
 from workers.engine.weights import load_model
@@ -72,13 +73,12 @@ async def generate(client, instance_id: str, prompt: list[int]) -> tuple[list[in
 
 
 async def wait_for_files(directory: Path, at_least: int, timeout: float = 30.0) -> set[Path]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def written() -> set[Path]:
         files = set(directory.rglob("*.kvb"))
-        if len(files) >= at_least:
-            return files
-        assert time.monotonic() < deadline, f"only {len(files)} block files were written"
-        await asyncio.sleep(0.1)
+        return files if len(files) >= at_least else set()
+
+    return await eventually(written, timeout=timeout, interval=0.1, what=lambda: (
+        f"{at_least} block files written (found {len(list(directory.rglob('*.kvb')))})"))
 
 
 async def test_a_second_turn_on_the_other_target_loads_its_prefix_from_the_shared_disk(rt, spawn, target_dir,
@@ -105,20 +105,15 @@ async def test_a_second_turn_on_the_other_target_loads_its_prefix_from_the_share
     assert await metric(ports[1], "tandem_target_kv_tier_hits_total", tier="disk") >= 8
     assert await metric(ports[1], "tandem_target_kv_tier_load_seconds_count", tier="disk") >= 1
     want = {(a.instance_id, "disk"), (a.instance_id, "host"), (b.instance_id, "host")}
-    deadline = time.monotonic() + 15
-    while not want <= {(e.worker_id, e.tier) for e in events}:  # the tier moves arrive as KV events
-        assert time.monotonic() < deadline, {(e.worker_id, e.tier) for e in events}
-        await asyncio.sleep(0.1)
+    await eventually(lambda: want <= {(e.worker_id, e.tier) for e in events}, timeout=15, interval=0.1,
+                     what=lambda: f"the tier moves as KV events (seen: {({(e.worker_id, e.tier) for e in events})})")
 
     # a corrupted block file of another conversation (one bit of its payload): a miss, recomputed, counted
     other = [rng.randrange(1, 256) for _ in range(60)]
     out, _ = await generate(client, a.instance_id, other)
     name = f"{block_hashes(other, 8)[0]:016x}.kvb"  # files are named by the chained hash the router uses
-    deadline = time.monotonic() + 30
-    while not (found := list(disk.rglob(name))):
-        assert time.monotonic() < deadline, "the conversation's first block was never written"
-        await asyncio.sleep(0.1)
-    first = found[0]
+    [first, *_] = await eventually(lambda: list(disk.rglob(name)), timeout=30, interval=0.1,
+                                   what="the conversation's first block written")
     data = bytearray(first.read_bytes())
     data[-5] ^= 0x01
     first.write_bytes(bytes(data))
@@ -165,10 +160,10 @@ async def test_a_full_disk_turns_the_tier_off_once_and_the_worker_keeps_serving(
             prompt = [rng.randrange(1, 256) for _ in range(300)]
             out, _ = await generate(client, inst.instance_id, prompt)
             assert out == expected(target_dir, prompt, 128)
-        deadline = time.monotonic() + 20
-        while await metric(port, "tandem_target_kv_tier_disabled", tier="disk") != 1:
-            assert time.monotonic() < deadline, proc.logs()[-3000:]
-            await asyncio.sleep(0.2)
+        async def tier_off() -> bool:
+            return await metric(port, "tandem_target_kv_tier_disabled", tier="disk") == 1
+
+        await eventually(tier_off, timeout=20, interval=0.2, what=lambda: f"the disk tier off:\n{proc.logs()[-3000:]}")
         assert proc.logs().count("turning the disk tier off") == 1
         assert not list((tmp_path / "full").rglob("*.kvb")) and not list((tmp_path / "full").rglob(f"{TEMP_PREFIX}*"))
     finally:
@@ -205,10 +200,8 @@ async def test_a_worker_killed_while_writing_leaves_no_block_that_fails_its_chec
     logging.getLogger("tests").info("killed during a block write; %d block files left", len(files))
     # a fresh worker on the same directory serves the same prompts with the right tokens
     spawn("workers.target", *worker_args(target_dir, disk, free_port()), name="target-after")
-    deadline = time.monotonic() + 120
-    while not (fresh := [i for i in client.instances() if i.instance_id != inst.instance_id]):
-        assert time.monotonic() < deadline, "the second worker never registered"
-        await asyncio.sleep(0.5)
+    fresh = await eventually(lambda: [i for i in client.instances() if i.instance_id != inst.instance_id],
+                             timeout=120, interval=0.5, what="the second worker registered")
     for p in prompts[:3]:
         out, _ = await generate(client, fresh[0].instance_id, p)
         assert out == expected(target_dir, p)

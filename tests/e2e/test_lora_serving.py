@@ -18,7 +18,7 @@ import pytest
 from tests.support.lora import merged_reference, train_lora
 from tests.support.procs import ManagedProcess
 from tests.support.servers import env_for, free_port
-from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model
+from tests.support.tiny_models import hf_greedy, tiny_hf_model
 
 pytestmark = pytest.mark.e2e
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from runtime import InvalidRequest
@@ -11,6 +9,7 @@ from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD, TOPIC_SPEC_STATS
 from runtime.kv_hash import block_hashes
 from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, LoadEvent, SamplingParams, SpecStatsEvent, TokenDelta
 from runtime.request_plane import collect
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +36,12 @@ async def test_mock_worker_publishes_what_a_real_worker_would(rt, spawn):
     assert first[-1].usage.spec.accepted_per_pos == [2, 2, 2]  # as a target reports it
     assert [len(d.token_ids) for d in first] == [4, 4]
 
-    await asyncio.sleep(0.5)
+    def published() -> bool:  # both requests' blocks, both rounds' stats, and a load report
+        stored = [e for e in kv if e.worker_id == inst.instance_id and e.kind == "stored"]
+        latest = [s.num_drafts for s in stats if s.target_id == inst.instance_id][-1:]
+        return len(stored) >= 2 and latest == [4] and any(load.worker_id == inst.instance_id for load in loads)
+
+    await eventually(published, timeout=5, what="the worker's KV events, spec stats and load")
     mine = [e for e in kv if e.worker_id == inst.instance_id]
     assert mine[0].kind == "cleared"
     stored = [e for e in mine if e.kind == "stored"]
@@ -53,9 +57,11 @@ async def test_mock_worker_publishes_what_a_real_worker_would(rt, spawn):
 
     kv.clear()
     await rt.publish(TOPIC_KV_DUMP, KvDumpRequest("test"))
-    await asyncio.sleep(0.5)
+    want = set(block_hashes(prompt, 4)) | set(block_hashes(prompt[:12] + [5, 6, 7, 8], 4))
+    await eventually(lambda: {h for e in kv if e.worker_id == inst.instance_id for h in e.block_hashes} >= want,
+                     timeout=5, what="the dump's KV events")
     dumped = {h for e in kv if e.worker_id == inst.instance_id for h in e.block_hashes}
-    assert dumped == set(block_hashes(prompt, 4)) | set(block_hashes(prompt[:12] + [5, 6, 7, 8], 4))
+    assert dumped == want
 
     with pytest.raises(InvalidRequest) as err:
         await collect(await client.call(inst.instance_id, GenerateRequest(prompt, SamplingParams(max_tokens=-1)), TokenDelta))

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 from tests.support.serving import tiny_target_with_eagle3
-from tests.unit.workers.engine.test_spec_engine import VOCAB
+from tests.support.tiny_models import SPEC_VOCAB as VOCAB
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 

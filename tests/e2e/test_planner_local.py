@@ -18,11 +18,13 @@ import time
 import httpx
 import pytest
 
+from planner.connectors.base import ScaleError
 from planner.connectors.launcher import LauncherConnector
 from runtime.events import TOPIC_LOAD
 from runtime.messages import LoadEvent
 from tests.support.http import wait_for_model
 from tests.support.servers import free_port
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -83,13 +85,6 @@ class Clients:
         await self.client.aclose()
 
 
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f}s"
-        await asyncio.sleep(0.2)
-
-
 def planner_metrics_url(launcher_log: str) -> str:
     port = re.search(r"planner\s+pid \d+\s+health http://127\.0\.0\.1:(\d+)/health", launcher_log).group(1)
     return f"http://127.0.0.1:{port}/metrics"
@@ -117,10 +112,10 @@ async def test_planner_scales_targets_up_and_down_with_the_load(rt, spawn):
         # ms per token = 5 + 6 * (running - 1): 71 on one worker, 35 on two (6 each), 23 on three: up to 3,
         # each step clear of the 25 ms SLA (with 4 ms per running request two workers sat right at it)
         clients.set(12)
-        await until(lambda: count() == 3, 45, "scaling up to 3 targets")
-        await asyncio.sleep(3)
+        await eventually(lambda: count() == 3, timeout=45, interval=0.2, what="scaling up to 3 targets")
+        await asyncio.sleep(3)  # three targets serve the high load a while before it falls
         clients.set(2)  # 11 ms on one worker: far below 0.7 * SLA, so down to 1
-        await until(lambda: count() == 1, 45, "scaling back down to 1 target")
+        await eventually(lambda: count() == 1, timeout=45, interval=0.2, what="scaling back down to 1 target")
         served_during_scaling = clients.done
     finally:
         await clients.close()
@@ -145,21 +140,23 @@ async def test_a_removed_worker_leaves_discovery_first_and_finishes_its_streams(
     await wait_for_model(f"http://127.0.0.1:{port}", "mock", timeout=90)
     await targets.wait_for_instances(2, timeout=60)
     connector = await LauncherConnector.connect(rt)
-    await until(lambda: bool(connector._client.instances()), 30, "the launcher's scale endpoint")
-    assert (await connector.replicas())["target"] == 2
+    replicas = await eventually(connector.replicas, timeout=30, interval=0.2, ignoring=(ScaleError,),
+                                what="the launcher's scale endpoint")
+    assert replicas["target"] == 2
 
     running: dict[str, int] = {}
     await rt.subscribe(TOPIC_LOAD, LoadEvent, lambda e: running.__setitem__(e.worker_id, e.running))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
         # 8 streams of 150 tokens at 20 ms: 3 s each, spread over both targets
         streams = [asyncio.create_task(complete(client, 2 * i + 1, max_tokens=150)) for i in range(8)]
-        await until(lambda: sum(running.values()) == 8, 20, "8 streams running")
+        await eventually(lambda: sum(running.values()) == 8, timeout=20, interval=0.2,
+                         what=lambda: f"8 streams running (running: {running})")
         busiest = max(targets.instances(), key=lambda r: running.get(r.instance_id, 0))
         in_flight = running[busiest.instance_id]
         assert in_flight >= 4
         await connector.scale("target", 1, [busiest], "test: remove the busiest")
-        while any(r.instance_id == busiest.instance_id for r in targets.instances()):
-            await asyncio.sleep(0.02)
+        await eventually(lambda: all(r.instance_id != busiest.instance_id for r in targets.instances()),
+                         timeout=20, interval=0.02, what="the removed target leaving discovery")
         # it left discovery while its streams still ran: the process is alive and has not exited
         assert not all(s.done() for s in streams)
         results = await asyncio.gather(*streams)
@@ -168,6 +165,6 @@ async def test_a_removed_worker_leaves_discovery_first_and_finishes_its_streams(
     assert [r.instance_id for r in targets.instances()] != [busiest.instance_id]
     log = up.logs()
     name = re.search(rf"started (target-\d) \(pid {busiest.pid}\)", log).group(1)
-    await until(lambda: f"{name} exited with 0" in up.logs(), 30, f"{name} exiting 0")
+    await eventually(lambda: f"{name} exited with 0" in up.logs(), timeout=30, interval=0.2, what=f"{name} exiting 0")
     assert re.search(rf"\[{name}\] .*SIGTERM received: draining", up.logs())
     assert "cancelled" not in "".join(line for line in up.logs().splitlines() if line.startswith(f"[{name}]"))

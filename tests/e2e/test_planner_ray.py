@@ -17,13 +17,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_ray_up import ETCD_PORT, HTTP_PORT, NATS_PORT, RAY_PORT, cmdlines, netns  # noqa: F401
 from tests.support.procs import pid_alive
+from tests.support.wait import eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -39,12 +39,14 @@ async def resize_through_the_launcher() -> dict:
     """Runs inside the namespace (``python -c``): 1 -> 2 targets, then 2 -> 1 under streams."""
     import httpx
 
+    from planner.connectors.base import ScaleError
     from planner.connectors.launcher import LauncherConnector
     from runtime import Runtime
     from runtime.config import RuntimeConfig
     from runtime.events import TOPIC_LOAD
     from runtime.messages import LoadEvent
-    from tests.e2e.test_planner_local import complete, until
+    from tests.e2e.test_planner_local import complete
+    from tests.support.wait import eventually
 
     config = RuntimeConfig.from_env(etcd_url=f"http://127.0.0.1:{ETCD_PORT}", nats_url=f"nats://127.0.0.1:{NATS_PORT}",
                                     namespace=NAMESPACE, handle_signals=False)
@@ -52,8 +54,9 @@ async def resize_through_the_launcher() -> dict:
         targets = await rt.client("target", "generate")
         [original] = await targets.wait_for_instances(1, timeout=30)
         connector = await LauncherConnector.connect(rt)
-        await until(lambda: bool(connector._client.instances()), 30, "the launcher's scale endpoint")
-        assert (await connector.replicas())["target"] == 1
+        replicas = await eventually(connector.replicas, timeout=30, interval=0.2, ignoring=(ScaleError,),
+                                    what="the launcher's scale endpoint")
+        assert replicas["target"] == 1
 
         await connector.scale("target", 2, [], "test: grow")
         await targets.wait_for_instances(2, timeout=60)
@@ -62,19 +65,21 @@ async def resize_through_the_launcher() -> dict:
         running: dict[str, int] = {}
         await rt.subscribe(TOPIC_LOAD, LoadEvent, lambda e: running.__setitem__(e.worker_id, e.running))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{HTTP_PORT}", timeout=60) as client:
-            deadline = time.monotonic() + 20  # the frontend sees the new worker too (round robin over both)
-            while (await client.get("/v1/models/mock")).json()["instances"] < 2:
-                assert time.monotonic() < deadline, "the frontend never saw the added target"
-                await asyncio.sleep(0.1)
+            async def both_listed() -> bool:
+                return (await client.get("/v1/models/mock")).json()["instances"] >= 2
+
+            # the frontend sees the new worker too (round robin over both)
+            await eventually(both_listed, timeout=20, interval=0.1, what="the frontend seeing the added target")
             streams = [asyncio.create_task(complete(client, 2 * i + 1, max_tokens=TOKENS)) for i in range(STREAMS)]
-            await until(lambda: sum(running.values()) == STREAMS, 20, f"{STREAMS} streams running")
+            await eventually(lambda: sum(running.values()) == STREAMS, timeout=20, interval=0.2,
+                             what=lambda: f"{STREAMS} streams running (running: {running})")
             per_worker = {r.instance_id: running.get(r.instance_id, 0) for r in (original, added)}
             assert all(per_worker.values()), f"a target runs none of the streams: {per_worker}"
             original_actor = parent_pid(original.pid)  # the Ray worker process that hosts the actor
 
             await connector.scale("target", 1, [original], "test: remove the original target")
-            await until(lambda: all(r.instance_id != original.instance_id for r in targets.instances()), 20,
-                        "the original target leaving discovery")
+            await eventually(lambda: all(r.instance_id != original.instance_id for r in targets.instances()),
+                             timeout=20, interval=0.2, what="the original target leaving discovery")
             left_while_streaming = not all(s.done() for s in streams)
             results = await asyncio.gather(*streams)
             after = await complete(client, 1, max_tokens=9)  # the added worker serves alone now
@@ -93,11 +98,11 @@ def test_ray_launcher_adds_a_target_and_drains_one_away(netns):  # noqa: F811 (f
                      f"--nats=nats://127.0.0.1:{NATS_PORT}", f"--http-port={HTTP_PORT}", f"--namespace={NAMESPACE}",
                      "--router-mode=round_robin", "--mock-token-latency-ms=20", "--drain-timeout=30", "--planner",
                      "--planner-args=--connector none --itl-p90 1s")
-    deadline = time.monotonic() + 120
-    while "Tandem is ready on Ray" not in netns.log("tandem"):
+    def ready() -> bool:
         assert up.poll() is None, f"tandem ray up exited with {up.returncode}:\n{netns.log('tandem')[-4000:]}"
-        assert time.monotonic() < deadline, f"not ready:\n{netns.log('tandem')[-4000:]}"
-        time.sleep(0.5)
+        return "Tandem is ready on Ray" in netns.log("tandem")
+
+    eventually_sync(ready, timeout=120, interval=0.5, what=lambda: f"Tandem ready on Ray:\n{netns.log('tandem')[-4000:]}")
     assert sum("-m planner" in c for c in cmdlines(netns.pids())) == 1
 
     code = ("import asyncio, json, logging\n"
@@ -119,10 +124,8 @@ def test_ray_launcher_adds_a_target_and_drains_one_away(netns):  # noqa: F811 (f
     assert got["left_while_streaming"], "the original target left discovery only after its streams ended"
     assert got["replicas"] == 1 and got["discovered"] == [got["added"]], got
     # The original worker drained and exited; then its actor was killed (its Ray worker process ends).
-    deadline = time.monotonic() + 30
-    while pid_alive(got["original_pid"]) or pid_alive(got["original_actor"]):
-        assert time.monotonic() < deadline, "the removed target or its actor is still running"
-        time.sleep(0.2)
+    eventually_sync(lambda: not (pid_alive(got["original_pid"]) or pid_alive(got["original_actor"])), timeout=30,
+                    interval=0.2, what="the removed target and its actor exiting")
     assert pid_alive(got["added_pid"])
     running = cmdlines(netns.pids())
     assert sum("-m workers.mock" in c for c in running) == 1

@@ -6,7 +6,6 @@ the planner, in its own pod, scraped nothing there and its draft:target rule nev
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,8 @@ import pytest
 from planner.signals import Signals, fetch
 from runtime.health import advertised_host
 from tests.support.servers import free_port
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import build
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -43,10 +43,8 @@ async def test_the_planner_scrapes_workers_started_as_the_manifests_start_them(r
     spawn("workers.mock", "--token-latency-ms", "0", *target_health, name="target")
     signals = Signals(rt, (), window=30)
     await signals.start()
-    deadline = time.monotonic() + 60
-    while not (signals.live()["draft"] and signals.live()["target"]):
-        assert time.monotonic() < deadline, "workers did not register"
-        await asyncio.sleep(0.1)
+    await eventually(lambda: signals.live()["draft"] and signals.live()["target"], timeout=60, interval=0.1,
+                     what="both workers registered")
     here = advertised_host("0.0.0.0")
     for pool in ("draft", "target"):
         [record] = signals.live()[pool]

@@ -8,15 +8,15 @@ import asyncio
 import os
 import re
 import signal
-import time
 from collections import Counter
 
 import httpx
 import pytest
 
-from tests.e2e.test_deploy_up import MOCK, ask, launcher  # noqa: F401 (fixture)
-from tests.support.http import completion_load
+from tests.support.launcher import MOCK, ask, launcher  # noqa: F401 (fixture)
+from tests.support.http import completion_load, wait_for_model
 from tests.support.servers import free_port
+from tests.support.wait import eventually, eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -36,25 +36,21 @@ async def test_a_killed_router_service_is_routed_around_in_process(spawn):
     frontend.wait_for_log("frontend ready", timeout=60)
     router.wait_for_log("router", timeout=60)
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        deadline = time.monotonic() + 60
-        while not (await client.get("/health")).json()["models"]:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        await wait_for_model(url, "mock", timeout=60, interval=0.1)
         body = {"model": "mock", "prompt": "hi", "max_tokens": 2}
-        deadline = time.monotonic() + 30
-        while True:  # the router service may register after the frontend started routing in-process
+
+        async def through_the_service() -> bool:  # it may register after the frontend started routing in-process
             assert (await client.post("/v1/completions", json=body)).status_code == 200
-            if _decisions(f"http://127.0.0.1:{router_port}") >= 1:
-                break  # routed through the service
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+            return _decisions(f"http://127.0.0.1:{router_port}") >= 1
+
+        await eventually(through_the_service, timeout=30, interval=0.1, what="a request routed through the service")
 
     statuses: Counter = Counter()
     stop = asyncio.Event()
     load = [asyncio.create_task(completion_load(url, statuses, stop, "route me", 3)) for _ in range(3)]
-    await asyncio.sleep(0.5)
+    await eventually(lambda: statuses[200] > 0, timeout=10, what="the load being served")
     router.kill()  # SIGKILL: its registration outlives it for the 10 s lease
-    await asyncio.sleep(3)
+    await asyncio.sleep(3)  # the load goes on for a while with the router dead and still registered
     stop.set()
     await asyncio.gather(*load)
     assert sum(statuses.values()) > 30 and set(statuses) == {200}, dict(statuses)
@@ -62,12 +58,13 @@ async def test_a_killed_router_service_is_routed_around_in_process(spawn):
 
     # a router instance again: the frontend goes back to it
     again = spawn("router", "--lease-ttl", "10", "--mode", "kv", "--http-port", str(free_port()), name="router2")
-    deadline = time.monotonic() + 60
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        while "answers again" not in frontend.logs():
-            assert time.monotonic() < deadline, frontend.logs()[-2000:]
+        async def back_to_the_service() -> bool:
             assert (await client.post("/v1/completions", json=body)).status_code == 200
-            await asyncio.sleep(0.2)
+            return "answers again" in frontend.logs()
+
+        await eventually(back_to_the_service, timeout=60, interval=0.2,
+                         what=lambda: f"the frontend back on the service:\n{frontend.logs()[-2000:]}")
     assert again.alive()
 
 
@@ -76,11 +73,9 @@ def test_tandem_up_survives_a_killed_router(launcher):  # noqa: F811
     up.wait_ready()
     pids = {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", up.logs())}
     os.kill(pids["router"], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while not re.search(r"router exited with -9; restarting it in [\d.]+s \(restart 1\); the rest of the stack "
-                        "keeps serving", up.logs()):
-        assert time.monotonic() < deadline, up.logs()[-3000:]
-        time.sleep(0.1)
+    eventually_sync(lambda: re.search(r"router exited with -9; restarting it in [\d.]+s \(restart 1\); the rest of "
+                                      "the stack keeps serving", up.logs()), timeout=30, interval=0.1,
+                    what=lambda: f"the launcher restarting the router:\n{up.logs()[-3000:]}")
     for _ in range(5):
         assert ask(up.url, max_tokens=3)["usage"]["completion_tokens"] == 3
     assert up.proc.poll() is None

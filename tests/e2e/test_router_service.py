@@ -13,30 +13,17 @@ from router import create_router
 from runtime import InvalidRequest, NoInstances, Runtime
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.e2e
 
 PREFIX = list(range(2000, 2320))  # 20 blocks
 
 
-async def eventually(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.1)
-
-
 async def select_when_seen(router, model: str, tokens: list[int], **kw):
     """The service's own etcd view may lag the test's by a moment: retry NoInstances briefly."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return await router.select(model, tokens, **kw)
-        except NoInstances:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    return await eventually(lambda: router.select(model, tokens, **kw), timeout=10, ignoring=(NoInstances,),
+                            what=f"a selection for {model!r}")
 
 
 async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime_config, spawn):
@@ -64,7 +51,7 @@ async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime
                 text = (await http.get("/metrics")).text
                 return f'tandem_router_kv_blocks{{worker="{first.instance_id}"}} 20.0' in text
 
-            await eventually(indexed, what="the service indexed the first request")
+            await eventually(indexed, interval=0.1, what="the service indexed the first request")
             # frontend B, another process's view, is sent to the worker frontend A warmed up
             held = [await frontend_b.select("mock", PREFIX + [9, i]) for i in range(2)]
             assert [(s.instance_id, s.overlap_blocks) for s in held] == [(first.instance_id, 20)] * 2
@@ -77,7 +64,7 @@ async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime
             assert await in_flight(2)
             for s in held:
                 frontend_b.release(s)
-            await eventually(lambda: in_flight(0), what="releases reached the service")
+            await eventually(lambda: in_flight(0), interval=0.1, what="releases reached the service")
 
             with pytest.raises(NoInstances):
                 await frontend_a.select("no-such-model", [1, 2, 3])
@@ -92,7 +79,7 @@ async def test_router_service_is_shared_by_frontends_and_serves_http(rt, runtime
                 report = (await http.get("/v1/spec_stats")).json()
                 return report["total"]["lifetime"]["num_drafts"] == 2  # 8 tokens at 4 per round
 
-            await eventually(stats_arrived, what="spec stats on /v1/spec_stats")
+            await eventually(stats_arrived, interval=0.1, what="spec stats on /v1/spec_stats")
             report = (await http.get("/v1/spec_stats")).json()
             [target] = report["targets"]
             assert target["target"] == first.instance_id and target["lifetime"]["acceptance_rate"] == 1.0

@@ -17,6 +17,7 @@ from runtime.events import TOPIC_KV, TOPIC_LOAD
 from runtime.messages import KvEvent, KvEventKind, LoadEvent
 from tests.support.servers import free_port
 from tests.support.http import wait_for_model
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -82,21 +83,16 @@ async def test_add_and_remove_target_workers_under_load(rt, spawn):
                     results.append((i, 0, f"failed: {exc!r}"))
                 done += 1
 
-        async def until(count: int) -> None:
-            while done < count:
-                await asyncio.sleep(0.02)
-
         load = asyncio.gather(*(run(i) for i in range(TOTAL)))
 
-        await until(30)
+        await eventually(lambda: done >= 30, timeout=60, interval=0.02, what=lambda: f"30 requests done ({done})")
         second = spawn("workers.mock", *MOCK_ARGS, name="target-2")
         await targets.wait_for_instances(2, timeout=60)
         registered = time.monotonic()
         inst2 = next(r for r in targets.instances() if r.instance_id != inst1.instance_id)
         assert inst2.pid == second.pid
-        while inst2.instance_id not in first_traffic and time.monotonic() - registered < 2.0:
-            await asyncio.sleep(0.01)
-        assert inst2.instance_id in first_traffic, "the new target got no request within 2 s of registering"
+        await eventually(lambda: inst2.instance_id in first_traffic, timeout=2.0, interval=0.01,
+                         what="the new target's first request within 2 s of registering")
         logging.getLogger(__name__).info("new target's first request %.3fs after it registered (%d requests done)",
                                          first_traffic[inst2.instance_id] - registered, done)
         assert done < TOTAL - 60, f"the load ended too early ({done} done) to test removal under load"

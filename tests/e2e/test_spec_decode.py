@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import GenerateRequest, SamplingParams, SpecStatsEvent, TokenDelta
 from runtime.request_plane import collect
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
+from tests.support.wait import eventually
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 
@@ -64,14 +64,12 @@ def start_draft(spawn, target_dir, name="draft"):
 
 async def until_speculating(client, inst, timeout: float = 60.0) -> None:
     """Send short requests until one is served with speculation."""
-    deadline = time.monotonic() + timeout
-    while True:
+    async def speculated() -> bool:
         out = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[2], SamplingParams(
             temperature=0, max_tokens=24, ignore_eos=True)), TokenDelta))
-        if out[-1].usage.spec is not None and out[-1].usage.spec.num_drafts > 0:
-            return
-        assert time.monotonic() < deadline, "no request was served with speculation"
-        await asyncio.sleep(0.5)
+        return out[-1].usage.spec is not None and out[-1].usage.spec.num_drafts > 0
+
+    await eventually(speculated, timeout=timeout, interval=0.5, what="a request served with speculation")
 
 
 async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(rt, spawn, target_dir):
@@ -98,11 +96,9 @@ async def test_greedy_speculation_matches_the_target_alone_and_publishes_stats(r
     plain = await collect(await client.call(inst.instance_id, GenerateRequest(PROMPTS[0], greedy, num_speculative_tokens=0), TokenDelta))
     assert tokens(plain) == want["0"] and plain[-1].usage.spec is None
 
-    deadline = time.monotonic() + 10
-    while not any(s.target_id == inst.instance_id and s.draft_id == draft.instance_id and
-                  s.num_drafts >= sum(r[-1].usage.spec.num_drafts for r in results) for s in stats):
-        assert time.monotonic() < deadline, stats[-3:]
-        await asyncio.sleep(0.2)
+    await eventually(lambda: any(s.target_id == inst.instance_id and s.draft_id == draft.instance_id and
+                                 s.num_drafts >= sum(r[-1].usage.spec.num_drafts for r in results) for s in stats),
+                     timeout=10, interval=0.2, what=lambda: f"spec stats counting every draft (last: {stats[-3:]})")
     latest = [s for s in stats if s.draft_id == draft.instance_id][-1]
     assert latest.num_accepted_tokens == latest.num_draft_tokens and latest.method == "draft_model"
     assert latest.accepted_per_pos[0] == latest.num_drafts

@@ -18,7 +18,7 @@ from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 from tests.e2e.test_spec_pipeline import target_metrics
 from tests.support.serving import tiny_target_with_eagle3
-from tests.unit.workers.engine.test_spec_engine import VOCAB
+from tests.support.tiny_models import SPEC_VOCAB as VOCAB
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 

@@ -15,7 +15,7 @@ import torch
 
 from runtime.config import importable_env
 from tests.support.servers import EtcdServer, NatsServer, env_for, free_port
-from tests.unit.workers.target.test_draft_tls import make_pki
+from tests.support.pki import make_pki
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,9 @@ def one_line_quick(result: tuple[int, list[str], float], *expected: str) -> str:
     assert "Traceback" not in lines[0] and "usage:" not in lines[0]
     for text in expected:
         assert text in lines[0], lines[0]
-    assert seconds < 5, f"{seconds:.1f}s: {lines[0]}"
+    # before any connection or model load: seconds on a quiet machine (importing torch is most of it);
+    # the bound allows a loaded one, and still fails a start that waits on a server or a timeout
+    assert seconds < 15, f"{seconds:.1f}s: {lines[0]}"
     return lines[0]
 
 
@@ -125,7 +127,7 @@ def test_a_tokenizer_the_grammar_engine_misreads_stops_a_target(env, tmp_path):
     import json
 
     from tests.support.tokenizer_files import converted_as
-    from tests.unit.workers.engine.helpers import tiny_hf_model
+    from tests.support.tiny_models import tiny_hf_model
     from workers.demo_model import demo_tokenizer_dir
 
     try:

@@ -22,7 +22,8 @@ from runtime.messages import (
     TokenDelta,
 )
 from runtime.request_plane import collect
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
+from tests.support.wait import eventually
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 
@@ -79,12 +80,8 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
     # a router that lost track asks for a dump: the whole cache comes back as stored events
     kv_events.clear()
     await rt.publish(TOPIC_KV_DUMP, KvDumpRequest("test"))
-    for _ in range(50):
-        await asyncio.sleep(0.1)
-        dumped = {h for e in kv_events for h in e.block_hashes}
-        if all(set(block_hashes(p, BLOCK)) <= dumped for p in PROMPTS):
-            break
-    assert all(set(block_hashes(p, BLOCK)) <= dumped for p in PROMPTS)
+    await eventually(lambda: all(set(block_hashes(p, BLOCK)) <= {h for e in kv_events for h in e.block_hashes}
+                                 for p in PROMPTS), timeout=5, interval=0.1, what="the dump's stored events")
     assert all(e.kind == KvEventKind.STORED and len(e.block_hashes) == 1 for e in kv_events)
 
     with pytest.raises(InvalidRequest) as err:
@@ -101,10 +98,8 @@ async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_d
         first = await stream.__anext__()
         assert first.token_ids
     loads.clear()
-    for _ in range(100):
-        await asyncio.sleep(0.1)
-        if loads and loads[-1].running == 0 and loads[-1].free_blocks == BLOCKS:
-            break
+    await eventually(lambda: loads and loads[-1].running == 0 and loads[-1].free_blocks == BLOCKS, timeout=10,
+                     interval=0.1, what=lambda: f"a load report with every block free (last: {loads[-1:]})")
     assert loads and loads[-1].running == 0 and loads[-1].free_blocks == loads[-1].total_blocks == BLOCKS
     await asyncio.to_thread(proc.wait_for_log, "cancelled by the client", 5)
     async with httpx.AsyncClient() as http:

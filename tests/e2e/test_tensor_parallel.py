@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_deploy_up import Launcher
+from tests.support.launcher import Launcher
 from tests.support.procs import pid_alive
 from tests.support import procs
 from workers.demo_model import DEMO_NAME

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.test_deploy_up import Launcher, launcher  # noqa: F401  (the fixture)
+from tests.support.launcher import Launcher, launcher  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.e2e
 

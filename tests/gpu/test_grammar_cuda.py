@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams, StructuredOutput
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.engine.engine import EngineConfig
 from workers.engine.sampling import apply_token_bitmask

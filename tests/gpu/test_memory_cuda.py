@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.memory import GIB, NoMemoryForCache
 from workers.engine.weights import load_model

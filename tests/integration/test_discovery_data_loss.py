@@ -5,7 +5,6 @@ a key deleted meanwhile is gone at once (nothing is held)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from runtime.discovery import Snapshot
 from runtime.etcd import EtcdClient
 from runtime.messages import InstanceRecord, encode
 from tests.support.servers import EtcdServer
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +31,6 @@ async def restart(etcd: EtcdServer, wipe: bool) -> None:
     await asyncio.to_thread(etcd.start)
 
 
-async def eventually(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-
-
 async def test_entries_lost_with_the_data_are_held_until_written_again_or_expired():
     etcd = EtcdServer()
     etcd.start()
@@ -53,19 +46,20 @@ async def test_entries_lost_with_the_data_are_held_until_written_again_or_expire
         await snap.wait_for(lambda items: len(items) == 2, 5)
         syncs = snap.syncs
         await restart(etcd, wipe=True)
-        await eventually(lambda: snap.syncs > syncs)
+        await eventually(lambda: snap.syncs > syncs, timeout=15, what="a resync after the wipe")
         assert sorted(r.instance_id for r in snap.values()) == ["a", "b"] and sorted(snap.held()) == [PREFIX + "a",
                                                                                                   PREFIX + "b"]
         await client.put((PREFIX + "a").encode(), record("a"))  # "a" registers again: no longer held
-        await eventually(lambda: snap.held() == [PREFIX + "b"])
-        await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"], timeout=6)  # "b" expired
+        await eventually(lambda: snap.held() == [PREFIX + "b"], timeout=15, what=lambda: f"only b held (held: {snap.held()})")
+        await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"], timeout=6, what="b expired")
         assert snap.held() == []
         # held again after a second wipe, then found gone by the request plane
         await client.put((PREFIX + "b").encode(), record("b"))
-        await eventually(lambda: len(snap.values()) == 2)
+        await eventually(lambda: len(snap.values()) == 2, timeout=15, what="b registered again")
         syncs = snap.syncs
         await restart(etcd, wipe=True)
-        await eventually(lambda: snap.syncs > syncs and len(snap.held()) == 2)
+        await eventually(lambda: snap.syncs > syncs and len(snap.held()) == 2, timeout=15,
+                         what=lambda: f"a resync holding both (held: {snap.held()})")
         assert snap.drop_held("b") == 1
         assert [r.instance_id for r in snap.values()] == ["a"] and snap.held() == [PREFIX + "a"]
     finally:
@@ -88,7 +82,8 @@ async def test_a_restart_that_kept_the_data_holds_nothing():
         await asyncio.to_thread(etcd.stop, True)
         await asyncio.to_thread(etcd.start)
         await client.delete((PREFIX + "b").encode())  # gone while the watch was down, or right after
-        await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"])
+        await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"], timeout=15,
+                         what=lambda: f"only a listed (listed: {[r.instance_id for r in snap.values()]})")
         assert snap.held() == []
     finally:
         await snap.stop()

@@ -16,7 +16,7 @@ import pytest
 from runtime import Runtime, RuntimeConfig
 from runtime.errors import StartupError
 from tests.support.servers import EtcdServer, find_binary
-from tests.unit.workers.target.test_draft_tls import make_pki
+from tests.support.pki import make_pki
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")]

@@ -15,6 +15,8 @@ from frontend.config import FrontendConfig
 from frontend.server import HttpServer
 from runtime import Runtime
 from runtime.messages import GenerateRequest, ModelCard
+from tests.support.metrics import sample_value
+from tests.support.wait import eventually
 from workers.demo_model import demo_tokenizer_dir
 from workers.mock import MockWorker
 
@@ -33,10 +35,10 @@ async def stack(rt, runtime_config, **config):
         async with Frontend.start(rt, FrontendConfig(http_port=0, **config)) as frontend:
             server = await HttpServer(frontend.app).start()
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-                for _ in range(100):
-                    if (await http.get("/health")).status_code == 200:
-                        break
-                    await asyncio.sleep(0.05)
+                async def healthy() -> bool:
+                    return (await http.get("/health")).status_code == 200
+
+                await eventually(healthy, timeout=5, what="the frontend healthy")
                 assert (await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})).status_code == 200
                 yield frontend, worker, http
             await server.stop()
@@ -54,8 +56,7 @@ async def read_some(http, body: dict, lines: int) -> None:
 async def test_requests_over_the_inflight_limit_get_429_with_retry_after(rt, runtime_config):
     async with stack(rt, runtime_config, max_inflight=2) as (frontend, _worker, http):
         slow = [asyncio.create_task(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40})) for _ in range(2)]
-        while frontend.inflight < 2:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: frontend.inflight >= 2, interval=0.01, what="two requests in flight")
         over = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
         assert over.status_code == 429 and over.headers["retry-after"] == "1"
         assert over.json()["error"]["code"] == "overloaded"
@@ -88,13 +89,12 @@ async def test_every_ending_releases_its_router_selection_once(rt, runtime_confi
             http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10**6}),  # rejected before routing
         ]
         await asyncio.gather(*endings)
-        for _ in range(100):  # the disconnect's cleanup runs after the client is gone
-            if not frontend.router.in_flight and worker.running == 0:
-                break
-            await asyncio.sleep(0.05)
+        # the disconnect's cleanup runs after the client is gone
+        await eventually(lambda: not frontend.router.in_flight and worker.running == 0, timeout=5,
+                         what=lambda: f"all released (router: {frontend.router.in_flight}, worker: {worker.running})")
         assert frontend.router.in_flight == {}
         assert len(selected) == 1 + 1 + 3 + 2 + 1
         assert sorted(s.ticket for s in released) == sorted(s.ticket for s in selected)  # each once
         assert worker.running == 0 and worker.cancelled >= 1
         assert frontend.inflight == 0
-        assert frontend.metrics.series("mock").in_flight._value.get() == 0
+        assert sample_value(frontend.metrics.render().decode(), "tandem_frontend_inflight_requests", model="mock") == 0

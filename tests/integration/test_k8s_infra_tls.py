@@ -18,9 +18,8 @@ from runtime.config import config_from_args
 from runtime.errors import StartupError
 from tests.integration.test_etcd_security import registers_and_watches
 from tests.support.servers import EtcdServer, NatsServer
-from tests.unit.deploy import test_k8s
-from tests.unit.deploy.test_k8s_infra_tls import build_with
-from tests.unit.workers.target.test_draft_tls import make_pki
+from tests.support.kustomize import MODULES, build_with, by_kind
+from tests.support.pki import make_pki
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")]
@@ -41,17 +40,17 @@ async def test_rendered_tls_settings_connect_to_real_etcd_and_nats(tmp_path, mon
     pki = make_pki(tmp_path)
     secret = {"ca.crt": pki["ca"], "tls.crt": pki["server_cert"], "tls.key": pki["server_key"]}
 
-    [etcd_c] = test_k8s.by_kind(objs, "StatefulSet")["tandem-etcd"]["spec"]["template"]["spec"]["containers"]
+    [etcd_c] = by_kind(objs, "StatefulSet")["tandem-etcd"]["spec"]["template"]["spec"]["containers"]
     etcd = EtcdServer(*_with_files(etcd_c["command"], secret, ("--cert-file", "--key-file", "--trusted-ca-file",
                                                                 "--client-cert-auth")), scheme="https")
-    [nats_c] = test_k8s.by_kind(objs, "Deployment")["tandem-nats"]["spec"]["template"]["spec"]["containers"]
+    [nats_c] = by_kind(objs, "Deployment")["tandem-nats"]["spec"]["template"]["spec"]["containers"]
     nats_ = NatsServer(*_with_files(nats_c["args"], secret, ("--tls", "--tlscert", "--tlskey", "--tlscacert",
                                                               "--tlsverify")))
     etcd.start()
     nats_.start()
     try:
-        [router] = test_k8s.by_kind(objs, "Deployment")["tandem-router"]["spec"]["template"]["spec"]["containers"]
-        env = dict(test_k8s.by_kind(objs, "ConfigMap")["tandem-config"]["data"])
+        [router] = by_kind(objs, "Deployment")["tandem-router"]["spec"]["template"]["spec"]["containers"]
+        env = dict(by_kind(objs, "ConfigMap")["tandem-config"]["data"])
         for var in [v for v in os.environ if v.startswith("TANDEM_")]:
             monkeypatch.delenv(var)
         for name, value in env.items():
@@ -60,7 +59,7 @@ async def test_rendered_tls_settings_connect_to_real_etcd_and_nats(tmp_path, mon
             if value.startswith("/etc/tandem/infra-tls/"):
                 value = secret[Path(value).name]
             monkeypatch.setenv(name, value)
-        module = importlib.import_module(test_k8s.MODULES[router["args"][0]])
+        module = importlib.import_module(MODULES[router["args"][0]])
         config = dataclasses.replace(config_from_args(module.parse_args(router["args"][1:])), handle_signals=False,
                                      connect_timeout=3, lease_ttl=3)
         assert config.etcd_url.startswith("https://") and config.nats_url.startswith("tls://")

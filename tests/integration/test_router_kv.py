@@ -8,7 +8,6 @@ the index from the workers' dumps.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from runtime.events import TOPIC_KV, TOPIC_KV_DUMP
 from runtime.kv_hash import block_hashes
 from runtime.messages import GenerateRequest, KvDumpRequest, KvEvent, SamplingParams, TokenDelta
 from runtime.request_plane import collect
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +26,6 @@ PREFIX_HASHES = block_hashes(PREFIX, 16)
 
 def prompt(i: int) -> list[int]:
     return PREFIX + [5000 + 37 * i + k for k in range(40)]  # 2 more full blocks and a partial one
-
-
-async def eventually(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 async def start_workers(rt, spawn, n: int, *extra: str):

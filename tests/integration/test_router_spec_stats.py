@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -12,18 +11,11 @@ from router.spec_stats import SpecDecodeStats, follow_spec_stats
 from runtime.messages import GenerateRequest, SamplingParams, SpecUsage, TokenDelta
 from runtime.request_plane import collect
 from runtime.spec_stats import SpecCounters
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.integration
 
 GAMMA = 4
-
-
-async def eventually(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 def start(spawn, acceptance: str, draft: str):

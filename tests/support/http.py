@@ -10,35 +10,30 @@ from collections import Counter
 
 import httpx
 
+from tests.support.wait import eventually
+
 
 async def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.2) -> None:
-    """Poll ``url`` until it answers 200; TimeoutError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll ``url`` until it answers 200; :class:`~tests.support.wait.NotReached` after ``timeout`` seconds."""
     async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                if (await client.get(url, timeout=2)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(interval)
-    raise TimeoutError(url)
+        async def ok() -> bool:
+            return (await client.get(url, timeout=2)).status_code == 200
+
+        await eventually(ok, timeout=timeout, interval=interval, ignoring=(httpx.TransportError,),
+                         what=f"{url} answering 200")
 
 
 async def wait_for_model(base_url: str, model: str, timeout: float = 60.0, interval: float = 0.2) -> None:
     """Poll a frontend's ``/health`` until it lists ``model`` (a frontend is ready before any worker
-    serves: readiness means it takes traffic); TimeoutError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    serves: readiness means it takes traffic); :class:`~tests.support.wait.NotReached` after ``timeout``
+    seconds."""
     async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                r = await client.get(f"{base_url}/health", timeout=2)
-                if r.status_code == 200 and model in r.json().get("models", []):
-                    return
-            except (httpx.TransportError, ValueError):
-                pass
-            await asyncio.sleep(interval)
-    raise TimeoutError(f"{base_url}/health never listed {model!r}")
+        async def listed() -> bool:
+            r = await client.get(f"{base_url}/health", timeout=2)
+            return r.status_code == 200 and model in r.json().get("models", [])
+
+        await eventually(listed, timeout=timeout, interval=interval, ignoring=(httpx.TransportError, ValueError),
+                         what=f"{base_url}/health listing {model!r}")
 
 
 async def completion_load(url: str, statuses: Counter, stop: asyncio.Event, prompt: str = "load",
@@ -83,3 +78,21 @@ async def good_stream(url: str, gaps: list[float], stop: asyncio.Event, max_toke
                     last = now
             streams += 1
     return streams
+
+
+def streamed_completion(url: str, model: str, prompt: str | list[int], max_tokens: int, timeout: float = 180) -> dict:
+    """A greedy streamed ``/v1/completions`` of exactly ``max_tokens`` (eos ignored): its text and
+    usage; any error frame fails the test."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, usage = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += [c.get("text", "") for c in chunk.get("choices", [])]
+            usage = chunk.get("usage") or usage
+    return {"text": "".join(text), "usage": usage}

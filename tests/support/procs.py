@@ -7,10 +7,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from runtime.config import importable_env
+from tests.support.wait import eventually_sync
 
 
 class ManagedProcess:
@@ -50,14 +50,16 @@ class ManagedProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_for_log(self, text: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Block until ``text`` is in the log; RuntimeError if the process exits first."""
+        def logged() -> bool:
             if text in self.logs():
-                return
+                return True
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.logs()[-4000:]}")
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.name}: {text!r} not logged within {timeout}s; log:\n{self.logs()[-4000:]}")
+            return False
+
+        eventually_sync(logged, timeout=timeout, interval=0.1,
+                        what=lambda: f"{self.name}: {text!r} logged; log:\n{self.logs()[-4000:]}")
 
     def signal(self, sig: int) -> None:
         if self.alive():

@@ -24,12 +24,11 @@ async def serve_through(loop, prompts: dict[str, list[int]], params, timeout: fl
 
 def tiny_target_with_eagle3(tmp_path_factory, name: str) -> tuple[Path, Path]:
     """A 4-layer random Llama (seed 7, the spec tests' vocabulary) and a random EAGLE-3 head for it."""
-    from tests.unit.workers.draft.test_eagle import write_eagle3
-    from tests.unit.workers.engine.helpers import tiny_hf_model
-    from tests.unit.workers.engine.test_spec_engine import VOCAB
+    from tests.support.eagle_heads import write_eagle3
+    from tests.support.tiny_models import SPEC_VOCAB, tiny_hf_model
 
     target = tmp_path_factory.mktemp(f"{name}-target")
-    tiny_hf_model("llama", target, seed=7, vocab=VOCAB, layers=4, max_positions=1024)
+    tiny_hf_model("llama", target, seed=7, vocab=SPEC_VOCAB, layers=4, max_positions=1024)
     head = tmp_path_factory.mktemp(f"{name}-head")
     write_eagle3(head, seed=3)
     return target, head

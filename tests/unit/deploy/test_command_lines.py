@@ -11,13 +11,11 @@ import pytest
 import yaml
 
 from deploy.stack import StackConfig, component_names, plan
-from tests.unit.deploy.kustomize import build, pod_specs
+from tests.support.kustomize import MODULES, build, pod_specs
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[3]
-MODULES = {"frontend": "frontend.__main__", "router": "router.__main__", "target": "workers.target.__main__",
-           "draft": "workers.draft.__main__", "mock": "workers.mock"}
 BY_MODULE = {"frontend": "frontend", "router": "router", "workers.target": "target", "workers.draft": "draft",
              "workers.mock": "mock"}
 

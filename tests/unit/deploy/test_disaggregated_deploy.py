@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.unit.deploy import test_k8s
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import build
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import yaml
 
 from deploy.cli import build_parser
 from runtime.config import RuntimeConfig
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import build
 
 pytestmark = pytest.mark.unit
 

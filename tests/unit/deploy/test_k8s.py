@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -13,12 +12,10 @@ import pytest
 import yaml
 
 from runtime.config import RuntimeConfig, config_from_args
-from tests.unit.deploy.kustomize import KustomizeError, build, pod_specs
-from tests.unit.deploy.test_command_lines import MODULES
+from tests.support.kustomize import K8S, MODULES, KustomizeError, build, by_kind, pod_specs
 
 pytestmark = pytest.mark.unit
 
-K8S = Path(__file__).resolve().parents[3] / "k8s"
 OVERLAYS = ["base", "overlays/cpu-demo", "overlays/gpu"]
 # Overlays made of another overlay and a component: every check on OVERLAYS holds for them too.
 VARIANTS = ["overlays/gpu-disagg"]
@@ -74,10 +71,6 @@ SERVICE_MONITOR_SCHEMA = {
 @pytest.fixture(scope="module", params=OVERLAYS + VARIANTS)
 def built(request) -> tuple[str, list[dict]]:
     return request.param, build(K8S / request.param)
-
-
-def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
 
 
 TANDEM_COMPONENTS = ("frontend", "router", "target", "draft")

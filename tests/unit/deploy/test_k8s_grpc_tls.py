@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.deploy import test_k8s
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import build
 
 pytestmark = pytest.mark.unit
 

@@ -15,20 +15,12 @@ import pytest
 
 from runtime.config import config_from_args
 from tests.unit.deploy import test_k8s
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import K8S, build, build_with
 
 pytestmark = pytest.mark.unit
 
-K8S = Path(__file__).resolve().parents[3] / "k8s"
 SECRET_KEYS = {"ca.crt", "tls.crt", "tls.key"}
 OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "overlays/gpu-tp2", "overlays/gpu-disagg"]
-
-
-def build_with(overlay: str, components: list[str], root: Path) -> list[dict]:
-    rel = os.path.relpath(K8S, root)
-    listed = ", ".join(f"{rel}/components/{c}" for c in components)
-    (root / "kustomization.yaml").write_text(f"resources: [{rel}/{overlay}]\ncomponents: [{listed}]\n")
-    return build(root)
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)

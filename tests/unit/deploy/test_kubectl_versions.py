@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.deploy.kustomize import NEWEST, OLDEST, build, kubectl
+from tests.support.kustomize import NEWEST, OLDEST, build, kubectl
 
 pytestmark = pytest.mark.unit
 

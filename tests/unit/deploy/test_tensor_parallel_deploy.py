@@ -12,7 +12,7 @@ import yaml
 
 from deploy.cli import build_parser, stack_config
 from deploy.stack import StackConfig, plan
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import build
 
 pytestmark = pytest.mark.unit
 

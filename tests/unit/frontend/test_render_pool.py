@@ -7,7 +7,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from frontend.tokenizer import Tokenizer
 from runtime import InvalidRequest
 from runtime.config import importable_env
 from tests.support.procs import pid_alive
+from tests.support.wait import eventually, eventually_sync
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -32,13 +32,11 @@ async def test_the_pool_renders_what_this_process_would():
     try:
         before = await pool.encode_chat(tok, messages)  # not warm yet: rendered in a thread
         assert pool.rendered == 0 and before == tok.encode_chat(messages)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a while for a process that should not start
         assert pool._pool is None and not pool.ready(tok)  # paused: no process started
         pool.resume()
-        deadline = time.monotonic() + 60
-        while not pool.ready(tok):
-            assert time.monotonic() < deadline, "the render process did not load the tokenizer in 60 s"
-            await asyncio.sleep(0.1)
+        await eventually(lambda: pool.ready(tok), timeout=60, interval=0.1,
+                         what="the render process loading the tokenizer")
         assert await pool.encode_chat(tok, messages, add_generation_prompt=False) == \
             tok.encode_chat(messages, add_generation_prompt=False)
         assert pool.rendered == 1
@@ -68,10 +66,7 @@ def test_the_render_process_dies_with_a_killed_frontend():
         assert pid_alive(child)
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10
-        while pid_alive(child):
-            assert time.monotonic() < deadline, f"render process {child} outlived its frontend"
-            time.sleep(0.05)
+        eventually_sync(lambda: not pid_alive(child), timeout=10, what=f"render process {child} exiting with its frontend")
     finally:
         parent.kill()
 

@@ -12,7 +12,7 @@ import pytest
 
 from planner.__main__ import k8s_deployments, parse_args, planner_config
 from tests.unit.deploy import test_k8s
-from tests.unit.deploy.kustomize import build
+from tests.support.kustomize import build
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model
+from tests.support.tiny_models import hf_greedy, tiny_hf_model
 from workers.engine.weights import load_model
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.proposer import DraftInput, SamplingSpec, VerifyResult

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.draft.test_eagle import write_eagle3
+from tests.support.eagle_heads import write_eagle3
+from tests.support.procs import pid_alive
+from tests.support.tiny_models import tiny_hf_model
+from tests.support.wait import eventually_sync
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, run_spec
-from tests.unit.workers.engine.helpers import tiny_hf_model
 from workers.draft.eagle import load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
 from workers.draft.__main__ import followed_weights
@@ -102,15 +103,6 @@ def test_sampled_requests_are_not_recorded_and_a_gap_ends_a_sample():
     assert s["mask"].tolist() == [False] * 5 + [True] * 3
 
 
-def wait_for(cond, timeout: float, what) -> None:
-    """Poll ``cond`` until it holds; past ``timeout`` seconds fail with ``what`` (a string, or a
-    callable for a message that says how things stand then)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what() if callable(what) else what
-        time.sleep(0.1)
-
-
 def config(target_dir, head_dir, **kw) -> DistillConfig:
     base = dict(head_dir=str(head_dir), target_dir=str(target_dir), max_len=512, min_tokens=128,
                 min_eval_chains=20, batch_tokens=256, eval_every=4, lr=3e-3, min_gain=0.01, share=1.0, nice=0)
@@ -131,9 +123,10 @@ def test_a_trainer_process_learns_the_traffic_and_its_weights_stay_lossless(targ
     try:
         for s in samples:
             distiller.recorder.sink(s)
-        wait_for(lambda: swaps, 120, lambda: f"no candidate was swapped in: {distiller.stats}; trainer process alive "
-                 f"{distiller._proc.is_alive()} (exit code {distiller._proc.exitcode}), its watcher thread alive "
-                 f"{distiller._thread.is_alive()}")
+        eventually_sync(lambda: swaps, timeout=120, interval=0.1, what=lambda: (
+            f"a candidate swapped in: {distiller.stats}; trainer process alive "
+            f"{distiller._proc.is_alive()} (exit code {distiller._proc.exitcode}), its watcher thread alive "
+            f"{distiller._thread.is_alive()}"))
     finally:
         distiller.stop()
     st = distiller.stats
@@ -199,16 +192,21 @@ def test_a_failing_trainer_never_touches_serving(target_dir, head_dir):
     try:
         for s in samples:  # NaN features: every loss is NaN
             distiller.recorder.sink({**s, "hidden": torch.full_like(s["hidden"], float("nan"))})
-        wait_for(lambda: distiller.stats.nonfinite >= 2, 120, f"no non-finite step reported: {distiller.stats}")
+        eventually_sync(lambda: distiller.stats.nonfinite >= 2, timeout=120, interval=0.1,
+                        what=lambda: f"two non-finite steps reported: {distiller.stats}")
         # an exception inside training: a sample whose hidden rows have the wrong width
         for s in samples:
             distiller.recorder.sink({**s, "hidden": s["hidden"][:, :7]})
-        wait_for(lambda: distiller.stats.failures >= 1, 60, f"the exception was not reported: {distiller.stats}")
-        wait_for(lambda: distiller.trainer_pid != first and distiller._proc.is_alive(), 60, "trainer not restarted")
+        eventually_sync(lambda: distiller.stats.failures >= 1, timeout=60, interval=0.1,
+                        what=lambda: f"the exception reported: {distiller.stats}")
+        eventually_sync(lambda: distiller.trainer_pid != first and pid_alive(distiller.trainer_pid), timeout=60,
+                        interval=0.1, what="trainer restarted")
         pid = distiller.trainer_pid
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: distiller.stats.failures >= 2, 60, f"the killed trainer was not noticed: {distiller.stats}")
-        wait_for(lambda: distiller.trainer_pid != pid and distiller._proc.is_alive(), 60, "trainer not restarted")
+        eventually_sync(lambda: distiller.stats.failures >= 2, timeout=60, interval=0.1,
+                        what=lambda: f"the killed trainer noticed: {distiller.stats}")
+        eventually_sync(lambda: distiller.trainer_pid != pid and pid_alive(distiller.trainer_pid), timeout=60,
+                        interval=0.1, what="trainer restarted")
         # serving meanwhile: speculation with the head as loaded, lossless
         batch = prompts(4, seed=9)
         assert run_spec(engine, proposer, batch, GREEDY) == Engine(load_model(target_dir), CFG).generate(batch, GREEDY)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.draft.test_eagle import write_eagle1, write_eagle3
+from tests.support.eagle_heads import write_eagle1, write_eagle3
 from tests.unit.workers.draft.test_spec_heads import write_medusa_vllm, write_mlp_ibm
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.draft.__main__ import draft_config, main, make_proposer, parse_args
 from workers.draft.config import DraftConfig, resolve_device, resolve_dtype

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.draft.eagle import load_target_parts
 from workers.draft.head_proposer import HeadProposer

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from runtime.messages import KvEventKind, SamplingParams, TokenDelta
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import make_proposer, run_spec
 from tests.unit.workers.engine.test_spec_engine import prompts as spec_prompts
 from workers.engine.cuda_graphs import GraphConfig

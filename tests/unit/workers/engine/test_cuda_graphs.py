@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the fused model's kernels, on CPU
 
 from runtime.messages import SamplingParams  # noqa: E402
-from tests.unit.workers.engine.helpers import tiny_hf_model  # noqa: E402
+from tests.support.tiny_models import tiny_hf_model  # noqa: E402
 from workers.engine.cuda_graphs import GraphConfig, batch_buckets  # noqa: E402
 from workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.model_runner import ModelRunner  # noqa: E402

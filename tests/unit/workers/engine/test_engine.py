@@ -7,7 +7,7 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.messages import KvEventKind, SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 

@@ -15,7 +15,7 @@ import torch
 
 from runtime.kv_hash import block_hashes
 from runtime.messages import KvEventKind, SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.kv_disk import HEADER, check_file, TEMP_PREFIX, decode_block, encode_block
 from workers.engine.kv_tiers import block_bytes, build_tiers
@@ -111,7 +111,7 @@ def test_hidden_rows_of_blocks_loaded_back_equal_recomputed_ones(model):
         e.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         e.step()  # the prefill (and, with tiers, the load)
         seq = e.seqs["p"]
-        rows = e._hidden_rows([seq], [(0, 36)], layers, None)[0]
+        rows = e.news.rows([seq], [(0, 36)], layers, None)[0]
         cached = seq.num_cached_tokens
         while e.has_work():
             e.step()

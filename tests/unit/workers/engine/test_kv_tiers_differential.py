@@ -23,7 +23,7 @@ import torch
 from runtime.kv_hash import block_hashes
 from runtime.messages import SamplingParams
 from tests.support.kv_faults import damage_block_file
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.kv_disk import check_file, decode_block, encode_block
 from workers.engine.kv_tiers import block_bytes, build_tiers

@@ -100,7 +100,7 @@ def test_a_cpu_model_runner_holds_the_linear_weights_once(tmp_path, tied):
     from workers.engine.model_runner import ModelRunner
     from workers.engine.weights import load_model
 
-    from .helpers import tiny_hf_model
+    from tests.support.tiny_models import tiny_hf_model
 
     tiny_hf_model("llama", tmp_path, tied=tied, vocab=4096)  # hidden 64: only the LM head is big enough
     model = load_model(tmp_path)

@@ -17,7 +17,7 @@ from runtime.errors import InvalidRequest
 from runtime.kv_hash import ROOT_HASH, chain_root
 from runtime.messages import SamplingParams
 from tests.support.lora import merged_reference, train_lora
-from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model
+from tests.support.tiny_models import hf_greedy, tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.lora import LoraError, LoraManager
 from workers.engine.weights import load_model

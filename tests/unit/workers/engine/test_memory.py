@@ -4,7 +4,7 @@ the engine's vLLM phase timings and prefix-cache counters."""
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.memory import GIB, DeviceMemory, NoMemoryForCache, kv_cache_bytes, step_activation_bytes
 from workers.engine.model_runner import ModelRunner

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import hf_greedy, tiny_hf_model, write_llama_gguf
+from tests.support.tiny_models import hf_greedy, tiny_hf_model, write_llama_gguf
 from workers.engine.attention import AttentionMetadata, allocate_kv_cache
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model

@@ -14,7 +14,7 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.support.quant import AWQ_ORDER, pack_awq, pack_gptq, read_fp8_reference, write_fp8, write_int4
-from tests.unit.workers.engine.helpers import hf_greedy
+from tests.support.tiny_models import hf_greedy
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.quant import Fp8Weight, Int4Weight, QuantScheme, awq_tensors, gptq_tensors, weight_bytes
 from workers.engine.weights import load_model
@@ -150,7 +150,7 @@ def test_a_gguf_file_served_from_its_q4_1_blocks(tmp_path):
     """``gguf_quantized``: a Llama GGUF with Q4_1 projections (written by gguf-py, q/k rows in
     llama.cpp's order) keeps the file's blocks — 20 bytes per 32 weights, 5/32 of float32 — and
     gives the logits and greedy tokens of the same file dequantized on load by transformers."""
-    from tests.unit.workers.engine.helpers import write_llama_gguf
+    from tests.support.tiny_models import write_llama_gguf
     from workers.engine.quant import Q4_1Weight
 
     write_llama_gguf(_tiny(), tmp_path / "tiny.gguf", projections="Q4_1")
@@ -174,7 +174,7 @@ def test_a_gguf_file_served_from_its_q4_1_blocks(tmp_path):
 
 def test_the_target_worker_builds_its_engine_from_a_gguf_kept_quantized(tmp_path):
     """``--gguf-quantized`` reaches the loader: the worker's engine holds Q4_1 projections."""
-    from tests.unit.workers.engine.helpers import write_llama_gguf
+    from tests.support.tiny_models import write_llama_gguf
     from workers.engine.quant import Q4_1Weight
     from workers.target.__main__ import build_engine, parse_args, target_config
 

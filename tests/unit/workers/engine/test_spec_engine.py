@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import SPEC_VOCAB as VOCAB
+from tests.support.tiny_models import tiny_hf_model
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
 from workers.engine.engine import Engine, EngineConfig
@@ -18,7 +19,6 @@ from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
 
-VOCAB = 96
 CFG = EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)
 
 

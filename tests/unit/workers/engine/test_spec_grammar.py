@@ -13,7 +13,7 @@ import pytest
 
 from runtime.errors import InvalidRequest
 from runtime.messages import SamplingParams, StructuredOutput
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import run_spec
 from workers.demo_model import demo_tokenizer_dir
 from workers.draft.draft_model import DraftModelProposer

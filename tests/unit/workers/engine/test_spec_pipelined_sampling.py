@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_sampling import PROMPT, VOCAB, exact_marginals
 from tests.unit.workers.speculation.test_rejection import chi2_pvalue
 from workers.engine.engine import Engine, EngineConfig

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import run_spec
 from tests.unit.workers.speculation.test_rejection import chi2_pvalue
 from workers.draft.draft_model import DraftModelProposer

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model, write_llama_gguf
+from tests.support.tiny_models import tiny_hf_model, write_llama_gguf
 from tests.unit.workers.engine.test_spec_engine import make_proposer, run_spec
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.followers import load_sharded

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.attention import AttentionMetadata, paged_attention_torch
 from workers.speculation.tree import ancestor_mask
 from workers.engine.model_runner import ModelRunner

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.engine.engine import Engine
 from workers.engine.weights import load_model

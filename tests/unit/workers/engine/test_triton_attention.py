@@ -55,7 +55,7 @@ def test_split_kv_matches_torch(splits):
 
 
 def test_model_forward_with_triton_attention_matches_torch(tmp_path):
-    from tests.unit.workers.engine.helpers import tiny_hf_model
+    from tests.support.tiny_models import tiny_hf_model
     from workers.engine.attention import allocate_kv_cache
     from workers.engine.triton_attention import paged_attention_triton
     from workers.engine.weights import load_model

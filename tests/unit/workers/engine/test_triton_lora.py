@@ -41,7 +41,7 @@ def test_engine_mixed_batch_with_the_kernels_equals_the_torch_path(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from runtime.messages import SamplingParams
-    from tests.unit.workers.engine.helpers import tiny_hf_model
+    from tests.support.tiny_models import tiny_hf_model
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.lora import LoraManager
     from workers.engine.weights import load_model

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from tests.unit.workers.engine.helpers import tiny_hf_model  # noqa: E402
+from tests.support.tiny_models import tiny_hf_model  # noqa: E402
 from workers.engine.attention import AttentionMetadata, allocate_kv_cache, write_kv  # noqa: E402
 from workers.engine.config import RopeConfig  # noqa: E402
 from workers.engine.layers import RotaryEmbedding  # noqa: E402

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.engine.weights import load_model
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """A tiny random Llama (tests/unit/workers/engine/helpers.py), loaded once per test module."""
+    """A tiny random Llama (tests/support/tiny_models.py), loaded once per test module."""
     path = tmp_path_factory.mktemp("tiny")
     tiny_hf_model("llama", path)
     return load_model(path)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.unit.workers.draft.loopback import draft_on_loopback
+from tests.support.wait import eventually
 from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
 from workers.draft.service import DraftService
 from workers.speculation.convert import verify_to_pb
@@ -48,10 +49,8 @@ def test_hidden_states_are_sent_in_the_drafts_dtype():
             # verdicts travel converted (the target converts them on its engine thread)
             client.verified([verify_to_pb(VerifyResult("s", 0, 1, [7, 8], [torch.randn(2, 8), torch.randn(2, 8)]),
                                           client.hidden_dtype)])
-            for _ in range(100):
-                if len(proposer.seen) == 4:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: len(proposer.seen) == 4, timeout=2, interval=0.02,
+                             what="the draft seeing the verdict's hidden rows")
             assert [t.dtype for t in proposer.seen] == [torch.bfloat16] * 4
             assert torch.equal(proposer.seen[0], hidden[0].to(torch.bfloat16))
             assert client.hidden_bytes == (3 + 3 + 2 + 2) * 8 * 2  # rows × width × 2 bytes

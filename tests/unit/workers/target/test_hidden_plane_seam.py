@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.unit.workers.draft.loopback import draft_on_loopback
+from tests.support.wait import eventually
 from workers.draft.proposer import DraftInput, DraftOutput, Proposer
 from workers.draft.service import DraftService
 from workers.engine.hidden import HiddenStore
@@ -51,7 +52,7 @@ def shm_names() -> set[str]:
 
 
 def write(client, store: HiddenStore, slots: list[int]) -> HiddenRef:
-    """What the engine does for a batch of one sequence (Engine._hidden_block)."""
+    """What the engine does for a batch of one sequence (DraftNews.block)."""
     offset, streamed = client.plane.write(len(slots), lambda rows: store.gather(torch.tensor(slots),
                                                                                 client.plane.layers, rows))
     return HiddenRef(offset, len(slots), streamed)
@@ -73,10 +74,8 @@ def test_rows_cross_the_plane_in_the_targets_dtype(mode):
                                        timeout=5)
             assert got["s"].token_ids == [7]
             client.verified([verify_to_pb(VerifyResult("s", 0, 1, [7, 8], hidden_ref=write(client, store, [6, 7])))])
-            for _ in range(200):
-                if len(proposer.seen) == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: len(proposer.seen) == 2, timeout=4, interval=0.02,
+                             what="the draft seeing the verdict's hidden rows")
             first, second = proposer.seen
             assert [t.dtype for t in first] == [torch.bfloat16] * 3  # the target's; the draft casts for itself
             assert [t[:, 0].tolist() for t in first] == [[203, 204, 205], [103, 104, 105], [203, 204, 205]]

@@ -14,7 +14,7 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.conftest import _one_torch_thread  # noqa: F401 (autouse: one torch thread)
-from tests.unit.workers.engine.helpers import tiny_hf_model
+from tests.support.tiny_models import tiny_hf_model
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
 from workers.engine.engine import HANDOFF, Engine, EngineConfig

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from runtime.errors import InvalidRequest
 from runtime.events import TOPIC_KV
 from runtime.messages import GenerateRequest, KvEventKind, SamplingParams, TokenDelta
+from tests.support.wait import eventually
 from workers.engine.engine import Engine, EngineConfig
 from workers.target.metrics import TargetCollector
 from workers.target.worker import TargetWorker, merge_deltas
@@ -57,12 +57,15 @@ async def test_generate_streams_engine_tokens_and_cancel_frees_blocks(model):
                                Ctx("r3"))
         long_tokens = (await long.__anext__()).token_ids
         await long.aclose()
-        for _ in range(100):
-            if engine.blocks.num_free_blocks == 64 and not engine.seqs:
-                break
-            await asyncio.sleep(0.02)
-        assert engine.blocks.num_free_blocks == 64 and not engine.seqs and worker.cancelled == 1
-        await asyncio.sleep(0.1)
+        await eventually(lambda: engine.blocks.num_free_blocks == 64 and not engine.seqs, timeout=2, interval=0.02,
+                         what="the left request's blocks back")
+        assert worker.cancelled == 1
+
+        def kv_and_load() -> bool:
+            kinds = [e.kind for topic, e in published if topic == TOPIC_KV]
+            return KvEventKind.STORED in kinds and any(topic != TOPIC_KV for topic, _ in published)
+
+        await eventually(kv_and_load, timeout=2, interval=0.02, what="KV events and load events published")
         kinds = [e.kind for topic, e in published if topic == TOPIC_KV]
         assert kinds[0] == KvEventKind.CLEARED and KvEventKind.STORED in kinds
         assert any(topic != TOPIC_KV for topic, _ in published)  # load events

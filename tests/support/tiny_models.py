@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+# The vocabulary of the speculative-decoding tests' tiny targets, drafts and heads.
+SPEC_VOCAB = 96
 
 
 def tiny_hf_model(family: str, path: Path, *, seed: int = 0, tied: bool = False, vocab: int = 256,

