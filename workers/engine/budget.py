@@ -44,10 +44,13 @@ class StepCost:
     def __init__(self, decay: float = 0.97, min_samples: int = 8):
         self.decay = decay
         self.min_samples = min_samples
-        # Σ w x xᵀ and Σ w x y, x = (1, tokens, verified, any), as plain floats: observe runs every
-        # step on the host, between GPU steps, where small tensor ops would cost more than the sums
+        # Σ w x xᵀ (upper triangle) and Σ w x y, x = (1, tokens, verified, any), as plain floats: observe
+        # runs every step on the host, between GPU steps, where small tensor ops would cost more than the
+        # sums. Sample k is added with weight decay^-k (``_weight``) rather than every sum decayed each
+        # step: the sums are the decayed ones times ``_weight``, and a plain step touches 5 of them.
         self._xx = [[0.0] * 4 for _ in range(4)]
         self._xy = [0.0] * 4
+        self._weight = 1.0
         self._coef: tuple[float, float, float, float] | None = None  # the fit, until the next sample
         self.samples = 0
 
@@ -55,15 +58,33 @@ class StepCost:
         """One step: ``tokens`` query tokens, ``verified`` sequences verified drafts; ``attempted``:
         proposals were asked for it even if none came in time (a late round's wait is what
         speculating cost that step, so it counts toward ``d``, not toward plain steps' ``a``)."""
-        x = (1.0, float(tokens), float(verified), 1.0 if verified > 0 or attempted else 0.0)
-        d = self.decay
-        for i, xi in enumerate(x):
-            row = self._xx[i]
-            for j, xj in enumerate(x):
-                row[j] = d * row[j] + xi * xj
-            self._xy[i] = d * self._xy[i] + xi * seconds
+        w = self._weight = self._weight / self.decay
+        if w > 1e100:  # bring the sums back to their decayed values before the weights overflow
+            self._rescale(1.0 / w)
+            w = self._weight
+        xx, xy = self._xx, self._xy
+        t = float(tokens)
+        wt = w * t
+        xx[0][0] += w
+        xx[0][1] += wt
+        xx[1][1] += wt * t
+        xy[0] += w * seconds
+        xy[1] += wt * seconds
+        if verified > 0 or attempted:  # the speculating columns: x[2] = verified, x[3] = 1
+            x = (1.0, t, float(verified), 1.0)
+            for i in range(4):
+                for j in range(max(i, 2), 4):
+                    xx[i][j] += w * x[i] * x[j]
+            xy[2] += w * x[2] * seconds
+            xy[3] += w * seconds
         self.samples += 1
         self._coef = None
+
+    def _rescale(self, factor: float) -> None:
+        for row in self._xx:
+            row[:] = [v * factor for v in row]
+        self._xy = [v * factor for v in self._xy]
+        self._weight *= factor
 
     @property
     def ready(self) -> bool:
@@ -79,7 +100,9 @@ class StepCost:
         return self._coef
 
     def _fit(self) -> tuple[float, float, float, float]:
-        xx, xy = self._xx, self._xy
+        scale = 1.0 / self._weight  # the decayed sums (the upper triangle mirrored)
+        xx = [[self._xx[min(i, j)][max(i, j)] * scale for j in range(4)] for i in range(4)]
+        xy = [v * scale for v in self._xy]
         # a little ridge keeps the fit defined before verify steps (or varied batches) were seen
         ridge = 1e-6 * xx[0][0]
         system = [[xx[i][j] + (ridge if i == j and i else 0.0) for j in range(4)] + [xy[i]] for i in range(4)]

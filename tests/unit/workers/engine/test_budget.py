@@ -31,6 +31,20 @@ def test_cost_model_recovers_its_plane():
     assert not StepCost().ready
 
 
+def test_cost_model_forgets_old_steps_as_its_decay_says_over_a_long_run():
+    """Recent steps weigh more (each sample's weight decays by ``decay`` a step, kept without touching
+    every sum each step): after 20,000 steps, well past the weights' rescaling, a cost that changed
+    10,000 steps ago is forgotten and the fit is the new plane's."""
+    cost = StepCost()
+    for step in range(20_000):
+        n, v = (1, 0) if step % 3 else (4 + step % 5, (step // 3) % 3)  # v: 0, 1 or 2 verified
+        fixed, per_token = (0.01, 0.001) if step < 10_000 else (0.02, 0.003)
+        cost.observe(n, fixed + per_token * n + 0.002 * v + (0.004 if v else 0.0), v)
+    a, b, c, d = cost.coefficients()
+    assert a == pytest.approx(0.02, rel=1e-3) and b == pytest.approx(0.003, rel=1e-3)
+    assert c == pytest.approx(0.002, rel=1e-3) and d == pytest.approx(0.004, rel=1e-3)
+
+
 def test_small_gains_are_not_bought():
     """A plan that beats plain decoding by less than the margin is not taken."""
     cost = fitted(0.05, 0.0, wait=0.0, per_verify=0.0)
