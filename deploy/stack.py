@@ -17,7 +17,8 @@ from workers.draft.methods import HEAD_METHODS, METHODS
 DRAFT_METHODS = (*METHODS, "none")  # none: no draft workers (the targets decode plainly)
 ROUTER_MODES = ("kv", "round_robin", "random")
 MOCK_MODEL_NAME = "mock"
-MOCK_ENGINE_FLAGS = ("--max-model-len",)  # of the target workers' engine flags, the ones the mock worker has
+# of the target workers' engine flags, the ones the mock worker has
+MOCK_ENGINE_FLAGS = ("--max-model-len", "--max-num-seqs", "--scheduling-policy")
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,9 @@ def build_config(args: argparse.Namespace) -> FrontendConfig:
                           api_keys=read_keys(args.api_key or ()),
                           metrics_require_key=args.metrics_require_key, disagg_min_tokens=args.disagg_min_tokens,
                           prefill_max_queue=args.prefill_max_queue, strict_fields=args.strict_fields,
-                          render_processes=args.render_processes, tool_call_parser=args.tool_call_parser)
+                          render_processes=args.render_processes, tool_call_parser=args.tool_call_parser,
+                          router_queue_threshold=args.router_queue_threshold,
+                          router_queue_policy=args.router_queue_policy)
 
 
 async def amain(args: argparse.Namespace) -> None:

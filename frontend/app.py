@@ -29,6 +29,9 @@ from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response
 
 from router import Router, create_router
+from router.flags import queue_options
+from router.kv_router import KvRouter
+from router.metrics import RouterQueueCollector
 from runtime import EndpointClient, InvalidRequest, NoInstances, Overloaded, PendingBytes, Runtime
 
 from .auth import ApiKeyAuth
@@ -40,7 +43,7 @@ from .lora import LoraAdminService
 from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, UnknownModel
 from .protocol import (ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components, parse_request,
-                       unknown_fields)
+                       session_header, unknown_fields)
 from .asgi import EventStream, FastPath, read_body_in_time
 from .render_pool import RenderPool
 from .responses import encode_json
@@ -107,7 +110,11 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def start(cls, rt: Runtime, config: FrontendConfig) -> AsyncIterator[Frontend]:
         """A frontend over ``rt``; stops its router and tokenizer loads on exit."""
-        router = await create_router(rt, config.router_mode, remote=config.remote_router)
+        queue = {} if config.remote_router else queue_options(config.router_queue_threshold, config.router_queue_policy)
+        if config.remote_router and queue_options(config.router_queue_threshold, config.router_queue_policy):
+            log.warning("--router-queue-threshold/--router-queue-policy do nothing with --remote-router: the router "
+                        "service's own flags decide its queue")
+        router = await create_router(rt, config.router_mode, remote=config.remote_router, **queue)
         prefill_router = await create_router(rt, config.router_mode, component="prefill")
         render = RenderPool(config.render_processes, paused=True) if config.render_processes else None
 
@@ -129,6 +136,8 @@ class Frontend:
                                     lambda model: registry.get(model).card.kv_block_size, config.disagg_min_tokens,
                                     config.prefill_max_queue)
             frontend = cls(config, router, client, registry, prefill, render, await rt.client("target", "lora"))
+            if isinstance(router, KvRouter):  # embedded: its queue and sessions on this frontend's /metrics
+                frontend.metrics.registry.register(RouterQueueCollector(router, dynamo=True))
             # answering at all means the HTTP side serves; the rest is NATS and not draining
             frontend.ready = lambda: rt.nc is not None and rt.nc.is_connected and not rt.shutting_down
             yield frontend
@@ -178,7 +187,7 @@ class Frontend:
                 log.info("request %s: ignored fields this server does not know: %s", request_id, ", ".join(ignored))
                 metrics.observe_ignored(ignored)
             try:
-                job = await self.service.prepare(req, request_id)
+                job = await self.service.prepare(req, request_id, session_header(request.headers))
             except InvalidRequest as exc:
                 raise (renamed(exc) if endpoint == "responses" else exc) from None
             if endpoint == "responses":

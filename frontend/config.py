@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.base import ROUTER_MODES
+from router.queue import QUEUE_POLICIES
 
 from .tool_parsers import PARSERS
 
@@ -43,6 +44,9 @@ class FrontendConfig:
     render_processes: int = 1  # child processes rendering large chat templates (0: render them in a thread)
     strict_fields: bool = False  # unknown request fields are 400s (default: accepted, logged, counted, ignored)
     tool_call_parser: str | None = None  # tool_choice "auto": this format for every model (None: the chat template's)
+    # the embedded kv router's queue (router/queue.py; with remote_router, the service's flags decide)
+    router_queue_threshold: float | None = None
+    router_queue_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -55,6 +59,12 @@ class FrontendConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.router_queue_threshold is not None and self.router_mode != "kv":
+            raise ValueError("--router-queue-threshold needs --router-mode kv")
+        if self.router_queue_threshold is not None and not self.router_queue_threshold > 0:
+            raise ValueError(f"--router-queue-threshold must be > 0, got {self.router_queue_threshold}")
+        if self.router_queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"router_queue_policy must be one of {', '.join(QUEUE_POLICIES)}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.max_inflight < 0:

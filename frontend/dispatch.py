@@ -22,7 +22,7 @@ import msgspec
 from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, NoInstances, PendingBytes, ResponseStream, ShuttingDown
 from runtime.errors import EngineFailed, declares_gone
-from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
+from runtime.messages import GenerateRequest, RoutingHints, SamplingParams, TokenDelta
 
 from .protocol import SpeculativeOptions
 
@@ -81,13 +81,14 @@ class Dispatcher:
     async def open(
         self, model: str, token_ids: Sequence[int], sampling: SamplingParams, request_id: str,
         speculative: SpeculativeOptions | None = None, pending: PendingBytes | None = None,
-        lora: str = "", exclude: frozenset[str] = frozenset(),
+        lora: str = "", exclude: frozenset[str] = frozenset(), hints: RoutingHints | None = None,
     ) -> Generation:
         """Route and send one generation; ``pending`` counts the bytes of its frames not read yet.
         ``lora``: the LoRA adapter it runs with on ``model``; ``exclude``: instances never to use
-        (those that do not hold the adapter)."""
+        (those that do not hold the adapter); ``hints``: its priority, queue tier and session, for the
+        router (which may hold it in its queue) and the worker (its priority)."""
         gen = Generation(self, model, list(token_ids), sampling, request_id, speculative, pending)
-        gen.lora, gen.failed = lora, set(exclude)
+        gen.lora, gen.failed, gen.hints = lora, set(exclude), hints
         await gen._send()
         return gen
 
@@ -107,6 +108,7 @@ class Generation:
         self.output_ids: list[int] = []
         self.failed: set[str] = set()  # instances not to use: failed this request, or lack its adapter
         self.lora = ""  # the LoRA adapter it runs with ("": the base model)
+        self.hints: RoutingHints | None = None
         self.attempt = 0
         self._selection: Selection | None = None
         self._stream: ResponseStream[TokenDelta] | None = None
@@ -128,7 +130,7 @@ class Generation:
             exclude = frozenset(self.failed) | frozenset(self._d.client.unreachable_ids())
             try:
                 return await self._d.router.select(self.model, self.token_ids, exclude=exclude,
-                                                   request_id=self.request_id, lora=self.lora)
+                                                   request_id=self.request_id, lora=self.lora, hints=self.hints)
             except NoInstances:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._d.may_come_back(self.model):
@@ -157,7 +159,8 @@ class Generation:
         request = GenerateRequest(self.token_ids, self.sampling, self.model,
                                   num_speculative_tokens=spec.num_draft_tokens if spec else None,
                                   speculative_tree_topk=spec.eagle_topk if spec else None,
-                                  speculative_tree_depth=spec.num_steps if spec else None, lora=self.lora)
+                                  speculative_tree_depth=spec.num_steps if spec else None, lora=self.lora,
+                                  priority=self.hints.priority if self.hints else 0)
         handoff = None
         if self.attempt == 0 and self._d.prefill is not None and not self.lora:  # adapters: no disaggregation
             try:

@@ -3,6 +3,7 @@ definition, in ``python -m frontend``'s parser and the launcher's. Light to impo
 
 from __future__ import annotations
 
+from router.flags import QUEUE_FLAGS
 from runtime.flags import SharedFlag
 
 from .tool_parsers import PARSERS
@@ -20,4 +21,4 @@ ENABLE_AUTO_TOOL_CHOICE = SharedFlag(("--enable-auto-tool-choice",), dict(
     help="accepted for vLLM command lines: tool_choice 'auto' is served without it too (in --tool-call-parser's "
          "format, else the chat template's)"))
 
-FRONTEND_FLAGS = (API_KEY, TOOL_CALL_PARSER, ENABLE_AUTO_TOOL_CHOICE)
+FRONTEND_FLAGS = (API_KEY, TOOL_CALL_PARSER, ENABLE_AUTO_TOOL_CHOICE, *QUEUE_FLAGS)

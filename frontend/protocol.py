@@ -5,9 +5,10 @@ Contract: :func:`parse` turns a raw JSON body into a validated request or raises
 Validation is strict about what it knows: wrong JSON types are rejected rather than coerced, and
 parameters we know but do not support are rejected by :func:`check_supported` unless they carry their
 neutral value (``suffix: ""``, ``prompt_logprobs: null``, ...). Fields nobody here knows, at the top
-level of a request, of a chat message or of ``stream_options`` (SDKs and agent frameworks send vendor
-extras), are accepted and listed by :func:`unknown_fields` for the caller to log and count, as vLLM
-does; ``strict`` makes them a 400 naming the field. Everything nested deeper (tools, response formats,
+level of a request, of a chat message, of ``stream_options`` or of Dynamo's ``nvext`` and
+``nvext.agent_hints`` (SDKs and agent frameworks send vendor extras), are accepted and listed by
+:func:`unknown_fields` for the caller to log and count, as vLLM does; ``strict`` makes them a 400
+naming the field. Everything nested deeper (tools, response formats,
 speculation options) stays closed: a typo there would change what is generated.
 Structured outputs and tools are checked further in :mod:`.structured`; the ranges of the sampling
 parameters once, for the frontend and the workers alike, in :func:`runtime.validation.validate_request`.
@@ -32,6 +33,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_SPECULATIVE_TOKENS = 64
 MAX_TOOLS = 128  # tools per request, as OpenAI allows
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or choice list larger than this is refused
+MAX_PRIORITY = 2**31 - 1  # |priority| (vLLM's and agent_hints'): an int32, as on every engine's wire
+MAX_STRICT_PRIORITY = 255  # router queue tiers 0..255
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -59,6 +62,26 @@ class SpeculativeOptions(_Strict):
     num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)  # γ, or a tree's node budget
     eagle_topk: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)  # children per node and depth
     num_steps: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)  # tree depth
+
+
+class AgentHints(Lenient):
+    """Dynamo's ``nvext.agent_hints``. ``priority``: higher is served sooner (Dynamo's polarity; the
+    opposite of the top-level ``priority``, vLLM's); ``strict_priority``: the router queue's tier, a
+    higher one always first; ``osl``: the expected output length in tokens. ``speculative_prefill``
+    is known and refused (this server does not prefill the next turn). Other keys are vendor extras:
+    ignored, logged and counted, a 400 with ``--strict-fields``."""
+
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    strict_priority: int | None = Field(None, ge=0, le=MAX_STRICT_PRIORITY)
+    osl: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    speculative_prefill: bool | None = None
+
+
+class NvExt(Lenient):
+    """Dynamo's ``nvext`` request extensions; Tandem reads ``agent_hints``. Other keys are vendor
+    extras (ignored, logged and counted; a 400 with ``--strict-fields``)."""
+
+    agent_hints: AgentHints | None = None
 
 
 class ToolCallFunction(_Strict):
@@ -143,6 +166,10 @@ class _Sampling(Lenient):
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     speculative: SpeculativeOptions | None = None
     user: str | None = None
+    # vLLM's: lower values are served first (the router queue, and engines started with
+    # --scheduling-policy priority); Dynamo's nvext.agent_hints.priority says the same the other way up
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    nvext: NvExt | None = None
     # Structured outputs: OpenAI's response_format, or one of vLLM's guided_* extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -426,6 +453,11 @@ def unknown_fields(req: BaseModel) -> list[str]:
     options = req.stream_options if "stream_options" in type(req).model_fields else None
     if isinstance(options, BaseModel):
         out += [f"stream_options.{name}" for name in options.model_extra or ()]
+    nvext = req.nvext if "nvext" in type(req).model_fields else None
+    if isinstance(nvext, BaseModel):
+        out += [f"nvext.{name}" for name in nvext.model_extra or ()]
+        if nvext.agent_hints is not None:
+            out += [f"nvext.agent_hints.{name}" for name in nvext.agent_hints.model_extra or ()]
     return out
 
 
@@ -439,6 +471,7 @@ def check_supported(req: _Sampling, strict: bool = False) -> None:
     for name, neutral in _NEUTRAL.items():
         if name in req.model_fields_set and not neutral(getattr(req, name)):
             raise InvalidRequest(f"'{name}' is not supported by this server", name)
+    _check_hints(req)
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
     stops = stop_strings(req)
@@ -455,6 +488,45 @@ def check_supported(req: _Sampling, strict: bool = False) -> None:
         _check_chat(req)
     else:
         _check_completion(req)
+
+
+def _check_hints(req: _Sampling) -> None:
+    hints = req.nvext.agent_hints if req.nvext is not None else None
+    if hints is None:
+        return
+    if hints.speculative_prefill:
+        raise InvalidRequest("'speculative_prefill' is not supported by this server", "nvext.agent_hints.speculative_prefill")
+    if hints.priority is not None and req.priority is not None and hints.priority != -req.priority:
+        raise InvalidRequest("give either 'priority' (lower is sooner) or 'nvext.agent_hints.priority' (higher is "
+                             "sooner), or two values that agree", "nvext.agent_hints.priority")
+
+
+SESSION_HEADER = "X-Dynamo-Session-ID"  # Dynamo's canonical session header: agent harnesses already send it
+MAX_SESSION_ID = 256
+_SESSION_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
+
+
+def session_header(headers) -> str:
+    """The agent session a request belongs to (``X-Dynamo-Session-ID``; "" when absent): printable
+    ASCII without spaces, at most 256 characters, else an :class:`InvalidRequest` naming the header."""
+    value = headers.get(SESSION_HEADER.lower(), "")
+    if value and (len(value) > MAX_SESSION_ID or not set(value) <= _SESSION_ID_CHARS):
+        raise InvalidRequest(f"the {SESSION_HEADER} header must be 1 to {MAX_SESSION_ID} printable ASCII characters "
+                             f"without spaces", SESSION_HEADER)
+    return value
+
+
+def engine_priority(req: _Sampling) -> int:
+    """The request's priority in vLLM's convention (lower is served first; 0 by default)."""
+    if req.priority is not None:
+        return req.priority
+    hints = req.nvext.agent_hints if req.nvext is not None else None
+    return -hints.priority if hints is not None and hints.priority is not None else 0
+
+
+def agent_hints(req: _Sampling) -> AgentHints | None:
+    """The request's ``nvext.agent_hints`` (None: not sent)."""
+    return req.nvext.agent_hints if req.nvext is not None else None
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:

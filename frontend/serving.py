@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import msgspec
 
 from runtime import InvalidRequest, PendingBytes, TandemError
-from runtime.messages import SamplingParams, TokenDelta
+from runtime.messages import RoutingHints, SamplingParams, TokenDelta
 from runtime.validation import validate_request
 
 from .dispatch import Dispatcher, Generation
@@ -27,8 +27,8 @@ from .metrics import FrontendMetrics, RequestTimer
 from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
 from .render_pool import INLINE_CHARS, RenderPool
-from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, logit_bias, message_dicts,
-                       prompts_of, stop_strings)
+from .protocol import (MAX_INT64, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, agent_hints,
+                       engine_priority, logit_bias, message_dicts, prompts_of, stop_strings)
 from .responses import ResponseBuilder, usage
 from .streaming import merge
 from .structured import asks_for_grammar, probe, structured_output
@@ -59,6 +59,7 @@ class Job:
     builder: ResponseBuilder
     continuous_usage: bool = False  # with include_usage: usage so far in every chunk (vLLM's extension)
     speculative: SpeculativeOptions | None = None  # Tandem's extension: this request's speculation
+    hints: RoutingHints | None = None  # priority, queue tier, expected output length, session (None: none given)
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,7 +86,9 @@ class CompletionService:
         self.max_n = max_n
         self.tokenizer_timeout = tokenizer_timeout
 
-    async def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> Job:
+    async def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str,
+                      session_id: str = "") -> Job:
+        """``session_id``: the request's agent session (the ``X-Dynamo-Session-ID`` header), for routing."""
         chat = isinstance(req, ChatCompletionRequest)
         # cheap checks before any tokenization (a body of 700k one-letter prompts must not cost seconds), and
         # before a wait for the model: the one bound on n, whatever the model
@@ -167,9 +170,12 @@ class CompletionService:
         if not chat and req.echo:  # each choice's text starts with its prompt's
             texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts_of(req)]
             builder.echo = {i: texts[p] for i, p in enumerate(prompt_of)}
+        hints = agent_hints(req)
+        routing = RoutingHints(engine_priority(req), hints.strict_priority or 0 if hints else 0,
+                               hints.osl or 0 if hints else 0, session_id)
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
                    stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
-                   req.speculative)
+                   req.speculative, routing if routing != RoutingHints() else None)
 
     @staticmethod
     async def _maybe_thread(size: int, fn, arg):
@@ -184,7 +190,7 @@ class CompletionService:
             for i, sampling in enumerate(job.samplings):
                 rid = job.request_id if len(job.samplings) == 1 else f"{job.request_id}-{i}"
                 gens.append(await self.dispatcher.open(base, job.prompts[job.prompt_of[i]], sampling, rid,
-                                                       job.speculative, pending, lora, others))
+                                                       job.speculative, pending, lora, others, job.hints))
         except BaseException:
             await close_all(gens)
             raise

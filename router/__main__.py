@@ -27,6 +27,7 @@ from runtime.service import check_log_level, exit_on_bad_config, run_service
 from .base import ROUTER_MODES
 from .factory import create_router
 from .cost import KvRouterConfig
+from .flags import QUEUE_FLAGS
 from .metrics import KvRouterCollector, SpecDecodeCollector, spec_stats_json
 from .remote import COMPONENT, ENDPOINT, TOPIC_ROUTE_RELEASE, RouterService
 from .spec_stats import SpecDecodeStats, follow_spec_stats
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "disk) rather than on its device (0..1; a device hit saves 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="softmax temperature (0: cheapest wins)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for --router-mode random (default: unseeded)")
+    for flag in QUEUE_FLAGS:
+        flag.add(parser)
     parser.add_argument("--no-dump", action="store_true", help="do not ask workers for their cache state at start")
     parser.add_argument("--stats-window", type=float, default=60.0, help="sliding window of spec-decode stats, seconds")
     parser.add_argument("--selection-ttl", type=float, default=600.0, help="forget unreleased selections after this")
@@ -86,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def service_config(args: argparse.Namespace) -> RouterServiceConfig:
     kv = KvRouterConfig(block_size=args.block_size, overlap_weight=args.overlap_weight, queue_weight=args.queue_weight,
                         tier_hit_weight=args.tier_hit_weight, temperature=args.temperature, seed=args.seed, request_dump=not args.no_dump,
-                        inflight_ttl=args.selection_ttl)
+                        inflight_ttl=args.selection_ttl, queue_threshold=args.router_queue_threshold,
+                        queue_policy=args.router_queue_policy)
     return RouterServiceConfig(args.mode, kv, args.stats_window, args.selection_ttl)
 
 

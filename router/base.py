@@ -5,7 +5,8 @@ Contract (what the frontend relies on):
   target instance serving ``model`` and not in ``exclude``, or raises :class:`runtime.NoInstances`.
   ``lora`` names the request's LoRA adapter: the KV router hashes its prompt from the adapter's
   chain root (:func:`runtime.kv_hash.chain_root`), as the workers do; the caller excludes the
-  instances that do not hold the adapter.
+  instances that do not hold the adapter. ``hints`` (priority, queue tier, expected output length,
+  session) are read by the KV router (its queue and session affinity); the others ignore them.
 - ``router.release(selection)`` is called exactly once when that request ends (any way), so the
   router's own in-flight accounting stays right.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from runtime import NoInstances
-from runtime.messages import InstanceRecord
+from runtime.messages import InstanceRecord, RoutingHints
 
 ROUTER_MODES = ("kv", "round_robin", "random")
 
@@ -58,7 +59,7 @@ class Router:
         """Stop background work."""
 
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
-                     lora: str = "") -> Selection:
+                     lora: str = "", hints: RoutingHints | None = None) -> Selection:
         raise NotImplementedError
 
     def _selected(self, instance_id: str, overlap: int = 0, request_id: str = "") -> Selection:
@@ -81,7 +82,7 @@ class RoundRobinRouter(Router):
         self._counter = itertools.count()
 
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
-                     lora: str = "") -> Selection:
+                     lora: str = "", hints: RoutingHints | None = None) -> Selection:
         found = self.candidates(model, exclude)
         return self._selected(found[next(self._counter) % len(found)].instance_id, 0, request_id)
 
@@ -90,5 +91,5 @@ class RandomRouter(Router):
     mode = "random"
 
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
-                     lora: str = "") -> Selection:
+                     lora: str = "", hints: RoutingHints | None = None) -> Selection:
         return self._selected(self._rng.choice(self.candidates(model, exclude)).instance_id, 0, request_id)

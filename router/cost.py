@@ -29,6 +29,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .queue import QUEUE_POLICIES
+
 
 @dataclass(frozen=True)
 class KvRouterConfig:
@@ -47,6 +49,12 @@ class KvRouterConfig:
     inflight_ttl: float = 600.0  # selections never released are forgotten after this long
     unregistered_grace: float = 30.0  # events of a never-registered worker are kept this long
     maintenance_interval: float = 0.5
+    # the pending queue (router/queue.py): None: off; else hold a request while every worker it may go
+    # to has at least this fraction of its max_num_seqs in flight from this router
+    queue_threshold: float | None = None
+    queue_policy: str = "fcfs"  # fcfs, lcfs or wspt, within a strict tier
+    queue_priority_bump_s: float = 1.0  # fcfs: seconds earlier a request counts as arrived per unit of priority
+    max_sessions: int = 65536  # agent sessions whose last worker is remembered (least recently used go)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -57,6 +65,12 @@ class KvRouterConfig:
             raise ValueError("overlap_weight and queue_weight must be >= 0")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.queue_threshold is not None and (not math.isfinite(self.queue_threshold) or self.queue_threshold <= 0):
+            raise ValueError(f"queue_threshold must be a finite number > 0, got {self.queue_threshold}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}, got {self.queue_policy!r}")
+        if self.queue_priority_bump_s < 0 or self.max_sessions <= 0:
+            raise ValueError("queue_priority_bump_s must be >= 0 and max_sessions > 0")
         for name in ("gap_timeout", "resync_interval", "resync_window", "inflight_ttl", "unregistered_grace",
                      "maintenance_interval"):
             if getattr(self, name) <= 0:

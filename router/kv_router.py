@@ -10,7 +10,12 @@ Once started it
 - drops a worker from both as soon as it leaves the live instance snapshot (etcd);
 - scores every candidate with the cost of :mod:`router.cost` (overlap_weight · blocks to prefill +
   active decode blocks + queue_weight · queued requests, computed in :meth:`KvRouter.select`) and
-  logs each decision at debug level.
+  logs each decision at debug level;
+- keeps an agent session (``RoutingHints.session_id``) on the worker its last turn went to when
+  that worker's cost ties the lowest (its cache usually makes it the lowest outright); a session
+  whose worker left is scored like any request, lower KV tiers included, and moves to the winner;
+- with ``queue_threshold`` set, holds requests while every worker they may go to is busy and
+  dispatches them by strict tier and queue policy (:mod:`router.queue`).
 
 A router built without a runtime (``KvRouter(instances, config)``) is fed through ``on_kv_event`` /
 ``on_load_event`` / ``on_instances``; tests and the benchmark use it that way.
@@ -22,21 +27,44 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from runtime import InvalidRequest, NoInstances
 from runtime.events import TOPIC_KV, TOPIC_KV_DUMP, TOPIC_LOAD
+from runtime.histogram import histogram
 from runtime.kv_hash import ROOT_HASH, block_hash, block_hashes, chain_root
-from runtime.messages import InstanceRecord, KvDumpRequest, KvEvent, LoadEvent
+from runtime.messages import InstanceRecord, KvDumpRequest, KvEvent, LoadEvent, RoutingHints
 
 from .base import Router, Selection
 from .cost import KvRouterConfig, choose, request_blocks
 from .indexer import KvIndex
 from .load import LoadTracker
+from .queue import PendingQueue
 
 log = logging.getLogger(__name__)
 
 INLINE_HASH_BLOCKS = 1024  # a cached prompt longer than this many blocks has the rest hashed in a thread
+NO_HINTS = RoutingHints()
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class _Held:
+    """One request's routing inputs, kept while it waits in the queue: the prefill cost per candidate
+    (``base``; ``miss_cost`` for a worker that joined since) is computed once, load is read at dispatch."""
+
+    model: str
+    exclude: frozenset[str]
+    request_id: str
+    hints: RoutingHints
+    overlaps: dict[str, int]
+    base: dict[str, float]
+    miss_cost: float
+    num_tokens: int
+    block_size: int
+    future: asyncio.Future | None = None
 
 
 def lazy_block_hashes(tokens: Sequence[int], block_size: int, root: int = ROOT_HASH) -> Iterator[int]:
@@ -69,6 +97,12 @@ class KvRouter(Router):
         self._task: asyncio.Task | None = None
         self._last_dump = -self.config.resync_interval
         self._stopped = False
+        # requests held while every worker they may go to is busy (--router-queue-threshold)
+        self.queue = PendingQueue(self.config.queue_policy, priority_bump_s=self.config.queue_priority_bump_s)
+        self.queue_wait: dict[int, object] = {}  # strict tier -> histogram of seconds held
+        self.queue_max_wait: dict[int, float] = {}  # strict tier -> the longest any request was held
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session id -> the worker its last turn went to
+        self.session_hits = 0  # choices that kept a session on its worker by the tie rule
 
     @classmethod
     async def create(cls, rt, client, **options) -> KvRouter:
@@ -115,6 +149,7 @@ class KvRouter(Router):
             await asyncio.sleep(cfg.maintenance_interval)
             try:
                 self.maintain()
+                self.drain()
                 if self.index.resync_needed and time.monotonic() - self._last_dump >= cfg.resync_interval:
                     await self.request_dump()
             except asyncio.CancelledError:
@@ -151,6 +186,7 @@ class KvRouter(Router):
     def on_load_event(self, event: LoadEvent) -> None:
         if not self.index.is_departed(event.worker_id):
             self.load.observe(event)
+            self.drain()
 
     def on_instances(self, items: dict[str, InstanceRecord]) -> None:
         """The live target instances changed: forget every worker that left."""
@@ -165,6 +201,7 @@ class KvRouter(Router):
         for r in sorted(items.values(), key=lambda r: r.instance_id):
             by_model.setdefault(r.model, []).append(r.instance_id)
         self._by_model = by_model
+        self.drain()
 
     def _forget(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
@@ -176,8 +213,9 @@ class KvRouter(Router):
     # ------------------------------------------------------------------ choice
 
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
-                     lora: str = "") -> Selection:
+                     lora: str = "", hints: RoutingHints | None = None) -> Selection:
         cfg = self.config
+        hints = hints or NO_HINTS
         ids = self._candidate_ids(model, exclude)
         root = chain_root(lora)
         sizes = self.index.block_sizes()
@@ -190,24 +228,89 @@ class KvRouter(Router):
                 prefill = None
         except (OverflowError, TypeError) as exc:
             raise InvalidRequest(f"token ids must be integers in [0, 2**32): {exc}", field="token_ids") from None
-        pressure = self.load.pressure.get
         weight = cfg.overlap_weight
+        n = request_blocks(len(token_ids), block_size)
         if prefill is None:
-            n = request_blocks(len(token_ids), block_size)
             lower = await self._lower_overlaps(token_ids, block_size, ids, overlaps, root) if self.tiers else {}
             saved = cfg.tier_hit_weight
-            costs = [weight * (n - overlaps[w] - saved * lower.get(w, 0)) + pressure(w, 0) for w in ids]
+            base = {w: weight * (n - overlaps[w] - saved * lower.get(w, 0)) for w in ids}
         else:
-            costs = [weight * p + pressure(w, 0) for w, p in zip(ids, prefill)]
-        chosen = choose(costs, cfg.temperature, self._rng)
+            base = {w: weight * p for w, p in zip(ids, prefill)}
+        held = _Held(model, frozenset(exclude), request_id, hints, overlaps, base, weight * n, len(token_ids), block_size)
+        if cfg.queue_threshold is None:
+            return self._dispatch(held, ids)
+        held.future = asyncio.get_running_loop().create_future()
+        entry = self.queue.push(hints, time.monotonic(), len(token_ids), held)
+        self.drain()
+        if not held.future.done():
+            log.debug("request %s: held in the router queue (tier %d, %d pending)", request_id or "-",
+                      hints.strict_priority, len(self.queue))
+        try:
+            return await held.future
+        except asyncio.CancelledError:
+            self.queue.take(entry)
+            if held.future.done() and not held.future.cancelled() and held.future.exception() is None:
+                self.release(held.future.result())  # chosen just as its caller left
+            raise
+
+    def drain(self, now: float | None = None) -> None:
+        """Dispatch held requests, first in queue order, while some worker each may go to is not busy."""
+        if not len(self.queue):
+            return
+        now = time.monotonic() if now is None else now
+        for entry in self.queue.ordered():
+            held = entry.item
+            if held.future.done():
+                self.queue.take(entry)
+                continue
+            try:
+                ids = self._candidate_ids(held.model, held.exclude)
+            except NoInstances as exc:
+                self.queue.take(entry)
+                held.future.set_exception(exc)
+                continue
+            free = [w for w in ids if not self._busy(w)]
+            if not free:
+                continue
+            self.queue.take(entry)
+            wait = now - entry.arrival
+            if entry.tier not in self.queue_wait:
+                self.queue_wait[entry.tier] = histogram(QUEUE_WAIT_BUCKETS)
+            self.queue_wait[entry.tier].observe(wait)
+            self.queue_max_wait[entry.tier] = max(self.queue_max_wait.get(entry.tier, 0.0), wait)
+            held.future.set_result(self._dispatch(held, free))
+
+    def _busy(self, worker_id: str) -> bool:
+        """At or above the queue threshold: this router's requests in flight there ≥ threshold × its capacity."""
+        capacity = self.load.capacity(worker_id)
+        return capacity > 0 and self.load.own_requests(worker_id) >= self.config.queue_threshold * capacity
+
+    def _dispatch(self, held: _Held, ids: list[str]) -> Selection:
+        """Choose among ``ids`` by cost (the session's worker on a tie) and count the selection."""
+        pressure = self.load.pressure.get
+        costs = [held.base.get(w, held.miss_cost) + pressure(w, 0) for w in ids]
+        session = held.hints.session_id
+        home = self.sessions.get(session) if session else None
+        if home in ids and costs[ids.index(home)] <= min(costs):
+            chosen = ids.index(home)  # the session stays where it is while that costs no more
+            self.session_hits += 1
+        else:
+            chosen = choose(costs, self.config.temperature, self._rng)
         wid = ids[chosen]
+        if session:
+            self.sessions[session] = wid
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > self.config.max_sessions:
+                self.sessions.popitem(last=False)
         self.decisions += 1
+        overlap = held.overlaps.get(wid, 0)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: chose %s (overlap %d blocks, cost %g); candidates: %s", request_id or "-", wid,
-                      overlaps[wid], costs[chosen],
-                      ", ".join(f"{c}: overlap={overlaps[c]} cost={cost:g}" for c, cost in zip(ids, costs)))
-        selection = self._selected(wid, overlaps[wid], request_id)
-        self.load.add(selection.ticket, wid, request_blocks(len(token_ids), self.index.block_size(wid) or block_size))
+            log.debug("request %s: chose %s (overlap %d blocks, cost %g); candidates: %s", held.request_id or "-", wid,
+                      overlap, costs[chosen],
+                      ", ".join(f"{c}: overlap={held.overlaps.get(c, 0)} cost={cost:g}" for c, cost in zip(ids, costs)))
+        selection = self._selected(wid, overlap, held.request_id)
+        size = self.index.block_size(wid) or held.block_size
+        self.load.add(selection.ticket, wid, request_blocks(held.num_tokens, size))
         return selection
 
     def _candidate_ids(self, model: str, exclude) -> list[str]:
@@ -268,6 +371,7 @@ class KvRouter(Router):
     def release(self, selection: Selection) -> None:
         if self.load.remove(selection.ticket):
             self._count_down(selection.instance_id)
+            self.drain()
 
     def _count_down(self, worker_id: str) -> None:
         left = self.in_flight.get(worker_id, 0) - 1

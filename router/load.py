@@ -94,6 +94,11 @@ class LoadTracker:
         reported = self._reported.get(worker_id)
         return reported.queued if reported else 0
 
+    def capacity(self, worker_id: str) -> int:
+        """The most requests the worker runs at once, as its load events say (0: not said)."""
+        reported = self._reported.get(worker_id)
+        return reported.max_num_seqs if reported else 0
+
     def own_requests(self, worker_id: str) -> int:
         return self._own_requests.get(worker_id, 0)
 

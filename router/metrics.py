@@ -26,6 +26,7 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from runtime.histogram import histogram_family
 from runtime.spec_stats import SpecCounters
 
 from .spec_stats import SpecDecodeStats
@@ -84,6 +85,50 @@ class KvRouterCollector(Collector):
         for outcome, n in dataclasses.asdict(r.index.counters).items():
             events.add_metric([outcome], n)
         yield from (decisions, blocks, inflight, events)
+        yield from RouterQueueCollector(r).collect()
+
+
+class RouterQueueCollector(Collector):
+    """The KV router's pending queue (router/queue.py) and session affinity, under Dynamo's stems::
+
+        tandem_router_queue_pending_requests{strict_priority}   requests held now, per tier
+        tandem_router_queue_wait_seconds{strict_priority}       how long dispatched requests were held
+        tandem_router_queue_max_wait_seconds{strict_priority}   the longest any of them was held
+        tandem_router_session_affinity_total                    choices that kept a session on its worker
+
+    Registered by the router service (with :class:`KvRouterCollector`) and by a frontend's embedded
+    router; there (``dynamo=True``) the pending gauge is exported under Dynamo's frontend name too,
+    ``dynamo_frontend_router_queue_pending_requests{strict_priority}``, for Dynamo's dashboards.
+    """
+
+    def __init__(self, router, dynamo: bool = False):
+        self.router = router
+        self.dynamo = dynamo
+
+    def collect(self):
+        r = self.router
+        pending = GaugeMetricFamily("tandem_router_queue_pending_requests", "Requests held in the router queue",
+                                    labels=["strict_priority"])
+        for tier, n in sorted(r.queue.pending_by_tier.items()):
+            pending.add_metric([str(tier)], n)
+        yield pending
+        if self.dynamo:
+            alias = GaugeMetricFamily("dynamo_frontend_router_queue_pending_requests",
+                                      "Requests pending in the router queue", labels=["strict_priority"])
+            for tier, n in sorted(r.queue.pending_by_tier.items()):
+                alias.add_metric([str(tier)], n)
+            yield alias
+        for tier, hist in sorted(r.queue_wait.items()):
+            yield histogram_family("tandem_router_queue_wait_seconds", "Seconds requests were held in the router queue",
+                                   hist, ["strict_priority"], [str(tier)])
+        worst = GaugeMetricFamily("tandem_router_queue_max_wait_seconds", "The longest a request was held, per tier",
+                                  labels=["strict_priority"])
+        for tier, wait in sorted(r.queue_max_wait.items()):
+            worst.add_metric([str(tier)], wait)
+        yield worst
+        affinity = CounterMetricFamily("tandem_router_session_affinity", "Choices that kept a session on its worker")
+        affinity.add_metric([], r.session_hits)
+        yield affinity
 
 
 # --------------------------------------------------------------------------- JSON report

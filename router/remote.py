@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from runtime import InstanceGone, InstanceTimeout, InvalidRequest, NoInstances, RemoteError
-from runtime.messages import RouteRelease, RouteRequest, RouteResponse
+from runtime.messages import RouteRelease, RouteRequest, RouteResponse, RoutingHints
 from runtime.request_plane import collect
 
 from .base import Router, Selection
@@ -55,7 +55,7 @@ class RouterService:
         if request.token_ids and not (0 <= min(request.token_ids) and max(request.token_ids) < 2**32):
             raise InvalidRequest("token ids must be integers in [0, 2**32)", field="token_ids")
         selection = await self.router.select(request.model, request.token_ids, frozenset(request.exclude),
-                                             request.request_id or ctx.request_id, request.lora)
+                                             request.request_id or ctx.request_id, request.lora, request.hints)
         self._outstanding[selection.ticket] = (selection, time.monotonic())
         yield RouteResponse(selection.instance_id, selection.overlap_blocks, selection.ticket, self.router_id)
 
@@ -129,13 +129,13 @@ class RemoteRouter(Router):
             await self.fallback.start()
 
     async def _fall_back(self, model: str, token_ids: Sequence[int], exclude, request_id: str,
-                         why: str, lora: str = "") -> Selection:
+                         why: str, lora: str = "", hints: RoutingHints | None = None) -> Selection:
         if not self._falling_back:
             self._falling_back = True
             log.warning("the router service is unreachable (%s): routing in this process (%s) until it answers",
                         why, self.fallback.mode)
         self.fallbacks += 1
-        selection = await self.fallback.select(model, token_ids, exclude, request_id, lora)
+        selection = await self.fallback.select(model, token_ids, exclude, request_id, lora, hints)
         return selection  # router_id "": released in the fallback
 
     async def _ask(self, instance_id: str, request: RouteRequest) -> RouteResponse:
@@ -148,12 +148,12 @@ class RemoteRouter(Router):
         return response
 
     async def select(self, model: str, token_ids: Sequence[int], exclude=frozenset(), request_id: str = "",
-                     lora: str = "") -> Selection:
-        request = RouteRequest(model, list(token_ids), sorted(exclude), request_id, lora)
+                     lora: str = "", hints: RoutingHints | None = None) -> Selection:
+        request = RouteRequest(model, list(token_ids), sorted(exclude), request_id, lora, hints)
         error: Exception | None = None
         order = self._order()
         if not order:
-            return await self._fall_back(model, token_ids, exclude, request_id, "no router instance", lora)
+            return await self._fall_back(model, token_ids, exclude, request_id, "no router instance", lora, hints)
         for instance_id in order:  # a router instance that is gone or stuck: ask the next one
             try:
                 response = await self._ask(instance_id, request)
@@ -168,7 +168,7 @@ class RemoteRouter(Router):
                 raise
         else:
             if self.fallback is not None:
-                return await self._fall_back(model, token_ids, exclude, request_id, str(error), lora)
+                return await self._fall_back(model, token_ids, exclude, request_id, str(error), lora, hints)
             raise error
         if self._falling_back:
             self._falling_back = False

@@ -197,9 +197,28 @@ class KvAgentRecord(_Wire):
     layout: KvLayout
 
 
+class RoutingHints(_Wire):
+    """What a request tells the router about itself beyond its tokens (``nvext.agent_hints``, vLLM's
+    ``priority``, the session header).
+
+    ``priority`` is vLLM's convention everywhere inside Tandem: lower values are served first, 0 is the
+    default (the frontend negates Dynamo's ``agent_hints.priority``, where higher means sooner).
+    ``strict_priority`` is the router queue's tier: a higher tier always leaves the queue first; it
+    never reaches a worker. ``osl``: the expected output length in tokens (0: unknown), which the
+    ``wspt`` queue policy orders by. ``session_id``: the agent session (``X-Dynamo-Session-ID``) whose
+    turns the KV router keeps on one worker while that costs no more than its score says.
+    """
+
+    priority: int = 0
+    strict_priority: int = 0
+    osl: int = 0
+    session_id: str = ""
+
+
 class GenerateRequest(_Wire):
     """Token ids in. ``output_ids`` carries tokens already generated elsewhere (migration, or the first
-    token of a remote prefill, whose KV ``kv_transfer`` says where to pull from)."""
+    token of a remote prefill, whose KV ``kv_transfer`` says where to pull from). ``priority``: vLLM's
+    (lower is served first), honoured by a worker started with ``--scheduling-policy priority``."""
 
     token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
@@ -210,6 +229,7 @@ class GenerateRequest(_Wire):
     speculative_tree_depth: int | None = None  # draft trees: depth; None: the worker's
     kv_transfer: KvHandoff | None = None  # the prompt's KV waits on a prefill worker: pull it
     lora: str = ""  # the LoRA adapter to run with ("": the base model ``model``)
+    priority: int = 0
 
 
 class LoraAdmin(_Wire):
@@ -324,6 +344,7 @@ class LoadEvent(_Wire):
     total_blocks: int = 0
     free_blocks: int = 0
     timestamp: float = 0.0
+    max_num_seqs: int = 0  # the most requests it runs at once (0: not said); the router queue's capacity
 
 
 class SpecStatsEvent(_Wire):
@@ -355,6 +376,7 @@ class RouteRequest(_Wire):
     exclude: list[str] = []  # instance ids not to choose (e.g. ones that already failed this request)
     request_id: str = ""
     lora: str = ""  # the request's LoRA adapter: its prompt's blocks hash from the adapter's chain root
+    hints: RoutingHints | None = None  # priority, queue tier, expected output length, session
 
 
 class RouteResponse(_Wire):

@@ -7,6 +7,9 @@ It registers an instance and a model card (pointing at a real tokenizer), stream
 with configurable prompt-processing and per-token latency, keeps a toy prefix cache that publishes
 real KV ``stored``/``removed`` events and reports cached prompt tokens, publishes load, and
 simulates speculative decoding with a configurable acceptance rate (publishing the counters).
+With ``--max-num-seqs`` it runs at most that many requests at once and queues the rest, first come
+first served, or by each request's ``priority`` (lower first, then arrival) with
+``--scheduling-policy priority``, as a real worker admits them (the mock preempts nothing).
 
 Output tokens echo the prompt's non-special tokens (cycled), so detokenized output is readable;
 with temperature > 0 they are drawn from the prompt's tokens with the request's seed.
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import itertools
 import json
 import logging
 import random
@@ -174,11 +179,15 @@ class MockWorker:
         eos_ids: list[int] = (),
         stats_interval: float = 0.5,
         epoch: float | None = None,
+        max_num_seqs: int = 0,
+        scheduling_policy: str = "fcfs",
     ):
         if not 0.0 <= acceptance_rate <= 1.0:
             raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
         if token_latency < 0 or latency_per_running < 0:
             raise ValueError("token latencies must be >= 0")
+        if max_num_seqs < 0 or scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("max_num_seqs must be >= 0 and scheduling_policy fcfs or priority")
         self.worker_id = worker_id
         self._publish = publish
         self.token_latency = token_latency
@@ -196,6 +205,10 @@ class MockWorker:
         self._stats_dirty = False
         self._stats_interval = stats_interval
         self.running = 0
+        self.max_num_seqs = max_num_seqs  # 0: no limit
+        self.by_priority = scheduling_policy == "priority"
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (priority or 0, arrival, wake-up)
+        self._arrivals = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client (tests assert on it)
         self._tasks: list[asyncio.Task] = []
 
@@ -219,9 +232,35 @@ class MockWorker:
             await self._publish(TOPIC_KV, event)
 
     def load(self) -> LoadEvent:
-        return LoadEvent(self.worker_id, running=self.running, queued=0, active_blocks=len(self.cache._pinned),
-                         total_blocks=self.cache.num_blocks, free_blocks=self.cache.num_blocks - len(self.cache),
-                         timestamp=time.time())
+        return LoadEvent(self.worker_id, running=self.running, queued=len(self._waiting),
+                         active_blocks=len(self.cache._pinned), total_blocks=self.cache.num_blocks,
+                         free_blocks=self.cache.num_blocks - len(self.cache), timestamp=time.time(),
+                         max_num_seqs=self.max_num_seqs)
+
+    async def _admit(self, priority: int) -> None:
+        """Take a running slot, waiting for one in (priority, arrival) or arrival order."""
+        if not self.max_num_seqs or (self.running < self.max_num_seqs and not self._waiting):
+            self.running += 1
+            return
+        wake = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority if self.by_priority else 0, next(self._arrivals), wake))
+        try:
+            await wake
+        except asyncio.CancelledError:
+            if wake.done() and not wake.cancelled():
+                self._leave()  # admitted just as its client left
+            else:
+                self._waiting = [w for w in self._waiting if w[2] is not wake]
+                heapq.heapify(self._waiting)
+            raise
+
+    def _leave(self) -> None:
+        self.running -= 1
+        while self._waiting and (not self.max_num_seqs or self.running < self.max_num_seqs):
+            *_, wake = heapq.heappop(self._waiting)
+            if not wake.done():
+                self.running += 1
+                wake.set_result(None)
 
     async def _periodic(self) -> None:
         ticks = 0
@@ -246,7 +285,7 @@ class MockWorker:
         sp = req.sampling
         prompt = list(req.token_ids) + list(req.output_ids)
         hashes = block_hashes(prompt, self.cache.block_size)
-        self.running += 1
+        await self._admit(req.priority)
         cached_blocks = self.cache.acquire(hashes)
         try:
             await self._flush_kv()
@@ -304,7 +343,7 @@ class MockWorker:
             raise
         finally:
             self.cache.release(hashes)
-            self.running -= 1
+            self._leave()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--acceptance-rate", type=float, default=0.7, help="simulated per-token draft acceptance")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="simulated γ (0 disables speculation)")
     parser.add_argument("--draft-id", default="mock-draft", help="draft id reported in spec-decode stats")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="requests run at once; the rest wait (0: no limit)")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                        help="the order waiting requests start in: fcfs, or priority (the request's priority, lower "
+                             "first, then arrival)")
     parser.add_argument("--stats-interval", type=float, default=0.5, help="seconds between load/stats events")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (default INFO)")
@@ -360,6 +404,8 @@ async def amain(args: argparse.Namespace) -> None:
             eos_ids=eos,
             stats_interval=args.stats_interval,
             epoch=rt.started_at,
+            max_num_seqs=args.max_num_seqs,
+            scheduling_policy=args.scheduling_policy,
         )
         await worker.start()
         await rt.subscribe(TOPIC_KV_DUMP, KvDumpRequest, lambda req: asyncio.ensure_future(worker.on_dump_request(req)))
@@ -388,6 +434,8 @@ def main(argv=None) -> None:
     def tokenizer() -> None:
         if args.tokenizer and not Path(args.tokenizer).exists():
             raise ValueError(f"--tokenizer {args.tokenizer} does not exist")
+        if args.max_num_seqs < 0:
+            raise ValueError("--max-num-seqs must be >= 0")
         if args.token_latency_ms < 0 or args.token_latency_per_running_ms < 0:
             raise ValueError("--token-latency-ms and --token-latency-per-running-ms must be >= 0")
 

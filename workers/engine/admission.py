@@ -60,7 +60,7 @@ class Admission:
                          structured_outputs=self.grammars is not None)
 
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
-            grammar: Grammar | None, speculation: tuple, prefill_only: bool, lora: str | None) -> None:
+            grammar: Grammar | None, speculation: tuple, prefill_only: bool, lora: str | None, priority: int = 0) -> None:
         """Queue a request (see ``Engine.add_request``); ``speculation``: (γ, tree top-k, tree depth)."""
         if lora:
             if self.lora is None:
@@ -69,6 +69,7 @@ class Admission:
         seq = self.new_sequence(request_id, token_ids, params, output_ids, grammar, speculation, lora)
         if seq is not None:
             seq.prefill_only = prefill_only
+            seq.priority = priority if self.scheduler.by_priority else 0  # fcfs: no priority anywhere
             self.added.append(seq)  # (until the step loop takes them, or the next step begins)
             if self.tiers is None or not self.scheduler.reuse_cached_prefix or not self.tiers.hold(seq):
                 self.scheduler.add(seq)  # (held: queued once its disk-tier blocks are read, see Engine.step)

@@ -7,6 +7,12 @@ free queue but keeps its hash: it is still a cache hit until it is handed out ag
 front of the queue is reused first). Blocks of a sequence are freed leaf first, so a chain's tail
 is evicted before its head.
 
+Priority (an engine started with ``--scheduling-policy priority``): a block is freed with its
+sequence's priority (vLLM's polarity: lower is more important) and waits in that priority's free
+queue; fresh blocks come from the least important queue first, LRU within it, so a prefix that
+important requests use stays cached longest. With every priority 0 (the default) there is one queue:
+plain LRU.
+
 Every change of the cached set appends a :class:`KvEvent` to ``events`` (drained by the worker):
 ``stored`` with consecutive hashes and the hash before them, ``removed`` when a cached block is
 evicted or invalidated, ``cleared`` on :meth:`clear`. The format matches ``workers/mock.py``.
@@ -38,7 +44,10 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_parent: list[int] = [ROOT_HASH] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # priority -> blocks no sequence holds, least recently freed first (see the module docstring)
+        self._free: dict[int, OrderedDict[int, None]] = {0: OrderedDict((b, None) for b in range(num_blocks))}
+        self._free_priority = [0] * num_blocks  # the queue a free block waits in
+        self._num_free = num_blocks
         self.events: list[KvEvent] = []
         self._event_id = 0
 
@@ -47,14 +56,14 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence holds (some may still be cache hits)."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self.hash_to_block)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._num_free
 
     def match_prefix(self, hashes: list[int]) -> list[int]:
         """Block ids of the leading blocks of ``hashes`` that are cached."""
@@ -74,16 +83,16 @@ class BlockManager:
         """Take a reference on cached blocks (from :meth:`match_prefix`)."""
         for b in blocks:
             if self.ref_count[b] == 0:
-                del self._free[b]
+                self._take_free(b)
             self.ref_count[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks, evicting the least recently freed cached ones first."""
-        if n > len(self._free):
-            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self._num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self._num_free} free")
         out, evicted = [], []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b = self._next_free()
             h = self.block_hash[b]
             if h is not None:
                 self._forget(b)
@@ -94,14 +103,20 @@ class BlockManager:
             self._event(KvEventKind.REMOVED, evicted)
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference on each block; freed leaf first (pass blocks in sequence order)."""
+    def free(self, blocks: list[int], priority: int = 0) -> None:
+        """Drop one reference on each block; freed leaf first (pass blocks in sequence order). A block
+        no one holds any more waits for reuse in ``priority``'s free queue (lower is kept longer)."""
         for b in reversed(blocks):
             if self.ref_count[b] <= 0:
                 raise RuntimeError(f"block {b} freed more often than taken")
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self._free[b] = None
+                queue = self._free.get(priority)
+                if queue is None:
+                    queue = self._free[priority] = OrderedDict()
+                queue[b] = None
+                self._free_priority[b] = priority
+                self._num_free += 1
 
     def register(self, blocks: list[int], hashes: list[int], parent: int) -> None:
         """Mark full, computed blocks as cached under ``hashes`` (a chain following ``parent``).
@@ -173,6 +188,21 @@ class BlockManager:
         return events
 
     # ------------------------------------------------------------------ internals
+
+    def _take_free(self, b: int) -> None:
+        queue = self._free[self._free_priority[b]]
+        del queue[b]
+        self._num_free -= 1
+
+    def _next_free(self) -> int:
+        """The block to reuse: the least recently freed of the least important priority."""
+        if len(self._free) == 1:
+            queue = next(iter(self._free.values()))
+        else:
+            queue = self._free[max(p for p, q in self._free.items() if q)]
+        b, _ = queue.popitem(last=False)
+        self._num_free -= 1
+        return b
 
     def _forget(self, b: int) -> None:
         h = self.block_hash[b]

@@ -71,7 +71,7 @@ def build_engine(cfg, worker_id: str):
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                               gpu_memory_utilization=cfg.gpu_memory_utilization,
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs,
-                              async_scheduling=cfg.async_scheduling)
+                              async_scheduling=cfg.async_scheduling, scheduling_policy=cfg.scheduling_policy)
     try:
         engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
                         hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),

@@ -73,7 +73,7 @@ class Commits:
             self.blocks.register(seq.block_table[start:full], hashes[start:full], parent)
             if self.tiers is not None:
                 self.tiers.computed(seq.block_table[start:full], hashes[start:full], parent,
-                                    seq.token_ids[start * bs : full * bs])
+                                    seq.token_ids[start * bs : full * bs], seq.priority)
             seq.num_registered = full
 
     def close(self, seq: Sequence) -> Usage:

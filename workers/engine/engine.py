@@ -94,7 +94,8 @@ class Engine:
         self.hidden_layers = tuple(hidden_layers)  # as given: see DraftNews.hidden_layers
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.blocks = BlockManager(cache.num_blocks, config.block_size, worker_id, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lora=lora)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lora=lora,
+                                   policy=config.scheduling_policy)
         self.runner = ModelRunner(model, cache.num_blocks, config.block_size, self._graph_config(model), max_len,
                                   followers, lora=lora)
         self.lora = lora
@@ -150,15 +151,17 @@ class Engine:
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     output_ids: list[int] = (), grammar: Grammar | None = None, *,
                     num_speculative_tokens: int | None = None, tree_topk: int | None = None,
-                    tree_depth: int | None = None, prefill_only: bool = False, lora: str | None = None) -> None:
+                    tree_depth: int | None = None, prefill_only: bool = False, lora: str | None = None,
+                    priority: int = 0) -> None:
         """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request.
         ``grammar``: the request's compiled ``params.structured`` (compiled here when not given).
         ``num_speculative_tokens``, ``tree_topk``, ``tree_depth``: this request's speculation (None:
         the engine's settings). ``prefill_only``: a prefill worker's request, which ends after its
         first token with finish reason :data:`HANDOFF`, its blocks kept for a decode worker to pull
-        (:class:`.handoff.Handoffs`). ``lora``: the LoRA adapter it runs with (None: the base model)."""
+        (:class:`.handoff.Handoffs`). ``lora``: the LoRA adapter it runs with (None: the base model).
+        ``priority``: vLLM's (lower first), read under ``EngineConfig.scheduling_policy`` "priority"."""
         self.admission.add(request_id, token_ids, params, output_ids, grammar,
-                           (num_speculative_tokens, tree_topk, tree_depth), prefill_only, lora)
+                           (num_speculative_tokens, tree_topk, tree_depth), prefill_only, lora, priority)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is not running here. (A request whose KV

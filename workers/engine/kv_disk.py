@@ -24,7 +24,9 @@ midway leaves only a ``.tmp-*`` file, which no reader opens and a later start re
 Writes run on one writer thread behind a bounded queue (a full queue drops the write: the block is
 still in the host tier); reads run where the caller puts them (:class:`.kv_tiers.KvTiers` uses a
 reader thread). The tier keeps its files within ``capacity_bytes``, oldest first by the order this
-process wrote or read them (files of other writers are counted from a directory scan).
+process wrote or read them (files of other writers are counted from a directory scan). Under the
+priority scheduling policy a file carries the most important priority a request of this process
+stored it with, and the least important priority's files go first (LRU within one priority).
 """
 
 from __future__ import annotations
@@ -141,7 +143,11 @@ class DiskTier:
         self.on_stored = None  # callback(hash, parent) after a block's file is in place (writer thread)
         self.on_removed = None  # callback(hashes) after files were removed
         self._lock = threading.Lock()
-        self._files: OrderedDict[int, None] = OrderedDict()  # hash -> None, least recently used first
+        # priority -> the hashes of its files, least recently used first (vLLM's polarity: the largest
+        # priority's files go first; files found at start, and every file of an engine that does not
+        # schedule by priority, are 0: plain LRU)
+        self._files: dict[int, OrderedDict[int, None]] = {0: OrderedDict()}
+        self._file_priority: dict[int, int] = {}  # hash -> its priority
         self._queue: queue.Queue = queue.Queue(max_queue)
         # blocks queued but not written yet: reads find them here (a read racing its own process's write
         # is a hit, not a miss); hash -> (parent, tokens, payload)
@@ -155,7 +161,7 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        return len(self._files) * self.file_bytes
+        return len(self._file_priority) * self.file_bytes
 
     def exists(self, block_hash: int) -> bool:
         """Whether a file for the block is there (one stat; another target may have written it), or
@@ -164,15 +170,16 @@ class DiskTier:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, block_hash: int, parent: int, tokens: list[int], payload: bytes) -> bool:
-        """Queue a block for writing; False when dropped (tier off, or the queue is full)."""
+    def put(self, block_hash: int, parent: int, tokens: list[int], payload: bytes, priority: int = 0) -> bool:
+        """Queue a block for writing (``priority``: its request's, for eviction); False when dropped
+        (tier off, or the queue is full)."""
         if self.disabled:
             return False
         tokens = list(tokens)
         try:
             with self._lock:
                 self._unwritten[block_hash] = (parent, tokens, payload)
-            self._queue.put_nowait((block_hash, parent, tokens, payload))
+            self._queue.put_nowait((block_hash, parent, tokens, payload, priority))
             return True
         except queue.Full:
             with self._lock:
@@ -207,11 +214,11 @@ class DiskTier:
                         self._unwritten.pop(item[0], None)
                 self._queue.task_done()
 
-    def _write(self, block_hash: int, parent: int, tokens: list[int], payload: bytes) -> None:
+    def _write(self, block_hash: int, parent: int, tokens: list[int], payload: bytes, priority: int = 0) -> None:
         final = self.path(block_hash)
         if final.exists():  # content-addressed: whoever wrote it wrote these bytes
             self.counters.skipped += 1
-            self._remember(block_hash)
+            self._remember(block_hash, priority)
             return
         tmp = self.dir / f"{TEMP_PREFIX}{block_hash:016x}-{os.getpid()}-{threading.get_ident()}"
         try:
@@ -237,21 +244,40 @@ class DiskTier:
             raise
         self.counters.written += 1
         self.counters.written_bytes += self.file_bytes
-        self._remember(block_hash)
+        self._remember(block_hash, priority)
         if self.on_stored is not None:
             self.on_stored(block_hash, parent)
         self._evict()
 
-    def _remember(self, block_hash: int) -> None:
+    def _remember(self, block_hash: int, priority: int | None = None) -> None:
+        """Mark a file most recently used; ``priority``: a request of it stored it (a file keeps the most
+        important priority any request stored it with; None: a read, which keeps its priority)."""
         with self._lock:
-            self._files[block_hash] = None
-            self._files.move_to_end(block_hash)
+            old = self._file_priority.get(block_hash)
+            new = (0 if priority is None else priority) if old is None else \
+                old if priority is None else min(old, priority)
+            if old is not None and old != new:
+                del self._files[old][block_hash]
+            self._file_priority[block_hash] = new
+            files = self._files.setdefault(new, OrderedDict())
+            files[block_hash] = None
+            files.move_to_end(block_hash)
+
+    def _forget(self, block_hash: int) -> bool:
+        """Drop a file from the index (the lock held); False if it was not there."""
+        priority = self._file_priority.pop(block_hash, None)
+        if priority is None:
+            return False
+        del self._files[priority][block_hash]
+        return True
 
     def _evict(self) -> None:
         removed = []
         with self._lock:
-            while self.used_bytes > self.capacity_bytes and self._files:
-                h, _ = self._files.popitem(last=False)
+            while self.used_bytes > self.capacity_bytes and self._file_priority:
+                files = self._files[max(p for p, f in self._files.items() if f)]
+                h, _ = files.popitem(last=False)
+                del self._file_priority[h]
                 removed.append(h)
         for h in removed:
             try:
@@ -283,7 +309,8 @@ class DiskTier:
                 except ValueError:
                     continue
         for _, h in sorted(found):
-            self._files[h] = None
+            self._files[0][h] = None
+            self._file_priority[h] = 0
         self._evict()
 
     # ------------------------------------------------------------------ reads
@@ -318,7 +345,7 @@ class DiskTier:
     def _bad(self, reason: str, block_hash: int, path: Path, remove: bool) -> None:
         self.counters.bad[reason] = self.counters.bad.get(reason, 0) + 1
         with self._lock:
-            self._files.pop(block_hash, None)
+            self._forget(block_hash)
         if remove:
             log.warning("KV disk tier: %s block file %s removed (recomputing it)", reason, path.name)
             try:

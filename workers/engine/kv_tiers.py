@@ -10,7 +10,9 @@ hidden-state rows of the offered layers at the same slots (the rows EAGLE-style 
   and an evicted block costs nothing more: its copy is already below. (vLLM's CPU offloading
   connector and LMCache store on compute too.)
 - **Host tier.** One preallocated slab ``[capacity, block_bytes]`` (pinned on CUDA), LRU by hash;
-  its memory is fixed when the engine starts, so the tier never grows past its size.
+  its memory is fixed when the engine starts, so the tier never grows past its size. Under the
+  priority scheduling policy a block keeps the priority of the request that stored it, and the
+  least important priority's blocks go first (LRU within one priority; all 0: plain LRU).
 - **Load on admission.** When the scheduler admits a sequence, the leading blocks missing from the
   device pool but present in the host tier are copied into fresh device blocks before its prefill
   (:meth:`KvTiers.take_prefix`): host→device copies are memory copies, done in the step.
@@ -107,7 +109,8 @@ class BlockCopier:
 
 
 class HostTier:
-    """A fixed slab of ``capacity`` block rows with an LRU map hash → (row, parent); plain values in."""
+    """A fixed slab of ``capacity`` block rows with a map hash → (row, parent), evicted least important
+    priority first (vLLM's polarity: the largest value), least recently used within it; plain values in."""
 
     def __init__(self, capacity: int, block_bytes: int, pin: bool = False):
         if capacity <= 0:
@@ -115,6 +118,8 @@ class HostTier:
         self.capacity = capacity
         self.slab = torch.empty(capacity, block_bytes, dtype=torch.uint8, pin_memory=pin)
         self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._lru: dict[int, OrderedDict[int, None]] = {0: OrderedDict()}  # priority -> hashes, oldest first
+        self._priority: dict[int, int] = {}  # hash -> the priority it was stored with
         self._free = list(range(capacity - 1, -1, -1))
 
     def __contains__(self, block_hash: int) -> bool:
@@ -128,20 +133,29 @@ class HostTier:
 
     def touch(self, block_hash: int) -> None:
         self.entries.move_to_end(block_hash)
+        self._lru[self._priority[block_hash]].move_to_end(block_hash)
 
     def next_victim(self) -> int | None:
         """The hash the next :meth:`reserve` evicts (None: a row is free)."""
-        return None if self._free else next(iter(self.entries))
+        if self._free:
+            return None
+        queue = self._lru[max(p for p, q in self._lru.items() if q)] if len(self._lru) > 1 else self._lru[0]
+        return next(iter(queue))
 
-    def reserve(self, block_hash: int, parent: int) -> tuple[int, list[int]]:
-        """A row for a new block (evicting the least recently used); returns (row, evicted hashes)."""
+    def reserve(self, block_hash: int, parent: int, priority: int = 0) -> tuple[int, list[int]]:
+        """A row for a new block (evicting the least important, least recently used one); returns
+        (row, evicted hashes)."""
         evicted = []
         if not self._free:
-            h, (row, _) = self.entries.popitem(last=False)
+            h = self.next_victim()
+            row, _ = self.entries.pop(h)
+            del self._lru[self._priority.pop(h)][h]
             self._free.append(row)
             evicted.append(h)
         row = self._free.pop()
         self.entries[block_hash] = (row, parent)
+        self._lru.setdefault(priority, OrderedDict())[block_hash] = None
+        self._priority[block_hash] = priority
         return row, evicted
 
 
@@ -167,7 +181,7 @@ class KvTiers:
         self.worker_id = worker_id
         self.stats = {tier: TierStats() for tier in TIERS}
         self.held: list[_Held] = []
-        self._computed: list[tuple[int, int, int, list[int]]] = []  # (block, hash, parent, tokens) to store
+        self._computed: list[tuple[int, int, int, list[int], int]] = []  # (block, hash, parent, tokens, priority)
         self._events: list[KvEvent] = []
         self._event_ids = dict.fromkeys(TIERS, 0)
         self._lock = threading.Lock()  # events and disk stats come from the disk writer thread too
@@ -179,12 +193,13 @@ class KvTiers:
 
     # ------------------------------------------------------------------ the engine's hooks
 
-    def computed(self, blocks: list[int], hashes: list[int], parent: int, tokens: list[int]) -> None:
-        """Full blocks just registered in the prefix cache (``tokens``: theirs, concatenated); they
-        are copied down at the end of the step (:meth:`after_step`), once the step's moves are done."""
+    def computed(self, blocks: list[int], hashes: list[int], parent: int, tokens: list[int], priority: int = 0) -> None:
+        """Full blocks just registered in the prefix cache (``tokens``: theirs, concatenated; ``priority``:
+        their request's, for the host tier's eviction); they are copied down at the end of the step
+        (:meth:`after_step`), once the step's moves are done."""
         bs = self.block_size
         for i, (b, h) in enumerate(zip(blocks, hashes)):
-            self._computed.append((b, h, parent, tokens[i * bs : (i + 1) * bs]))
+            self._computed.append((b, h, parent, tokens[i * bs : (i + 1) * bs], priority))
             parent = h
 
     def take_prefix(self, hashes: list[int], start: int) -> int:
@@ -251,7 +266,7 @@ class KvTiers:
             except Exception as exc:  # a bug in the read path: the sequence recomputes
                 log.exception("KV disk tier: reading a chain failed: %r", exc)
                 chain = []
-            self._take_from_disk(chain, time.perf_counter() - h.started)
+            self._take_from_disk(chain, time.perf_counter() - h.started, h.seq.priority)
             out.append(h.seq)
         return out
 
@@ -294,11 +309,11 @@ class KvTiers:
         (or touching enough cached ones to make its own rows the least recently used) reaches that
         point; the batch is then copied and written out first, and the next one starts."""
         todo, self._computed = self._computed, []
-        batch: list[tuple[int, int, int, list[int], int]] = []  # (block, hash, parent, tokens, row)
+        batch: list[tuple[int, int, int, list[int], int, int]] = []  # (block, hash, parent, tokens, priority, row)
         pending: set[int] = set()  # hashes of the batch's rows, not filled yet
         removed: list[int] = []
         to_disk = self.disk is not None and not self.disk.disabled
-        for b, h, parent, tokens in todo:
+        for b, h, parent, tokens, priority in todo:
             if self.blocks.block_hash[b] != h:  # evicted (and maybe overwritten) within the step
                 continue
             if h in self.host:
@@ -307,14 +322,15 @@ class KvTiers:
             if self.host.next_victim() in pending:
                 to_disk = self._store_batch(batch, removed, to_disk)
                 batch, pending, removed = [], set(), []
-            row, evicted = self.host.reserve(h, parent)
+            row, evicted = self.host.reserve(h, parent, priority)
             pending.add(h)
             removed.extend(evicted)
-            batch.append((b, h, parent, tokens, row))
+            batch.append((b, h, parent, tokens, priority, row))
         if batch:
             self._store_batch(batch, removed, to_disk)
 
-    def _store_batch(self, batch: list[tuple[int, int, int, list[int], int]], removed: list[int], to_disk: bool) -> bool:
+    def _store_batch(self, batch: list[tuple[int, int, int, list[int], int, int]], removed: list[int],
+                     to_disk: bool) -> bool:
         """Fill the rows reserved for ``batch`` (distinct, none evicted since) from the device, publish,
         and queue the blocks for the disk tier; returns whether the disk still takes writes this step."""
         self.copier.to_host([b for b, *_ in batch], self.host.slab, [row for *_, row in batch])
@@ -324,11 +340,11 @@ class KvTiers:
         st.evicted += len(removed)
         if removed:
             self._event("host", KvEventKind.REMOVED, removed)
-        self._stored_runs("host", [(h, parent) for _, h, parent, _, _ in batch])
+        self._stored_runs("host", [(h, parent) for _, h, parent, *_ in batch])
         if not to_disk:
             return False
-        for _, h, parent, tokens, row in batch:
-            if not self.disk.put(h, parent, tokens, self.host.slab[row].numpy().tobytes()):
+        for _, h, parent, tokens, priority, row in batch:
+            if not self.disk.put(h, parent, tokens, self.host.slab[row].numpy().tobytes(), priority):
                 return False  # the writer's queue is full (or the tier turned off): the rest stay above
         return True
 
@@ -344,7 +360,7 @@ class KvTiers:
             parent = h
         return out
 
-    def _take_from_disk(self, chain: list[tuple[int, int, memoryview]], seconds: float) -> None:
+    def _take_from_disk(self, chain: list[tuple[int, int, memoryview]], seconds: float, priority: int = 0) -> None:
         """Step thread: put blocks read from disk into the host tier. Only the leading ``capacity``
         blocks of a chain are kept: a longer chain would evict its own head, and a prefix is only
         loaded from its first block on."""
@@ -354,7 +370,7 @@ class KvTiers:
             if h in self.host:
                 self.host.touch(h)
                 continue
-            row, evicted = self.host.reserve(h, parent)
+            row, evicted = self.host.reserve(h, parent, priority)
             removed.extend(evicted)
             self.host.slab[row].copy_(torch.frombuffer(payload, dtype=torch.uint8))
             stored.append((h, parent))

@@ -9,10 +9,20 @@ sequences are admitted while the budget, ``max_num_seqs`` and the free blocks al
 admission a sequence takes its cached prefix blocks (never the whole prompt: the last token is
 always computed, so the step yields logits). Leading blocks past the cached prefix that a lower
 KV tier holds (``tiers``) are copied into fresh blocks at admission and count as cached.
+
+``policy`` is vLLM's ``--scheduling-policy``. ``fcfs`` (the default) is the above. ``priority``
+orders the waiting queue by (``Sequence.priority``, arrival), lower first, as vLLM does; a
+sequence that needs a block preempts the running sequence with the largest (priority, arrival)
+rather than the newest; and a waiting sequence that finds the batch full (``max_num_seqs``) or no
+blocks free preempts the running sequence with the largest key when that key is larger than its
+own. A preempted sequence goes back to the waiting queue in key order and resumes by recompute
+(its output continues exactly where it stopped). Blocks a sequence frees carry its priority into
+the prefix cache's eviction order (:meth:`BlockManager.free`).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -24,6 +34,13 @@ from .block_manager import BlockManager
 from .sequence import Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def priority_key(seq: Sequence) -> tuple[int, float]:
+    """vLLM's order under the priority policy: lower priority value first, then earlier arrival."""
+    return seq.priority, seq.queued_at
 
 
 @dataclass
@@ -41,9 +58,15 @@ class ScheduledBatch:
 class Scheduler:
     """Waiting queue + running list over one :class:`BlockManager`; plain values in."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *, lora=None):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *, lora=None,
+                 policy: str = "fcfs"):
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.by_priority = policy == "priority"
+        self.num_priority_preemptions = 0  # running sequences preempted for a waiting one of higher priority
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
@@ -68,7 +91,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._insort(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insort(self, seq: Sequence) -> None:
+        """Into the waiting queue in (priority, arrival) order (behind equal keys)."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, priority_key(seq), key=priority_key), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,19 +127,30 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
-            i += 1
+            # (the priority policy may have preempted a sequence before this one: find its place again)
+            i = self.running.index(seq) + 1 if self.by_priority else i + 1
         if not batch.preempted:
             # a sequence whose pending token ends it (async scheduling) no longer takes a place
             ending = sum(1 for s in self.running if s.ends_at_pending)
             parked: list[Sequence] = []  # their adapter has no slot this step: the ones behind go first
-            while self.waiting and budget > 0 and len(self.running) - ending < self.max_num_seqs:
+            while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                if len(self.running) - ending >= self.max_num_seqs:
+                    freed = self._preempt_for(seq, batch)  # the priority policy: a lower one makes room
+                    if freed is None:
+                        break
+                    budget += freed
+                    continue
                 if self.lora is not None and not self.lora.can_acquire(seq):
                     parked.append(self.waiting.popleft())
                     continue
                 n = self._admit(seq, budget)
                 if n == 0:
-                    break
+                    freed = self._preempt_for(seq, batch)
+                    if freed is None:
+                        break
+                    budget += freed
+                    continue
                 self.waiting.popleft()
                 if seq.scheduled_at is None:
                     seq.scheduled_at = time.monotonic()
@@ -128,10 +169,11 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Give ``seq`` blocks for ``num_tokens`` tokens, preempting newer sequences if needed."""
+        """Give ``seq`` blocks for ``num_tokens`` tokens, preempting newer sequences if needed (under the
+        priority policy, the lowest-priority ones)."""
         need = self._blocks_for(num_tokens) - len(seq.block_table)
         while need > 0 and not self.blocks.can_allocate(need):
-            victim = self.running[-1]
+            victim = max(self.running, key=priority_key) if self.by_priority else self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
@@ -139,17 +181,40 @@ class Scheduler:
             seq.block_table.extend(self.blocks.allocate(need))
         return True
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
+        """Under the priority policy, preempt the running sequence with the largest key if it is larger
+        than waiting ``seq``'s; returns the step's tokens it gave back (None: nothing preempted)."""
+        if not self.by_priority:
+            return None
+        candidates = [s for s in self.running if not s.ends_at_pending]  # (those free their place anyway)
+        if not candidates:
+            return None
+        victim = max(candidates, key=priority_key)
+        if priority_key(victim) <= priority_key(seq):
+            return None
+        self.num_priority_preemptions += 1
+        log.info("request %s (priority %d): preempted for request %s (priority %d)", victim.request_id,
+                 victim.priority, seq.request_id, seq.priority)
+        return self._preempt(victim, batch)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Preempt ``seq`` by recompute; returns the tokens it had in ``batch`` (0: none)."""
         self.running.remove(seq)
+        given_back = 0
         if seq in batch.seqs:
             k = batch.seqs.index(seq)
+            given_back = batch.num_tokens[k]
             del batch.seqs[k], batch.num_tokens[k]
         self._release(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._insort(seq)
+        else:
+            self.waiting.appendleft(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1
         log.info("request %s: preempted (recompute), %d blocks free", seq.request_id, self.blocks.num_free_blocks)
+        return given_back
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Take cached prefix blocks and blocks for the first chunk; 0 if they do not fit."""
@@ -184,5 +249,5 @@ class Scheduler:
         if self.lora is not None:
             self.lora.release(seq)
         if seq.block_table:
-            self.blocks.free(seq.block_table)
+            self.blocks.free(seq.block_table, seq.priority)
             seq.block_table = []

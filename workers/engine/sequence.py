@@ -60,6 +60,7 @@ class Sequence:
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_slot: int = -1  # its adapter's device slot while it runs (workers.engine.lora.LoraManager)
     hash_root: int = ROOT_HASH  # where its block-hash chain starts: per adapter (runtime.kv_hash.chain_root)
+    priority: int = 0  # vLLM's: lower is served first; 0 unless the engine schedules by priority
 
     def __len__(self) -> int:
         return len(self.token_ids)

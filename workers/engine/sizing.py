@@ -44,6 +44,9 @@ class EngineConfig:
     # CUDA: the share of the device this engine may use; the KV cache gets the rest after weights,
     # activations and graphs (:mod:`.memory`). None, or on the CPU: kv_cache_bytes. num_blocks wins.
     gpu_memory_utilization: float | None = None
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (admission, preemption and prefix-cache eviction
+    # by each request's priority, lower first; see .scheduler)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

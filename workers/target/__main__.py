@@ -87,6 +87,7 @@ class TargetConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters loaded at start
     gguf_quantized: bool = False  # a .gguf model's Q4_1 projections stay in the file's blocks
     enable_expert_parallel: bool = False  # a mixture of experts' experts sharded over the tensor-parallel ranks
+    scheduling_policy: str = "fcfs"  # vLLM's: fcfs, or priority (each request's priority field, lower first)
 
     def __post_init__(self):
         if not Path(self.model).exists():
@@ -101,6 +102,8 @@ class TargetConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -304,7 +307,8 @@ def target_config(args: argparse.Namespace, model: Path) -> TargetConfig:
                         kv_offload_disk_dir=args.kv_offload_disk_dir, kv_offload_disk_gb=args.kv_offload_disk_gb,
                         max_loras=max_loras(args.max_loras, len(adapters)), max_lora_rank=args.max_lora_rank,
                         lora_modules=adapters,
-                        gguf_quantized=args.gguf_quantized, enable_expert_parallel=args.enable_expert_parallel)
+                        gguf_quantized=args.gguf_quantized, enable_expert_parallel=args.enable_expert_parallel,
+                        scheduling_policy=args.scheduling_policy)
 
 
 def lora_module(spec: str) -> tuple[str, str]:

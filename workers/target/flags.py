@@ -24,6 +24,12 @@ DTYPE = SharedFlag(("--dtype",), dict(
     default="auto", choices=DTYPES,
     help="weights and KV cache: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU"))
 MAX_NUM_SEQS = SharedFlag(("--max-num-seqs",), dict(type=int, default=64, help="most sequences in a batch"))
+SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICY = SharedFlag(("--scheduling-policy",), dict(
+    default="fcfs", choices=SCHEDULING_POLICIES,
+    help="as vLLM's: fcfs (arrival order), or priority: requests run in order of their 'priority' field (lower "
+         "first, then arrival), a higher-priority arrival preempts the lowest-priority running request when the "
+         "batch or the KV cache is full, and freed KV blocks of lower-priority requests are evicted first"))
 
 # KV cache tiers below the device pool (workers/engine/kv_tiers.py)
 KV_OFFLOAD_HOST_GB = SharedFlag(("--kv-offload-host-gb",), dict(
@@ -80,6 +86,6 @@ def gpu_memory_utilization_ignored(given: float | None, device_type: str, num_bl
     return None
 
 
-ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, KV_OFFLOAD_HOST_GB,
-                KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED,
+ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, SCHEDULING_POLICY,
+                KV_OFFLOAD_HOST_GB, KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED,
                 ENABLE_EXPERT_PARALLEL)

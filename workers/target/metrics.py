@@ -131,6 +131,8 @@ class TargetCollector(Collector):
         yield counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache.", w.stats.cached_tokens)
         yield counter("preemptions", "Requests preempted (recomputed) for lack of blocks.",
                       engine.scheduler.num_preemptions)
+        yield counter("priority_preemptions", "Running requests preempted for a waiting one of higher priority "
+                      "(--scheduling-policy priority).", engine.scheduler.num_priority_preemptions)
         yield counter("engine_steps", "Engine forward steps.", w.loop.steps)
         yield counter("busy_seconds", "Seconds the step loop spent on iterations with work (waiting for "
                       "proposals included).", w.loop.busy_seconds)

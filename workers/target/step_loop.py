@@ -74,6 +74,7 @@ class AddRequest:
     grammar: Grammar | None = None  # params.structured, compiled off the loop
     prefill_only: bool = False  # a prefill worker's request: its last delta carries the KV handoff
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    priority: int = 0  # vLLM's (lower first), read by an engine with the priority scheduling policy
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class StepLoop:
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
                num_speculative_tokens: int | None = None,
                tree: tuple[int | None, int | None] = (None, None), grammar: Grammar | None = None,
-               prefill_only: bool = False, lora: str | None = None) -> asyncio.Queue:
+               prefill_only: bool = False, lora: str | None = None, priority: int = 0) -> asyncio.Queue:
         """Validate (raises InvalidRequest here, on the caller's side) and queue a request; its
         deltas, or the exception that ended it, arrive on the returned queue. ``grammar``: the
         compiled ``params.structured`` (see :meth:`compile_grammar`). ``prefill_only``: the request
@@ -207,7 +208,7 @@ class StepLoop:
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out
         self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens, tree,
-                              grammar, prefill_only, lora))
+                              grammar, prefill_only, lora, priority))
         return out
 
     async def receive(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
@@ -370,7 +371,8 @@ class StepLoop:
                 top_k, depth = cmd.tree
                 engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids, cmd.grammar,
                                    num_speculative_tokens=cmd.num_speculative_tokens, tree_topk=top_k,
-                                   tree_depth=depth, prefill_only=cmd.prefill_only, lora=cmd.lora)
+                                   tree_depth=depth, prefill_only=cmd.prefill_only, lora=cmd.lora,
+                                   priority=cmd.priority)
                 return cmd, None, None
             if isinstance(cmd, AbortRequest):
                 engine.abort(cmd.request_id)

@@ -147,7 +147,7 @@ class TargetWorker:
                 out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids),
                                        req.num_speculative_tokens,
                                        (req.speculative_tree_topk, req.speculative_tree_depth), grammar, prefill_only,
-                                       lora)
+                                       lora, req.priority)
             while not finished:
                 items = [await out.get()]
                 while not out.empty():
@@ -203,7 +203,8 @@ class TargetWorker:
         total = engine.blocks.num_blocks
         free = engine.blocks.num_free_blocks
         return LoadEvent(self.worker_id, running=engine.num_running, queued=engine.num_waiting,
-                         active_blocks=total - free, total_blocks=total, free_blocks=free, timestamp=time.time())
+                         active_blocks=total - free, total_blocks=total, free_blocks=free, timestamp=time.time(),
+                         max_num_seqs=engine.config.max_num_seqs)
 
     async def _publish_kv(self) -> None:
         while True:

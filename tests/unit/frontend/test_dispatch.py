@@ -7,7 +7,7 @@ import pytest
 from frontend.dispatch import Dispatcher
 from router.base import RoundRobinRouter
 from runtime import InstanceGone
-from runtime.messages import GenerateRequest, InstanceRecord, SamplingParams, TokenDelta
+from runtime.messages import GenerateRequest, InstanceRecord, RoutingHints, SamplingParams, TokenDelta
 from tests.support.fixed_instances import FixedSnapshot
 
 pytestmark = pytest.mark.unit
@@ -69,3 +69,20 @@ async def test_migration_keeps_every_sampling_field_and_shrinks_the_budget():
     assert second_id != first_id and second.output_ids == [7, 8] and second.token_ids == [1, 2, 3]
     assert second.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, seed=7, max_tokens=8, min_tokens=1,
                                              stop_token_ids=[2], ignore_eos=True, logprobs=2)
+
+
+async def test_priority_and_hints_reach_the_router_and_every_worker_tried():
+    seen = []
+
+    class Recording(RoundRobinRouter):
+        async def select(self, model, token_ids, exclude=frozenset(), request_id="", lora="", hints=None):
+            seen.append(hints)
+            return await super().select(model, token_ids, exclude, request_id, lora, hints)
+
+    client = FakeClient()
+    hints = RoutingHints(priority=-3, strict_priority=2, osl=40, session_id="agent")
+    gen = await Dispatcher(Recording(lambda model: [record("a"), record("b")]), client).open(
+        "m", [1, 2, 3], SamplingParams(max_tokens=10), "req", hints=hints)
+    assert [t async for delta in gen for t in delta.token_ids] == [7, 8, 9]
+    assert seen == [hints, hints]  # the first choice and the migration's
+    assert [r.priority for _, r in client.requests] == [-3, -3]

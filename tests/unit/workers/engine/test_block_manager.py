@@ -99,3 +99,33 @@ def test_random_workload_never_leaks_or_double_counts():
         bm.free(blocks)
     assert bm.num_free_blocks == 32 and all(c == 0 for c in bm.ref_count)
     assert all(bm.block_hash[b] == h for h, b in bm.hash_to_block.items())
+
+
+def test_priority_free_queues_evict_the_least_important_blocks_first():
+    bm = BlockManager(6, 4, "w")
+    urgent = _store(bm, list(range(8)))  # 2 blocks, freed with priority -3 (vLLM's polarity: kept longest)
+    plain = _store(bm, list(range(100, 108)))  # 2 blocks, priority 0
+    low = _store(bm, list(range(200, 208)))  # 2 blocks, priority 7
+    bm.free(urgent, -3)
+    bm.free(low, 7)  # freed after the others' blocks were taken: LRU alone would evict urgent's first
+    bm.free(plain, 0)
+    bm.drain_events()
+    assert bm.num_free_blocks == 6 and bm.can_allocate(6)
+    assert sorted(bm.allocate(2)) == sorted(low)
+    assert sorted(bm.allocate(2)) == sorted(plain)
+    assert bm.match_prefix(block_hashes(list(range(8)), 4)) == urgent  # still cached
+    hit = bm.match_prefix(block_hashes(list(range(8)), 4))
+    bm.acquire(hit)  # a hit taken back out of its priority's free queue
+    assert bm.num_free_blocks == 0
+    bm.free(hit, -3)
+    assert bm.num_free_blocks == 2 and sorted(bm.allocate(2)) == sorted(urgent)
+
+
+def test_priority_zero_everywhere_is_plain_lru():
+    a, b = BlockManager(4, 4, "w"), BlockManager(4, 4, "w")
+    for bm, priority in ((a, None), (b, 0)):
+        first = _store(bm, list(range(8)))
+        second = _store(bm, list(range(50, 58)))
+        for blocks in (second, first):
+            bm.free(blocks, *(() if priority is None else (priority,)))
+    assert a.allocate(4) == b.allocate(4)

@@ -224,3 +224,47 @@ def test_a_dump_republishes_the_host_tier_as_host_events(model):
     assert all(ev.tier == "host" and ev.kind == KvEventKind.STORED for ev in dump)
     # numbered after the tier's own events, so a router's index takes them in order
     assert [ev.event_id for ev in dump] == list(range(events[-1].event_id + 1, events[-1].event_id + 1 + len(dump)))
+
+
+def test_the_host_tier_evicts_the_least_important_priority_first_lru_within():
+    from workers.engine.kv_tiers import HostTier
+
+    host = HostTier(3, 8)
+    host.reserve(1, 0, priority=-2)  # an urgent request's block (vLLM's polarity): kept longest
+    host.reserve(2, 1, priority=4)
+    host.reserve(3, 2, priority=4)
+    host.touch(2)  # within priority 4, block 3 is now the least recently used
+    assert host.next_victim() == 3
+    assert host.reserve(4, 3)[1] == [3]  # priority 0
+    assert host.reserve(5, 4)[1] == [2]
+    assert host.reserve(6, 5)[1] == [4]  # then 0 before -2, LRU: 4 before 5
+    assert host.reserve(7, 6)[1] == [5] and host.reserve(8, 7)[1] == [6] and host.reserve(9, 8)[1] == [7]
+    assert 1 in host  # the urgent block outlives every priority-0 one
+    plain = HostTier(2, 8)  # every priority 0: plain LRU
+    plain.reserve(1, 0)
+    plain.reserve(2, 1)
+    plain.touch(1)
+    assert plain.reserve(3, 2)[1] == [2] and set(plain.entries) == {1, 3}
+
+
+def test_the_disk_tier_evicts_the_least_important_priority_first(tmp_path):
+    from workers.engine.kv_disk import DiskTier
+
+    disk = DiskTier(tmp_path, "layout", capacity_bytes=1, payload_bytes=8, block_size=2)
+    disk.capacity_bytes = 3 * disk.file_bytes  # room for three files
+    payload = bytes(8)
+    try:
+        for h, priority in ((1, -2), (2, 5), (3, 0)):
+            assert disk.put(h, 0, [h, h], payload, priority)
+        disk.flush()
+        assert disk.put(2, 0, [2, 2], payload, 0)  # stored again by a more important request: now 0
+        assert disk.put(4, 0, [4, 4], payload, 0)
+        disk.flush()
+        assert not disk.exists(3) and all(disk.exists(h) for h in (1, 2, 4))  # 3: priority 0, least recent
+        assert disk.put(5, 0, [5, 5], payload, 7)
+        assert disk.put(6, 0, [6, 6], payload, 0)
+        disk.flush()
+        assert not disk.exists(5) and disk.exists(1)  # 5 (priority 7) went before any 0 or -2
+        assert disk.get(1, 0, [1, 1]) is not None
+    finally:
+        disk.close()

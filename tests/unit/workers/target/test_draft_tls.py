@@ -12,18 +12,21 @@ from proto import spec_pb2_grpc
 from runtime.messages import InstanceRecord
 from runtime.tls import ClientTls, ServerTls
 from tests.support.pki import make_pki
-from workers.draft.proposer import DraftInput, DraftOutput, Proposer
+from workers.draft.drafter import Capabilities, Draft, DraftInput, Drafter
 from workers.draft.service import DraftService
 from workers.target.draft_client import DraftClient
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")]
 
 
-class EchoProposer(Proposer):
-    method = "echo"
+class EchoProposer(Drafter):
+    caps = Capabilities("echo")
 
-    def propose(self, batch):
-        return [DraftOutput(d.seq_id, d.round, [42]) for d in batch]
+    def commit(self, seq_id, tokens, hidden_states=(), sampling=None):
+        pass
+
+    def draft(self, branches, ready=None):
+        return [Draft([42]) for _ in branches]
 
     def verified(self, results):
         pass

@@ -10,25 +10,24 @@ import torch
 
 from tests.unit.workers.draft.loopback import draft_on_loopback
 from tests.support.wait import eventually
-from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
+from workers.draft.drafter import Capabilities, Draft, DraftInput, Drafter, VerifyResult
 from workers.draft.service import DraftService
 from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.unit
 
 
-class RecordingProposer(Proposer):
-    method = "recording"
-    hidden_layers = [1, 2]
-    hidden_dtype = "bfloat16"
+class RecordingProposer(Drafter):
+    caps = Capabilities("recording", (1, 2), "bfloat16")
 
     def __init__(self):
         self.seen: list[torch.Tensor] = []
 
-    def propose(self, batch):
-        for d in batch:
-            self.seen.extend(d.hidden_states)
-        return [DraftOutput(d.seq_id, d.round, [7]) for d in batch]
+    def commit(self, seq_id, tokens, hidden_states=(), sampling=None):
+        self.seen.extend(hidden_states)
+
+    def draft(self, branches, ready=None):
+        return [Draft([7]) for _ in branches]
 
     def verified(self, results):
         for r in results:

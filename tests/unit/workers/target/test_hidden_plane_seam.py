@@ -14,7 +14,7 @@ import torch
 
 from tests.unit.workers.draft.loopback import draft_on_loopback
 from tests.support.wait import eventually
-from workers.draft.proposer import DraftInput, DraftOutput, Proposer
+from workers.draft.drafter import Capabilities, Draft, DraftInput, Drafter
 from workers.draft.service import DraftService
 from workers.engine.hidden import HiddenStore
 from workers.speculation.convert import verify_to_pb
@@ -26,18 +26,18 @@ pytestmark = pytest.mark.unit
 H = 8
 
 
-class RecordingProposer(Proposer):
-    method = "recording"
-    hidden_layers = [2, 1, 2]  # repeats and any order, as EAGLE-3 heads ask
-    hidden_dtype = "float32"
+class RecordingProposer(Drafter):
+    caps = Capabilities("recording", (2, 1, 2), "float32")  # repeats and any order, as EAGLE-3 heads ask
 
     def __init__(self):
         self.seen: list[list[torch.Tensor]] = []
         self.verified_on: list[str] = []
 
-    def propose(self, batch):
-        self.seen.extend(d.hidden_states for d in batch)
-        return [DraftOutput(d.seq_id, d.round, [7]) for d in batch]
+    def commit(self, seq_id, tokens, hidden_states=(), sampling=None):
+        self.seen.append(hidden_states)
+
+    def draft(self, branches, ready=None):
+        return [Draft([7]) for _ in branches]
 
     def verified(self, results):
         self.verified_on.append(threading.current_thread().name)
