@@ -102,7 +102,7 @@ def main() -> None:
               f"{mean_accepted_length(accepted, drafts) or 1.0:.2f} at γ={args.gamma} ({drafts} drafts); "
               f"{total / seconds:.1f} tok/s; accepted per position "
               f"{[round(n / drafts, 3) for n in PER_POS] if drafts else []}")
-        print(f"  hidden states on the wire ({proposer.hidden_dtype}): {WIRE['bytes'] / WIRE['steps']:.0f} bytes per "
+        print(f"  hidden states on the wire ({proposer.caps.hidden_dtype}): {WIRE['bytes'] / WIRE['steps']:.0f} bytes per "
               f"target step; converting and serialising them {1e3 * WIRE['seconds'] / WIRE['steps']:.3f} ms per step "
               f"= {WIRE['seconds'] / WIRE['step_seconds']:.2%} of a target step")
         if same != len(prompts):
@@ -137,7 +137,7 @@ def run(engine, proposer, prompts: dict, params) -> tuple[dict, int, int]:
         WIRE["step_seconds"] += time.perf_counter() - started
         WIRE["steps"] += 1
         verdicts = engine.take_verdicts()
-        _wire(inputs, verdicts, proposer.hidden_dtype)
+        _wire(inputs, verdicts, proposer.caps.hidden_dtype)
         for rid, delta in outputs:
             got[rid].extend(delta.token_ids)
             if delta.finish_reason and delta.usage is not None and delta.usage.spec is not None:

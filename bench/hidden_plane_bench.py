@@ -48,19 +48,18 @@ async def serve_draft() -> None:
     import torch
 
     from proto import spec_pb2_grpc
-    from workers.draft.proposer import DraftOutput, Proposer
+    from workers.draft.drafter import Capabilities, Draft, Drafter
     from workers.draft.service import DraftService
 
-    class Touching(Proposer):
-        method = "touching"
-        hidden_layers = LAYERS
-        hidden_dtype = "float32"  # the demo head's dtype on a CPU
+    class Touching(Drafter):
+        caps = Capabilities("touching", tuple(LAYERS), "float32")  # the demo head's dtype on a CPU
 
-        def propose(self, batch):
-            for d in batch:
-                for h in d.hidden_states:
-                    h.float().sum()  # the rows are read, as a head's projection would
-            return [DraftOutput(d.seq_id, d.round, [1]) for d in batch]
+        def commit(self, seq_id, tokens, hidden_states=(), sampling=None):
+            for h in hidden_states:
+                h.float().sum()  # the rows are read, as a head's projection would
+
+        def draft(self, branches, ready=None):
+            return [Draft([1]) for _ in branches]
 
         def verified(self, results):
             pass

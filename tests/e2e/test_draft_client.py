@@ -11,7 +11,7 @@ import pytest
 from runtime.messages import InstanceRecord
 from tests.support.wait import eventually
 from workers.target.draft_pool import DraftPool
-from workers.draft.proposer import DraftInput, VerifyResult
+from workers.draft.drafter import DraftInput, VerifyResult
 from workers.speculation.convert import verify_to_pb
 
 pytestmark = pytest.mark.e2e

@@ -60,7 +60,7 @@ def _inputs(proposer, n: int, seed: int, num_tokens: int = 3, sampling: Sampling
     out = []
     for i in range(n):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(4, 40))]
-        hidden = [torch.randn(len(prompt) - 1, HIDDEN, generator=gen) for _ in proposer.hidden_layers]
+        hidden = [torch.randn(len(prompt) - 1, HIDDEN, generator=gen) for _ in proposer.caps.hidden_layers]
         out.append(DraftInput(f"s{i}", 0, prompt, num_tokens, sampling, hidden, tree_topk=tree_topk))
     return out
 
@@ -73,13 +73,13 @@ def _target_ids(proposer) -> set[int]:
 def test_the_demo_head_is_built_on_cuda_in_bfloat16(target_dir):
     proposer = make_proposer(_config(target_dir, "cuda"))
     head = proposer.head
-    assert proposer.method == "eagle3" and proposer.device.type == "cuda"
+    assert proposer.caps.method == "eagle3" and proposer.device.type == "cuda"
     assert {(p.device.type, p.dtype) for p in head.parameters()} == {("cuda", torch.bfloat16)}
     assert head.embed[0].weight.device.type == "cuda" and head.embed[0].weight.dtype == torch.bfloat16
     assert head.rotary.cos.device.type == "cuda" and head.rotary.cos.dtype == torch.float32
     assert head.d2t.device.type == "cuda" and head.d2t.dtype == torch.long
     assert proposer.kv[0][0].device.type == "cuda" and proposer.kv[0][0].dtype == torch.bfloat16
-    assert proposer.hidden_dtype == "bfloat16" and proposer.hidden_layers == [2, 15, 27]
+    assert proposer.hidden_dtype == "bfloat16" and proposer.caps.hidden_layers == [2, 15, 27]
     assert proposer.graphs is not None and all(graph is not None for graph, _ in proposer.graphs.graphs.values())
 
 
@@ -110,7 +110,7 @@ def test_cuda_bfloat16_chains_match_the_cpu_float32_head(target_dir):
     assert bool((picked >= top - 0.25 * (top - mean)).all()), (picked, top, mean)
     same = sum(g.token_ids[0] == w.token_ids[0] for g, w in zip(got, want))
     assert same >= len(batch) * 3 // 4, f"{same} of {len(batch)} first drafts equal the float32 head's"
-    assert cuda.forward_calls > 0 and not any(s.broken for s in cuda._seqs.values())
+    assert cuda.forward_calls > 0 and not any(s.broken for s in cuda.seqs.values())
     assert cuda.graphs.replays > 0  # steps 2 and 3 of every chain replayed
 
 
@@ -139,7 +139,7 @@ def test_trees_and_seeded_draws_on_cuda(target_dir):
     def draw():
         proposer = make_proposer(_config(target_dir, "cuda"))
         outs = proposer.propose(_inputs(proposer, 3, seed=3, sampling=SamplingSpec(temperature=0.8, seed=99)))
-        assert all(s.generator.device.type == "cuda" for s in proposer._seqs.values())
+        assert all(s.generator.device.type == "cuda" for s in proposer.seqs.values())
         return outs
 
     first, second = draw(), draw()
@@ -158,22 +158,22 @@ def test_greedy_speculation_with_the_cuda_draft_equals_plain_decoding(target_dir
     cfg = EngineConfig(block_size=16, num_blocks=256, max_num_seqs=8, cuda_graphs=False)
     want = Engine(load_model(target_dir), cfg).generate(batch, params)
     proposer = make_proposer(_config(target_dir, "cuda"))
-    engine = Engine(load_model(target_dir), cfg, num_speculative_tokens=3, hidden_layers=tuple(proposer.hidden_layers))
+    engine = Engine(load_model(target_dir), cfg, num_speculative_tokens=3, hidden_layers=tuple(proposer.caps.hidden_layers))
     assert run_spec(engine, proposer, batch, params) == want
     assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0 and proposer.graphs.replays > 0
-    assert not any(s.broken for s in proposer._seqs.values())
+    assert not any(s.broken for s in proposer.seqs.values())
 
 
 def test_staged_branches_on_cuda_replay_and_continue_the_synchronous_chains(target_dir):
     """The pipelined seam's branches on CUDA: every branch of every sequence one pair per pass,
     replayed as CUDA graphs; in float32 a branch that assumes the first a tokens of the chain the
     synchronous seam drafted drafts the rest of it (graph and eager attention agree to rounding)."""
-    from workers.draft.stager import Branch
+    from workers.draft.drafter import Branch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sync = make_proposer(_config(target_dir, "cuda", "float32", cuda_graphs=False))
     staged = make_proposer(_config(target_dir, "cuda", "float32"))
-    assert staged.stages and staged.graphs is not None
+    assert staged.caps.stages and staged.graphs is not None
     batch = _inputs(sync, 8, seed=3, num_tokens=5)
     chains = sync.propose(batch)
     branches = []
@@ -182,7 +182,7 @@ def test_staged_branches_on_cuda_replay_and_continue_the_synchronous_chains(targ
     for item, chain in zip(batch, chains):
         branches += [Branch(item.seq_id, tuple(chain.token_ids[:a]), 5 - a, 1) for a in range(4)]
     replays = staged.graphs.replays
-    out = staged.draft_branches(branches)
+    out = staged.draft(branches)
     assert staged.graphs.replays > replays  # the branches' passes replayed
     want = [tuple(chain.token_ids[a:]) for chain in chains for a in range(4)]
     same = sum(tuple(o.tokens) == w for o, w in zip(out, want))
@@ -192,5 +192,5 @@ def test_staged_branches_on_cuda_replay_and_continue_the_synchronous_chains(targ
     for item in batch:
         bf16.commit(item.seq_id, item.new_tokens, item.hidden_states)
     allowed = _target_ids(bf16)
-    for o in bf16.draft_branches(branches):
+    for o in bf16.draft(branches):
         assert o.tokens and set(o.tokens) <= allowed, o

@@ -31,7 +31,7 @@ from .config import DTYPES, TENSOR_METHODS, DraftConfig
 from .methods import BENCH_METHODS, METHODS
 from .metrics import DraftCollector
 from .ngram import NgramProposer
-from .proposer import Proposer
+from .drafter import Drafter
 from .service import DraftService
 
 log = logging.getLogger("workers.draft")
@@ -152,8 +152,8 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         grpc_tls_key=args.grpc_tls_key, grpc_tls_client_ca=args.grpc_tls_client_ca, drain_timeout=args.drain_timeout)
 
 
-def make_proposer(cfg: DraftConfig) -> Proposer:
-    """The proposer ``cfg`` asks for, a model-based one on ``cfg``'s device in its dtype."""
+def make_proposer(cfg: DraftConfig) -> Drafter:
+    """The drafter ``cfg`` asks for, a model-based one on ``cfg``'s device in its dtype."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.ngram_min, cfg.ngram_max, cfg.tree_topk)
     if cfg.method == "suffix":
@@ -213,16 +213,16 @@ def make_proposer(cfg: DraftConfig) -> Proposer:
     raise ValueError(f"unknown draft method {cfg.method!r}")
 
 
-def start_distillation(cfg: DraftConfig, proposer: Proposer, service: DraftService) -> list:
+def start_distillation(cfg: DraftConfig, proposer: Drafter, service: DraftService) -> list:
     """Online distillation and/or following another worker's heads, as the flags ask; returns what
-    to stop at shutdown. New weights reach the proposer through the service's queue."""
+    to stop at shutdown. New weights reach the drafter through the service's queue."""
     loop = asyncio.get_running_loop()
 
     def on_swap(state) -> None:  # from a background thread
         loop.call_soon_threadsafe(service.swap_weights, state)
 
     started = []
-    if not proposer.distillable:
+    if not proposer.caps.distillable:
         if cfg.online_distill or cfg.distill_follow:
             raise StartupError(f"--online-distill / --distill-follow: {cfg.eagle_model} is not an EAGLE-3 head")
         return started

@@ -4,9 +4,10 @@ Each sequence keeps one token list: the ``committed`` tokens the target confirme
 speculative tail the draft generated (with the distribution each tail token was drawn from). KV is
 computed for a prefix of that list. A verdict keeps the longest prefix of the tail that matches
 what the target emitted and rolls the rest back (blocks truncated). A proposal reuses tail tokens
-that are still consistent, which is how drafting ahead pays off: :meth:`predraft` extends the tail
-while the target verifies, assuming every draft (and the draft's own guess of the bonus token) is
-accepted; if that assumption holds, the next proposal is ready without any model call.
+that are still consistent, which is how drafting ahead pays off: a chain longer than the round asks
+for (``2γ + 1``, asked while the target verifies) extends the tail, assuming every draft (and the
+draft's own guess of the bonus token) is accepted; if that assumption holds, the next proposal is
+ready without any model call.
 
 Sampled drafts come from q = softmax(logits / T) restricted to its top ``max_support`` tokens (and
 the request's top_k), renormalised; that exact q travels with the proposal, so the target's
@@ -20,6 +21,7 @@ each depth runs in one batched pass under a tree mask, and the tree's slots are 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +30,9 @@ from ..engine.block_manager import BlockManager
 from ..engine.model import DecoderModel
 from ..engine.model_runner import ModelRunner
 from ..speculation.payloads import ROOT
-from .proposer import (DraftInput, DraftOutput, Proposer, SamplingSpec, SparseDist, VerifyResult, grow_blocks,
-                       sample_draft, sequence_for)
-from .tree_search import DraftTree, frontier_batch, grow, split_batch
+from .drafter import (Branch, Capabilities, Draft, Drafter, Ready, SamplingSpec, SparseDist, VerifyResult,
+                      grow_blocks, sample_draft, sequence_for)
+from .tree_search import DraftTree, frontier_batch, grow
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,10 @@ class _Seq:
         return self.tokens[self.committed :]
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(Drafter):
     """A draft LM with its own paged KV cache and rollback."""
 
-    method = "draft_model"
-    drafts_ahead = True
+    caps = Capabilities("draft_model", drafts_ahead=True)
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int = 16, max_support: int = 64,
                  tree_topk: int = 1, tree_depth: int = 0):
@@ -69,40 +70,42 @@ class DraftModelProposer(Proposer):
         self.block_size = block_size
         self.max_support = max_support
         self.max_len = model.max_positions
-        self._seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, _Seq] = {}
         self.forward_calls = 0
 
-    # ------------------------------------------------------------------ protocol
+    # ------------------------------------------------------------------ the drafter interface
 
-    def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        for item in batch:
-            seq = sequence_for(self._seqs, item, _Seq, self.device)
-            if item.new_tokens:
-                self._rollback(seq, seq.committed)
-                seq.tokens.extend(item.new_tokens)
-                seq.committed = len(seq.tokens)
-        chains, trees = split_batch(batch, self.tree_topk, self.tree_depth)
+    def commit(self, seq_id: str, tokens: Sequence[int], hidden_states: Sequence = (),
+               sampling: SamplingSpec = SamplingSpec()) -> None:
+        seq = sequence_for(self.seqs, seq_id, sampling, _Seq, self.device)
+        if tokens:
+            self._rollback(seq, seq.committed)
+            seq.tokens.extend(tokens)
+            seq.committed = len(seq.tokens)
+
+    def draft(self, branches: list[Branch], ready: Ready | None = None) -> list[Draft]:
+        """Chains extend each sequence's tail (drawn as its request samples) and reuse what it holds;
+        trees are grown afresh. Branches past the committed tokens only (it does not stage)."""
+        chains = {b.seq_id: b.num_tokens for b in branches if b.tree is None and b.seq_id in self.seqs}
         self._extend(chains)
-        drafted = self._draft_trees(trees)
+        trees = self._draft_trees({b.seq_id: (b.num_tokens, *b.tree) for b in branches
+                                   if b.tree is not None and b.seq_id in self.seqs})
         out = []
-        for item in batch:
-            if item.seq_id in drafted:
-                tokens, parents = drafted[item.seq_id]
-                out.append(DraftOutput(item.seq_id, item.round, tokens, [], parents))
-                continue
-            seq = self._seqs[item.seq_id]
-            n = min(item.chain_length, len(seq.tail))
-            dists = [] if seq.sampling.greedy else [d for d in seq.dists[:n]]
-            out.append(DraftOutput(item.seq_id, item.round, seq.tail[:n], dists))
+        for br in branches:
+            if br.seq_id in trees:
+                tokens, parents = trees[br.seq_id]
+                out.append(Draft(tokens, parents=parents))
+            elif br.seq_id not in chains:
+                out.append(Draft([]))
+            else:
+                seq = self.seqs[br.seq_id]
+                n = min(br.num_tokens, len(seq.tail))
+                out.append(Draft(seq.tail[:n], dists=[] if seq.sampling.greedy else seq.dists[:n]))
         return out
-
-    def predraft(self, seq_ids: list[str], num_tokens: int) -> None:
-        """Extend the tails of ``seq_ids`` to ``num_tokens`` tokens, ahead of the next request."""
-        self._extend({s: num_tokens for s in seq_ids if s in self._seqs})
 
     def verified(self, results: list[VerifyResult]) -> None:
         for result in results:
-            seq = self._seqs.get(result.seq_id)
+            seq = self.seqs.get(result.seq_id)
             if seq is None:
                 continue
             tail, emitted = seq.tail, result.emitted_tokens
@@ -119,12 +122,12 @@ class DraftModelProposer(Proposer):
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
-            seq = self._seqs.pop(seq_id, None)
+            seq = self.seqs.pop(seq_id, None)
             if seq is not None and seq.blocks:
                 self.blocks.free(seq.blocks)
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self.seqs)
 
     # ------------------------------------------------------------------ internals
 
@@ -141,8 +144,8 @@ class DraftModelProposer(Proposer):
     def _extend(self, wanted: dict[str, int]) -> None:
         """Generate until every listed sequence has the wanted number of tail tokens (batched)."""
         while True:
-            active = [(sid, self._seqs[sid]) for sid, n in wanted.items()
-                      if len(self._seqs[sid].tail) < n and len(self._seqs[sid].tokens) < self.max_len - 1]
+            active = [(sid, self.seqs[sid]) for sid, n in wanted.items()
+                      if len(self.seqs[sid].tail) < n and len(self.seqs[sid].tokens) < self.max_len - 1]
             ready = []
             for sid, seq in active:
                 if not seq.tokens:
@@ -179,7 +182,7 @@ class DraftModelProposer(Proposer):
         out: dict[str, tuple[list[int], list[int]]] = {}
         trees: dict[str, DraftTree] = {}
         for sid, (budget, topk, depth) in wanted.items():
-            seq = self._seqs[sid]
+            seq = self.seqs[sid]
             self._rollback(seq, seq.committed)  # a chain tail drafted ahead is of no use to a tree
             out[sid] = ([], [])
             length = len(seq.tokens)

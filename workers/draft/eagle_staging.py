@@ -1,11 +1,11 @@
 """Staging for the pipelined seam with an EAGLE head: forks of the head's chain, drafted together.
 
-:class:`EagleStaging` is the part of :class:`.eagle_proposer.EagleProposer` that drafts staged
-branches (chains only: :class:`.stager.Drafter`); this module owns the forks (:class:`_Fork`), the
-root pass they fork from, the forks kept for later calls, and the per-depth batched head passes.
+:class:`EagleForks` drafts the staged branches of an :class:`.eagle_proposer.EagleProposer` (greedy
+chains: :class:`.drafter.Branch`); this module owns the forks (:class:`_Fork`), the root pass they
+fork from, the forks kept for later calls, and the per-depth batched head passes.
 The target's commits (with the hidden rows of their positions, once per token, as proposal requests
 carry them) and verdicts arrive as news (:meth:`.eagle_proposer.EagleProposer.commit`,
-:meth:`.eagle_proposer.EagleProposer.verified`), and :meth:`EagleStaging.draft_branches`
+:meth:`.eagle_proposer.EagleProposer.verified`), and :meth:`EagleForks.draft`
 drafts every staged branch of every sequence together. A branch assumes tokens the target has not
 committed yet (``extra``: the first tokens of the proposal in flight and a guessed bonus token);
 their positions have no target features, so the head runs on over them with its own predicted
@@ -29,17 +29,13 @@ whatever the request samples: the target verifies them as one-hot drafts, lossle
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .proposer import grow_blocks
-from .stager import Branch, Chain, Ready
-
-log = logging.getLogger(__name__)
+from .drafter import Branch, Draft, Ready, grow_blocks
 
 KEPT_CALLS = 2  # pipelined seam: the forks of this many recent calls are kept for branches that fork them
 
@@ -88,12 +84,16 @@ class _Fork:
         self.confidence.append(min(1.0, (self.confidence[-1] if self.confidence else 1.0) * math.exp(logps[0])))
 
 
-class EagleStaging:
-    """Mixin of :class:`.eagle_proposer.EagleProposer`: its ``draft_branches`` (see the module
-    docstring). It reads the proposer's sequences (``_seqs``: each one's ``root`` and ``kept`` forks),
-    head, KV cache and block manager, and runs the head through the proposer's ``_forward``; the
-    proposer's ``_rollback`` drops a sequence's kept forks when it rewrites blocks they read. A
-    ``seq`` here is one of the proposer's (its module's ``_Seq``), not imported: that would be a cycle."""
+class EagleForks:
+    """The pipelined seam's branches for an :class:`.eagle_proposer.EagleProposer` (see the module
+    docstring), drafted through the drafter's head API: its sequences (``seqs``: each one's ``root``
+    and ``kept`` forks), head, KV cache and block manager, ``forward`` and ``run_pairs`` (head
+    passes), ``has_features``, ``rollback`` and ``truncate_tail``. The drafter calls :meth:`drop` when
+    it rewrites blocks that kept forks read. A ``seq`` here is one of the drafter's (its module's
+    ``_Seq``), not imported: that would be a cycle."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
 
     def _roots(self, seq_ids: list[str]) -> dict[str, torch.Tensor]:
         """Seq id -> the head's output after each sequence's committed pairs (the feature it predicts
@@ -101,10 +101,10 @@ class EagleStaging:
         roots: dict[str, torch.Tensor] = {}
         todo: list[tuple[str, object]] = []  # (seq id, its sequence)
         for sid in seq_ids:
-            seq = self._seqs.get(sid)
+            seq = self.drafter.seqs.get(sid)
             if seq is None or seq.broken:
                 continue
-            self._truncate_tail(seq)  # a chain the synchronous seam drafted (not expected here)
+            self.drafter.truncate_tail(seq)  # a chain the synchronous seam drafted (not expected here)
             last = seq.committed - 2  # the newest committed pair
             if last < 0:
                 continue
@@ -112,50 +112,38 @@ class EagleStaging:
                 roots[sid] = seq.root[1]
                 continue
             if seq.computed >= last + 1:  # in the cache, its output not kept: recompute the last pair
-                self._rollback(seq, last)
-            if any(t not in seq.feats for t in range(seq.computed, last + 1)):
-                seq.broken = True
-                log.warning("sequence %s lacks target features: no EAGLE proposals for it", sid)
+                self.drafter.rollback(seq, last)
+            if not self.drafter.has_features(sid, seq, last + 1):
                 continue
-            if grow_blocks(self.blocks, seq.blocks, last + 1):
+            if grow_blocks(self.drafter.blocks, seq.blocks, last + 1):
                 todo.append((sid, seq))
         if not todo:
             return roots
-        ids, feats, pos, qlens, clens, tables = [], [], [], [], [], []
-        for _, seq in todo:
-            span = range(seq.computed, seq.committed - 1)
-            ids.extend(seq.tokens[t + 1] for t in span)
-            feats.extend(seq.feats[t] for t in span)
-            pos.extend(span)
-            qlens.append(len(span))
-            clens.append(seq.committed - 1)
-            tables.append(seq.blocks)
-        hidden = self._forward(ids, feats, pos, qlens, clens, tables)
-        ends = hidden if len(ids) == len(todo) else hidden[self._ends(qlens)]
+        ends = self.drafter.run_pairs([seq for _, seq in todo], [seq.committed - 1 for _, seq in todo])
         for (sid, seq), feat in zip(todo, ends):
-            seq.computed = seq.committed - 1
             seq.root = (seq.computed, feat)
             roots[sid] = feat
         return roots
 
     @torch.inference_mode()
-    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
-        """Pipelined seam: one greedy chain per branch, every branch a fork of its sequence's committed
-        pairs, all of them one head pass per depth (see the module docstring); ``ready`` before the
-        last pass (:meth:`.stager.Drafter.draft_branches`)."""
-        if self.blocks.num_free_blocks < self.blocks.num_blocks // 4:  # short of blocks: forks kept go first
-            self._drop_kept_all()
+    def draft(self, branches: list[Branch], ready: Ready | None = None) -> list[Draft]:
+        """One greedy chain per branch, every branch a fork of its sequence's committed pairs, all of
+        them one head pass per depth (see the module docstring); ``ready`` before the last pass
+        (:meth:`.drafter.Drafter.draft`)."""
+        blocks = self.drafter.blocks
+        if blocks.num_free_blocks < blocks.num_blocks // 4:  # short of blocks: forks kept go first
+            self.drop_all()
         roots = self._roots(list(dict.fromkeys(b.seq_id for b in branches)))
-        bs = self.block_size
+        bs = self.drafter.block_size
         forks: list[_Fork] = []
         copies: list[tuple[int, int]] = []
         for i, br in enumerate(branches):
             root = roots.get(br.seq_id)
             if root is None or br.num_tokens <= 0:
                 continue
-            seq = self._seqs[br.seq_id]
+            seq = self.drafter.seqs[br.seq_id]
             # no deeper than the head has positions for (its rotary tables: the target's context)
-            room = self.head.rotary.cos.shape[0] - seq.committed - len(br.extra)
+            room = self.drafter.head.rotary.cos.shape[0] - seq.committed - len(br.extra)
             if min(br.num_tokens, room) <= 0:
                 continue
             c = seq.committed
@@ -178,24 +166,24 @@ class EagleStaging:
                 # last one partly filled), then fresh ones
                 copied = -(-fork.base // bs) - src_shared
                 need = -(-(fork.base + steps) // bs) - src_shared
-                if not self.blocks.can_allocate(need):
+                if not self.drafter.blocks.can_allocate(need):
                     continue
-                fork.own = self.blocks.allocate(need)
+                fork.own = self.drafter.blocks.allocate(need)
                 copies += [(src_table[src_shared + j], fork.own[j]) for j in range(copied)]
                 fork.table = seq.blocks[:src_shared] + fork.own
             forks.append(fork)
         try:
             if copies:
-                src = torch.tensor([c[0] for c in copies], device=self.device)
-                dst = torch.tensor([c[1] for c in copies], device=self.device)
-                for k, v in self.kv:
+                src = torch.tensor([c[0] for c in copies], device=self.drafter.device)
+                dst = torch.tensor([c[1] for c in copies], device=self.drafter.device)
+                for k, v in self.drafter.kv:
                     k[dst] = k[src]
                     v[dst] = v[src]
             self._grow_forks(forks, (lambda: ready(self._chains(branches, forks, copy=True))) if ready else None)
         except BaseException:
             for fork in forks:
                 if fork.own:
-                    self.blocks.free(fork.own)
+                    self.drafter.blocks.free(fork.own)
             raise
         by_seq: dict[str, list[_Fork]] = {}
         out = self._chains(branches, forks)
@@ -203,11 +191,11 @@ class EagleStaging:
             if fork.own:
                 by_seq.setdefault(branches[fork.index].seq_id, []).append(fork)
         for sid, kept in by_seq.items():  # kept for the next calls' branches that assume what they drafted
-            seq = self._seqs[sid]
+            seq = self.drafter.seqs[sid]
             seq.kept.append(kept)
             while len(seq.kept) > KEPT_CALLS:
                 for fork in seq.kept.pop(0):
-                    self.blocks.free(fork.own)
+                    self.drafter.blocks.free(fork.own)
         return out
 
     def _reusable(self, seq, extra: list[int]) -> tuple[_Fork | None, int]:
@@ -234,25 +222,25 @@ class EagleStaging:
                     best, best_depth, best_pos = fork, depth, fork.base + depth + 1
         return best, best_depth
 
-    def _drop_kept(self, seq) -> None:
+    def drop(self, seq) -> None:
         for call in seq.kept:
             for fork in call:
-                self.blocks.free(fork.own)
+                self.drafter.blocks.free(fork.own)
         seq.kept = []
 
-    def _drop_kept_all(self) -> None:
-        for seq in self._seqs.values():
-            self._drop_kept(seq)
+    def drop_all(self) -> None:
+        for seq in self.drafter.seqs.values():
+            self.drop(seq)
 
     @staticmethod
-    def _chains(branches: list[Branch], forks: list[_Fork], copy: bool = False) -> list[Chain]:
+    def _chains(branches: list[Branch], forks: list[_Fork], copy: bool = False) -> list[Draft]:
         """Each branch's chain as drafted so far (``copy``: of the forks' lists, which go on growing)."""
-        out = [Chain([]) for _ in branches]
+        out = [Draft([]) for _ in branches]
         for fork in forks:
             if copy:
-                out[fork.index] = Chain(list(fork.tokens), [list(a) for a in fork.alternatives], list(fork.confidence))
+                out[fork.index] = Draft(list(fork.tokens), [list(a) for a in fork.alternatives], list(fork.confidence))
             else:
-                out[fork.index] = Chain(fork.tokens, fork.alternatives, fork.confidence)
+                out[fork.index] = Draft(fork.tokens, fork.alternatives, fork.confidence)
         return out
 
     def _grow_forks(self, forks: list[_Fork], ready: Callable[[], None] | None = None) -> None:
@@ -260,12 +248,12 @@ class EagleStaging:
         ``ready()`` once every fork has all its tokens but the last, if a pass is still to come."""
         first = [f for f in forks if not f.extra]  # the root's output gives their first token
         if first:
-            ids, logps = self.head.top_tokens(torch.stack([f.feat for f in first]), max(f.k for f in first))
+            ids, logps = self.drafter.head.top_tokens(torch.stack([f.feat for f in first]), max(f.k for f in first))
             for fork, row_ids, row_logp in zip(first, ids, logps):
                 fork.take(row_ids, row_logp)
         depth = 0
         active = [f for f in forks if f.steps > 0]
-        chunk = self.graphs.max_batch if self.graphs is not None else len(active) or 1
+        chunk = self.drafter.graphs.max_batch if self.drafter.graphs is not None else len(active) or 1
         while active:
             if ready is not None and all(len(f.tokens) >= f.streamed for f in forks):
                 ready()
@@ -273,7 +261,7 @@ class EagleStaging:
             for at in range(0, len(active), chunk):
                 batch = active[at : at + chunk]
                 pos = [f.base + depth for f in batch]
-                hidden = self._forward([f.token(depth) for f in batch], [f.feat for f in batch], pos,
+                hidden = self.drafter.forward([f.token(depth) for f in batch], [f.feat for f in batch], pos,
                                        [1] * len(batch), [p + 1 for p in pos], [f.table for f in batch])
                 drafting = [r for r, f in enumerate(batch) if depth + 1 >= len(f.extra)]
                 for fork, feat in zip(batch, hidden):
@@ -281,7 +269,7 @@ class EagleStaging:
                     fork.outs.append(feat)
                     fork.feat = feat
                 if drafting:
-                    ids, logps = self.head.top_tokens(hidden[drafting], max(batch[r].k for r in drafting))
+                    ids, logps = self.drafter.head.top_tokens(hidden[drafting], max(batch[r].k for r in drafting))
                     for r, row_ids, row_logp in zip(drafting, ids, logps):
                         batch[r].take(row_ids, row_logp)
             depth += 1

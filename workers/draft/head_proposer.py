@@ -22,15 +22,17 @@ other layers) gets empty proposals.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..speculation.convert import dtype_name
 from ..speculation.payloads import ROOT
-from .proposer import DraftInput, DraftOutput, Proposer, SamplingSpec, VerifyResult, sample_draft, sequence_for
+from .drafter import (Branch, Capabilities, Draft, Drafter, Ready, SamplingSpec, VerifyResult, sample_draft,
+                      sequence_for)
 from .spec_heads import SpecHead
-from .tree_search import DraftTree, grow, split_batch
+from .tree_search import DraftTree, grow
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class _Seq:
     broken: bool = False
 
 
-class HeadProposer(Proposer):
+class HeadProposer(Drafter):
     """Runs where the head's parameters are, in their dtype: the hidden row, token ids and seeded
     generators go there."""
 
@@ -53,45 +55,45 @@ class HeadProposer(Proposer):
         if tree_topk < 1 or tree_depth < 0:
             raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")
         self.head = head.eval()
-        self.method = head.kind
-        self.hidden_layers = [target_num_layers]  # after the final norm: the LM head's input
         param = next(head.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.hidden_dtype = dtype_name(param.dtype)
+        # the target's last layer, after its final norm (the LM head's input), in the head's dtype
+        self.caps = Capabilities(head.kind, (target_num_layers,), dtype_name(param.dtype))
         self.max_support = max_support
         self.tree_topk, self.tree_depth = tree_topk, tree_depth
-        self._seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, _Seq] = {}
         self.forward_calls = 0
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self.seqs)
 
-    # ------------------------------------------------------------------ protocol
+    # ------------------------------------------------------------------ the drafter interface
 
-    def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        for item in batch:
-            seq = sequence_for(self._seqs, item, _Seq, self.device)
-            if item.new_tokens:
-                first = seq.last_token < 0
-                self._commit(seq, item.new_tokens, item.hidden_states, len(item.new_tokens) - first)
-        chains, trees = split_batch(batch, self.tree_topk, self.tree_depth)
-        drafted = self._draft_chains({sid: n for sid, n in chains.items() if self._ready(sid)})
-        drafted.update(self._draft_trees({sid: t for sid, t in trees.items() if self._ready(sid)}))
-        out = []
-        for item in batch:
-            tokens, dists, parents = drafted.get(item.seq_id, ([], [], []))
-            out.append(DraftOutput(item.seq_id, item.round, tokens, dists, parents))
-        return out
+    def commit(self, seq_id: str, tokens: Sequence[int], hidden_states: Sequence[torch.Tensor] = (),
+               sampling: SamplingSpec = SamplingSpec()) -> None:
+        """``hidden_states``: one layer, [len(tokens), H] (the first call: one row fewer)."""
+        seq = sequence_for(self.seqs, seq_id, sampling, _Seq, self.device)
+        if tokens:
+            first = seq.last_token < 0
+            self._commit(seq, list(tokens), list(hidden_states), len(tokens) - first)
+
+    def draft(self, branches: list[Branch], ready: Ready | None = None) -> list[Draft]:
+        """Every draft afresh from the sequence's last hidden row (branches past the committed tokens
+        only: it does not stage); chains drawn as the request samples."""
+        live = [b for b in branches if self._ready(b.seq_id)]
+        drafted = self._draft_chains({b.seq_id: b.num_tokens for b in live if b.tree is None})
+        drafted.update(self._draft_trees({b.seq_id: (b.num_tokens, *b.tree) for b in live if b.tree is not None}))
+        return [drafted.get(b.seq_id, Draft([])) for b in branches]
 
     def verified(self, results: list[VerifyResult]) -> None:
         for result in results:
-            seq = self._seqs.get(result.seq_id)
+            seq = self.seqs.get(result.seq_id)
             if seq is not None and result.emitted_tokens:
                 self._commit(seq, result.emitted_tokens, result.hidden_states, len(result.emitted_tokens))
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
-            self._seqs.pop(seq_id, None)
+            self.seqs.pop(seq_id, None)
 
     # ------------------------------------------------------------------ internals
 
@@ -103,28 +105,28 @@ class HeadProposer(Proposer):
         if len(hidden) != 1 or hidden[0].shape[0] != rows:
             if not seq.broken:
                 log.warning("a sequence arrived without the target's last hidden states: no %s proposals for it",
-                            self.method)
+                            self.caps.method)
             seq.broken = True
             return
         seq.hidden = hidden[0][-1].to(self.device, self.dtype)
 
     def _ready(self, seq_id: str) -> bool:
-        seq = self._seqs[seq_id]
-        return not seq.broken and seq.hidden is not None
+        seq = self.seqs.get(seq_id)
+        return seq is not None and not seq.broken and seq.hidden is not None
 
     def _start(self, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.head.init_state(torch.stack([s.hidden for s in seqs]))
         return state, torch.tensor([s.last_token for s in seqs], device=self.device)
 
     @torch.inference_mode()
-    def _draft_chains(self, wanted: dict[str, int]) -> dict[str, tuple[list[int], list, list[int]]]:
+    def _draft_chains(self, wanted: dict[str, int]) -> dict[str, Draft]:
         wanted = {sid: min(n, self.head.n_predict) for sid, n in wanted.items() if n > 0}
         if not wanted:
             return {}
         ids = list(wanted)
-        seqs = [self._seqs[sid] for sid in ids]
+        seqs = [self.seqs[sid] for sid in ids]
         state, prev = self._start(seqs)
-        out = {sid: ([], [], []) for sid in ids}
+        out = {sid: Draft([]) for sid in ids}
         rows = list(range(len(ids)))  # rows of ``state`` still drafting
         for i in range(max(wanted.values())):
             state, logits = self.head.step(state, prev, i)
@@ -133,10 +135,10 @@ class HeadProposer(Proposer):
             for row, logit in zip(rows, logits):
                 seq = seqs[row]
                 token, dist = sample_draft(logit, seq.sampling, seq.generator, self.max_support)
-                tokens, dists, _ = out[ids[row]]
-                tokens.append(token)
+                draft = out[ids[row]]
+                draft.tokens.append(token)
                 if dist is not None:
-                    dists.append(dist)
+                    draft.dists.append(dist)
                 picked.append(token)
             keep = [k for k, row in enumerate(rows) if wanted[ids[row]] > i + 1]
             if not keep:
@@ -147,10 +149,10 @@ class HeadProposer(Proposer):
         return out
 
     @torch.inference_mode()
-    def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list, list[int]]]:
+    def _draft_trees(self, wanted: dict[str, tuple[int, int, int]]) -> dict[str, Draft]:
         if not wanted:
             return {}
-        trees = {sid: DraftTree(self._seqs[sid], budget, topk, min(depth, self.head.n_predict), 0)
+        trees = {sid: DraftTree(self.seqs[sid], budget, topk, min(depth, self.head.n_predict), 0)
                  for sid, (budget, topk, depth) in wanted.items()}
         batch = list(trees.values())
         state, prev = self._start([tree.seq for tree in batch])
@@ -169,7 +171,8 @@ class HeadProposer(Proposer):
             return logits.log_softmax(-1), new_state
 
         grow(batch, run)
-        return {sid: _pair(tree.best()) for sid, tree in trees.items()}
+        best = {sid: tree.best() for sid, tree in trees.items()}
+        return {sid: Draft(tokens, parents=parents) for sid, (tokens, parents) in best.items()}
 
 
 def _node_state(tree: DraftTree, node: int) -> torch.Tensor:
@@ -177,7 +180,3 @@ def _node_state(tree: DraftTree, node: int) -> torch.Tensor:
     parent = tree.parents[node]
     return tree.state[ROOT if parent == ROOT else parent]
 
-
-def _pair(best: tuple[list[int], list[int]]) -> tuple[list[int], list, list[int]]:
-    tokens, parents = best
-    return tokens, [], parents

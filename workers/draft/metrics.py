@@ -65,7 +65,7 @@ class DraftCollector(Collector):
                 ("weight_swaps", "New head weights taken between proposals (online distillation, "
                  "--distill-follow).", stats.weight_swaps)):
             yield family(CounterMetricFamily, name, doc, value)
-        distiller = getattr(self.service, "distiller", None)
+        distiller = self.service.distiller
         if distiller is not None:
             yield from self._distill(family, distiller.stats)
         for name, doc, hist in (("batch_size", "Sequences per propose call.", stats.batch_size),

@@ -8,12 +8,13 @@ acceptance α.
 Drafting costs nothing unless ``token_cost_s`` is set: then every drafted token costs that long
 (a sleep, as if the draft ran on its own accelerator — a real draft model on this machine would
 take the target's CPU cores instead), and a batch of sequences costs as much as its longest
-proposal, as a batched draft forward does. Like the draft model, it can draft ahead
-(:meth:`predraft`) while the target verifies; a tail drafted ahead is kept while the target's
-emitted tokens agree with it and paid for only once.
+proposal, as a batched draft forward does.
 
-For the pipelined seam it drafts branches (:mod:`.stager`) with the same error process; all the
-branches of one call cost as one batched draft pass per depth (``token_cost_s`` × the deepest).
+Its sampled chains (the synchronous seam's branches, :class:`.drafter.Branch`) extend a tail kept per
+sequence, like a draft model's: drafting ahead (a chain longer than the round asks for) is kept while
+the target's emitted tokens agree with it and paid for only once. Its greedy branches (the pipelined
+seam's) are drawn afresh with the same error process. All the branches of one call cost as one
+batched draft pass per depth (``token_cost_s`` × the most tokens a branch drew).
 Where it drafted a wrong token, its one alternative there is the reference's token: it stands for a
 draft model whose second choice is the target's (the bonus guess after a rejection is then right;
 after a full acceptance the guess is its own next draft, right with probability 1 − ``error_rate``).
@@ -25,16 +26,14 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
-from .stager import Branch, Chain, Ready
+from .drafter import Branch, Capabilities, Draft, Drafter, Ready, SamplingSpec, VerifyResult
 
 
-class OracleProposer(Proposer):
-    method = "oracle"
-    drafts_ahead = True
-    stages = True  # drafts branches for the pipelined seam
+class OracleProposer(Drafter):
+    """The reference continuation with errors (see the module docstring); benchmarks only."""
 
     def __init__(self, references: list[list[int]], error_rate: float, vocab_size: int, seed: int = 0,
                  token_cost_s: float = 0.0):
@@ -42,6 +41,7 @@ class OracleProposer(Proposer):
             raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
         if token_cost_s < 0:
             raise ValueError(f"token_cost_s must be >= 0, got {token_cost_s}")
+        self.caps = Capabilities("oracle", vocab_size=vocab_size, stages=True, drafts_ahead=True)
         self.references = [list(r) for r in references]
         self.error_rate = error_rate
         self.vocab_size = vocab_size
@@ -69,34 +69,19 @@ class OracleProposer(Proposer):
         self._tails[seq_id] = tail[len(emitted) :] if tail[: len(emitted)] == emitted else []
         self._seqs[seq_id].extend(emitted)
 
-    def _extend(self, wanted: dict[str, int]) -> None:
-        """Grow each sequence's tail to the wanted length; pay for the longest growth once."""
-        longest = 0
-        for seq_id, n in wanted.items():
-            tail = self._tails.setdefault(seq_id, [])
-            if len(tail) >= n:
-                continue
-            truth = self._continuation(self._seqs[seq_id], n)[len(tail) :]
-            tail.extend(t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
-                        for t in truth)
-            longest = max(longest, len(truth))
-            self.drafted_tokens += len(truth)
-        if self.token_cost_s and longest:
-            time.sleep(self.token_cost_s * longest)
+    def _grow_tail(self, seq_id: str, n: int) -> int:
+        """Grow the sequence's tail to ``n`` tokens; the tokens drawn (each paid for once)."""
+        tail = self._tails.setdefault(seq_id, [])
+        if len(tail) >= n:
+            return 0
+        truth = self._continuation(self._seqs[seq_id], n)[len(tail) :]
+        tail.extend(t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
+                    for t in truth)
+        self.drafted_tokens += len(truth)
+        return len(truth)
 
-    def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        for item in batch:
-            self._seqs.setdefault(item.seq_id, [])
-            self._commit(item.seq_id, list(item.new_tokens))
-        self._extend({item.seq_id: item.chain_length for item in batch})
-        return [DraftOutput(item.seq_id, item.round, self._tails[item.seq_id][: item.chain_length])
-                for item in batch]
-
-    def predraft(self, seq_ids: list[str], num_tokens: int) -> None:
-        """Draft ahead: extend the tails of ``seq_ids`` to ``num_tokens`` tokens."""
-        self._extend({s: num_tokens for s in seq_ids if s in self._seqs})
-
-    def commit(self, seq_id: str, tokens: list[int]) -> None:
+    def commit(self, seq_id: str, tokens: Sequence[int], hidden_states: Sequence = (),
+               sampling: SamplingSpec = SamplingSpec()) -> None:
         self._seqs.setdefault(seq_id, [])
         self._commit(seq_id, list(tokens))
 
@@ -114,28 +99,38 @@ class OracleProposer(Proposer):
         self._ref_of[seq_id] = (index, len(committed))
         return ref
 
-    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
+    def _guess(self, br: Branch) -> tuple[Draft, int]:
+        """A greedy branch drawn afresh: where a token is wrong, its one alternative is the truth."""
+        ref, n = self._reference(br.seq_id), len(self._seqs.get(br.seq_id, ()))
+        at = n + len(br.extra)
+        truth = ref[at : at + br.num_tokens] if ref is not None and list(ref[n:at]) == list(br.extra) else []
+        tokens: list[int] = []
+        alternatives: list[list[int]] = []
+        for t in truth:
+            token = t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
+            tokens.append(token)
+            alternatives.append([t] if token != t and br.alternatives else [])
+        self.drafted_tokens += len(truth)
+        return Draft(tokens, alternatives), len(truth)
+
+    def draft(self, branches: list[Branch], ready: Ready | None = None) -> list[Draft]:
         out = []
-        deepest = 0
+        deepest = 0  # tokens drawn by the longest branch: what the call costs
         for br in branches:
-            ref, n = self._reference(br.seq_id), len(self._seqs.get(br.seq_id, ()))
-            at = n + len(br.extra)
-            truth = (ref[at : at + br.num_tokens] if ref is not None and list(ref[n:at]) == list(br.extra)
-                     else [])
-            tokens: list[int] = []
-            alternatives: list[list[int]] = []
-            for t in truth:
-                token = t if self._rng.random() >= self.error_rate else self._rng.randrange(self.vocab_size)
-                tokens.append(token)
-                alternatives.append([t] if token != t and br.alternatives else [])
-            deepest = max(deepest, len(truth))
-            self.drafted_tokens += len(truth)
-            out.append(Chain(tokens, alternatives))
+            if br.seq_id not in self._seqs or br.num_tokens <= 0:
+                out.append(Draft([]))
+            elif br.sampled:  # the synchronous seam's chain: its kept tail
+                deepest = max(deepest, self._grow_tail(br.seq_id, br.num_tokens))
+                out.append(Draft(self._tails[br.seq_id][: br.num_tokens]))
+            else:
+                draft, drawn = self._guess(br)
+                deepest = max(deepest, drawn)
+                out.append(draft)
         if self.token_cost_s and deepest:
             if ready is not None and deepest > 1:  # every chain but its last token: the proposals can go
                 time.sleep(self.token_cost_s * (deepest - 1))
-                ready([Chain(c.tokens[: b.num_tokens - 1], c.alternatives[: b.num_tokens - 1])
-                       for b, c in zip(branches, out)])
+                ready([Draft(d.tokens[: b.num_tokens - 1], d.alternatives[: b.num_tokens - 1])
+                       for b, d in zip(branches, out)])
                 time.sleep(self.token_cost_s)
             else:
                 time.sleep(self.token_cost_s * deepest)

@@ -7,23 +7,27 @@ Each stream reads TargetMessages (a target step's ``step`` news is its ``verify`
 one batcher, with new head weights from online distillation (:class:`~.work.Weights`,
 :meth:`DraftService.swap_weights`). The batcher takes everything queued, applies verdicts and
 releases in order, runs one ``propose`` call for the requests between them, and routes each proposal
-back to its stream; where the proposer's work runs (the event loop or a worker thread) is
-:class:`~.work.ProposerCalls`'s to say.
+back to its stream; where the drafter's work runs (the event loop or a worker thread) is
+:class:`~.work.DrafterCalls`'s to say.
 
-A target that runs the pipelined seam (``Hello.pipelined``) gets, from a proposer that stages
-(ngram, suffix and EAGLE drafting chains, oracle: :class:`.stager.Drafter`), streamed proposals instead of answers
-(:class:`.stager.Stager`): the news of everything queued is applied in order, then, once per
-sequence, a proposal from its committed tokens if none streamed fits them, and staged proposals for
-the outcomes of the one the target verifies next. Other methods (draft_model, heads, trees) serve
-every target through the synchronous seam.
+Every method is a :class:`.drafter.Drafter`, and both seams ask it the same thing: branches to draft.
+A target on the synchronous seam gets one branch per sequence, answered per round
+(:meth:`.drafter.Drafter.propose`); for a drafter that ``drafts_ahead`` (draft_model, oracle) the
+service then asks, while the target verifies, for a longer one (``2γ + 1``: what the next round
+needs if this one is wholly accepted), which the drafter keeps. A target that runs the pipelined
+seam (``Hello.pipelined``) gets, from a drafter that stages (ngram, suffix and EAGLE drafting chains,
+oracle), streamed proposals instead of answers (:class:`.stager.Stager`): the news of everything
+queued is applied in order, then, once per sequence, a proposal from its committed tokens if none
+streamed fits them, and staged proposals for the outcomes of the one the target verifies next.
+Other methods (draft_model, heads, trees) serve every target through the synchronous seam.
 
 Hidden states come inline (protobuf Tensors) or, when the target's Hello offers a data plane, from
 it (:mod:`workers.speculation.hidden_plane`): the stream maps the target's shared-memory ring when it
 can (same host), else takes streamed chunks, and resolves each message's descriptors into rows as
-the message is read, in order, before anything is queued. Proposers run torch in a worker thread
+the message is read, in order, before anything is queued. Drafters run torch in a worker thread
 only: proposals, verdicts (a head's projection of the hidden states), releases and new weights; a
-pure-Python proposer that drafts in microseconds (:attr:`.proposer.Proposer.on_loop`: n-gram,
-suffix) is called on the event loop instead (:class:`~.work.ProposerCalls`).
+pure-Python drafter that drafts in microseconds (``caps.on_loop``: n-gram, suffix) is called on the
+event loop instead (:class:`~.work.DrafterCalls`).
 
 A target on this host may take the service's fast lane (:mod:`workers.speculation.lane`): the
 service listens on one Unix-domain socket, hands each stream a token in its HelloAck, and once the
@@ -50,10 +54,10 @@ from ..speculation import lane
 from ..speculation.hidden_plane import PlaneReader, open_reader
 from ..speculation.lane import LaneProtocol, LaneServer
 from ..speculation.tree import tree_depths
+from .drafter import Branch, DraftInput, Drafter
 from .metrics import DraftStats
-from .proposer import DraftInput, Proposer
 from .stager import Stager
-from .work import News, ProposerCalls, Release, Requests, Verdicts, Weights, Work
+from .work import DrafterCalls, News, Release, Requests, Verdicts, Weights, Work
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ log = logging.getLogger(__name__)
 class _Stream:
     target_id: str
     out: asyncio.Queue  # DraftMessage or None (end), for the gRPC stream
-    pipelined: bool = False  # the stream's seam, agreed at its handshake: the target asked and the proposer stages
+    pipelined: bool = False  # the stream's seam, agreed at its handshake: the target asked and the drafter stages
     plane: PlaneReader | None = None  # the hidden-state data plane agreed at the handshake (None: inline)
     lane: LaneProtocol | None = None  # the fast lane the target bound (None: everything on gRPC)
     lane_token: bytes = b""  # the token the target binds the lane with (until it does)
@@ -88,18 +92,19 @@ ROWS_ON_LOOP = 256  # hidden rows a message may take off the data plane on the e
 
 
 class DraftService(spec_pb2_grpc.DraftServiceServicer):
-    """Serves :class:`Proposer` proposals to any number of target workers."""
+    """Serves a :class:`Drafter`'s proposals to any number of target workers."""
 
     takes_step_news = True  # HelloAck.step_news: a target may send each step's news as one StepNews
 
-    def __init__(self, proposer: Proposer, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
+    def __init__(self, drafter: Drafter, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
                  alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None):
-        self.proposer = proposer
-        self._calls = ProposerCalls(proposer.on_loop, executor)  # where the proposer's work runs
+        self.drafter = drafter
+        caps = drafter.caps
+        self._calls = DrafterCalls(caps.on_loop, executor)  # where the drafter's work runs
         # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
-        self.stager = Stager(proposer, alternatives) if proposer.stages else None
-        # Draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
-        self.overlap = overlap and proposer.drafts_ahead
+        self.stager = Stager(drafter, alternatives) if caps.stages else None
+        # Synchronous seam: draft ahead (round n+1, assuming round n is fully accepted) while the target verifies.
+        self.overlap = overlap and caps.drafts_ahead
         self._ahead: dict[str, int] = {}  # seq id -> γ of its last proposal, to draft ahead for
         self._proposed: dict[str, int] = {}  # seq id -> tokens in its last proposal
         self._full_rate: dict[str, float] = {}  # seq id -> moving average of whole proposals accepted
@@ -167,11 +172,11 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 batch = []
             match item:
                 case Verdicts(results=results):  # torch (a head's projection) runs where proposals do
-                    await self._calls.run(self.proposer.verified, results)
+                    await self._calls.run(self.drafter.verified, results)
                     self._note_verdicts(results)
                 case Weights(state=state):  # between two proposal batches, never during one
                     try:
-                        await self._calls.run(self.proposer.load_weights, state)
+                        await self._calls.run(self.drafter.load_weights, state)
                     except Exception:
                         log.exception("new head weights not taken; serving goes on with the old ones")
                     else:
@@ -183,7 +188,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         news = [x.without(gone) for x in news]
                         for seq_id in gone:
                             staged.pop(seq_id, None)
-                    await self._calls.run(self.stager.release if self.stager is not None else self.proposer.release,
+                    await self._calls.run(self.stager.release if self.stager is not None else self.drafter.release,
                                           seq_ids)
                     for seq_id in seq_ids:
                         self._ahead.pop(seq_id, None)
@@ -202,7 +207,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         # A model's drafting call (in the worker thread) takes a while: what each call drafted leaves
         # at once, and as soon as it exists: a drafter paying per depth says so before its last pass,
         # whose tokens only guess what follows; the stager then hands them to ``send_early``. A
-        # proposer on the loop takes microseconds: all of it leaves as one message, one read for the
+        # drafter on the loop takes microseconds: all of it leaves as one message, one read for the
         # target.
         each = not self._calls.on_loop
         early: set[int] = set()  # ids of the proposals that left before their call returned
@@ -219,7 +224,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 if isinstance(item, Requests):
                     for x in item.inputs:
                         stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length, x.hidden_states,
-                                      x.sampling.greedy)
+                                      x.sampling)
                 else:
                     stager.verified(item.results)
             # one drafting call: answers for the sequences nothing fits, the others' outcomes staged
@@ -280,18 +285,16 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                         await stream.out.join()
 
     def swap_weights(self, state) -> None:
-        """Queue new head weights (online distillation): the proposer takes them between proposal
+        """Queue new head weights (online distillation): the drafter takes them between drafting
         batches, in order with the proposals and verdicts around them. Call on the event loop."""
         self._work.put_nowait(Weights(state))
 
     async def _draft_ahead(self) -> None:
-        # γ drafts + a guess of the target's bonus token + γ drafts for the next round.
-        by_gamma: dict[int, list[str]] = {}
-        for seq_id, gamma in self._ahead.items():
-            by_gamma.setdefault(2 * gamma + 1, []).append(seq_id)
+        # The round's branch, longer: γ drafts + a guess of the target's bonus token + γ drafts for the
+        # next round, in one drafting call; the drafter keeps them (what it returns now goes nowhere).
+        branches = [Branch(seq_id, (), 2 * gamma + 1, sampled=True) for seq_id, gamma in self._ahead.items()]
         self._ahead.clear()
-        for length, seq_ids in by_gamma.items():
-            await self._calls.run(self.proposer.predraft, seq_ids, length)
+        await self._calls.run(self.drafter.draft, branches)
         self.stats.drafted_ahead += 1
 
     def _note_verdicts(self, results) -> None:
@@ -310,7 +313,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             self._ahead.update((d.seq_id, d.chain_length) for d in inputs
                                if d.chain_length > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         started = time.perf_counter()
-        outputs = await self._calls.run(self.proposer.propose, inputs)
+        outputs = await self._calls.run(self.drafter.propose, inputs)
         stats = self.stats
         stats.latency.observe(time.perf_counter() - started)
         stats.batch_size.observe(len(inputs))
@@ -409,7 +412,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             raise ValueError("hidden-state descriptors on a stream without a data plane")
         before = plane.bytes
         if sum(ref.count for ref in refs if ref is not None) > ROWS_ON_LOOP:
-            rows = await asyncio.to_thread(plane.resolve, refs)  # (not the proposer: a large copy)
+            rows = await asyncio.to_thread(plane.resolve, refs)  # (not the drafter: a large copy)
         else:
             rows = plane.resolve(refs)
         self.stats.hidden_bytes += plane.bytes - before
@@ -458,17 +461,17 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             stream.pipelined = hello.pipelined and self.stager is not None
             if stream.plane is not None:
                 stream.plane.close()
-            plane, stream.plane = open_reader(hello.hidden_planes, hello.hidden_shm, self.proposer.hidden_layers,
+            caps = self.drafter.caps
+            plane, stream.plane = open_reader(hello.hidden_planes, hello.hidden_shm, caps.hidden_layers,
                                               hello.hidden_size, hello.hidden_plane_dtype)
             token = self._lane_for(stream, hello)
             log.info("target %s connected (model %s, %s seam, hidden states %s%s)", stream.target_id,
                      hello.model, "pipelined" if stream.pipelined else "synchronous",
                      f"on plane {plane}" if plane else "inline", ", fast lane offered" if token else "")
             stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
-                draft_id=self.draft_id, method=self.proposer.method,
-                hidden_layers=self.proposer.hidden_layers,
+                draft_id=self.draft_id, method=caps.method, hidden_layers=caps.hidden_layers,
                 max_speculative_tokens=self.max_speculative_tokens,
-                hidden_dtype=self.proposer.hidden_dtype, vocab_size=self.proposer.vocab_size,
+                hidden_dtype=caps.hidden_dtype, vocab_size=caps.vocab_size,
                 pipelined=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
                 lane=lane.UNIX if token else "", lane_address=self._lanes.address if token else "",
                 lane_token=token)))

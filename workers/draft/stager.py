@@ -21,7 +21,7 @@ will verify next (the one that fits its committed tokens with the most tokens le
   others; a < k: the draft's top ``alternatives`` tokens at that depth other than x_{a+1}, which the
   target rejected) and drafts
   γ tokens after each guess, every branch in one batched call
-  (:meth:`Stager.Drafter.draft_branches`: one draft pass per depth for all of them). Each staged
+  (:meth:`.drafter.Drafter.draft`: one draft pass per depth for all of them). Each staged
   proposal names the prefix it assumes (``start``, ``assumed``), so the target can tell which one
   came true. ``alternatives = 0`` is the rolling tail: only the a = k branch, the draft continuing
   its own chain as if everything were accepted.
@@ -37,68 +37,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from ..speculation.payloads import DraftOutput, VerifyResult
+from ..speculation.payloads import DraftOutput, SamplingSpec, VerifyResult
 from ..speculation.staging import ASSUMED_MAX, SPARE_MAX, given, one_ahead, overlap
+from .drafter import Branch, Draft, Drafter
 
 ASSUMED_CONTEXT = 4  # committed tokens every proposal names before its unconfirmed ones
 SENT_MAX = 64  # proposals remembered per sequence
 
 
-@dataclass(frozen=True)
-class Branch:
-    """Draft ``num_tokens`` tokens after a sequence's committed tokens followed by ``extra``, with up to
-    ``alternatives`` other likely tokens at each depth."""
-
-    seq_id: str
-    extra: tuple[int, ...]
-    num_tokens: int
-    alternatives: int
-
-
-@dataclass(frozen=True)
-class Chain:
-    """What a branch drafted: ``tokens``, and per depth the alternatives to each (best first)."""
-
-    tokens: list[int]
-    alternatives: list[list[int]] = field(default_factory=list)
-    confidence: list[float] = field(default_factory=list)  # per token: P(it and those before are right); [] none
-
-
-Ready = Callable[[list[Chain]], None]  # the chains so far, in the branches' order
 # Where a drafting call's proposals go the moment they exist, before the call returns (see Stager._draft);
 # called in the drafting thread
 Early = Callable[[list[DraftOutput]], None]
 
 
-class Drafter(Protocol):
-    """What a proposer offers to stage (ngram, suffix, oracle, EAGLE)."""
-
-    stages: bool  # it drafts branches now (chains: a proposer set to draft trees serves the synchronous seam)
-
-    def commit(self, seq_id: str, tokens: list[int]) -> None:
-        """The target committed ``tokens`` after the ones already heard of (the first call: the prompt).
-        A drafter with ``hidden_layers`` (EAGLE) also takes ``hidden_states, greedy``: the rows of the
-        positions before each token (see :class:`workers.speculation.payloads.DraftInput`)."""
-        ...
-
-    def verified(self, results: list[VerifyResult]) -> None: ...
-
-    def release(self, seq_ids: list[str]) -> None: ...
-
-    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
-        """One chain per branch, drafted together (a model-based drafter: one pass per depth). A
-        drafter that pays per depth may call ``ready`` once, with the chains so far, as soon as each
-        holds all its tokens but the last (the guess of what follows, which is not streamed): the
-        proposals leave then, a draft pass before the call returns."""
-        ...
-
-
 @dataclass
 class _Sent:
     prop: DraftOutput  # as streamed (positioned)
-    chain: Chain  # as drafted: one token more than streamed (the guess of the bonus after it)
+    chain: Draft  # as drafted: one token more than streamed (the guess of the bonus after it)
     expect: int = 0  # its first tokens the target is expected to commit plainly before it arrives
     staged: bool = False  # the outcomes of verifying it were staged
 
@@ -139,16 +95,13 @@ class Stager:
     # ------------------------------------------------------------------ news from the target
 
     def commit(self, seq_id: str, round_: int, tokens: list[int], gamma: int, hidden_states: list = (),
-               greedy: bool = True) -> None:
-        """A round request: the tokens committed since the last news, and the budget to draft (a drafter
-        fed by the target's hidden states, EAGLE, gets their rows and whether the request is greedy)."""
+               sampling: SamplingSpec = SamplingSpec()) -> None:
+        """A round request: the tokens committed since the last news (with their hidden rows, for a
+        drafter that reads them), and the budget to draft."""
         seq = self._seqs.setdefault(seq_id, _Seq())
         seq.tokens.extend(tokens)
         seq.round, seq.gamma = max(seq.round, round_), gamma
-        if hidden_states:
-            self.drafter.commit(seq_id, list(tokens), hidden_states, greedy)
-        else:
-            self.drafter.commit(seq_id, list(tokens))
+        self.drafter.commit(seq_id, list(tokens), hidden_states, sampling)
 
     def verified(self, results: list[VerifyResult]) -> None:
         self.drafter.verified(results)
@@ -317,14 +270,14 @@ class Stager:
             return []
         made: list[tuple[int, _Sent]] = []
         if early is None:
-            chains = self.drafter.draft_branches([item[1] for item in todo])
+            chains = self.drafter.draft([item[1] for item in todo])
         else:
-            def ready(partial: list[Chain]) -> None:
+            def ready(partial: list[Draft]) -> None:
                 if not made:
                     made.extend(self._proposals(todo, partial, remember))
                     early([sent.prop for _, sent in made])
 
-            chains = self.drafter.draft_branches([item[1] for item in todo], ready)
+            chains = self.drafter.draft([item[1] for item in todo], ready)
         if not made:
             made = self._proposals(todo, chains, remember)
         else:  # streamed already: each keeps its whole chain, whose last token the next staging guesses from
@@ -333,16 +286,16 @@ class Stager:
         return [sent.prop for _, sent in made]
 
     @staticmethod
-    def _streamed(branch: Branch, guess_first: bool, chain: Chain) -> tuple[list[int], Chain, list[int]]:
+    def _streamed(branch: Branch, guess_first: bool, chain: Draft) -> tuple[list[int], Draft, list[int]]:
         """What a branch's chain streams: the tokens it assumes, its chain past them, and the tokens
         proposed (all but the last drafted, which only guesses what follows)."""
         extra = list(branch.extra)
         if guess_first and chain.tokens:
             extra.append(chain.tokens[0])
-            chain = Chain(chain.tokens[1:], chain.alternatives[1:], given(chain.confidence, 1))
+            chain = Draft(chain.tokens[1:], chain.alternatives[1:], given(chain.confidence, 1))
         return extra, chain, chain.tokens[: branch.num_tokens - 1 - guess_first]
 
-    def _proposals(self, todo: list[tuple[str, Branch, bool, int, bool]], chains: list[Chain],
+    def _proposals(self, todo: list[tuple[str, Branch, bool, int, bool]], chains: list[Draft],
                    remember: bool) -> list[tuple[int, _Sent]]:
         """The proposals of a drafting call's chains, remembered per sequence; with their places in ``todo``."""
         out = []

@@ -23,19 +23,18 @@ number of accepted tokens if the frequencies were the truth) wins. Proposals are
 carry no distributions, so the target verifies them as one-hot drafts: lossless for greedy and
 sampled requests whatever they propose.
 
-For the pipelined seam it drafts branches (:mod:`.stager`): the same chain read after the committed
-tokens plus a branch's assumed ones, with the other children of each node on it as alternatives.
+Every branch (:class:`.drafter.Branch`) is read the same way, after the committed tokens plus the
+branch's assumed ones; a chain carries the other children of each node on it as alternatives.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .proposer import DraftInput, DraftOutput, Proposer, VerifyResult
-from .stager import Branch, Chain, Ready
+from .drafter import Branch, Capabilities, Draft, Drafter, Ready, SamplingSpec, VerifyResult
 from .suffix_tree import SuffixTree
-from .tree_search import tree_shape
 
 PROMPT_TAIL = 8  # prompt tokens put before each output in the global tree
 
@@ -69,14 +68,15 @@ class SuffixConfig:
             raise ValueError(f"need tree_topk >= 1 and tree_depth >= 0, got {self.tree_topk}, {self.tree_depth}")
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(Drafter):
     """Suffix decoding over each request's tokens and a bounded global tree of earlier outputs."""
-
-    method = "suffix"
-    on_loop = True  # pure Python, no torch
 
     def __init__(self, config: SuffixConfig = SuffixConfig()):
         self.config = config
+        self.tree_topk, self.tree_depth = config.tree_topk, config.tree_depth
+        # pure Python, no torch (on the loop); branches are chains: set to draft trees, it serves the
+        # synchronous seam
+        self.caps = Capabilities("suffix", on_loop=True, stages=config.tree_topk <= 1)
         self.cache = SuffixTree(config.max_depth)  # the global tree
         self._seqs: dict[str, _Request] = {}
         self._keys = itertools.count()
@@ -110,73 +110,42 @@ class SuffixProposer(Proposer):
             self.cache.remove(self.cache.oldest())
             self.evicted += 1
 
-    # ------------------------------------------------------------------ proposals
+    # ------------------------------------------------------------------ drafting
 
-    def _draft(self, tree: SuffixTree, context: list[int], budget: int, shape: tuple[int, int] | None
-               ) -> tuple[float, list[int], list[int], list[float]]:
-        """(score, tokens, parents, probabilities) from one tree; parents empty for a chain; each token's
-        probability is the estimated probability of reaching it (its confidence)."""
+    def _read(self, tree: SuffixTree, context: list[int], br: Branch) -> tuple[float, Draft]:
+        """(score, draft) of one tree for ``br`` after ``context``; each token's confidence is the
+        estimated probability of reaching it."""
         cfg = self.config
-        depth = budget if shape is None else shape[1]
+        depth = br.num_tokens if br.tree is None else br.tree[1]
         node, length = tree.match(context, max(1, cfg.max_depth - depth))
-        if length == 0:
-            return 0.0, [], [], []
-        limit = min(budget, int(length * cfg.spec_factor + 1e-9))
+        limit = min(br.num_tokens, int(length * cfg.spec_factor + 1e-9)) if length else 0
         if limit <= 0:
-            return 0.0, [], [], []
-        if shape is None:
-            tokens, probs = tree.chain(node, limit, cfg.min_token_prob)
-            return sum(probs), tokens, [], probs
-        tokens, parents, probs = tree.tree(node, limit, shape[0], depth, cfg.min_token_prob)
-        return sum(probs), tokens, parents, probs
+            return 0.0, Draft([])
+        if br.tree is None:
+            tokens, probs, alternatives = tree.chain_alternatives(node, limit, cfg.min_token_prob, br.alternatives)
+            return sum(probs), Draft(tokens, alternatives, probs)
+        tokens, parents, probs = tree.tree(node, limit, br.tree[0], depth, cfg.min_token_prob)
+        return sum(probs), Draft(tokens, confidence=probs, parents=parents)
 
-    def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
-        reqs = [self._append(item.seq_id, item.new_tokens) for item in batch]
-        out = []
-        for item, req in zip(batch, reqs):
-            if item.num_tokens <= 0:
-                out.append(DraftOutput(item.seq_id, item.round, []))
-                continue
-            shape = tree_shape(item, self.config.tree_topk, self.config.tree_depth)
-            context = req.local.tokens(0)
-            budget = item.num_tokens if shape else item.chain_length
-            own = self._draft(req.local, context, budget, shape)
-            other = self._draft(self.cache, context, budget, shape) if len(self.cache) else (0.0, [], [], [])
-            best = own if own[0] >= other[0] else other  # ties: the request's own history
-            if best[1]:
-                self.won["request" if best is own else "global"] += 1
-            out.append(DraftOutput(item.seq_id, item.round, best[1], [], best[2], confidence=best[3]))
-        return out
-
-    @property
-    def stages(self) -> bool:
-        """Branches are chains: set to draft trees, it serves the synchronous seam."""
-        return self.config.tree_topk <= 1
-
-    def commit(self, seq_id: str, tokens: list[int]) -> None:
+    def commit(self, seq_id: str, tokens: Sequence[int], hidden_states: Sequence = (),
+               sampling: SamplingSpec = SamplingSpec()) -> None:
         self._append(seq_id, list(tokens))
 
-    def _branch(self, tree: SuffixTree, context: list[int], budget: int, k: int) -> tuple[float, Chain]:
-        node, length = tree.match(context, max(1, self.config.max_depth - budget))
-        limit = min(budget, int(length * self.config.spec_factor + 1e-9)) if length else 0
-        if limit <= 0:
-            return 0.0, Chain([])
-        tokens, probs, alternatives = tree.chain_alternatives(node, limit, self.config.min_token_prob, k)
-        return sum(probs), Chain(tokens, alternatives, probs)
-
-    def draft_branches(self, branches: list[Branch], ready: Ready | None = None) -> list[Chain]:
+    def draft(self, branches: list[Branch], ready: Ready | None = None) -> list[Draft]:
         # (``ready`` unused: drafting takes microseconds, the proposals leave when it returns)
         out = []
         for br in branches:
             req = self._seqs.get(br.seq_id)
             if req is None or br.num_tokens <= 0:
-                out.append(Chain([]))
+                out.append(Draft([]))
                 continue
             context = req.local.tokens(0) + list(br.extra)
-            own = self._branch(req.local, context, br.num_tokens, br.alternatives)
-            other = (self._branch(self.cache, context, br.num_tokens, br.alternatives) if len(self.cache)
-                     else (0.0, Chain([])))
-            out.append((own if own[0] >= other[0] else other)[1])
+            own = self._read(req.local, context, br)
+            other = self._read(self.cache, context, br) if len(self.cache) else (0.0, Draft([]))
+            best = own if own[0] >= other[0] else other  # ties: the request's own history
+            if best[1].tokens:
+                self.won["request" if best is own else "global"] += 1
+            out.append(best[1])
         return out
 
     def verified(self, results: list[VerifyResult]) -> None:

@@ -216,6 +216,8 @@ class SuffixTree:
                            ) -> tuple[list[int], list[float], list[list[int]]]:
         """:meth:`chain`, and at each of its depths up to ``k`` other children, most frequent first."""
         tokens, probs = self.chain(node, max_tokens, min_prob)
+        if k <= 0:
+            return tokens, probs, [[] for _ in tokens]
         alternatives = []
         for token in tokens:
             ranked, _ = self._ranked(node)

@@ -34,20 +34,6 @@ def tree_shape(item: DraftInput, default_topk: int, default_depth: int) -> tuple
     return topk, max(1, min(depth, item.chain_length))
 
 
-def split_batch(batch: list[DraftInput], default_topk: int, default_depth: int
-                ) -> tuple[dict[str, int], dict[str, tuple[int, int, int]]]:
-    """Chains (seq id -> γ) and trees (seq id -> (node budget, top-k, depth)) of a proposal batch."""
-    chains: dict[str, int] = {}
-    trees: dict[str, tuple[int, int, int]] = {}
-    for item in batch:
-        shape = tree_shape(item, default_topk, default_depth)
-        if shape is None:
-            chains[item.seq_id] = item.chain_length
-        else:
-            trees[item.seq_id] = (item.num_tokens, *shape)
-    return chains, trees
-
-
 class DraftTree:
     """One sequence's tree while it grows. ``seq`` is the caller's; ``base``: the first tree slot's position."""
 

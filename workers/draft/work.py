@@ -1,4 +1,4 @@
-"""The draft service's work: the typed messages its batcher takes, and where the proposer's work runs.
+"""The draft service's work: the typed messages its batcher takes, and where the drafter's work runs.
 
 Each stream's reader (:class:`.service.DraftService`) turns what its target sends into these
 messages, in the order they came, and queues them for the service's one batcher, which takes
@@ -11,10 +11,10 @@ round's requests, and a release ends only the news that came before it.
 - :class:`Release`: sequences the target is done with (all of a stream's, when the stream ended);
 - :class:`Weights`: new head weights from online distillation, taken between two drafting calls.
 
-:class:`ProposerCalls` is the one place that decides where the proposer's work runs: on the event
-loop for a proposer that drafts in microseconds (:attr:`.proposer.Proposer.on_loop`: n-gram,
-suffix), where a thread hop each way would cost more than the work, else in one worker thread, so
-that torch runs off the event loop.
+:class:`DrafterCalls` is the one place that decides where the drafter's work runs: on the event
+loop for a drafter that drafts in microseconds (``caps.on_loop`` of :class:`.drafter.Capabilities`:
+n-gram, suffix), where a thread hop each way would cost more than the work, else in one worker
+thread, so that torch runs off the event loop.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Verdicts:
 
 @dataclass(frozen=True)
 class Release:
-    """Sequences one stream's target is done with: the proposer forgets them."""
+    """Sequences one stream's target is done with: the drafter forgets them."""
 
     stream: Stream
     seq_ids: list[str]
@@ -69,7 +69,7 @@ class Release:
 
 @dataclass(frozen=True)
 class Weights:
-    """New head weights (online distillation): the proposer takes them between two drafting calls."""
+    """New head weights (online distillation): the drafter takes them between two drafting calls."""
 
     state: object
 
@@ -78,9 +78,9 @@ Work = Requests | Verdicts | Release | Weights
 News = Requests | Verdicts  # what a pipelined stream's stager applies in order before it drafts
 
 
-class ProposerCalls:
-    """Runs the proposer's work where it belongs, decided once: here on the event loop (``on_loop``),
-    or in one worker thread (``executor``, the thread that loaded the proposer, when given: one
+class DrafterCalls:
+    """Runs the drafter's work where it belongs, decided once: here on the event loop (``on_loop``),
+    or in one worker thread (``executor``, the thread that loaded the drafter, when given: one
     OpenMP team for its torch work, see :mod:`workers.openmp`; else one made on first use)."""
 
     def __init__(self, on_loop: bool, executor: ThreadPoolExecutor | None = None):

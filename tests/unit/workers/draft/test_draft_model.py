@@ -11,7 +11,7 @@ import torch
 from tests.support.tiny_models import hf_greedy, tiny_hf_model
 from workers.engine.weights import load_model
 from workers.draft.draft_model import DraftModelProposer
-from workers.draft.proposer import DraftInput, SamplingSpec, VerifyResult
+from workers.draft.drafter import Branch, DraftInput, SamplingSpec, VerifyResult
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def test_drafting_ahead_is_reused_when_everything_is_accepted(draft):
     proposer = DraftModelProposer(model, num_blocks=32, block_size=4)
     prompt = [5, 9, 11, 2, 7]
     [out] = proposer.propose([DraftInput("s", 0, prompt, 3)])
-    proposer.predraft(["s"], 7)  # γ tokens, the bonus guess, then γ more
+    proposer.draft([Branch("s", (), 7, sampled=True)])  # γ tokens, the bonus guess, then γ more
     calls = proposer.forward_calls
     continuation = hf_greedy(hf, prompt, 8)
     # The target accepts all 3 drafts and its bonus token equals the draft's own 4th token.

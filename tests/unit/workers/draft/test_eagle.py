@@ -67,7 +67,7 @@ def test_greedy_speculation_with_eagle_equals_plain_decoding(target_dir, tmp_pat
     assert engine.counters[""].num_drafts > 0 and proposer.forward_calls > 0
     # a random head still hits now and then (seeded: 2-5 tokens here), so the accept path runs too
     assert engine.counters[""].num_accepted_tokens > 0
-    assert not any(s.broken for s in proposer._seqs.values())
+    assert not any(s.broken for s in proposer.seqs.values())
     assert len(proposer) == 0 and engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 

@@ -16,7 +16,8 @@ from tests.support.draft_pool import FixedPool
 from tests.support.serving import serve_through
 from tests.unit.workers.draft.loopback import draft_on_loopback
 from workers.draft.service import DraftService
-from workers.draft.stager import Branch, Stager
+from workers.draft.drafter import Branch
+from workers.draft.stager import Stager
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 from workers.speculation.payloads import DraftInput
@@ -47,7 +48,7 @@ def test_branches_continue_the_heads_own_chain_after_the_tokens_they_assume(head
     assert len(chain.token_ids) == 6
 
     staged = EagleProposer(head, layers, num_blocks=64, block_size=4, cuda_graphs=graphs)
-    assert staged.stages and (staged.graphs is not None) == graphs
+    assert staged.caps.stages and (staged.graphs is not None) == graphs
     staged.commit("s", tokens, hidden)
     x = chain.token_ids
     feats = head.project(hidden)
@@ -55,7 +56,7 @@ def test_branches_continue_the_heads_own_chain_after_the_tokens_they_assume(head
     branches = [Branch("s", tuple(x[:a]), 6 - a, 2) for a in range(4)] + [Branch("s", (other,), 3, 2)]
     free = staged.blocks.num_free_blocks
     for _ in range(3):  # again: from the root kept in the cache, and forking the forks kept from before
-        out = staged.draft_branches(branches)
+        out = staged.draft(branches)
         for a in range(4):
             assert out[a].tokens == x[a:], f"a = {a}"
             assert len(out[a].alternatives) == len(out[a].tokens) and len(out[a].confidence) == len(out[a].tokens)
@@ -66,7 +67,7 @@ def test_branches_continue_the_heads_own_chain_after_the_tokens_they_assume(head
         conf = out[0].confidence
         assert all(0 < c <= 1 for c in conf) and conf == sorted(conf, reverse=True)
         # what stays: the committed pairs and the forks of the last calls (for forks of them)
-        seq = staged._seqs["s"]
+        seq = staged.seqs["s"]
         kept = sum(len(f.own) for call in seq.kept for f in call)
         assert len(seq.kept) <= 2 and staged.blocks.num_free_blocks == free - len(seq.blocks) - kept
     staged.release(["s"])
@@ -102,7 +103,7 @@ def test_pipelined_eagle_speculation_in_process_equals_plain_decoding(target_dir
         stager.release(engine.take_released())
         inputs = engine.draft_inputs()
         for d in inputs:
-            stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_length, d.hidden_states, d.sampling.greedy)
+            stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_length, d.hidden_states, d.sampling)
         answers, asked = stager.answer_and_stage([d.seq_id for d in inputs])
         engine.offer(answers + stager.stage(asked))
     assert len(got.pop("sampled")) == 16
@@ -110,7 +111,7 @@ def test_pipelined_eagle_speculation_in_process_equals_plain_decoding(target_dir
     counters = engine.counters[""]
     assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0 and stager.staged > 0
     assert engine.spec.num_bad_proposals == 0
-    assert not any(s.broken for s in proposer._seqs.values())
+    assert not any(s.broken for s in proposer.seqs.values())
     assert len(proposer) == 0 and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
@@ -159,7 +160,7 @@ def test_branches_stop_at_the_heads_last_position(head):
     tokens = torch.randint(0, VOCAB, (limit - 3,), generator=gen).tolist()
     proposer = EagleProposer(head, layers, num_blocks=256, block_size=4)
     proposer.commit("s", tokens, [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers])
-    out = proposer.draft_branches([Branch("s", (), 8, 1), Branch("s", (5,), 8, 1), Branch("s", (5, 6, 7), 8, 1)])
+    out = proposer.draft([Branch("s", (), 8, 1), Branch("s", (5,), 8, 1), Branch("s", (5, 6, 7), 8, 1)])
     assert [len(o.tokens) for o in out] == [3, 2, 0]  # up to position limit - 1
 
 
@@ -186,7 +187,7 @@ def test_branches_are_ready_before_the_heads_last_pass(head):
     proposer.commit("s", tokens, [torch.randn(len(tokens) - 1, H, generator=gen) for _ in layers])
     branches = [Branch("s", (), 4, 1), Branch("s", (7,), 3, 1), Branch("s", (7, 8), 2, 1)]
     seen = []
-    out = proposer.draft_branches(branches, seen.append)
+    out = proposer.draft(branches, seen.append)
     assert len(seen) == 1
     for br, partial, whole in zip(branches, seen[0], out):
         assert len(whole.tokens) == br.num_tokens and len(partial.tokens) == br.num_tokens - 1
@@ -195,8 +196,8 @@ def test_branches_are_ready_before_the_heads_last_pass(head):
     plain, called = (EagleProposer(head, layers, num_blocks=64, block_size=4) for _ in range(2))
     for p in (plain, called):
         p.commit("s", tokens, hidden)
-    assert [c.tokens for c in called.draft_branches(branches, seen.append)] == [
-        c.tokens for c in plain.draft_branches(branches)]
+    assert [c.tokens for c in called.draft(branches, seen.append)] == [
+        c.tokens for c in plain.draft(branches)]
     seen.clear()
-    called.draft_branches([Branch("s", (), 1, 1)], seen.append)  # the root's token only: no pass to come
+    called.draft([Branch("s", (), 1, 1)], seen.append)  # the root's token only: no pass to come
     assert seen == []

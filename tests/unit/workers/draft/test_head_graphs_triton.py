@@ -32,7 +32,7 @@ def test_triton_attention_on_static_head_steps_drafts_what_sdpa_drafts(dirs):  #
     for module in head.modules():
         if isinstance(module, Attention):
             module.attention_fn = paged_attention_triton
-    static = EagleProposer(head, eager.hidden_layers, 512, 4, cuda_graphs=True, graph_batch=4)
+    static = EagleProposer(head, eager.caps.hidden_layers, 512, 4, cuda_graphs=True, graph_batch=4)
     gen = torch.Generator().manual_seed(3)
     batch = [DraftInput(f"s{i}", 0, prompt, 3, hidden_states=[torch.randn(len(prompt) - 1, 64, generator=gen)
                                                               for _ in range(3)])

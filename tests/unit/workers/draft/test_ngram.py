@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from workers.draft.drafter import Branch, DraftInput, VerifyResult
 from workers.draft.ngram import NgramProposer
-from workers.draft.proposer import DraftInput, VerifyResult
 
 pytestmark = pytest.mark.unit
 
@@ -21,12 +21,17 @@ def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     return []
 
 
-def test_examples():
+def lookup(tokens: list[int], num_tokens: int) -> list[int]:
     p = NgramProposer(min_n=1, max_n=3)
-    assert p.lookup([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]
-    assert p.lookup([1, 2, 3, 9, 2, 3], 3) == [9, 2, 3]
-    assert p.lookup([5, 6, 7], 4) == []
-    assert p.lookup([7], 4) == []
+    p.commit("s", tokens)
+    return p.draft([Branch("s", (), num_tokens, sampled=True)])[0].tokens
+
+
+def test_examples():
+    assert lookup([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]
+    assert lookup([1, 2, 3, 9, 2, 3], 3) == [9, 2, 3]
+    assert lookup([5, 6, 7], 4) == []
+    assert lookup([7], 4) == []
     with pytest.raises(ValueError):
         NgramProposer(min_n=3, max_n=2)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers.draft.oracle import OracleProposer
-from workers.draft.proposer import DraftInput, VerifyResult
+from workers.draft.drafter import Branch, DraftInput, VerifyResult
 
 pytestmark = pytest.mark.unit
 
@@ -30,12 +30,12 @@ def test_oracle_drafting_ahead_is_paid_once_and_dropped_on_rejection():
     ref = list(range(100, 400))
     oracle = OracleProposer([ref], 0.0, 1000, token_cost_s=0.001)
     assert oracle.propose([DraftInput("s", 0, ref[:10], 4)])[0].token_ids == ref[10:14]
-    oracle.predraft(["s"], 9)  # the service drafts 2γ+1 ahead while the target verifies
+    oracle.draft([Branch("s", (), 9, sampled=True)])  # the service drafts 2γ+1 ahead while the target verifies
     assert oracle.drafted_tokens == 9
     oracle.verified([VerifyResult("s", 0, 4, ref[10:15])])  # all accepted + bonus: the tail holds
     out = oracle.propose([DraftInput("s", 1, [], 4)])[0]
     assert out.token_ids == ref[15:19] and oracle.drafted_tokens == 9  # nothing new to draft
-    oracle.predraft(["s"], 9)
+    oracle.draft([Branch("s", (), 9, sampled=True)])
     oracle.verified([VerifyResult("s", 1, 1, [ref[15], 7])])  # the target disagreed at the second token
     assert oracle.propose([DraftInput("s", 2, [], 4)])[0].token_ids == []  # 7 left the reference
     oracle.release(["s"])

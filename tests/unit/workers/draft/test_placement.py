@@ -15,6 +15,7 @@ from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.draft.__main__ import draft_config, main, make_proposer, parse_args
 from workers.draft.config import DraftConfig, resolve_device, resolve_dtype
+from workers.draft.drafter import Capabilities
 from workers.draft.eagle_proposer import EagleProposer
 from workers.draft.ngram import NgramProposer
 from workers.draft.online import trainable_state
@@ -128,15 +129,15 @@ def test_every_model_method_is_built_in_bfloat16_on_the_cpu(dirs, method):
     assert {p.device.type for p in _params(proposer)} == {"cpu"}
     if method in ("eagle", "eagle3"):
         head = proposer.head
-        assert proposer.hidden_dtype == "bfloat16"  # targets send hidden states in it
+        assert proposer.caps.hidden_dtype == "bfloat16"  # targets send hidden states in it
         assert head.embed[0].weight.dtype == torch.bfloat16  # held outside the head's state, moved too
         assert head.rotary.cos.dtype == torch.float32  # positions keep their angles
         assert proposer.kv[0][0].dtype == torch.bfloat16
-        assert proposer.distillable == (method == "eagle3")
+        assert proposer.caps.distillable == (method == "eagle3")
         if method == "eagle3":
             assert head.d2t.dtype == torch.long
     if method == "draft_model":
-        assert proposer.runner.kv_caches[0][0].dtype == torch.bfloat16 and proposer.drafts_ahead
+        assert proposer.runner.kv_caches[0][0].dtype == torch.bfloat16 and proposer.caps.drafts_ahead
 
 
 @pytest.mark.parametrize("method", [*MODEL_METHODS, "ngram", "suffix"])
@@ -148,7 +149,7 @@ def test_greedy_speculation_with_a_bfloat16_draft_equals_plain_decoding(dirs, me
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = plain(dirs["target"], batch, params)
     engine = Engine(load_model(dirs["target"]), CFG, num_speculative_tokens=3,
-                    hidden_layers=tuple(proposer.hidden_layers))
+                    hidden_layers=tuple(proposer.caps.hidden_layers))
     proposals = []
     real_propose = proposer.propose
 
@@ -162,7 +163,8 @@ def test_greedy_speculation_with_a_bfloat16_draft_equals_plain_decoding(dirs, me
     drafted = [t for out in proposals for t in out.token_ids]
     assert drafted and all(0 <= t < VOCAB for t in drafted)  # proposals were made, of real token ids
     assert engine.counters[""].num_drafts > 0
-    assert not any(getattr(s, "broken", False) for s in getattr(proposer, "_seqs", {}).values())
+    if method in MODEL_METHODS:  # (a draft LM's sequences cannot break: it reads no hidden states)
+        assert not any(getattr(s, "broken", False) for s in proposer.seqs.values())
 
 
 @pytest.mark.parametrize("method", MODEL_METHODS)
@@ -171,10 +173,10 @@ def test_seeded_sampled_drafts_in_bfloat16_are_valid_and_reproducible(dirs, meth
         proposer = make_proposer(config(dirs, method, device="cpu", dtype="bfloat16"))
         prompt = prompts(1, seed=5)["r0"]
         hidden = [torch.randn(len(prompt) - 1, 64, generator=torch.Generator().manual_seed(i))
-                  for i, _ in enumerate(proposer.hidden_layers)]
+                  for i, _ in enumerate(proposer.caps.hidden_layers)]
         spec = SamplingSpec(temperature=0.8, seed=1234)
         [out] = proposer.propose([DraftInput("s", 0, prompt, 3, spec, hidden)])
-        seq = proposer._seqs["s"]
+        seq = proposer.seqs["s"]
         assert seq.generator is not None and seq.generator.device == proposer.device
         return out
 
@@ -197,14 +199,14 @@ def test_an_eagle_proposer_builds_its_inputs_on_the_heads_device_in_its_dtype(di
 
     proposer.head.forward = spy
     prompt = prompts(1, seed=6)["r0"]
-    hidden = [torch.randn(len(prompt) - 1, 64, dtype=torch.float32) for _ in proposer.hidden_layers]
+    hidden = [torch.randn(len(prompt) - 1, 64, dtype=torch.float32) for _ in proposer.caps.hidden_layers]
     proposer.propose([DraftInput("s", 0, prompt, 3, hidden_states=hidden)])
     assert seen
     for input_ids, features, positions, *meta in seen:
         assert features.dtype == torch.bfloat16  # float32 target rows arrive in the head's dtype
         for t in (input_ids, features, positions, *meta):
             assert t.device == proposer.device
-    assert all(f.dtype == torch.bfloat16 for f in proposer._seqs["s"].feats.values())
+    assert all(f.dtype == torch.bfloat16 for f in proposer.seqs["s"].feats.values())
 
 
 # ------------------------------------------------------------------ capabilities, distillation
@@ -212,15 +214,16 @@ def test_an_eagle_proposer_builds_its_inputs_on_the_heads_device_in_its_dtype(di
 
 def test_the_service_reads_declared_capabilities(dirs):
     ngram = NgramProposer(1, 3)
-    assert (ngram.drafts_ahead, ngram.distillable, ngram.hidden_dtype, ngram.vocab_size) == (False, False, "", 0)
-    assert list(ngram.hidden_layers) == []
+    caps = ngram.caps
+    assert (caps.drafts_ahead, caps.distillable, caps.hidden_dtype, caps.vocab_size, caps.hidden_layers) == (
+        False, False, "", 0, ())
     assert not DraftService(ngram, "d").overlap
     draft_lm = make_proposer(config(dirs, "draft_model", device="cpu"))
     assert DraftService(draft_lm, "d").overlap and not DraftService(draft_lm, "d", overlap=False).overlap
     with pytest.raises(ValueError, match="takes no new weights"):
         ngram.load_weights({})
-    with pytest.raises(NotImplementedError):
-        ngram.predraft(["s"], 3)
+    with pytest.raises(ValueError):
+        Capabilities("")  # a drafter names its method
 
 
 def test_float32_weights_from_the_trainer_load_into_a_bfloat16_head(dirs):
@@ -257,7 +260,7 @@ def test_static_head_steps_draft_what_eager_steps_draft(dirs):
     embed_cfg = config(dirs, "eagle3", device="cpu")
     eager = make_proposer(embed_cfg)
     static = make_proposer(embed_cfg)
-    static_graphs = EagleProposer(static.head, static.hidden_layers, 512, 4, cuda_graphs=True, graph_batch=8)
+    static_graphs = EagleProposer(static.head, static.caps.hidden_layers, 512, 4, cuda_graphs=True, graph_batch=8)
     assert eager.graphs is None and static_graphs.graphs is not None
     assert static_graphs.graphs.buckets == (1, 2, 4, 8)
     for n in (1, 3, 11):  # 11: more than the largest bucket, so those steps run eagerly
@@ -270,7 +273,7 @@ def test_static_head_steps_draft_what_eager_steps_draft(dirs):
     batch = prompts(8, seed=91)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = Engine(load_model(dirs["target"]), CFG, num_speculative_tokens=4,
-                    hidden_layers=tuple(static_graphs.hidden_layers))
+                    hidden_layers=tuple(static_graphs.caps.hidden_layers))
     replays = static_graphs.graphs.replays
     assert run_spec(engine, static_graphs, batch, params) == plain(dirs["target"], batch, params)
     assert static_graphs.graphs.replays > replays

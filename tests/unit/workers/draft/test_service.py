@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.wait import eventually
 from tests.unit.workers.draft.loopback import draft_on_loopback
-from workers.draft.proposer import DraftInput, DraftOutput, Proposer, VerifyResult
+from workers.draft.drafter import Capabilities, Draft, DraftInput, Drafter, SamplingSpec, VerifyResult
 from workers.draft.service import DraftService
 from workers.draft.work import Requests
 from workers.speculation.convert import verify_to_pb
@@ -17,19 +17,19 @@ from workers.speculation.convert import verify_to_pb
 pytestmark = pytest.mark.unit
 
 
-class CountingProposer(Proposer):
-    method = "fake"
-    drafts_ahead = True
+class CountingProposer(Drafter):
+    caps = Capabilities("fake", drafts_ahead=True)
 
     def __init__(self):
-        self.predrafted: list[str] = []
+        self.predrafted: list[str] = []  # sequences drafted ahead: the round's branch, 2γ + 1 long (γ = 4)
         self.released: list[str] = []
 
-    def propose(self, batch):
-        return [DraftOutput(d.seq_id, d.round, list(range(d.num_tokens))) for d in batch]
+    def commit(self, seq_id, tokens, hidden_states=(), sampling=SamplingSpec()):
+        pass
 
-    def predraft(self, seq_ids, num_tokens):
-        self.predrafted.extend(seq_ids)
+    def draft(self, branches, ready=None):
+        self.predrafted.extend(b.seq_id for b in branches if b.num_tokens == 9)
+        return [Draft(list(range(b.num_tokens))) for b in branches]
 
     def verified(self, results):
         pass
@@ -122,8 +122,8 @@ def test_a_staging_that_finds_news_waiting_takes_the_news_before_staging_its_ans
     async def main(news_waiting: bool):
         oracle = OracleProposer([ref], 0.0, 1000)
         calls: list[int] = []
-        real = oracle.draft_branches
-        oracle.draft_branches = lambda branches, *ready: calls.append(len(branches)) or real(branches, *ready)
+        real = oracle.draft
+        oracle.draft = lambda branches, *ready: calls.append(len(branches)) or real(branches, *ready)
         service = DraftService(oracle, "d1")
         stream = _Stream("t1", asyncio.Queue(), pipelined=True)
         first = DraftInput("s", 0, ref[:10], 2)
@@ -147,16 +147,15 @@ def test_staged_proposals_leave_before_the_drafting_calls_last_pass():
 
     from workers.draft.oracle import OracleProposer
     from workers.draft.service import _Stream
-    from workers.draft.stager import Chain
 
     ref = list(range(100, 160))
     last_pass = threading.Event()
 
     class SlowLastPass(OracleProposer):
-        def draft_branches(self, branches, ready=None):
-            chains = super().draft_branches(branches)
+        def draft(self, branches, ready=None):
+            chains = super().draft(branches)
             if ready is not None:
-                ready([Chain(c.tokens[: b.num_tokens - 1], c.alternatives[: b.num_tokens - 1])
+                ready([Draft(c.tokens[: b.num_tokens - 1], c.alternatives[: b.num_tokens - 1])
                        for b, c in zip(branches, chains)])
                 last_pass.wait(10)  # the last pass: until the test has seen the proposals (or 10 s)
             return chains

@@ -324,7 +324,7 @@ def test_greedy_speculation_with_heads_equals_plain_decoding(target_dir, distill
     engine = Engine(load_model(target_dir), CFG, num_speculative_tokens=3 if topk == 1 else 8,
                         hidden_layers=(2,))
     proposer = HeadProposer(distilled_heads[kind], 2, tree_topk=topk, tree_depth=3)
-    assert proposer.hidden_layers == [2]
+    assert proposer.caps.hidden_layers == (2,)
     got = {}
     items = list(batch.items())
     for start in range(0, len(items), concurrent):
@@ -334,7 +334,7 @@ def test_greedy_speculation_with_heads_equals_plain_decoding(target_dir, distill
     assert counters.num_drafts > 0 and proposer.forward_calls > 0
     # lossless with drafts accepted: on average at least one per verify step (mean accepted length >= 2)
     assert counters.num_accepted_tokens >= counters.num_drafts, counters
-    assert not any(s.broken for s in proposer._seqs.values()) and len(proposer) == 0
+    assert not any(s.broken for s in proposer.seqs.values()) and len(proposer) == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
@@ -352,7 +352,7 @@ def test_sampled_chains_carry_the_distributions_they_were_drawn_from(target_dir)
     assert out.token_ids == []
     # wrong layers (EAGLE-3's three) mark the sequence: empty proposals, not guesses
     out = proposer.propose([DraftInput("u", 0, [1, 2, 3], 2, SamplingSpec(), [torch.randn(2, H)] * 3)])[0]
-    assert out.token_ids == [] and proposer._seqs["u"].broken
+    assert out.token_ids == [] and proposer.seqs["u"].broken
 
 
 def test_head_trees_hold_the_best_paths_by_cumulative_probability(target_dir):

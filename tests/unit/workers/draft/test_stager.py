@@ -7,7 +7,8 @@ import pytest
 
 from workers.draft.ngram import NgramProposer
 from workers.draft.oracle import OracleProposer
-from workers.draft.stager import Branch, Stager
+from workers.draft.drafter import Branch, Capabilities, Draft
+from workers.draft.stager import Stager
 from workers.speculation.payloads import VerifyResult
 from workers.speculation.staging import Staged
 
@@ -40,11 +41,11 @@ def test_the_oracle_stages_the_truth_after_a_wrong_draft_token_and_pays_once_per
     oracle = OracleProposer([REF], 0.0, 1000, token_cost_s=0.01)
     stager = Stager(oracle, alternatives=1)
     stager.commit("s", 0, REF[:10], gamma=2)
-    chains = oracle.draft_branches([Branch("s", (), 4, 1), Branch("s", (REF[10],), 2, 1)])
+    chains = oracle.draft([Branch("s", (), 4, 1), Branch("s", (REF[10],), 2, 1)])
     assert [c.tokens for c in chains] == [REF[10:14], REF[11:13]]
     assert slept == [pytest.approx(0.04)]  # one batched pass per depth, the deepest branch's
     oracle.error_rate = 1.0  # every token a random one: where it is wrong, the alternative is the truth
-    [chain] = oracle.draft_branches([Branch("s", (), 2, 1)])
+    [chain] = oracle.draft([Branch("s", (), 2, 1)])
     assert [a for a in chain.alternatives if a] == [[r] for t, r in zip(chain.tokens, REF[10:12]) if t != r]
 
 
@@ -67,7 +68,7 @@ def test_verdicts_move_the_proposal_in_use_and_stale_ones_are_forgotten():
 def test_ngram_branches_draft_after_the_assumed_tokens_with_alternatives():
     ngram = NgramProposer(1, 3)
     ngram.commit("s", [1, 2, 3, 9, 1, 2, 4, 1, 2])
-    [plain, branch] = ngram.draft_branches([Branch("s", (), 2, 1), Branch("s", (3,), 2, 1)])
+    [plain, branch] = ngram.draft([Branch("s", (), 2, 1), Branch("s", (3,), 2, 1)])
     assert plain.tokens == [4, 1] and plain.alternatives[0] == [3]  # "1 2" was followed by 4, before that 3
     assert branch.tokens[0] == 9  # "1 2 3" was followed by 9
 
@@ -112,27 +113,25 @@ def test_after_a_plain_step_it_stages_from_the_proposal_one_token_ahead_instead_
 def test_staged_proposals_carry_confidence_conditional_on_what_they_assume():
     """A branch drafted after a guessed bonus token carries the drafter's confidence given that token
     (the proposal is only used once it is committed), cut to the tokens streamed."""
-    from workers.draft.stager import Chain
-
     class Sure:
-        stages = True
+        caps = Capabilities("sure", stages=True)
 
-        def commit(self, seq_id, tokens): ...
+        def commit(self, seq_id, tokens, hidden_states=(), sampling=None): ...
 
         def verified(self, results): ...
 
         def release(self, seq_ids): ...
 
-        def draft_branches(self, branches):
+        def draft(self, branches):
             # first token a guess of the bonus (0.5), then three sure ones (cumulative confidence)
-            return [Chain([7, 8, 9, 10, 11][: b.num_tokens], [], [0.5, 0.5, 0.5, 0.5, 0.5][: b.num_tokens])
+            return [Draft([7, 8, 9, 10, 11][: b.num_tokens], [], [0.5, 0.5, 0.5, 0.5, 0.5][: b.num_tokens])
                     for b in branches]
 
     stager = Stager(Sure(), alternatives=0)
     stager.commit("s", 0, [1, 2, 3], gamma=2)
     [answer] = stager.answer(["s"])
     assert answer.confidence == [0.5] * len(answer.token_ids)
-    stager._seqs["s"].sent[0].chain = Chain(answer.token_ids, [])  # trimmed to its end: the branch guesses first
+    stager._seqs["s"].sent[0].chain = Draft(answer.token_ids, [])  # trimmed to its end: the branch guesses first
     staged = stager.stage(["s"])
     assert staged and all(p.confidence == [1.0] * len(p.token_ids) for p in staged)
 
@@ -144,8 +143,8 @@ def test_one_drafting_call_answers_one_sequence_and_stages_the_others(monkeypatc
     refs = [REF, list(range(300, 360))]
     oracle = OracleProposer(refs, 0.0, 1000)
     calls = []
-    real = oracle.draft_branches
-    monkeypatch.setattr(oracle, "draft_branches", lambda branches: calls.append(len(branches)) or real(branches))
+    real = oracle.draft
+    monkeypatch.setattr(oracle, "draft", lambda branches: calls.append(len(branches)) or real(branches))
     stager = Stager(oracle, alternatives=1)
     stager.commit("a", 0, refs[0][:10], gamma=2)
     stager.commit("b", 0, refs[1][:10], gamma=2)

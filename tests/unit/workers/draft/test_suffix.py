@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from workers.draft.proposer import DraftInput, VerifyResult
+from workers.draft.drafter import DraftInput, VerifyResult
 from workers.draft.suffix import SuffixConfig, SuffixProposer
 from workers.speculation.payloads import ROOT
 
@@ -153,7 +153,7 @@ def test_the_draft_worker_builds_it_from_its_flags():
     p = make_proposer(draft_config(parse_args(["--method", "suffix", "--suffix-max-depth", "16",
                                                "--suffix-spec-factor", "2", "--suffix-max-cached-nodes", "5000",
                                                "--speculative-eagle-topk", "3"])))
-    assert isinstance(p, SuffixProposer) and p.method == "suffix"
+    assert isinstance(p, SuffixProposer) and p.caps.method == "suffix"
     cfg = p.config
     assert (cfg.max_depth, cfg.spec_factor, cfg.max_cached_nodes, cfg.tree_topk) == (16, 2.0, 5000, 3)
     with pytest.raises(SystemExit, match="suffix"):
@@ -163,7 +163,7 @@ def test_the_draft_worker_builds_it_from_its_flags():
 def test_proposals_carry_the_trees_estimate_of_reaching_each_token():
     """Confidence: the product of conditional frequencies along the path, so a repeated output is
     proposed with confidence 1 and a path seen half the time with 0.5; staged chains carry it too."""
-    from workers.draft.stager import Branch
+    from workers.draft.drafter import Branch
 
     p = SuffixProposer()
     serve(p, "a", [1, 2, 3, 7, 8], TEMPLATE)
@@ -174,5 +174,5 @@ def test_proposals_carry_the_trees_estimate_of_reaching_each_token():
     assert out.token_ids[:2] == TEMPLATE[3:5] and out.confidence[:2] == [1.0, 1.0]
     assert out.confidence[2] == pytest.approx(0.5)  # after TEMPLATE[4]: 59 … once, 99 … once
     p.commit("e", [4, 5, 6, 7, 8] + TEMPLATE[:3])
-    [chain] = p.draft_branches([Branch("e", (), 2, 0)])
+    [chain] = p.draft([Branch("e", (), 2, 0)])
     assert chain.tokens == TEMPLATE[3:5] and chain.confidence == [1.0, 1.0]
