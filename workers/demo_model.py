@@ -55,33 +55,35 @@ def gguf_path() -> Path:
     raise FileNotFoundError(f"{GGUF_NAME} not found in the {PACKAGE} package")
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Move a finished temp directory into place atomically; another process may have won the race."""
-    (tmp / ".complete").write_text(_FORMAT)
+def publish(tmp: Path, final: Path, stamp: str = _FORMAT) -> None:
+    """Move a finished temp directory into place atomically, marked complete with format ``stamp``;
+    another process may have won the race (then its directory stands)."""
+    (tmp / ".complete").write_text(stamp)
     try:
         tmp.rename(final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / ".complete").exists():
+        if not ready(final, stamp):
             raise
 
 
-def _ready(path: Path) -> bool:
+def ready(path: Path, stamp: str = _FORMAT) -> bool:
+    """Whether ``path`` is a complete converted directory of format ``stamp``."""
     marker = path / ".complete"
-    return marker.exists() and marker.read_text() == _FORMAT
+    return marker.exists() and marker.read_text() == stamp
 
 
 def demo_tokenizer_dir() -> Path:
     """A directory with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json, ...)."""
     final = cache_dir() / TOKENIZER_DIR
-    if _ready(final):
+    if ready(final):
         return final
     src = gguf_path()
     log.info("extracting the demo tokenizer from %s (once)", src)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=final.parent))
     write_tokenizer_files(src, tmp)
-    _publish(tmp, final)
+    publish(tmp, final)
     return final
 
 
@@ -89,13 +91,13 @@ def prepared_demo_model() -> Path | None:
     """The demo model's cached directory when an earlier run converted it, else None (cheap: no
     torch, nothing converted)."""
     final = cache_dir() / MODEL_DIR
-    return final if _ready(final) else None
+    return final if ready(final) else None
 
 
 def demo_model_dir() -> Path:
     """A Hugging Face directory with SmolLM2-135M-Instruct in float32 plus its tokenizer."""
     final = cache_dir() / MODEL_DIR
-    if _ready(final):
+    if ready(final):
         return final
     import torch
     from safetensors.torch import save_file
@@ -119,7 +121,7 @@ def demo_model_dir() -> Path:
     for item in demo_tokenizer_dir().iterdir():
         if item.is_file() and not item.name.startswith("."):
             shutil.copy(item, tmp / item.name)
-    _publish(tmp, final)
+    publish(tmp, final)
     return final
 
 

