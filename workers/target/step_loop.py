@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from runtime.errors import EngineFailed
 from runtime.events import TOPIC_SPEC_STATS
@@ -51,7 +51,7 @@ from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..openmp import torch_thread
 from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
-from ..speculation.staging import StagedUse
+from .commands import AbortRequest, AddRequest, Command, Cycle, DraftContext, EngineCall
 from .draft_client import DraftClient
 from .draft_pool import DraftPool
 from .draft_watch import DraftWatch
@@ -61,71 +61,6 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 0.005  # pipelined: the most a step waits for the draft stream's writes (normally ~0.1 ms)
 BROKEN_AFTER = 3  # engine steps failing in a row (each on a fresh batch) mark the engine broken
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    num_speculative_tokens: int | None = None  # None: the engine's default γ
-    tree: tuple[int | None, int | None] = (None, None)  # (top-k, depth); None: the engine's setting
-    grammar: Grammar | None = None  # params.structured, compiled off the loop
-    prefill_only: bool = False  # a prefill worker's request: its last delta carries the KV handoff
-    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
-    priority: int = 0  # vLLM's (lower first), read by an engine with the priority scheduling policy
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class EngineCall:
-    """Run ``fn(engine)`` on the engine's thread between steps; its result (or exception) goes to ``future``."""
-
-    fn: Callable[[Engine], object]
-    future: asyncio.Future
-
-
-Command = AddRequest | AbortRequest | EngineCall
-
-
-@dataclass(frozen=True)
-class DraftContext:
-    """What a cycle needs of the current draft stream: its id (a change resets the engine's drafts),
-    the hidden layers it reads and the dtype it takes them in, and whether to ask it this round."""
-
-    draft_id: str
-    layers: tuple[int, ...]
-    dtype: str
-    ask: bool
-    pipelined: bool = False  # the stream's seam, fixed at its handshake: proposals streamed ahead, none awaited
-    plane: object = None  # the hidden-state data plane's writer (workers.speculation.hidden_plane); None: inline
-    # pipelined, a draft that reads no hidden states: sends requests (converted) on the stream from the
-    # engine's thread, ahead of the cycle's news (new requests' prompts, before their prefill)
-    early: Callable[[list], None] | None = None
-
-
-@dataclass
-class Cycle:
-    """What one cycle on the engine's thread produced."""
-
-    results: list[tuple[Command, object, BaseException | None]] = field(default_factory=list)
-    outputs: list[tuple[str, TokenDelta]] = field(default_factory=list)
-    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # requests to fail, and why
-    stepped: bool = False
-    decode_seconds: float = 0.0  # the step, when it was a decode/verify step (the draft's pace)
-    verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome
-    released: list[str] = field(default_factory=list)
-    requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
-    dropped: int = 0  # proposals the engine refused as malformed this step
-    staged: StagedUse = field(default_factory=StagedUse)  # pipelined: what this cycle saw of streamed proposals
-    kv_events: list[KvEvent] = field(default_factory=list)
-    has_work: bool = False
-    handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)
 
 
 class StepLoop:
