@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from .layers import Linear
 from .model import DecoderModel
+from .quant_formats import awq_tensors, gptq_tensors, pack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ PROJECTIONS = {  # our projection -> (its parent under a layer, the checkpoint n
     "down_proj": ("mlp", ("down_proj",)),
 }
 _PART = {part: (parent, proj) for proj, (parent, parts) in PROJECTIONS.items() for part in parts}
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column AWQ puts in nibble k of a word
-_AWQ_UNDO = torch.tensor([AWQ_ORDER.index(j) for j in range(8)])  # column j's nibble
 
 
 @dataclass(frozen=True)
@@ -272,40 +271,6 @@ class Q4_1Weight(QuantWeight):
         return Q4_1Weight(self.qs[index], self.d[index], self.m[index])
 
 
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[out, in] integers in 0..15 → uint8 [out, in/2], the even input in the low nibble."""
-    q = q.to(torch.uint8).view(q.shape[0], -1, 2)
-    return (q[..., 0] | (q[..., 1] << 4)).contiguous()
-
-
-def _unpack_int32(x: torch.Tensor) -> torch.Tensor:
-    """int32 [..., n] → nibbles [..., n, 8], nibble k = bits 4k..4k+3."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return (x.unsqueeze(-1) >> shifts) & 0xF
-
-
-def awq_tensors(qweight, qzeros, scales, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AWQ GEMM tensors → (q [out, in], zeros [out, in/g], scales [out, in/g]) as integers/floats."""
-    q = _unpack_int32(qweight)[..., _AWQ_UNDO].reshape(qweight.shape[0], -1)  # [in, out]
-    z = _unpack_int32(qzeros)[..., _AWQ_UNDO].reshape(qzeros.shape[0], -1)  # [in/g, out]
-    if q.shape[0] != z.shape[0] * group or scales.shape != z.shape:
-        raise ValueError(f"awq: shapes qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                         f"scales {tuple(scales.shape)} do not fit group size {group}")
-    return q.T, z.T, scales.T
-
-
-def gptq_tensors(qweight, qzeros, scales, g_idx, group: int):
-    """GPTQ v1 tensors → (q [out, in], zeros [out, in/g], scales [out, in/g], groups [in])."""
-    q = _unpack_int32(qweight.T).reshape(qweight.shape[1], -1)  # [out, in]: word r holds inputs 8r..8r+7
-    z = _unpack_int32(qzeros).reshape(qzeros.shape[0], -1) + 1  # [in/g, out]; v1 stores zero - 1
-    if g_idx is None:
-        g_idx = torch.arange(q.shape[1]) // group
-    if scales.shape != z.shape or g_idx.shape[0] != q.shape[1] or int(g_idx.max()) >= z.shape[0]:
-        raise ValueError(f"gptq: shapes qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                         f"scales {tuple(scales.shape)} do not fit group size {group}")
-    return q, z.T, scales.T, g_idx.long()
-
-
 def prepare(model: DecoderModel) -> None:
     """Drop the dense weights of the layers' projections (still on the meta device): their quantized
     weights come from :func:`load`."""
@@ -401,7 +366,7 @@ def _fused(scheme: QuantScheme, parts: list[dict[str, torch.Tensor]], where: str
     if bool((groups[1:] < groups[:-1]).any()):  # act order: store the inputs sorted by group
         perm = torch.argsort(groups, stable=True)
         q, groups = q[:, perm], groups[perm]
-    weight = Int4Weight(_pack_nibbles(q), torch.cat(ss).contiguous(),
+    weight = Int4Weight(pack_nibbles(q), torch.cat(ss).contiguous(),
                         torch.cat(zs).to(torch.uint8).contiguous(), groups.contiguous(), perm)
     return _Fused(weight, tuple(q.shape))
 
@@ -484,7 +449,7 @@ def quantize_weight(w: torch.Tensor, method: str, group: int = 128) -> QuantWeig
     scales = ((hi - lo) / 15).clamp(min=1e-8).half()
     zeros = (-lo / scales.float()).round().clamp(0, 15)
     q = (wg / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15).view(n, k)
-    return Int4Weight(_pack_nibbles(q), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
+    return Int4Weight(pack_nibbles(q), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
                       torch.arange(k, device=w.device) // group)
 
 

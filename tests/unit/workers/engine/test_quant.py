@@ -16,7 +16,8 @@ from runtime.messages import SamplingParams
 from tests.support.quant import AWQ_ORDER, pack_awq, pack_gptq, read_fp8_reference, write_fp8, write_int4
 from tests.support.tiny_models import hf_greedy
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.quant import Fp8Weight, Int4Weight, QuantScheme, awq_tensors, gptq_tensors, weight_bytes
+from workers.engine.quant import Fp8Weight, Int4Weight, QuantScheme, weight_bytes
+from workers.engine.quant_formats import awq_tensors, gptq_tensors
 from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
