@@ -52,9 +52,10 @@ def measure(steps: int, threads: int, two_threads: bool) -> dict:
     from runtime.messages import SamplingParams
     from workers.engine.build import build_engine
     from workers.speculation.payloads import DraftOutput
-    from workers.target.__main__ import TargetConfig
+    from workers.engine.target_config import TargetConfig
 
-    cfg = TargetConfig(str(tiny_target()), "bench", hidden_layers="none", threads=threads, load_aware=False)
+    cfg = TargetConfig(model=str(tiny_target()), served_model_name="bench", threads=threads,
+                       spec={"hidden_layers": "none", "load_aware": False})
     engine = build_engine(cfg, "bench")  # on this thread; stepped here too unless two_threads
     prompt = list(range(1000, 1020))
     params = SamplingParams(temperature=0, max_tokens=steps * (DRAFTED + 1) + 10, ignore_eos=True)

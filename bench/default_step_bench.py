@@ -48,11 +48,13 @@ LAYERS = (0, 1, 2)
 
 def engines(model: str, aa: bool):
     from workers.engine.build import build_engine
-    from workers.target.__main__ import TargetConfig
+    from workers.engine.target_config import TargetConfig
 
-    plain = build_engine(TargetConfig(model, "bench", hidden_layers="none", threads=1), "plain")
+    plain = build_engine(TargetConfig(model=model, served_model_name="bench", threads=1,
+                                      spec={"hidden_layers": "none"}), "plain")
     layers = "none" if aa else ",".join(map(str, LAYERS))
-    spec = build_engine(TargetConfig(model, "bench", hidden_layers=layers, threads=1), "default")
+    spec = build_engine(TargetConfig(model=model, served_model_name="bench", threads=1,
+                                     spec={"hidden_layers": layers}), "default")
     return plain, spec
 
 

@@ -199,8 +199,8 @@ async def serve(out: dict, args) -> None:
     stack = Stack("disaggbench")
     try:
         # no prefix caching: each pass computes (or pulls) every prompt in full, whatever ran before it
-        spec = ["--num-speculative-tokens", "3", "--no-load-aware-speculation", "--propose-min-wait", "0.3",
-                "--no-prefix-caching"]
+        spec = ["--num-speculative-tokens", "3", "--speculative-config",
+                '{"load_aware": false, "propose_min_wait": 0.3}', "--no-prefix-caching"]
         stack.spawn("prefill", *worker_args(model, "--role", "prefill", "--no-prefix-caching"))
         stack.spawn("decode", *worker_args(model, "--role", "decode", *spec))
         stack.spawn("draft", "workers.draft", "--method", "eagle3", "--eagle-model", str(DEMO_HEAD), "--target-model",

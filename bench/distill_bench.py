@@ -4,7 +4,8 @@ prompts in the same order; acceptance length per window of requests over time, e
 (the trainer's cost included: it shares the machine), and what the trainer did.
 
 Usage: .venv/bin/python bench/distill_bench.py [--requests 400] [--window 100] [--concurrency 4]
-       [--max-tokens 64] [--modes off,on] [--load-aware] [--distill-args "--distill-eval-every 10"]
+       [--max-tokens 64] [--modes off,on] [--load-aware]
+       [--distill-args "--distill-config '{\"eval_every\": 10}'"]
        [--dump outputs.json]
 
 The workload (``bench/prompts/lumen_support.json``, written by hand for this): customer-support
@@ -12,7 +13,7 @@ messages to a fictional smart-lamp company under a fixed system prompt, 40 issue
 seeded shuffled order, so no prompt repeats within 400 requests. The bundled head was trained on
 ``tandem train-draft``'s template generator (explanations of general topics), which has no such
 domain, product names or support register. Greedy, every output of ``on`` checked equal to ``off``'s.
-By default the target runs with ``--no-load-aware-speculation`` so that every decode step asks for a
+By default the target runs with ``--speculative-config '{"load_aware": false}'`` so that every decode step asks for a
 draft and the acceptance figures rest on every step (``--load-aware`` keeps the default planner).
 """
 
@@ -65,7 +66,7 @@ async def draft_metrics(address: str) -> dict[str, float]:
 
 async def run(mode: str, prompts: list[list[int]], args, etcd, nats_server, target: Path) -> dict:
     env = env_for(etcd, nats_server, f"distill-{mode}")
-    target_flags = [] if args.load_aware else ["--no-load-aware-speculation"]
+    target_flags = [] if args.load_aware else ["--speculative-config", '{"load_aware": false}']
     distill = ["--online-distill", *shlex.split(args.distill_args)] if mode == "on" else []
     procs = [ManagedProcess("workers.target", ["--model", str(target), "--max-num-seqs", "64", *target_flags], env,
                             name=f"target-{mode}").start(),
@@ -160,7 +161,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-aware", action="store_true", help="keep the target's load-aware planner on")
     ap.add_argument("--dump", default=None, help="write the prompts and every mode's outputs here (JSON)")
-    ap.add_argument("--distill-args", default="", help="extra draft-worker flags for mode on (e.g. --distill-lr 3e-4)")
+    ap.add_argument("--distill-args", default="",
+                    help="extra draft-worker flags for mode on (e.g. --distill-config '{\"lr\": 3e-4}')")
     asyncio.run(amain(ap.parse_args()))
 
 

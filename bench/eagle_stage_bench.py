@@ -11,8 +11,8 @@ Each request runs alone (batch 1), greedy, on hand-written chat (``bench/prompts
 ``bench/prompts/repetitive.jsonl``, with the n-gram draft's defaults, 1 to 4 tokens).
 ``sync``: each step verifies the proposal the head drafted from everything committed before it (the
 synchronous seam with the draft's answer always in time: its ceiling). ``pipelined:L:A``: the target
-never waits; the stager (:mod:`workers.draft.stager`, ``A`` = ``--stage-alternatives``) drafts from
-each step's news (commits with their hidden rows, verdicts) exactly as the draft service does, and
+never waits; the stager (:mod:`workers.draft.stager`, ``A`` = ``--speculative-config``'s
+``stage_alternatives``) drafts from each step's news (commits with their hidden rows, verdicts) exactly as the draft service does, and
 what it drafts reaches the target ``L`` steps later (L = 1: the draft answers within one target
 step, as on a target slower than its draft; an answer can never come sooner, since the target does
 not wait for it). Reported per run: tokens emitted / target steps (the prefill's token included),

@@ -166,8 +166,8 @@ if wanted served; then
             --json "$OUT/served-default.json"
         run served-eagle3 "$(cap 150)" fig_served -- "$PY" bench/served_bench.py "${SERVED[@]}" \
             --spec-args=--no-load-aware-speculation --json "$OUT/served-eagle3.json"
-        # the same with the head staging for the pipelined seam (the draft worker's --eagle-pipelined)
-        run served-eagle3-pipelined "$(cap 150)" fig_served -- env TANDEM_EAGLE_PIPELINED=1 "$PY" \
+        # the same with the head staging for the pipelined seam (--speculative-config's eagle_pipelined)
+        run served-eagle3-pipelined "$(cap 150)" fig_served -- env 'TANDEM_SPECULATIVE_CONFIG={"eagle_pipelined": true}' "$PY" \
             bench/served_bench.py "${SERVED[@]}" --spec-args=--no-load-aware-speculation \
             --json "$OUT/served-eagle3-pipelined.json"
         # the same head on the CPU: on one GPU the target and the draft worker are two CUDA contexts the

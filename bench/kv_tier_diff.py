@@ -6,8 +6,8 @@ Usage: .venv/bin/python bench/kv_tier_diff.py [--prompts 200] [--host-gb 0.005,0
 Two parts, both CPU float32 with the demo model (SmolLM2-135M-Instruct):
 
 - ``--served``: issue 53's repro through ``tandem up`` (two stacks side by side: ``--draft-method none
-  --kv-cache-gb 0.035 --max-model-len 640``, one with ``--kv-offload-host-gb 0.01
-  --kv-offload-disk-dir DIR`` (14 host rows), one without tiers). A 496-token prompt (31 blocks
+  --kv-cache-gb 0.035 --max-model-len 640``, one with ``--kv-offload-config
+  '{"host_gb": 0.01, "disk_dir": DIR}'`` (14 host rows), one without tiers). A 496-token prompt (31 blocks
   stored in one step: more than the host tier's rows), three unrelated prompts, then a 199-token
   prompt sharing its first 11 blocks, ``/v1/completions`` with token-id prompts, temperature 0. Then
   the tiered stack is restarted on the same directory and the last prompt sent again (blocks come
@@ -182,7 +182,7 @@ def served(args) -> dict:
     short = long[:176] + ids[-23:]  # 199 tokens: 11 blocks shared, then its own
     common = ["--draft-method", "none", "--kv-cache-gb", "0.035", "--max-model-len", "640"]
     directory = Path(tempfile.mkdtemp(prefix="kv-tier-served-"))
-    tiered_flags = [*common, "--kv-offload-host-gb", "0.01", "--kv-offload-disk-dir", str(directory)]
+    tiered_flags = [*common, "--kv-offload-config", json.dumps({"host_gb": 0.01, "disk_dir": str(directory)})]
 
     def ask(client, stack, prompt):
         r = client.post(f"{stack.url}/v1/completions", json={"model": stack.model, "prompt": prompt,

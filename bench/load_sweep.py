@@ -10,8 +10,8 @@ Usage: .venv/bin/python bench/load_sweep.py [--concurrency 1,2,4,8,16,32] [--max
 The demo target (SmolLM2-135M) and a draft worker (default: the bundled EAGLE-3 head, ``make run``'s)
 run as real processes over etcd, NATS and gRPC, one pair per mode in its own namespace (so every mode
 has its own warm target): ``default`` runs the target with no speculation flags (``make run``'s
-settings), ``adaptive`` ``--no-load-aware-speculation``, ``fixed`` that and
-``--no-adaptive-speculation``; ``off`` is the default target with γ = 0 per request (its draft worker
+settings), ``adaptive`` ``--speculative-config '{"load_aware": false}'``, ``fixed`` that and
+``"adaptive": false``; ``off`` is the default target with γ = 0 per request (its draft worker
 sits idle). Prompts: ``natural`` = the hand-written chat prompts of ``bench/prompts/natural_chat.jsonl``
 (not the train-draft generator's), ``topics`` = "Explain X in a short paragraph." for 16 topics. At
 each concurrency c every mode in turn serves
@@ -50,8 +50,8 @@ TOPICS = ["the water cycle", "how vaccines work", "the history of the printing p
 MODES = {"off": ("default", 0), "fixed": ("fixed", None), "adaptive": ("adaptive", None),
          "default": ("default", None), "load_aware": ("default", None),  # load_aware: the default's old name
          "off_again": ("default", 0)}  # an A/A control: "off" run twice, so the table shows the noise floor
-TARGET_FLAGS = {"fixed": ["--no-adaptive-speculation", "--no-load-aware-speculation"],
-                "adaptive": ["--no-load-aware-speculation"], "default": []}
+TARGET_FLAGS = {"fixed": ["--speculative-config", '{"adaptive": false, "load_aware": false}'],
+                "adaptive": ["--speculative-config", '{"load_aware": false}'], "default": []}
 
 
 def chat_prompts(tok, prompt_set: str) -> list[list[int]]:

@@ -13,11 +13,11 @@ that the draft seam, not the verify pass, decides what speculation costs (with e
 "--draft-method ngram --no-load-aware-speculation"``). ``--tiny-eagle3`` gives the speculative stack
 an EAGLE-3 head with random weights built to match that target (``--draft-method eagle3
 --draft-model DIR``, the default draft method, saved under the cache; the target offers it layers 0, 1
-and 2 through ``TANDEM_HIDDEN_LAYERS``): its drafts are nearly never
+and 2 through ``TANDEM_SPECULATIVE_CONFIG``'s hidden_layers): its drafts are nearly never
 accepted, so with the default (load-aware) policy the speculative stack should cost what the plain one
 does. ``--spec-seam`` sets the speculative stack's
-target seam (``TANDEM_SPEC_SEAM``), ``--draft-lane`` whether its draft stream's messages take the fast
-lane (``TANDEM_DRAFT_LANE``). The speculative stack's target is scraped (``/metrics``) after the
+target seam (``TANDEM_SPECULATIVE_CONFIG``'s seam), ``--draft-lane`` whether its draft stream's messages
+take the fast lane (its draft_lane). The speculative stack's target is scraped (``/metrics``) after the
 warm-up and at the end: the share of its busy time spent waiting on drafts over the measured rounds
 (``tandem_target_draft_wait_seconds_total`` / ``tandem_target_busy_seconds_total``) is reported, and
 on the pipelined seam how many sequence steps with streamed proposals found one that fits and how
@@ -382,11 +382,13 @@ def run(args: argparse.Namespace) -> dict:
     model = ["--model", str(tiny_target())] if args.tiny_target else []
     if args.tiny_eagle3:
         spec_extra = ["--draft-method", "eagle3", "--draft-model", str(tiny_eagle3_head(tiny_target())), *spec_extra]
-    seam = {"TANDEM_SPEC_SEAM": args.spec_seam} if args.spec_seam else {}
+    keys = {"seam": args.spec_seam} if args.spec_seam else {}
     if args.draft_lane:
-        seam["TANDEM_DRAFT_LANE"] = args.draft_lane
+        keys["draft_lane"] = args.draft_lane
     if args.tiny_eagle3:  # a 2-layer target offers only its last layer by default; the head reads three
-        seam["TANDEM_HIDDEN_LAYERS"] = "0,1,2"
+        keys["hidden_layers"] = "0,1,2"
+    # beneath the launcher's own --speculative-config, key by key
+    seam = {"TANDEM_SPECULATIVE_CONFIG": json.dumps(keys)} if keys else {}
     stacks = {"plain": Stack("plain", model + ["--draft-method", "none"], args.startup_timeout),
               "spec": Stack("spec", model + spec_extra, args.startup_timeout, seam)}
     waits: dict[str, dict] = {}
@@ -510,10 +512,10 @@ def main() -> None:
                     help="with --tiny-target: the speculative stack drafts with a random-weight EAGLE-3 head built "
                          "for that target (drafts nearly never accepted)")
     ap.add_argument("--spec-seam", choices=["sync", "pipelined"], default=None,
-                    help="the speculative stack's target seam (TANDEM_SPEC_SEAM; default: the target's default)")
+                    help="the speculative stack's target seam (--speculative-config's seam; default: the target's default)")
     ap.add_argument("--draft-lane", choices=["auto", "off"], default=None,
                     help="the speculative stack's target: its draft stream's messages on a Unix socket (auto) or on "
-                         "gRPC (off) (TANDEM_DRAFT_LANE; default: the target's default, auto)")
+                         "gRPC (off) (--speculative-config's draft_lane; default: the target's default, auto)")
     args = ap.parse_args()
     if args.tiny_target and args.prompts_file == DEFAULT_PROMPTS:
         args.prompts_file = str(ROOT / "bench" / "prompts" / "repetitive.jsonl")

@@ -268,7 +268,7 @@ async def amain(args) -> None:
     etcd, nats_server = start_servers()
     env = env_for(etcd, nats_server, "bench")
     def start_target(adaptive: bool) -> ManagedProcess:
-        flags = [] if adaptive else ["--no-adaptive-speculation"]
+        flags = [] if adaptive else ["--speculative-config", '{"adaptive": false}']
         return ManagedProcess("workers.target", ["--model", str(target), "--num-speculative-tokens", str(gamma),
                                                  "--max-num-seqs", "4", *flags], env, name="target").start()
 
@@ -285,7 +285,7 @@ async def amain(args) -> None:
             base = ["--block-size", "16", "--num-blocks", "512"]
             setups = (("n-gram prompt lookup (c ≈ 0)", ["--method", "ngram"], 0.0),
                       ("draft model, no overlap", ["--method", "draft_model", "--draft-model", str(draft), *base,
-                                                   "--no-overlap"], c),
+                                                   "--speculative-config", '{"overlap": false}'], c),
                       ("draft model, overlap", ["--method", "draft_model", "--draft-model", str(draft), *base], c))
             if args.eagle3:
                 setups = setups + (("EAGLE-3 head trained by `tandem train-draft`",
@@ -311,8 +311,9 @@ async def amain(args) -> None:
             refs.write_text(json.dumps([p + o for p, o in zip(prompts, plain["outputs"])]))
             sweep = []
             for err in args.sweep:
-                r = await with_draft(rt, env, ["--method", "oracle", "--oracle-file", str(refs), "--oracle-error-rate",
-                                               str(err)], prompts, args.max_tokens, gamma)
+                oracle = {"oracle_file": str(refs), "oracle_error_rate": err}
+                r = await with_draft(rt, env, ["--method", "oracle", "--speculative-config", json.dumps(oracle)],
+                                     prompts, args.max_tokens, gamma)
                 sweep.append((err, r))
                 print(f"oracle error {err}: {r['tokens_per_s']:.1f} tok/s, α={r['alpha']:.2f}", flush=True)
             # The oracle again, now with an emulated draft cost c per token: drafting ahead vs not.
@@ -320,10 +321,9 @@ async def amain(args) -> None:
             costed = []
             for err in args.costed_sweep:
                 for overlap in (False, True):
-                    flags = [] if overlap else ["--no-overlap"]
-                    r = await with_draft(rt, env, ["--method", "oracle", "--oracle-file", str(refs),
-                                                   "--oracle-error-rate", str(err), "--oracle-token-cost-ms",
-                                                   f"{args.cost * ms_per_token:.2f}", *flags],
+                    oracle = {"oracle_file": str(refs), "oracle_error_rate": err,
+                              "oracle_token_cost_ms": round(args.cost * ms_per_token, 2), "overlap": overlap}
+                    r = await with_draft(rt, env, ["--method", "oracle", "--speculative-config", json.dumps(oracle)],
                                          prompts, args.max_tokens, gamma)
                     costed.append((err, overlap, r))
                     print(f"oracle error {err}, c={args.cost}, overlap={overlap}: {r['tokens_per_s']:.1f} tok/s, "

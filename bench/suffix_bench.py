@@ -106,7 +106,7 @@ async def amain(args) -> None:
 
     etcd, nats_server = start_servers()
     env = env_for(etcd, nats_server, "suffix-bench")
-    tree = ["--speculative-eagle-topk", str(args.tree_topk)] if args.tree_topk > 1 else []
+    tree = ["--speculative-config", f'{{"eagle_topk": {args.tree_topk}}}'] if args.tree_topk > 1 else []
     procs = []
     for name, method in (("smol-a", "ngram"), ("smol-b", "suffix")):
         procs.append(ManagedProcess("workers.target", [

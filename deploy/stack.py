@@ -8,11 +8,13 @@ a pure function, turns a :class:`StackConfig` plus the ports chosen for each com
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, replace
 
-from workers.draft.methods import DTYPES as DRAFT_DTYPES
-from workers.draft.methods import HEAD_METHODS, METHODS
+from workers.speculation.methods import DTYPES as DRAFT_DTYPES
+from workers.speculation.methods import HEAD_METHODS, METHODS
+from workers.speculation.spec_config import SpeculativeConfig
 
 DRAFT_METHODS = (*METHODS, "none")  # none: no draft workers (the targets decode plainly)
 ROUTER_MODES = ("kv", "round_robin", "random")
@@ -34,7 +36,7 @@ class StackConfig:
     speculative_num_steps: int | None = None  # draft trees: depth; None: the worker's
     draft_device: str = "auto"  # where model-based drafts run: auto (cuda when a GPU is visible), cpu, cuda[:N]
     draft_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
-    load_aware: bool = True  # False: targets get --no-load-aware-speculation
+    load_aware: bool = True  # False: the workers' --speculative-config gets load_aware false
     targets: int = 1
     tensor_parallel_size: int = 1  # ranks (processes, devices) per target worker
     drafts: int | None = None  # None: 1 for a real model (0 with --draft-method none), 0 for --mock
@@ -54,7 +56,9 @@ class StackConfig:
     # flags passed through as given (their definitions: workers.target.flags, frontend.flags)
     engine_args: tuple[str, ...] = ()  # to every target and prefill worker (--max-model-len 2048 ...)
     frontend_args: tuple[str, ...] = ()  # to the frontend (--tool-call-parser hermes ...)
-    draft_args: tuple[str, ...] = ()  # to every draft worker (--ngram-max 3, from --speculative-config)
+    # --speculative-config's keys that no launcher flag carries, as JSON: to every target and draft worker
+    # (each reads its own: workers/speculation/spec_config.py)
+    speculative_keys: str = "{}"
     api_keys: tuple[str, ...] = ()  # the frontend's --api-key values (passed in its environment, not its argv)
 
     def __post_init__(self) -> None:
@@ -112,9 +116,10 @@ class StackConfig:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
         if self.mock and self.drafts:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
-        if self.draft_args and not self.num_drafts:
-            raise ValueError("--speculative-config's prompt_lookup_max/min are the draft workers' and this stack runs "
-                             "none (--mock, --drafts 0 or --draft-method none)")
+        drafts_only = self.speculative.draft_only_keys()
+        if drafts_only and not self.num_drafts:
+            raise ValueError(f"--speculative-config's {', '.join(drafts_only)} are the draft workers' keys and this "
+                             f"stack runs none (--mock, --drafts 0 or --draft-method none)")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not (self.draft_device in ("auto", "cpu", "cuda") or
@@ -122,6 +127,29 @@ class StackConfig:
             raise ValueError(f"--draft-device must be auto, cpu, cuda or cuda:N, got {self.draft_device!r}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        """The keys passed on to the workers, with the launcher's flags read onto them."""
+        keys = json.loads(self.speculative_keys)
+        keys.update({key: value for key, value in (("eagle_topk", self.speculative_eagle_topk),
+                                                   ("num_steps", self.speculative_num_steps)) if value is not None})
+        if not self.load_aware:
+            keys["load_aware"] = False
+        return SpeculativeConfig(**keys)
+
+    def worker_speculative_config(self) -> list[str]:
+        """``--speculative-config`` as every target and draft worker of the stack gets it (none: nothing
+        to say). A stack whose drafts read no hidden states has its targets keep none (their per-slot
+        store would only take KV blocks); a γ above a draft's own cap raises the cap."""
+        spec = self.speculative
+        keys = spec.given()
+        if self.draft_method not in HEAD_METHODS and "hidden_layers" not in keys:
+            keys["hidden_layers"] = "none"
+        gamma = self.num_speculative_tokens
+        if gamma is not None and gamma > spec.max_num_speculative_tokens and "max_num_speculative_tokens" not in keys:
+            keys["max_num_speculative_tokens"] = gamma
+        return ["--speculative-config", json.dumps(keys, sort_keys=True)] if keys else []
 
     @property
     def num_drafts(self) -> int:
@@ -175,13 +203,7 @@ def draft_component(config: StackConfig, model_path: str | None, index: int, por
         args += ["--draft-model", config.draft_model]
     if config.draft_method in ("draft_model", *HEAD_METHODS):  # on the GPU reserved for it, where there is one
         args += ["--device", config.draft_device, "--dtype", config.draft_dtype]
-    if config.num_speculative_tokens is not None:
-        args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-    if config.speculative_eagle_topk is not None:
-        args += ["--speculative-eagle-topk", str(config.speculative_eagle_topk)]
-    if config.speculative_num_steps is not None:
-        args += ["--speculative-num-steps", str(config.speculative_num_steps)]
-    args += config.draft_args
+    args += config.worker_speculative_config()
     return Component(f"draft-{index}", "draft", "workers.draft", tuple(args), port, gpu=True)
 
 
@@ -203,12 +225,9 @@ def target_component(config: StackConfig, model_path: str | None, index: int, po
     args += ["--served-model-name", *names, "--health-port", str(port), *config.engine_args]
     if config.num_speculative_tokens is not None:
         args += ["--num-speculative-tokens", str(config.num_speculative_tokens)]
-    if not config.load_aware:
-        args += ["--no-load-aware-speculation"]
+    args += config.worker_speculative_config()
     if config.tensor_parallel_size > 1:  # the worker starts its other ranks itself
         args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
-    if config.draft_method not in HEAD_METHODS:  # no draft of this stack reads hidden states:
-        args += ["--hidden-layers", "none"]  # their per-slot store would only take KV blocks
     if config.prefill_workers:
         args += ["--role", "prefill" if kind == "prefill" else "decode"]
     return Component(f"{kind}-{index}", kind, "workers.target", tuple(args), port, gpu=True)

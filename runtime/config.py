@@ -13,6 +13,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from pydantic import Field
+
+from .settings import Group, parse_group
+
 # gRPC's C core logs every failed TLS handshake at INFO on stderr, beside (and before) our own one
 # line about it; its errors it still logs. An operator's GRPC_VERBOSITY wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -136,6 +140,14 @@ class RuntimeConfig:
                             user=user, password=password)
 
 
+RETIRED_RUNTIME_FLAGS = {
+    **{f"--nats-{key.replace('_', '-')}": f"use --nats-security '{{\"{key}\": ...}}' or TANDEM_NATS_{key.upper()}"
+       for key in ("tls_ca", "tls_cert", "tls_key", "creds", "nkey")},
+    **{f"--etcd-{key.replace('_', '-')}": f"use --etcd-security '{{\"{key}\": ...}}' or TANDEM_ETCD_{key.upper()}"
+       for key in ("tls_ca", "tls_cert", "tls_key", "user", "password")},
+}
+
+
 def add_runtime_args(parser) -> None:
     """Add the flags every service shares to an ``argparse`` parser."""
     parser.add_argument("--etcd", default=None, help=f"etcd URL (env TANDEM_ETCD, default {DEFAULT_ETCD})")
@@ -146,22 +158,20 @@ def add_runtime_args(parser) -> None:
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /live, /health and /metrics on this port (0: any free port; default: off)")
     parser.add_argument("--health-host", default=None, help="address for the health port (default 127.0.0.1)")
-    for flag, what in (("--nats-tls-ca", "CA (PEM) that signed the NATS server's certificate: connect over TLS"),
-                       ("--nats-tls-cert", "client certificate (PEM) for NATS mutual TLS"),
-                       ("--nats-tls-key", "its key (PEM)"),
-                       ("--nats-creds", "NATS user credentials file (JWT + NKEY)"),
-                       ("--nats-nkey", "NATS NKEY seed file")):
-        env = "TANDEM_" + flag[2:].upper().replace("-", "_")
-        parser.add_argument(flag, default=None, help=f"{what} (env {env}); a token or user:password go in the NATS URL")
-    for flag, what in (("--etcd-tls-ca", "CA (PEM) that signed etcd's certificate: connect over TLS "
-                                         "(https:// in the etcd URL alone uses the system's CAs)"),
-                       ("--etcd-tls-cert", "client certificate (PEM) for etcd mutual TLS"),
-                       ("--etcd-tls-key", "its key (PEM)"),
-                       ("--etcd-user", "etcd user (auth enabled on etcd)"),
-                       ("--etcd-password", "that user's password, or @FILE to read it from a file "
-                                           "(prefer the environment: flags show in ps)")):
-        env = "TANDEM_" + flag[2:].upper().replace("-", "_")
-        parser.add_argument(flag, default=None, help=f"{what} (env {env})")
+    parser.add_argument("--nats-security", default=None, metavar="JSON",
+                        help="NATS TLS and credentials as JSON (or @FILE): tls_ca (the CA, PEM, that signed the "
+                             "server's certificate: connect over TLS), tls_cert and tls_key (a client certificate "
+                             "and its key, PEM, for mutual TLS), creds (a user credentials file, JWT + NKEY), nkey "
+                             "(an NKEY seed file); a token or user:password go in the NATS URL. Each key also reads "
+                             "from TANDEM_NATS_<KEY> (e.g. TANDEM_NATS_TLS_CA)")
+    parser.add_argument("--etcd-security", default=None, metavar="JSON",
+                        help="etcd TLS and auth as JSON (or @FILE): tls_ca (the CA, PEM, that signed etcd's "
+                             "certificate: connect over TLS; https:// in the etcd URL alone uses the system's CAs), "
+                             "tls_cert and tls_key (a client certificate and its key, PEM, for mutual TLS), user, "
+                             "password (or @FILE to read it from a file; prefer TANDEM_ETCD_PASSWORD: flags show in "
+                             "ps). Each key also reads from TANDEM_ETCD_<KEY>")
+    if isinstance(parser, EnvParser):
+        parser.retire(RETIRED_RUNTIME_FLAGS)
     parser.add_argument("--connect-timeout", type=float, default=None,
                         help="seconds to keep trying NATS and etcd at start-up before exiting with an error "
                              "(env TANDEM_CONNECT_TIMEOUT, default 30)")
@@ -187,7 +197,23 @@ class EnvParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         self.options: list[argparse.Action] = []
         self.subcommands: dict[str, EnvParser] = {}
+        self.retired: dict[str, str] = {}
         super().__init__(*args, **kwargs)
+
+    def retire(self, flags: Mapping[str, str]) -> None:
+        """Flags this parser no longer has, each with where its setting went: given one, the parser
+        exits with one line saying so (not argparse's bare "unrecognized arguments")."""
+        self.retired.update(flags)
+
+    def parse_known_args(self, args=None, namespace=None):
+        import sys
+
+        words = sys.argv[1:] if args is None else list(args)
+        for word in words:
+            flag = word.partition("=")[0]
+            if flag in self.retired:
+                self.error(f"{flag} was retired: {self.retired[flag]}")
+        return super().parse_known_args(args, namespace)
 
     def _keep(self, add):
         def add_argument(*args, **kwargs):
@@ -288,17 +314,39 @@ def _help_with_env(action: argparse.Action, name: str) -> str:
     return f"{text} ({'; '.join(extra)})" if text else "; ".join(extra)
 
 
+class NatsSecurity(Group):
+    """``--nats-security``: TLS and credentials towards NATS."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    creds: str | None = None
+    nkey: str | None = None
+
+
+class EtcdSecurity(Group):
+    """``--etcd-security``: TLS and auth towards etcd."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    user: str | None = None
+    password: str | None = Field(None, repr=False)
+
+
 def config_from_args(args, **overrides) -> RuntimeConfig:
-    """Build the runtime config from parsed :func:`add_runtime_args` flags."""
+    """Build the runtime config from parsed :func:`add_runtime_args` flags (a security key the flag's
+    JSON leaves out reads from its ``TANDEM_NATS_<KEY>`` / ``TANDEM_ETCD_<KEY>`` variable)."""
+    nats = parse_group(NatsSecurity, "--nats-security", getattr(args, "nats_security", None),
+                       flag_env("--nats-security"))
+    etcd = parse_group(EtcdSecurity, "--etcd-security", getattr(args, "etcd_security", None),
+                       flag_env("--etcd-security"))
     return RuntimeConfig.from_env(
         etcd_url=args.etcd, nats_url=args.nats, namespace=args.namespace, lease_ttl=args.lease_ttl,
         health_port=args.health_port, health_host=args.health_host,
-        nats_tls_ca=getattr(args, "nats_tls_ca", None), nats_tls_cert=getattr(args, "nats_tls_cert", None),
-        nats_tls_key=getattr(args, "nats_tls_key", None), nats_creds=getattr(args, "nats_creds", None),
-        nats_nkey=getattr(args, "nats_nkey", None),
-        etcd_tls_ca=getattr(args, "etcd_tls_ca", None), etcd_tls_cert=getattr(args, "etcd_tls_cert", None),
-        etcd_tls_key=getattr(args, "etcd_tls_key", None), etcd_user=getattr(args, "etcd_user", None),
-        etcd_password=_read_at_file(getattr(args, "etcd_password", None)),
+        **{f"nats_{key}": value for key, value in nats.model_dump().items()},
+        **{f"etcd_{key}": value for key, value in etcd.model_dump().items() if key != "password"},
+        etcd_password=_read_at_file(etcd.password),
         connect_timeout=args.connect_timeout or (float(os.environ["TANDEM_CONNECT_TIMEOUT"])
                                                  if os.environ.get("TANDEM_CONNECT_TIMEOUT") else None), **overrides
     )
@@ -326,6 +374,24 @@ def _read_at_file(value: str | None) -> str | None:
 def default_log_level() -> str:
     """``TANDEM_LOG_LEVEL``, else ``INFO``: the level of a process started without ``--log-level``."""
     return os.environ.get("TANDEM_LOG_LEVEL") or "INFO"
+
+
+def flag_env(flag: str) -> str | None:
+    """The value of ``flag``'s ``TANDEM_<FLAG>`` variable (None: unset): a JSON-valued flag's keys from
+    the environment, read beneath the flag's own (:func:`runtime.settings.parse_group`)."""
+    return os.environ.get(ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")) or None
+
+
+def load_interval() -> float:
+    """``TANDEM_LOAD_INTERVAL``: seconds between a target worker's load events (default 0.5)."""
+    raw = os.environ.get("TANDEM_LOAD_INTERVAL") or "0.5"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TANDEM_LOAD_INTERVAL={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"TANDEM_LOAD_INTERVAL must be positive, got {raw}")
+    return value
 
 
 def cache_dir() -> Path:

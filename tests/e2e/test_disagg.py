@@ -20,6 +20,7 @@ from deploy.binaries import free_port
 from tests.support.http import wait_for_model
 from tests.support.procs import ManagedProcess
 from tests.support.servers import env_for
+from tests.support.flags import speculative
 from workers.demo_model import DEMO_HEAD, DEMO_NAME, demo_model_dir
 
 pytestmark = pytest.mark.e2e
@@ -92,7 +93,7 @@ def stack(servers):
 
     model = str(demo_model_dir())
     worker = ("workers.target", "--model", model, "--served-model-name", DEMO_NAME, "--threads", "1", "--num-blocks", "256", "--lease-ttl", "3",
-              "--num-speculative-tokens", "3", "--no-load-aware-speculation", "--propose-min-wait", "0.3")
+              "--num-speculative-tokens", "3", *speculative(load_aware=False, propose_min_wait=0.3))
     spawn("prefill", *worker, "--role", "prefill")
     for i in (0, 1):
         spawn(f"decode-{i}", *worker, "--role", "decode")

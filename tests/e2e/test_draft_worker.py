@@ -13,7 +13,8 @@ pytestmark = pytest.mark.e2e
 
 
 async def test_ngram_draft_worker_serves_batched_proposals(rt, spawn):
-    spawn("workers.draft", "--method", "ngram", "--ngram-min", "1", "--ngram-max", "3")
+    spawn("workers.draft", "--method", "ngram", "--speculative-config",
+          '{"prompt_lookup_min": 1, "prompt_lookup_max": 3}')
     client = await rt.client("draft", "speculate")
     [inst] = await client.wait_for_instances(1, timeout=60)
     assert inst.role == "draft" and inst.grpc_address.startswith("127.0.0.1:")

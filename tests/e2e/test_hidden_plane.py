@@ -14,6 +14,7 @@ import asyncio
 import json
 
 import pytest
+from tests.support.flags import speculative
 import torch
 from safetensors.torch import save_file
 
@@ -69,12 +70,12 @@ async def test_a_2000_token_prompt_is_speculated_on_with_an_eagle3_head_of_hidde
     assert (PROMPT - 1) * 3 * HIDDEN * 4 > 64 << 20  # inline, the prompt's rows alone pass gRPC's limit
     target_proc = spawn("workers.target", "--model", str(target), "--served-model-name", "wide", "--block-size", "16",
           "--num-blocks", "160", "--max-model-len", "2304", "--num-speculative-tokens", "3",
-          "--hidden-layers", "1,2", "--hidden-ring-mib", "16", "--propose-min-wait", "2", "--propose-timeout", "30",
-          "--no-load-aware-speculation", "--no-adaptive-speculation", "--lease-ttl", "3",
+          "--lease-ttl", "3",
           # the synchronous seam: this random head is rarely right about the token the target commits
           # while a staged proposal is on its way, so the pipelined seam would verify none of its drafts
           # (this test is about the rows reaching the draft: a draft lacking them proposes nothing)
-          "--spec-seam", "sync", name="target")
+          *speculative(hidden_layers="1,2", hidden_ring_mib=16, propose_min_wait=2, propose_timeout=30,
+                       load_aware=False, adaptive=False, seam="sync"), name="target")
     spawn("workers.draft", "--method", "eagle3", "--head-model", str(head), "--target-model", str(target),
           "--served-model-name", "wide", "--block-size", "16", "--num-blocks", "256", "--lease-ttl", "3",
           name="draft")

@@ -45,6 +45,7 @@ from tests.support.hostile_draft import (
 from tests.support.procs import ManagedProcess
 from tests.support.servers import env_for
 from tests.support.tiny_models import tiny_hf_model
+from tests.support.flags import speculative
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +55,7 @@ MODEL = "tiny"
 VOCAB = 256
 NUM_LAYERS = 2
 GAMMA = 4
-PROPOSE_TIMEOUT_S = 2.0  # the target's --propose-timeout: what a missing proposal costs a step today
+PROPOSE_TIMEOUT_S = 2.0  # the target's propose_timeout (--speculative-config): what a missing proposal costs a step today
 MAX_TOKENS = 24
 PROMPTS = [[(5 * i + 7 * j + 1) % VOCAB for j in range(6 + 3 * i)] for i in range(4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -98,8 +99,8 @@ class TargetProcess:
         self.env = env
         self.args = ["--model", str(model_dir), "--served-model-name", MODEL, "--block-size", "8",
                      "--num-blocks", "256", "--max-model-len", "512", "--threads", "1",
-                     "--num-speculative-tokens", str(GAMMA), "--propose-timeout", str(PROPOSE_TIMEOUT_S),
-                     "--lease-ttl", "3", "--drain-timeout", "2", "--load-interval", "0.5"]
+                     "--num-speculative-tokens", str(GAMMA), *speculative(propose_timeout=PROPOSE_TIMEOUT_S),
+                     "--lease-ttl", "3", "--drain-timeout", "2"]
         self.proc: ManagedProcess | None = None
         self.reference: dict[tuple[int, ...], list[int]] = {}
 

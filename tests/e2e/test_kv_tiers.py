@@ -32,6 +32,7 @@ from runtime.request_plane import collect
 from tests.support.procs import ManagedProcess, importable_env
 from tests.support.tiny_models import tiny_hf_model
 from tests.support.wait import eventually
+from tests.support.flags import kv_offload
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.kv_disk import TEMP_PREFIX, check_file
 from workers.engine.weights import load_model
@@ -56,7 +57,7 @@ def expected(target_dir, prompt: list[int], block_size: int = 8) -> list[int]:
 def worker_args(target_dir, disk: Path, port: int, block_size: int = 8) -> list[str]:
     return ["--model", str(target_dir), "--served-model-name", "tiny", "--block-size", str(block_size),
             "--num-blocks", "40" if block_size == 8 else "16", "--max-model-len", "256" if block_size == 8 else "1024", "--threads", "1", "--num-speculative-tokens", "0",
-            "--kv-offload-host-gb", "0.002", "--kv-offload-disk-dir", str(disk), "--lease-ttl", "3",
+            *kv_offload(host_gb=0.002, disk_dir=str(disk)), "--lease-ttl", "3",
             "--health-port", str(port)]
 
 

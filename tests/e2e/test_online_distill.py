@@ -15,6 +15,7 @@ from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
 from runtime.request_plane import collect
 from tests.support.serving import tiny_target_with_eagle3
 from tests.support.tiny_models import SPEC_VOCAB as VOCAB
+from tests.support.flags import speculative
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 
@@ -42,17 +43,16 @@ async def test_weights_swapped_under_load_keep_greedy_output_exact(rt, spawn, mo
     expected = Engine(load_model(target_dir), EngineConfig(block_size=8, num_blocks=512, max_num_seqs=16)).generate(
         {str(i): p for i, p in enumerate(prompts)}, GREEDY)
     spawn("workers.target", "--model", str(target_dir), "--block-size", "8", "--num-blocks", "512",
-          "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "3", "--propose-min-wait", "0.5",
-          "--hidden-layers", "1,2,3",  # the test head's layers
-          "--no-load-aware-speculation", "--lease-ttl", "3",
-          # the synchronous seam: this random head is rarely right about the token the target commits
-          # while a staged proposal is on its way, so on the pipelined seam (the EAGLE default) few of
-          # its drafts are verified and the check that it kept drafting across swaps (accepted > 0) is luck
-          "--spec-seam", "sync", name="target")
+          "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "3", "--lease-ttl", "3",
+          # hidden_layers: the test head's; the synchronous seam: this random head is rarely right about
+          # the token the target commits while a staged proposal is on its way, so on the pipelined seam
+          # (the EAGLE default) few of its drafts are verified and the check that it kept drafting across
+          # swaps (accepted > 0) is luck
+          *speculative(propose_min_wait=0.5, hidden_layers="1,2,3", load_aware=False, seam="sync"), name="target")
     spawn("workers.draft", "--method", "eagle3", "--eagle-model", str(head_dir), "--target-model", str(target_dir),
           "--block-size", "8", "--num-blocks", "512", "--lease-ttl", "3", "--health-port", "0",
-          "--online-distill", "--distill-min-tokens", "256", "--distill-eval-every", "4", "--distill-lr", "3e-3",
-          "--distill-share", "1", "--distill-min-gain", "0.01", name="draft")
+          "--online-distill", "--distill-config",
+          '{"min_tokens": 256, "eval_every": 4, "lr": 3e-3, "share": 1, "min_gain": 0.01}', name="draft")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     [draft] = await (await rt.client("draft", "speculate")).wait_for_instances(1, timeout=90)

@@ -17,6 +17,7 @@ from runtime.events import TOPIC_SPEC_STATS
 from runtime.messages import SpecStatsEvent
 from tests.support.servers import free_port
 from tests.support.http import wait_for_model
+from tests.support.flags import speculative
 
 pytestmark = pytest.mark.e2e
 
@@ -32,10 +33,10 @@ async def test_replace_a_draft_worker_under_load(rt, spawn):
     first = spawn("workers.draft", *DRAFT_ARGS, name="draft-1")
     drafts = await rt.client("draft", "speculate")
     [draft1] = await drafts.wait_for_instances(1, timeout=60)
-    # --no-load-aware-speculation: this test is about which draft the target speculates with, so it must
+    # load_aware false: this test is about which draft the target speculates with, so it must
     # speculate whatever the cost model makes of two busy cores
     spawn("workers.target", "--served-model-name", MODEL, "--num-speculative-tokens", "4", "--kv-cache-gb", "0.25",
-          "--no-load-aware-speculation", "--lease-ttl", "3", name="target")
+          *speculative(load_aware=False), "--lease-ttl", "3", name="target")
     port = free_port()
     spawn("frontend", "--http-port", str(port), name="frontend")
     await wait_for_model(f"http://127.0.0.1:{port}", MODEL, timeout=180)

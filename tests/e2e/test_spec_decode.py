@@ -18,6 +18,7 @@ from runtime.messages import GenerateRequest, SamplingParams, SpecStatsEvent, To
 from runtime.request_plane import collect
 from tests.support.tiny_models import tiny_hf_model
 from tests.support.wait import eventually
+from tests.support.flags import speculative
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 
@@ -46,11 +47,10 @@ async def start_target(rt, spawn, target_dir):
     proc = spawn("workers.target", "--model", str(target_dir), "--served-model-name", "tiny", "--block-size", "8",
                  "--num-blocks", "512", "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "4",
                  # the tiny target steps in about a millisecond: a draft process on two busy cores can take
-                 # longer than the default 20 ms floor and be backed off; these tests are about what it drafts
-                 "--propose-min-wait", "0.5",
+                 # longer than the default 20 ms floor and be backed off; these tests are about what it drafts;
                  # and a draft as costly as the target does not pay: load-aware budgets (the default) would
                  # rightly stop asking for it, and these tests are about what is drafted and verified
-                 "--no-load-aware-speculation", "--lease-ttl", "3", name="target")
+                 *speculative(propose_min_wait=0.5, load_aware=False), "--lease-ttl", "3", name="target")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     return proc, client, inst
@@ -173,7 +173,8 @@ async def test_tree_proposals_over_grpc_match_the_target_alone(rt, spawn, target
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = expected(target_dir, greedy)
     _, client, inst = await start_target(rt, spawn, target_dir)
-    spawn("workers.draft", "--method", "ngram", "--speculative-eagle-topk", "3", "--lease-ttl", "3", name="draft")
+    spawn("workers.draft", "--method", "ngram", "--speculative-config", '{"eagle_topk": 3}', "--lease-ttl", "3",
+          name="draft")
     drafts = await rt.client("draft", "speculate")
     await drafts.wait_for_instances(1, timeout=90)
     await until_speculating(client, inst)

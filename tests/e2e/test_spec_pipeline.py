@@ -11,6 +11,7 @@ import json
 
 import httpx
 import pytest
+from tests.support.flags import speculative
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.messages import GenerateRequest, SamplingParams, TokenDelta
@@ -35,12 +36,12 @@ async def test_greedy_output_equals_the_target_alone_under_both_seams(rt, spawn,
     refs.write_text(json.dumps([p + want[str(i)] for i, p in enumerate(PROMPTS)]))
     spawn("workers.target", "--model", str(target_dir), "--served-model-name", "tiny", "--block-size", "8",
           "--num-blocks", "512", "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "3",
-          "--no-adaptive-speculation", "--no-load-aware-speculation", "--propose-min-wait", "0.5",
-          "--spec-seam", seam, "--lease-ttl", "3", "--health-port", "0", name="target")
+          *speculative(adaptive=False, load_aware=False, propose_min_wait=0.5, seam=seam), "--lease-ttl", "3", "--health-port", "0", name="target")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
-    spawn("workers.draft", "--method", "oracle", "--oracle-file", str(refs), "--oracle-error-rate", "0.25",
-          "--oracle-vocab-size", "256", "--lease-ttl", "3", "--health-port", "0", name="draft")
+    oracle = {"oracle_file": str(refs), "oracle_error_rate": 0.25, "oracle_vocab_size": 256}
+    spawn("workers.draft", "--method", "oracle", "--speculative-config", json.dumps(oracle),
+          "--lease-ttl", "3", "--health-port", "0", name="draft")
     await (await rt.client("draft", "speculate")).wait_for_instances(1, timeout=90)
     await until_speculating(client, inst)
     before = await target_metrics(inst)

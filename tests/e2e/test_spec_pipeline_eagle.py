@@ -19,6 +19,7 @@ from runtime.request_plane import collect
 from tests.e2e.test_spec_pipeline import target_metrics
 from tests.support.serving import tiny_target_with_eagle3
 from tests.support.tiny_models import SPEC_VOCAB as VOCAB
+from tests.support.flags import speculative
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.weights import load_model
 
@@ -49,12 +50,12 @@ async def test_eagle3_greedy_output_equals_the_target_alone_under_both_seams(rt,
     target_dir, head_dir, prompts, want = models
     target = spawn("workers.target", "--model", str(target_dir), "--block-size", "8", "--num-blocks", "512",
                    "--max-model-len", "1024", "--threads", "1", "--num-speculative-tokens", "3",
-                   "--hidden-layers", "1,2,3", "--no-adaptive-speculation", "--no-load-aware-speculation",
-                   "--propose-min-wait", "0.5", "--spec-seam", seam, "--lease-ttl", "3", "--health-port", "0",
+                   *speculative(hidden_layers="1,2,3", adaptive=False, load_aware=False, propose_min_wait=0.5,
+                                seam=seam), "--lease-ttl", "3", "--health-port", "0",
                    name="target")
     spawn("workers.draft", "--method", "eagle3", "--eagle-model", str(head_dir), "--target-model", str(target_dir),
           "--block-size", "8", "--num-blocks", "512", "--lease-ttl", "3", "--health-port", "0",
-          *(["--eagle-pipelined"] if seam == "pipelined" else []), name="draft")
+          *(["--speculative-config", '{"eagle_pipelined": true}'] if seam == "pipelined" else []), name="draft")
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     [draft] = await (await rt.client("draft", "speculate")).wait_for_instances(1, timeout=90)

@@ -4,6 +4,8 @@ processes, real etcd and nats-server (TLS ones with certificates made here by op
 
 from __future__ import annotations
 
+import json
+
 import shutil
 import subprocess
 import sys
@@ -60,11 +62,14 @@ def env(servers):
     ("workers.target", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
     ("workers.draft", ["--lease-ttl", "-5"], "lease_ttl must be at least 2 seconds"),
     ("workers.target", ["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
-    ("workers.target", ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    ("workers.target", ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: Input should be less than or equal to 1"),
+    ("workers.target", ["--speculative-config", '{"seam": "staged"}'], "--speculative-config: 'seam' Input should be"),
+    ("workers.target", ["--spec-seam", "sync"], "--spec-seam was retired: use --speculative-config '{\"seam\": \"sync\"}'"),
+    ("workers.mock", ["--etcd-tls-ca", "/x"], "--etcd-tls-ca was retired: use --etcd-security"),
     ("frontend", ["--tool-call-parser", "qwen25"], ("invalid choice: 'qwen25'", "hermes", "mistral", "llama3_json")),
     ("deploy.cli", ["up", "--mock", "--dtype", "float32"], "--dtype applies to model targets, not --mock"),
     ("deploy.cli", ["up", "--speculative-config", '{"method": "eagle3", "model": "/h", "acceptance_method": "x"}'],
-     "--speculative-config: unsupported key 'acceptance_method'"),
+     "--speculative-config: 'acceptance_method' unknown key"),
     ("workers.draft", ["--method", "eagle3", "--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N"),
     pytest.param("workers.draft", ["--method", "eagle3", "--device", "cuda"], "--device cuda: CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
@@ -104,10 +109,12 @@ def test_an_untrusted_certificate_is_said_at_once(servers, tmp_path):
     etcd_tls.start()
     try:
         env = env_for(etcd_server, nats_tls, "startup")
-        line = one_line_quick(start("workers.mock", "--nats-tls-ca", other["ca"], env=env), "NATS", "certificate")
+        line = one_line_quick(start("workers.mock", "--nats-security", json.dumps({"tls_ca": other["ca"]}), env=env),
+                              "NATS", "certificate")
         assert "TimeoutError" not in line
         env = env_for(etcd_tls, nats_server, "startup")
-        line = one_line_quick(start("workers.mock", "--etcd-tls-ca", other["ca"], env=env), "etcd", "certificate")
+        line = one_line_quick(start("workers.mock", "--etcd-security", json.dumps({"tls_ca": other["ca"]}), env=env),
+                              "etcd", "certificate")
         assert "TimeoutError" not in line
     finally:
         nats_tls.cleanup()

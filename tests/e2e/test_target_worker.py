@@ -45,14 +45,14 @@ def _tokens(deltas: list[TokenDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_dir):
+async def test_target_process_serves_generate_like_the_engine(rt, spawn, model_dir, child_env):
     kv_events: list[KvEvent] = []
     await rt.subscribe(TOPIC_KV, KvEvent, kv_events.append)
     loads: list[LoadEvent] = []
     await rt.subscribe(TOPIC_LOAD, LoadEvent, loads.append)
     proc = spawn("workers.target", "--model", str(model_dir), "--served-model-name", "tiny", "--num-blocks", str(BLOCKS),
-          "--block-size", str(BLOCK), "--max-model-len", "384", "--threads", "1", "--load-interval", "0.2",
-          "--lease-ttl", "3", "--health-port", "0")
+          "--block-size", str(BLOCK), "--max-model-len", "384", "--threads", "1",
+          "--lease-ttl", "3", "--health-port", "0", env={**child_env, "TANDEM_LOAD_INTERVAL": "0.2"})
     client = await rt.client("target", "generate")
     [inst] = await client.wait_for_instances(1, timeout=90)
     assert inst.model == "tiny" and inst.role == "target"

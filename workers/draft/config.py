@@ -1,4 +1,9 @@
-"""The draft worker's configuration: one frozen dataclass built from its flags, checked once.
+"""The draft worker's configuration: one frozen, nested config built from its flags, checked once.
+
+:class:`DraftConfig` holds what the worker's own flags say (method, models, placement, the gRPC
+server) and three typed groups: ``spec`` (:class:`~workers.speculation.spec_config.SpeculativeConfig`,
+``--speculative-config``: the method's knobs, the proposal cap, the seam's, the benchmark oracle's),
+``grpc`` (:class:`GrpcSettings`) and ``distill`` (:class:`DistillSettings`, ``--distill-config``).
 
 ``device`` and ``dtype`` place a model-based draft (EAGLE/EAGLE-3 heads, a draft LM, Medusa and
 MLP speculator heads): ``auto`` puts it on CUDA when a GPU is visible, in bfloat16 there and
@@ -8,11 +13,15 @@ float32 on the CPU. Methods without tensors (ngram, suffix, oracle) accept both 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from pydantic import Field
 
-from .methods import BENCH_METHODS, DTYPES, METHODS
+from runtime.settings import Group, parse_group
+from workers.speculation.methods import BENCH_METHODS, DTYPES, METHODS
+from workers.speculation.spec_config import FLAG as SPEC_FLAG
+from workers.speculation.spec_config import SpeculativeConfig
 
 TENSOR_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")  # methods with a model to place
 
@@ -50,6 +59,68 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return getattr(torch, spec)
 
 
+DISTILL_FLAG = "--distill-config"
+
+
+class DistillSettings(Group):
+    """``--distill-config``'s keys: online distillation's knobs (they tune ``--online-distill``) and
+    ``follow``, which works alone."""
+
+    share: float = Field(0.5, gt=0, le=1)  # of its time the trainer may compute
+    threads: int = Field(1, ge=1)  # the trainer's torch threads
+    buffer_tokens: int = Field(65536, ge=1)  # tokens of recent traffic kept for training (oldest dropped first)
+    min_tokens: int = Field(2048, ge=0)  # training starts once this many tokens were recorded
+    lr: float = Field(1e-4, gt=0)  # AdamW learning rate
+    eval_every: int = Field(20, ge=1)  # optimizer steps between evaluations of the candidate
+    min_gain: float = Field(0.02, ge=0)  # held-back acceptance length a candidate must add to be swapped in
+    dir: str | None = None  # write every accepted head here (speculators layout, LATEST names the newest)
+    follow: str | None = None  # serve each head another worker's 'dir' receives (polled every 5 s)
+
+    @property
+    def training_keys(self) -> list[str]:
+        """The keys given that tune training (all but ``follow``)."""
+        return sorted(self.model_fields_set - {"follow"})
+
+
+DISTILL_CONFIG_HELP = (
+    "online distillation as JSON (or @FILE): share (of its time the trainer computes, (0, 1], 0.5), threads "
+    "(its torch threads, 1), buffer_tokens (recent traffic kept, 65536), min_tokens (recorded before training "
+    "starts, 2048), lr (AdamW, 1e-4), eval_every (steps between evaluations, 20), min_gain (held-back "
+    "acceptance length a candidate must add, 0.02), dir (write every accepted head here; LATEST names the "
+    "newest) -- these tune --online-distill; and follow (method eagle3: serve each head another worker's "
+    "'dir' receives, polled every 5 s; works without --online-distill)")
+
+
+@dataclass(frozen=True)
+class GrpcSettings:
+    """The gRPC server targets dial: where it listens, what it advertises, its TLS."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # what targets dial (default: host)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: targets present a certificate signed by this CA
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--grpc-port must be in 0..65535, got {self.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def tls_given(self) -> bool:
+        return bool(self.tls_cert or self.tls_key or self.tls_client_ca)
+
+
+def distill_settings(text: str | dict | None, env: str | None = None) -> DistillSettings:
+    """``--distill-config``'s value (JSON, ``@PATH``, a dict or None; ``env``: ``TANDEM_DISTILL_CONFIG``,
+    whose keys apply beneath it) as :class:`DistillSettings`."""
+    return parse_group(DistillSettings, DISTILL_FLAG, text, env)
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     """Everything the draft service needs besides the runtime flags (etcd, NATS, namespace)."""
@@ -58,71 +129,53 @@ class DraftConfig:
     model_name: str = ""  # served model name of the targets it serves ('' = any)
     device: str = "auto"
     dtype: str = "auto"
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = 0
-    advertise_host: str | None = None
-    draft_model: str | None = None
+    draft_model: str | None = None  # the draft LM (draft_model)
     eagle_model: str | None = None  # the head's directory (eagle, eagle3, medusa, mlp_speculator)
-    target_model: str | None = None
-    num_blocks: int = 2048
+    target_model: str | None = None  # the target's checkpoint (the heads read its embedding and LM head)
+    num_blocks: int = 2048  # draft KV cache (draft_model, eagle, eagle3)
     block_size: int = 16
-    overlap: bool = True  # draft ahead while the target verifies (methods that can)
-    stage_alternatives: int = 1  # pipelined seam: guessed bonus tokens per rejected position, beside the draft's own
     cuda_graphs: bool = True  # replay EAGLE head steps as CUDA graphs (on CUDA only)
-    oracle_file: str | None = None
-    oracle_error_rate: float = 0.0
-    oracle_vocab_size: int = 49152
-    oracle_token_cost_ms: float = 0.0
-    ngram_min: int = 1
-    ngram_max: int = 4
-    suffix_max_depth: int = 24
-    suffix_spec_factor: float = 1.0
-    suffix_min_token_prob: float = 0.1
-    suffix_max_cached_outputs: int = 10_000
-    suffix_max_cached_nodes: int = 500_000
-    max_speculative_tokens: int = 16
-    tree_topk: int = 1
-    tree_depth: int = 0
-    eagle_pipelined: bool = False  # an EAGLE head stages for the pipelined seam (else: the synchronous seam)
-    online_distill: bool = False
-    distill_share: float = 0.5
-    distill_threads: int = 1
-    distill_buffer_tokens: int = 65536
-    distill_min_tokens: int = 2048
-    distill_lr: float = 1e-4
-    distill_eval_every: int = 20
-    distill_min_gain: float = 0.02
-    distill_dir: str | None = None
-    distill_follow: str | None = None
-    grpc_tls_cert: str | None = None
-    grpc_tls_key: str | None = None
-    grpc_tls_client_ca: str | None = None
-    drain_timeout: float = 5.0
+    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative-config
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    online_distill: bool = False  # --online-distill: train the head on the traffic it serves
+    distill: DistillSettings = field(default_factory=DistillSettings)  # --distill-config
+    drain_timeout: float = 5.0  # seconds open streams get on SIGTERM
 
     def __post_init__(self):
-        if self.stage_alternatives < 0:
-            raise ValueError(f"--stage-alternatives must be >= 0, got {self.stage_alternatives}")
         if self.method not in (*METHODS, *BENCH_METHODS):
             raise ValueError(f"unknown draft method {self.method!r}")
-        if self.tree_topk < 1 or self.tree_depth < 0:
-            raise ValueError("--speculative-eagle-topk must be >= 1 and --speculative-num-steps >= 0")
-        if self.num_blocks <= 0 or self.block_size <= 0 or self.max_speculative_tokens <= 0:
-            raise ValueError("--num-blocks, --block-size and --num-speculative-tokens must be positive")
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("--num-blocks and --block-size must be positive")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_device_name(self.device)
         if self.method in TENSOR_METHODS:
             resolve_device(self.device)  # raises for a device that is not there
         for flag, path in (("--draft-model", self.draft_model), ("--eagle-model", self.eagle_model),
-                           ("--target-model", self.target_model), ("--oracle-file", self.oracle_file)):
+                           ("--target-model", self.target_model),
+                           (f"{SPEC_FLAG}'s 'oracle_file'", self.spec.oracle_file),
+                           (f"{DISTILL_FLAG}'s 'follow'", self.distill.follow)):
             if path and not os.path.exists(path):
                 raise ValueError(f"{flag} {path} does not exist")
-        if (self.online_distill or self.distill_follow) and self.method != "eagle3":
-            raise ValueError("--online-distill and --distill-follow train or take EAGLE-3 heads: they need --method eagle3")
-        if self.distill_dir and not self.online_distill:
-            raise ValueError("--distill-dir is where --online-distill writes heads: give --online-distill too")
+        if (self.online_distill or self.distill.follow) and self.method != "eagle3":
+            raise ValueError(f"--online-distill and {DISTILL_FLAG}'s 'follow' train or take EAGLE-3 heads: they "
+                             "need --draft-method eagle3")
+        if self.distill.training_keys and not self.online_distill:
+            keys = ", ".join(repr(k) for k in self.distill.training_keys)
+            verb = "tunes" if len(self.distill.training_keys) == 1 else "tune"
+            raise ValueError(f"{DISTILL_FLAG}'s {keys} {verb} --online-distill: give --online-distill too")
         if self.online_distill:
             self.distill_config()  # raises for out-of-range values
+
+    @property
+    def tree_topk(self) -> int:
+        """Draft trees: children per node (``eagle_topk``; unset: 1, chains). Targets may ask per request."""
+        return self.spec.eagle_topk or 1
+
+    @property
+    def tree_depth(self) -> int:
+        """Draft trees: depth (``num_steps``; unset: 0, as deep as the node budget)."""
+        return self.spec.num_steps or 0
 
     @property
     def torch_device(self) -> torch.device:
@@ -138,8 +191,8 @@ class DraftConfig:
         """Online distillation's settings, training on ``device`` (the head's)."""
         from .online import DistillConfig
 
+        d = self.distill
         return DistillConfig(head_dir=self.eagle_model, target_dir=self.target_model,
-                             buffer_tokens=self.distill_buffer_tokens, min_tokens=self.distill_min_tokens,
-                             lr=self.distill_lr, eval_every=self.distill_eval_every, min_gain=self.distill_min_gain,
-                             share=self.distill_share, threads=self.distill_threads, out_dir=self.distill_dir,
-                             device=device)
+                             buffer_tokens=d.buffer_tokens, min_tokens=d.min_tokens, lr=d.lr,
+                             eval_every=d.eval_every, min_gain=d.min_gain, share=d.share, threads=d.threads,
+                             out_dir=d.dir, device=device)

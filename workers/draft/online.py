@@ -27,7 +27,7 @@ the real traffic. Three parts, each bounded:
 
 Checkpoints: with ``out_dir`` every accepted candidate is written there in the ``speculators``
 layout (``vNNNNN/``, and ``LATEST`` naming the newest, both replaced atomically). Any draft worker
-loads such a head with ``--eagle-model DIR/vNNNNN``, and ``--distill-follow DIR`` makes a draft
+loads such a head with ``--eagle-model DIR/vNNNNN``, and ``--distill-config '{"follow": "DIR"}'`` makes a draft
 worker take each new one as it appears: one trainer, many readers.
 """
 

@@ -1,8 +1,7 @@
 """Building a target's engine: device, dtype, kernels, tensor parallelism, weights, LoRA slots, KV
 tiers and the grammar backend, from the target service's config.
 
-``cfg`` is :class:`workers.target.__main__.TargetConfig` (read by attribute: the engine does not import
-the worker packages).
+``cfg`` is :class:`workers.engine.target_config.TargetConfig`, built once from the worker's flags.
 """
 
 from __future__ import annotations
@@ -10,11 +9,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.target_config import TargetConfig
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(cfg, worker_id: str):
+def build_engine(cfg: TargetConfig, worker_id: str):
     """Load the model and build the engine (blocking: call off the event loop)."""
     import torch
 
@@ -62,10 +65,10 @@ def build_engine(cfg, worker_id: str):
         log.info("expert parallelism: %d experts, %d per rank", model.cfg.moe.num_experts,
                  model.cfg.moe.num_experts // size)
     lora = None
-    if cfg.max_loras:
+    if cfg.lora.max_loras:
         from workers.engine.lora import LoraManager
 
-        lora = LoraManager(model, cfg.max_loras, cfg.max_lora_rank)
+        lora = LoraManager(model, cfg.lora.max_loras, cfg.lora.max_lora_rank)
     engine_cfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                               kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)),
@@ -73,10 +76,12 @@ def build_engine(cfg, worker_id: str):
                               enable_prefix_caching=cfg.enable_prefix_caching, cuda_graphs=cfg.cuda_graphs,
                               async_scheduling=cfg.async_scheduling, scheduling_policy=cfg.scheduling_policy)
     try:
-        engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=cfg.num_speculative_tokens,
-                        hidden_layers=offered_layers(cfg.hidden_layers, model.cfg.num_layers),
-                        adaptive=cfg.adaptive_speculation, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth,
-                        load_aware=cfg.load_aware, followers=followers, lora=lora)
+        spec = cfg.spec
+        tree_topk, tree_depth = spec.tree
+        engine = Engine(model, engine_cfg, worker_id, num_speculative_tokens=spec.num_speculative_tokens,
+                        hidden_layers=offered_layers(spec.hidden_layers, model.cfg.num_layers),
+                        adaptive=spec.adaptive, tree_topk=tree_topk, tree_depth=tree_depth,
+                        load_aware=spec.load_aware, followers=followers, lora=lora)
     except NoMemoryForCache as exc:  # one line, not a traceback
         if followers is not None:
             followers.close()
@@ -85,15 +90,16 @@ def build_engine(cfg, worker_id: str):
         if followers is not None:
             followers.close()
         raise
-    if cfg.kv_offload_host_gb:
+    offload = cfg.kv_offload
+    if offload.host_gb:
         from workers.engine.kv_tiers import build_tiers, weights_fingerprint
 
         # disk-tier files are shared only by targets computing the same KV: same served name, same
         # weight files, same kernels' view of them (Q4_1 blocks kept or dequantized)
         model_id = (cfg.served_model_name, weights_fingerprint(cfg.model), cfg.gguf_quantized)
-        engine.attach_tiers(build_tiers(engine, int(cfg.kv_offload_host_gb * (1 << 30)), cfg.kv_offload_disk_dir,
-                                        int(cfg.kv_offload_disk_gb * (1 << 30)), repr(model_id)))
-    for name, path in cfg.lora_modules:
+        engine.attach_tiers(build_tiers(engine, int(offload.host_gb * (1 << 30)), offload.disk_dir,
+                                        int(offload.disk_gb * (1 << 30)), repr(model_id)))
+    for name, path in cfg.lora.modules:
         engine.load_lora(name, path)
     model_path = Path(cfg.model)
     engine.grammars = GrammarBackend.for_model_dir(model_path.parent if model_path.suffix == ".gguf" else model_path,
@@ -109,7 +115,7 @@ def build_engine(cfg, worker_id: str):
 
 
 def offered_layers(spec: str, num_layers: int) -> tuple[int, ...]:
-    """The hidden layers a target offers draft workers, from ``--hidden-layers``."""
+    """The hidden layers a target offers draft workers, from ``--speculative-config``'s hidden_layers."""
     if spec == "none":
         return ()
     if spec == "auto":
@@ -117,5 +123,5 @@ def offered_layers(spec: str, num_layers: int) -> tuple[int, ...]:
         return tuple(sorted({*eagle3, num_layers}))
     layers = tuple(sorted({int(x) for x in spec.split(",")}))
     if any(not 0 <= k <= num_layers for k in layers):
-        raise ValueError(f"--hidden-layers must be in [0, {num_layers}], got {list(layers)}")
+        raise ValueError(f"--speculative-config: 'hidden_layers' must be in [0, {num_layers}], got {list(layers)}")
     return layers

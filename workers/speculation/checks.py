@@ -64,7 +64,7 @@ def hello_ack_problem(layers: list[int], dtype: str, vocab_size: int, max_specul
     missing = sorted(set(layers) - set(offered_layers))
     if missing:
         return "hidden_layers", (f"it reads hidden layers {missing} that this target does not offer (offered: "
-                f"{list(offered_layers) or 'none'}; start the target with --hidden-layers to offer them)")
+                f"{list(offered_layers) or 'none'}; start the target with --speculative-config's hidden_layers to offer them)")
     if dtype not in HIDDEN_DTYPES:
         return "hidden_dtype", f"its hidden-state dtype {dtype!r} is not one of {list(HIDDEN_DTYPES[1:])}"
     if vocab_size and vocab_size != target_vocab_size:

@@ -32,14 +32,13 @@ SCHEDULING_POLICY = SharedFlag(("--scheduling-policy",), dict(
          "batch or the KV cache is full, and freed KV blocks of lower-priority requests are evicted first"))
 
 # KV cache tiers below the device pool (workers/engine/kv_tiers.py)
-KV_OFFLOAD_HOST_GB = SharedFlag(("--kv-offload-host-gb",), dict(
-    type=float, default=0.0, help="GiB of host memory (pinned on CUDA) that keeps KV blocks below the device pool, "
-                                  "so a prefix evicted there loads back instead of being recomputed (0: off)"))
-KV_OFFLOAD_DISK_DIR = SharedFlag(("--kv-offload-disk-dir",), dict(
-    default=None, help="a directory for a disk tier below the host tier: one checksummed file per block, named by "
-                       "its chained hash; several targets of the same model may share it"))
-KV_OFFLOAD_DISK_GB = SharedFlag(("--kv-offload-disk-gb",), dict(
-    type=float, default=16.0, help="the most GiB this worker keeps in --kv-offload-disk-dir (oldest blocks go first)"))
+KV_OFFLOAD_CONFIG = SharedFlag(("--kv-offload-config",), dict(
+    default=None, metavar="JSON",
+    help="KV cache tiers below the device pool as JSON (or @FILE), so a prefix evicted there loads back instead of "
+         "being recomputed: host_gb (GiB of host memory, pinned on CUDA; 0: off, the default), disk_dir (a "
+         "directory for a disk tier below the host tier: one checksummed file per block, named by its chained "
+         "hash; several targets of the same model may share it), disk_gb (the most GiB kept there, oldest "
+         "blocks go first; 16)"))
 
 # LoRA adapters (workers/engine/lora.py)
 MAX_LORAS = SharedFlag(("--max-loras",), dict(
@@ -87,5 +86,5 @@ def gpu_memory_utilization_ignored(given: float | None, device_type: str, num_bl
 
 
 ENGINE_FLAGS = (MAX_MODEL_LEN, KV_CACHE_GB, GPU_MEMORY_UTILIZATION, DTYPE, MAX_NUM_SEQS, SCHEDULING_POLICY,
-                KV_OFFLOAD_HOST_GB, KV_OFFLOAD_DISK_DIR, KV_OFFLOAD_DISK_GB, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED,
+                KV_OFFLOAD_CONFIG, MAX_LORAS, MAX_LORA_RANK, LORA_MODULES, GGUF_QUANTIZED,
                 ENABLE_EXPERT_PARALLEL)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.unit.deploy.test_compose import COMPOSE, _interpolate
-from workers.draft.methods import METHODS
+from workers.speculation.methods import METHODS
 
 pytestmark = pytest.mark.unit
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.unit.deploy import test_k8s
 from tests.support.kustomize import build
+from workers.speculation.spec_config import speculative_config
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +82,8 @@ def test_targets_and_drafts_get_their_certificates_from_the_secret(with_tls, mon
     target_spec = deps["tandem-target"]["spec"]["template"]["spec"]
     [target] = target_spec["containers"]
     args = _parse("target", target, _expand(target.get("env", []), fields), monkeypatch)
-    files = {_secret_file(target_spec, target, p) for p in (args.draft_tls_ca, args.draft_tls_cert, args.draft_tls_key)}
+    spec = speculative_config(args.speculative_config)
+    files = {_secret_file(target_spec, target, p) for p in (spec.draft_tls_ca, spec.draft_tls_cert, spec.draft_tls_key)}
     assert files == {("tandem-grpc-tls", k) for k in SECRET_KEYS}, overlay
 
 

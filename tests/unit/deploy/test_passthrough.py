@@ -10,7 +10,6 @@ import pytest
 
 from deploy.cli import build_parser, stack_config
 from deploy.launcher import CPU_SPECULATION_NOTE, banner
-from deploy.speculative_config import parse_speculative_config
 from deploy.stack import component_names, plan
 from frontend.__main__ import build_parser as frontend_parser
 from frontend.__main__ import build_config
@@ -18,6 +17,7 @@ from frontend.flags import FRONTEND_FLAGS
 from workers.draft.__main__ import draft_config, parse_args as draft_args
 from workers.target.__main__ import build_parser as target_parser
 from workers.target.__main__ import target_config
+from workers.speculation.spec_config import speculative_config
 from workers.target.flags import ENGINE_FLAGS
 
 pytestmark = pytest.mark.unit
@@ -118,32 +118,41 @@ def test_vllms_eagle3_config_maps_onto_the_draft_flags():
     assert "--eagle-model" in draft.args and "/heads/e3" in draft.args
 
 
-def test_prompt_lookup_sizes_without_draft_workers_are_an_error():
+def test_draft_only_keys_without_draft_workers_are_an_error():
     for extra in (["--drafts", "0"], ["--mock"]):
-        with pytest.raises(ValueError, match="prompt_lookup_max/min are the draft workers'"):
+        with pytest.raises(ValueError, match="prompt_lookup_max are the draft workers' keys"):
             up("--model", "/m", *extra, "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}')
 
 
-def test_ngram_prompt_lookup_sizes_reach_the_draft_worker():
+def test_one_config_reaches_the_target_and_the_draft_each_reading_its_keys():
     config = up("--model", "/m", "--speculative-config",
-                '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 2}')
-    draft = draft_args(list(components(config)["draft-0"].args))
-    assert (draft.method, draft.ngram_max, draft.ngram_min, draft.max_speculative_tokens) == ("ngram", 3, 2, 5)
+                '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 2, '
+                '"propose_timeout": 1.5}')
+    draft = draft_config(draft_args(list(components(config)["draft-0"].args)))
+    assert (draft.method, draft.spec.prompt_lookup_max, draft.spec.prompt_lookup_min) == ("ngram", 3, 2)
+    target = target_config(target_parser().parse_args(list(components(config)["target-0"].args)), Path(__file__).parent)
+    assert (target.spec.num_speculative_tokens, target.spec.propose_timeout) == (5, 1.5)
+    assert target.spec.hidden_layers == "none"  # no draft of this stack reads hidden states
+
+
+def test_a_gamma_above_the_drafts_cap_raises_the_cap():
+    config = up("--model", "/m", "--draft-method", "ngram", "--num-speculative-tokens", "20")
+    draft = draft_config(draft_args(list(components(config)["draft-0"].args)))
+    assert draft.spec.max_num_speculative_tokens == 20
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "ngram", "medusa", "mlp_speculator", "draft_model", "suffix"])
 def test_every_vllm_method_name_is_read(method):
     text = '{"method": "%s", "model": "/x"}' % method if method not in ("ngram", "suffix") else '{"method": "%s"}' % method
-    assert parse_speculative_config(text).draft_method == method
+    assert speculative_config(text).draft_method == method
 
 
 @pytest.mark.parametrize("text,message", [
-    ('{"method": "eagle3", "model": "/h", "acceptance_method": "typical"}', "unsupported key 'acceptance_method'"),
+    ('{"method": "eagle3", "model": "/h", "acceptance_method": "typical"}', "'acceptance_method' unknown key"),
     ('{"method": "lookahead"}', "'method' must be one of"),
-    ('{"method": "ngram", "num_speculative_tokens": "3"}', "'num_speculative_tokens' must be an integer"),
+    ('{"method": "ngram", "num_speculative_tokens": "x"}', "'num_speculative_tokens' Input should be a valid integer"),
     ('{"method": "eagle3", "model": "/h", "prompt_lookup_max": 3}', "apply to method ngram"),
-    ('{"method": "eagle", "model": "/h", "draft_tensor_parallel_size": 2}', "'draft_tensor_parallel_size' 2"),
-    ('{"num_speculative_tokens": 3}', "needs 'method'"),
+    ('{"method": "eagle", "model": "/h", "draft_tensor_parallel_size": 2}', "'draft_tensor_parallel_size'"),
     ("[1, 2]", "must be a JSON object"),
     ("{method: eagle3}", "is not JSON"),
 ])
@@ -153,14 +162,17 @@ def test_a_bad_config_is_an_error_naming_the_key(text, message):
 
 
 def test_without_a_method_vllms_guess_from_the_model_name():
-    assert parse_speculative_config('{"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}').draft_method == "eagle3"
-    assert parse_speculative_config('{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}').draft_method == "eagle"
-    assert parse_speculative_config('{"model": "/models/llama-68m"}').draft_method == "draft_model"
+    assert speculative_config('{"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}').draft_method == "eagle3"
+    assert speculative_config('{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}').draft_method == "eagle"
+    assert speculative_config('{"model": "/models/llama-68m"}').draft_method == "draft_model"
+    assert up("--model", "/m", "--speculative-config", '{"num_speculative_tokens": 3}').draft_method == "ngram"
 
 
 def test_a_flag_that_disagrees_with_the_config_is_an_error():
     with pytest.raises(ValueError, match="--draft-method ngram disagrees with --speculative-config's 'eagle3'"):
         up("--model", "/m", "--draft-method", "ngram", "--speculative-config", '{"method": "eagle3", "model": "/h"}')
+    with pytest.raises(ValueError, match="--num-speculative-tokens 4 disagrees"):
+        up("--model", "/m", "--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 3}')
     same = up("--model", "/m", "--num-speculative-tokens", "3", "--speculative-config",
               '{"method": "ngram", "num_speculative_tokens": 3}')
     assert same.num_speculative_tokens == 3

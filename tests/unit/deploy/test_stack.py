@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deploy.cli import build_parser, stack_config
@@ -90,7 +92,8 @@ def test_real_plan_with_router_targets_and_drafts():
     assert draft.module == "workers.draft" and draft.gpu
     args = list(draft.args)
     assert args[args.index("--draft-method") + 1] == "draft_model" and args[args.index("--draft-model") + 1] == "/m/draft"
-    assert args[args.index("--num-speculative-tokens") + 1] == "5"
+    assert "--num-speculative-tokens" not in args  # γ is the target's; the draft drafts what a round asks
+    assert target.args[target.args.index("--num-speculative-tokens") + 1] == "5"
     assert args[args.index("--served-model-name") + 1] == "target"
     assert len({c.health_port for c in comps}) == len(comps)
 
@@ -98,10 +101,11 @@ def test_real_plan_with_router_targets_and_drafts():
 def test_tree_flags_reach_the_draft_workers():
     cfg = StackConfig(model="/m/target", draft_method="eagle3", draft_model="/m/head", num_speculative_tokens=8,
                       speculative_eagle_topk=4, speculative_num_steps=3)
-    draft = plan(cfg, "/m/target", ports_for(cfg))[0]
-    args = list(draft.args)
-    assert args[args.index("--speculative-eagle-topk") + 1] == "4"
-    assert args[args.index("--speculative-num-steps") + 1] == "3"
+    for worker in plan(cfg, "/m/target", ports_for(cfg)):
+        if worker.kind in ("draft", "target"):  # one --speculative-config, each worker reading its keys
+            args = list(worker.args)
+            keys = json.loads(args[args.index("--speculative-config") + 1])
+            assert (keys["eagle_topk"], keys["num_steps"]) == (4, 3)
     with pytest.raises(ValueError, match="speculative_eagle_topk"):
         StackConfig(speculative_eagle_topk=0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -46,12 +47,18 @@ def test_etcd_security_from_flags_env_and_url(monkeypatch, tmp_path):
     (tmp_path / "pw").write_text("from-file\n")
     monkeypatch.setenv("TANDEM_ETCD_USER", "svc")
     monkeypatch.setenv("TANDEM_ETCD_PASSWORD", "from-env")
-    cfg = config_from_args(parser.parse_args(["--etcd-tls-ca", str(ca)]))
+    cfg = config_from_args(parser.parse_args(["--etcd-security", json.dumps({"tls_ca": str(ca)})]))
     sec = cfg.etcd_security()
     assert (sec.tls, sec.ca, sec.user, sec.password) == (True, str(ca), "svc", "from-env")
     assert "from-env" not in repr(cfg) and "from-env" not in repr(sec)
-    cfg = config_from_args(parser.parse_args(["--etcd-password", f"@{tmp_path / 'pw'}"]))
+    cfg = config_from_args(parser.parse_args(["--etcd-security", json.dumps({"password": f"@{tmp_path / 'pw'}"})]))
     assert cfg.etcd_credentials == ("svc", "from-file")
+    monkeypatch.setenv("TANDEM_ETCD_SECURITY", json.dumps({"user": "env-json"}))  # beneath the flag, key by key
+    cfg = config_from_args(parser.parse_args(["--etcd-security", json.dumps({"password": "pw"})]))
+    assert cfg.etcd_credentials == ("env-json", "pw")
+    monkeypatch.delenv("TANDEM_ETCD_SECURITY")
+    with pytest.raises(ValueError, match="--etcd-security: 'tls_cafile' unknown key"):
+        config_from_args(parser.parse_args(["--etcd-security", '{"tls_cafile": "x"}']))
     monkeypatch.delenv("TANDEM_ETCD_USER")
     monkeypatch.delenv("TANDEM_ETCD_PASSWORD")
     cfg = RuntimeConfig(etcd_url="https://root:p%40ss@etcd:2379")

@@ -138,7 +138,7 @@ def test_a_trainer_process_learns_the_traffic_and_its_weights_stay_lossless(targ
     written, _ = load_eagle(tmp_path / "heads" / latest, embed, lm_head, tcfg, 512)
     for k, v in trainable_state(written).items():
         torch.testing.assert_close(v.float(), swaps[-1][k].float(), atol=1e-3, rtol=1e-3)
-    # a reader (--distill-follow) takes it once, and refuses a head that was not trained from its own
+    # a reader (--distill-config's follow) takes it once, and refuses a head that was not trained from its own
     _, reader = serving(target_dir, head_dir)
     taken: list[dict] = []
     follower = Follower(tmp_path / "heads", lambda p: followed_weights(reader, p, str(target_dir)), taken.append)

@@ -242,7 +242,7 @@ def test_float32_weights_from_the_trainer_load_into_a_bfloat16_head(dirs):
 
 
 def test_a_bfloat16_head_follows_heads_written_in_float32(dirs):
-    """--distill-follow compares the new head's projection with the serving one's in the serving dtype."""
+    """--distill-config's follow compares the new head's projection with the serving one's in the serving dtype."""
     from workers.draft.__main__ import followed_weights
 
     served = make_proposer(config(dirs, "eagle3", device="cpu", dtype="bfloat16"))

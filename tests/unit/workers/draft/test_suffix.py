@@ -150,14 +150,15 @@ def test_bad_settings_raise():
 def test_the_draft_worker_builds_it_from_its_flags():
     from workers.draft.__main__ import draft_config, make_proposer, parse_args
 
-    p = make_proposer(draft_config(parse_args(["--method", "suffix", "--suffix-max-depth", "16",
-                                               "--suffix-spec-factor", "2", "--suffix-max-cached-nodes", "5000",
-                                               "--speculative-eagle-topk", "3"])))
+    spec = ('{"suffix_decoding_max_tree_depth": 16, "suffix_decoding_max_spec_factor": 2, '
+            '"suffix_decoding_max_cached_nodes": 5000, "eagle_topk": 3}')
+    p = make_proposer(draft_config(parse_args(["--method", "suffix", "--speculative-config", spec])))
     assert isinstance(p, SuffixProposer) and p.caps.method == "suffix"
     cfg = p.config
     assert (cfg.max_depth, cfg.spec_factor, cfg.max_cached_nodes, cfg.tree_topk) == (16, 2.0, 5000, 3)
-    with pytest.raises(SystemExit, match="suffix"):
-        make_proposer(draft_config(parse_args(["--method", "suffix", "--suffix-min-token-prob", "2"])))
+    with pytest.raises(ValueError, match="suffix_decoding_min_token_prob"):
+        draft_config(parse_args(["--method", "suffix", "--speculative-config",
+                                 '{"suffix_decoding_min_token_prob": 2}']))
 
 
 def test_proposals_carry_the_trees_estimate_of_reaching_each_token():

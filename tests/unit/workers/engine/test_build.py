@@ -1,4 +1,4 @@
-"""The hidden layers a target offers its drafts, from ``--hidden-layers`` (workers/engine/build.py)."""
+"""The hidden layers a target offers its drafts, from ``--speculative-config``'s hidden_layers (workers/engine/build.py)."""
 
 from __future__ import annotations
 
@@ -20,5 +20,5 @@ def test_none_and_a_list_sorted_without_repeats():
 
 
 def test_a_layer_outside_the_model_is_refused():
-    with pytest.raises(ValueError, match=r"--hidden-layers must be in \[0, 30\]"):
+    with pytest.raises(ValueError, match=r"'hidden_layers' must be in \[0, 30\]"):
         offered_layers("31", 30)

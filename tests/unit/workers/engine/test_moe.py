@@ -128,15 +128,15 @@ def test_expert_parallelism_needs_experts_divisible_by_the_ranks():
 
 def test_the_target_worker_refuses_an_unservable_moe_at_start(tmp_path):
     """The target's config check (before any weight loads): one ValueError naming the field."""
-    from workers.target.__main__ import TargetConfig
+    from workers.engine.target_config import TargetConfig
 
     (tmp_path / "config.json").write_text(json.dumps(_qwen3_moe_dict(num_experts=6)))
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible"):
-        TargetConfig(str(tmp_path), "m", tensor_parallel_size=4, enable_expert_parallel=True)
-    TargetConfig(str(tmp_path), "m", tensor_parallel_size=2, enable_expert_parallel=True)  # 3 each: fine
+        TargetConfig(model=str(tmp_path), served_model_name="m", tensor_parallel_size=4, enable_expert_parallel=True)
+    TargetConfig(model=str(tmp_path), served_model_name="m", tensor_parallel_size=2, enable_expert_parallel=True)  # 3 each: fine
     (tmp_path / "config.json").write_text(json.dumps(_qwen3_moe_dict(scoring_func="sigmoid")))
     with pytest.raises(ValueError, match="unsupported MoE router: scoring_func='sigmoid'"):
-        TargetConfig(str(tmp_path), "m")
+        TargetConfig(model=str(tmp_path), served_model_name="m")
 
 
 # ---------------------------------------------------------------------- against transformers

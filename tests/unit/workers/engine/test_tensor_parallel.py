@@ -329,11 +329,11 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(tmp_path):
 @pytest.mark.demo
 def test_a_model_whose_heads_do_not_split_is_refused_before_start():
     from workers.demo_model import demo_model_dir
-    from workers.target.__main__ import TargetConfig
+    from workers.engine.target_config import TargetConfig
 
-    TargetConfig(str(demo_model_dir()), "m", tensor_parallel_size=2)  # 9 query / 3 KV heads: 2 ranks fit
+    TargetConfig(model=str(demo_model_dir()), served_model_name="m", tensor_parallel_size=2)  # 9 query / 3 KV heads: 2 ranks fit
     with pytest.raises(ValueError, match="query head"):
-        TargetConfig(str(demo_model_dir()), "m", tensor_parallel_size=12)
+        TargetConfig(model=str(demo_model_dir()), served_model_name="m", tensor_parallel_size=12)
 
 
 def test_followers_exit_when_rank_0_goes(tmp_path):

@@ -61,7 +61,7 @@ def test_handshake_checks():
     assert hello_ack_problem([2, 15, 27], "float16", V, 3, offered, V) is None
     assert hello_ack_problem([], "", 0, 0, (), V) is None  # an n-gram draft: nothing asked
     label, why = hello_ack_problem([0, 999], "", 0, 3, offered, V)
-    assert label == "hidden_layers" and "[0, 999]" in why and "--hidden-layers" in why
+    assert label == "hidden_layers" and "[0, 999]" in why and "hidden_layers" in why
     assert hello_ack_problem([2], "float99", 0, 3, offered, V)[0] == "hidden_dtype"
     assert hello_ack_problem([], "", V + 1, 3, offered, V)[0] == "vocab_size"
     assert hello_ack_problem([], "", 0, -1, offered, V)[0] == "gamma"

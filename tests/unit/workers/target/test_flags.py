@@ -26,12 +26,12 @@ def adapters(tmp_path):
 def test_lora_modules_imply_one_slot_per_adapter_unless_max_loras_says_otherwise(adapters, extra, slots):
     modules = [f"{n}={adapters / n}" for n in ("a", "b", "c")]
     cfg = target_config(parse_args(["--lora-modules", *modules, *extra]), adapters)
-    assert cfg.max_loras == slots and [name for name, _ in cfg.lora_modules] == ["a", "b", "c"]
+    assert cfg.lora.max_loras == slots and [name for name, _ in cfg.lora.modules] == ["a", "b", "c"]
 
 
 def test_without_adapters_there_are_no_slots_unless_asked(adapters):
-    assert target_config(parse_args([]), adapters).max_loras == 0
-    assert target_config(parse_args(["--max-loras", "2"]), adapters).max_loras == 2  # for adapters loaded later
+    assert target_config(parse_args([]), adapters).lora.max_loras == 0
+    assert target_config(parse_args(["--max-loras", "2"]), adapters).lora.max_loras == 2  # for adapters loaded later
 
 
 def test_lora_modules_with_max_loras_zero_is_refused(adapters):

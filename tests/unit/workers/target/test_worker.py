@@ -145,14 +145,20 @@ def test_merge_deltas_keeps_order_and_the_last_finish():
     ({"attention": "flash"}, "attention"),
     ({"attention": "triton", "device": "cpu"}, "cuda"),
     ({"threads": 0}, "threads"),
-    ({"kv_offload_host_gb": -1}, "kv-offload-host-gb"),
-    ({"kv_offload_disk_dir": "/somewhere"}, "needs a host tier"),
-    ({"kv_offload_host_gb": 1, "enable_prefix_caching": False}, "prefix caching"),
+    ({"kv_offload": {"host_gb": -1}}, "host_gb"),
+    ({"kv_offload": {"disk_dir": "/somewhere"}}, "needs a host tier"),
+    ({"kv_offload": {"host_gb": 1}, "enable_prefix_caching": False}, "prefix caching"),
     ({"gguf_quantized": True}, "needs a .gguf --model"),
+    ({"spec": {"propose_min_wait": 3}}, "'propose_min_wait' must be at most 'propose_timeout'"),
+    ({"spec": {"seam": "staged"}}, "seam"),
+    ({"max_num_seqs": 0}, "--max-num-seqs"),
 ])
 def test_target_config_rejects_bad_flags(tmp_path, monkeypatch, kwargs, message):
-    from workers.target.__main__ import TargetConfig
+    from runtime.settings import build
+    from workers.engine.target_config import TargetConfig
+    from workers.target.__main__ import GROUP_FLAGS
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match=message):
-        TargetConfig(**{"model": str(tmp_path), "served_model_name": "m", **kwargs})
+    with pytest.raises(ValueError, match=message) as caught:
+        build(TargetConfig, flags=GROUP_FLAGS, **{"model": str(tmp_path), "served_model_name": "m", **kwargs})
+    assert "\n" not in str(caught.value)  # one line, as a worker prints it before it exits

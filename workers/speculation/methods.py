@@ -1,4 +1,4 @@
-"""The draft methods by name: the one list behind the draft worker's ``--draft-method`` and the
+"""The draft methods by name (a speculation word, so the target and the launchers read it too): the one list behind the draft worker's ``--draft-method`` and the
 launchers' (``tandem up``, ``tandem ray up``). Plain names only, so a launcher can import it cheaply."""
 
 HEAD_METHODS = ("eagle3", "eagle", "medusa", "mlp_speculator")  # heads on the target's hidden states
