@@ -127,6 +127,7 @@ class Frontend:
             gc.freeze()
 
         registry = ModelRegistry(on_load=loaded)
+        frontend = None
         try:
             client = await rt.client("target", "generate")
             cards = await rt.models()
@@ -142,6 +143,8 @@ class Frontend:
             frontend.ready = lambda: rt.nc is not None and rt.nc.is_connected and not rt.shutting_down
             yield frontend
         finally:
+            if frontend is not None:
+                await frontend.service.next_turns.close()
             await router.stop()
             await prefill_router.stop()
             await registry.close()
@@ -216,6 +219,8 @@ class Frontend:
                     gauge.dec()
                     metrics.observe_request(model, endpoint, code, stream=True)
                     self.service.account(job, outs)
+                    if code == 200:
+                        self.service.after_turn(job, gens, outs)
 
                 async def cleanup() -> None:  # for a stream that never started: the client left at once
                     finished(499)
@@ -229,6 +234,7 @@ class Frontend:
             await until_disconnect(request.receive, self.service.collect(job, gens, outs, timer))
             timer.done()
             self.service.account(job, outs)
+            self.service.after_turn(job, gens, outs)
             return Response(job.builder.body(outs, job.prompt_tokens), media_type=JSON, headers={"X-Request-Id": request_id})
         except ClientDisconnected:
             status = 499  # nginx's "client closed request"; nobody reads this answer

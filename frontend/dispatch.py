@@ -22,7 +22,7 @@ import msgspec
 from router.base import Router, Selection
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, NoInstances, PendingBytes, ResponseStream, ShuttingDown
 from runtime.errors import EngineFailed, declares_gone
-from runtime.messages import GenerateRequest, RoutingHints, SamplingParams, TokenDelta
+from runtime.messages import NEXT_TURN_DROPPED, GenerateRequest, RoutingHints, SamplingParams, TokenDelta
 
 from .protocol import SpeculativeOptions
 
@@ -92,6 +92,23 @@ class Dispatcher:
         await gen._send()
         return gen
 
+    async def next_turn(self, model: str, token_ids: Sequence[int], instance_id: str, request_id: str,
+                        priority: int = 0, lora: str = "") -> str:
+        """Ask ``instance_id`` to prefill ``token_ids`` into its prefix cache in the background (an
+        agent's next turn, see :mod:`frontend.next_turn`); not routed, not counted as load. Returns
+        the worker's answer, ``NEXT_TURN_DONE`` or ``NEXT_TURN_DROPPED``."""
+        request = GenerateRequest(list(token_ids), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                  model, num_speculative_tokens=0, lora=lora, priority=priority, next_turn=True)
+        stream = await self.client.call(instance_id, request, TokenDelta, request_id=request_id)
+        finish = NEXT_TURN_DROPPED
+        try:
+            async for delta in stream:
+                finish = delta.finish_reason or finish
+        finally:
+            if not stream.finished:
+                await close_stream(stream)
+        return finish
+
 
 class Generation:
     """The token deltas of one request, across however many workers it took."""
@@ -115,6 +132,7 @@ class Generation:
         self._done = False
         self._finishing = False  # the finish delta was returned; the END frame is still to come
         self._first: TokenDelta | None = None  # a prefill worker's delta, returned before the decode worker's
+        self.served_by: str | None = None  # the worker it was last sent to (its KV is there when it ends)
 
     @property
     def instance_id(self) -> str | None:
@@ -155,6 +173,7 @@ class Generation:
         """Pick a worker (not one that failed us) and send it what is left of the request."""
         sel = await self._select()
         self._selection = sel
+        self.served_by = sel.instance_id
         spec = self.speculative
         request = GenerateRequest(self.token_ids, self.sampling, self.model,
                                   num_speculative_tokens=spec.num_draft_tokens if spec else None,

@@ -83,6 +83,12 @@ class FrontendMetrics:
         self.prefills = Counter(P + "prefills", "where prompts were prefilled when prefill workers serve the model "
                                 "(where: remote or local; reason: ok, short, busy, not_decode, no_prefill, "
                                 "prefill_failed)", ("where", "reason"), registry=r)
+        self.next_turn_prefills = Counter(P + "next_turn_prefills", "next-turn prefills (nvext.agent_hints."
+                                          "speculative_prefill) by outcome: started (sent to the worker that served "
+                                          "the turn), prefilled, dropped (not sent, or dropped by the worker)",
+                                          ("outcome",), registry=r)
+        for outcome in ("started", "prefilled", "dropped"):
+            self.next_turn_prefills.labels(outcome)
         self.streams_dropped = Counter(P + "streams_dropped", "streams dropped because their client stopped reading, "
                                        "by reason (write_timeout, buffer: too much output waiting)", ("reason",), registry=r)
         self.ignored_fields = Counter(P + "ignored_fields", "request fields accepted and ignored because this server "

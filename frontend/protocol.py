@@ -67,9 +67,10 @@ class SpeculativeOptions(_Strict):
 class AgentHints(Lenient):
     """Dynamo's ``nvext.agent_hints``. ``priority``: higher is served sooner (Dynamo's polarity; the
     opposite of the top-level ``priority``, vLLM's); ``strict_priority``: the router queue's tier, a
-    higher one always first; ``osl``: the expected output length in tokens. ``speculative_prefill``
-    is known and refused (this server does not prefill the next turn). Other keys are vendor extras:
-    ignored, logged and counted, a 400 with ``--strict-fields``."""
+    higher one always first; ``osl``: the expected output length in tokens; ``speculative_prefill``:
+    when the turn ends, prefill its whole context on the worker that served it, in the background, so
+    that the next turn's prompt is a prefix-cache hit (:mod:`frontend.next_turn`). Other keys are vendor
+    extras: ignored, logged and counted, a 400 with ``--strict-fields``."""
 
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     strict_priority: int | None = Field(None, ge=0, le=MAX_STRICT_PRIORITY)
@@ -494,8 +495,6 @@ def _check_hints(req: _Sampling) -> None:
     hints = req.nvext.agent_hints if req.nvext is not None else None
     if hints is None:
         return
-    if hints.speculative_prefill:
-        raise InvalidRequest("'speculative_prefill' is not supported by this server", "nvext.agent_hints.speculative_prefill")
     if hints.priority is not None and req.priority is not None and hints.priority != -req.priority:
         raise InvalidRequest("give either 'priority' (lower is sooner) or 'nvext.agent_hints.priority' (higher is "
                              "sooner), or two values that agree", "nvext.agent_hints.priority")
@@ -607,23 +606,25 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the plain dicts a chat template expects; text parts joined by newlines. Tool-call
     arguments go to the template as objects where they parse as one (what Hugging Face templates
     expect), else as the text sent."""
-    out = []
-    for msg in req.messages:
-        content = msg.content
-        if isinstance(content, list):
-            content = "\n".join(part["text"] for part in content)
-        item: dict[str, Any] = {"role": msg.role, "content": content or ""}
-        if msg.name:
-            item["name"] = msg.name
-        if msg.tool_call_id is not None:
-            item["tool_call_id"] = msg.tool_call_id
-        if msg.tool_calls:
-            item["tool_calls"] = [{"id": call.id, "type": "function",
-                                   "function": {"name": call.function.name,
-                                                "arguments": _maybe_object(call.function.arguments)}}
-                                  for call in msg.tool_calls]
-        out.append(item)
-    return out
+    return [template_message(msg) for msg in req.messages]
+
+
+def template_message(msg: ChatMessage) -> dict[str, Any]:
+    """One chat message as the plain dict a chat template expects (see :func:`message_dicts`)."""
+    content = msg.content
+    if isinstance(content, list):
+        content = "\n".join(part["text"] for part in content)
+    item: dict[str, Any] = {"role": msg.role, "content": content or ""}
+    if msg.name:
+        item["name"] = msg.name
+    if msg.tool_call_id is not None:
+        item["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:
+        item["tool_calls"] = [{"id": call.id, "type": "function",
+                               "function": {"name": call.function.name,
+                                            "arguments": _maybe_object(call.function.arguments)}}
+                              for call in msg.tool_calls]
+    return item
 
 
 def _maybe_object(text: str) -> Any:

@@ -152,11 +152,7 @@ class ResponseBuilder:
             item = {"index": c.index}
             finish = c.finish_reason
             if self.chat:
-                content, calls, finish = self._split(c.text, finish)
-                if calls:
-                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                else:
-                    item["message"] = {"role": "assistant", "content": c.text}
+                item["message"], finish = self.message(c)
             else:
                 item["text"] = self.echo.get(c.index, "") + c.text
             item["logprobs"] = self._logprobs(c.index, c.logprobs)
@@ -165,6 +161,14 @@ class ResponseBuilder:
         obj = "chat.completion" if self.chat else "text_completion"
         return encode_json({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                             "choices": items, "usage": usage(prompt_tokens, choices)})
+
+    def message(self, choice: ChoiceOutput) -> tuple[dict, str | None]:
+        """A finished chat choice's assistant message, as the response carries it (and a client sends it
+        back with the next turn), and its finish reason."""
+        content, calls, finish = self._split(choice.text, choice.finish_reason)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, finish
+        return {"role": "assistant", "content": choice.text}, finish
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None, with_usage: bool = False) -> bytes:
         chunk = {"id": self.id, "object": self._object, "created": self.created, "model": self.model, "choices": choices}

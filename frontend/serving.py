@@ -24,6 +24,7 @@ from runtime.validation import validate_request
 from .dispatch import Dispatcher, Generation
 from .errors import to_http
 from .metrics import FrontendMetrics, RequestTimer
+from .next_turn import NextTurn, NextTurnPrefiller
 from .models import ModelRegistry, ServedModel
 from .output import ChoiceOutput
 from .render_pool import INLINE_CHARS, RenderPool
@@ -60,6 +61,7 @@ class Job:
     continuous_usage: bool = False  # with include_usage: usage so far in every chunk (vLLM's extension)
     speculative: SpeculativeOptions | None = None  # Tandem's extension: this request's speculation
     hints: RoutingHints | None = None  # priority, queue tier, expected output length, session (None: none given)
+    next_turn: NextTurn | None = None  # speculative_prefill: how to build the next turn's context (None: not asked)
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,6 +87,7 @@ class CompletionService:
         self.metrics = metrics
         self.max_n = max_n
         self.tokenizer_timeout = tokenizer_timeout
+        self.next_turns = NextTurnPrefiller(dispatcher, lambda outcome: metrics.next_turn_prefills.labels(outcome).inc())
 
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest, request_id: str,
                       session_id: str = "") -> Job:
@@ -173,9 +176,16 @@ class CompletionService:
         hints = agent_hints(req)
         routing = RoutingHints(engine_priority(req), hints.strict_priority or 0 if hints else 0,
                                hints.osl or 0 if hints else 0, session_id)
+        next_turn = None
+        if hints is not None and hints.speculative_prefill and len(samplings) == 1:
+            next_turn = NextTurn()  # text completions, and a chat turn that continued its last message: the tokens
+            if chat and not req.continue_final_message:
+                next_turn = NextTurn(messages, functools.partial(
+                    tok.encode_chat, tools=tools, add_generation_prompt=False, template_kwargs=req.chat_template_kwargs,
+                    add_special_tokens=req.add_special_tokens), lambda choice: builder.message(choice)[0])
         return Job(request_id, "chat" if chat else "completions", model, tok, prompts, prompt_of, samplings,
                    stop_strings(req), frozenset(hidden), top, stream, include_usage, builder, continuous,
-                   req.speculative, routing if routing != RoutingHints() else None)
+                   req.speculative, routing if routing != RoutingHints() else None, next_turn)
 
     @staticmethod
     async def _maybe_thread(size: int, fn, arg):
@@ -296,6 +306,11 @@ class CompletionService:
     def _step(self, b: ResponseBuilder, out: ChoiceOutput, delta: TokenDelta, timer: RequestTimer, usage_on: bool) -> bytes | None:
         timer.tokens(len(delta.token_ids), out.index)
         return b.piece_chunk(out.index, out.add(delta), usage_on)
+
+    def after_turn(self, job: Job, gens: Sequence[Generation], outs: Sequence[ChoiceOutput]) -> None:
+        """A job ended normally: with ``speculative_prefill``, its next turn is prefilled in the background."""
+        if job.next_turn is not None and len(gens) == 1:
+            self.next_turns.submit(job, gens[0], outs[0])
 
     def account(self, job: Job, outs: Sequence[ChoiceOutput]) -> None:
         """Token and speculation counters of a finished job."""

@@ -218,7 +218,11 @@ class RoutingHints(_Wire):
 class GenerateRequest(_Wire):
     """Token ids in. ``output_ids`` carries tokens already generated elsewhere (migration, or the first
     token of a remote prefill, whose KV ``kv_transfer`` says where to pull from). ``priority``: vLLM's
-    (lower is served first), honoured by a worker started with ``--scheduling-policy priority``."""
+    (lower is served first), honoured by a worker started with ``--scheduling-policy priority``.
+    ``next_turn``: an agent's next-turn prefill (``nvext.agent_hints.speculative_prefill``): background
+    work that only fills the prefix cache with ``token_ids``. It runs while the worker has no real
+    request, yields to any that arrives, is dropped under memory pressure, and answers one delta
+    without tokens whose finish reason is ``NEXT_TURN_DONE`` or ``NEXT_TURN_DROPPED``."""
 
     token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
@@ -230,6 +234,13 @@ class GenerateRequest(_Wire):
     kv_transfer: KvHandoff | None = None  # the prompt's KV waits on a prefill worker: pull it
     lora: str = ""  # the LoRA adapter to run with ("": the base model ``model``)
     priority: int = 0
+    next_turn: bool = False
+
+
+# The finish reasons of a next-turn prefill (GenerateRequest.next_turn): the context is in the prefix
+# cache, or it was dropped (the worker was busy, a real request arrived, too few free blocks).
+NEXT_TURN_DONE = "prefilled"
+NEXT_TURN_DROPPED = "dropped"
 
 
 class LoraAdmin(_Wire):

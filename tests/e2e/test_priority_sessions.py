@@ -50,7 +50,7 @@ def chosen(stack, request_id: str) -> str:
 def test_bad_priority_fields_are_400s_in_openais_format(stack):
     bad = [({"priority": "1"}, "priority"),
            ({"nvext": {"agent_hints": {"strict_priority": 999}}}, "nvext.agent_hints.strict_priority"),
-           ({"nvext": {"agent_hints": {"speculative_prefill": True}}}, "nvext.agent_hints.speculative_prefill")]
+           ({"nvext": {"agent_hints": {"speculative_prefill": "yes"}}}, "nvext.agent_hints.speculative_prefill")]
     with httpx.Client(base_url=stack.url, timeout=30) as http:
         for extra, field in bad:
             resp = http.post("/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 2, **extra},

@@ -220,6 +220,15 @@ class TargetCollector(Collector):
         for reason, count in sorted(w.stats.finished.items()):
             finished.add_metric([self.model, reason], count)
         yield finished
+        next_turn = CounterMetricFamily(
+            "tandem_target_next_turn_prefills", "Next-turn prefills (nvext.agent_hints.speculative_prefill) by outcome: "
+            "started (computing began), and how each ended: prefilled, or dropped as busy (a real request was open), "
+            "memory (too few free blocks), yielded (a real request arrived), invalid or failed.",
+            labels=["model", "outcome"])
+        for outcome, count in w.next_turn.outcomes.items():
+            next_turn.add_metric([self.model, outcome], count)
+        yield next_turn
+        yield counter("next_turn_prefill_tokens", "Context tokens computed by next-turn prefills.", w.next_turn.tokens)
         yield from self._vllm(w, engine)
 
     def _disagg(self, w, engine, gauge, counter):

@@ -25,6 +25,7 @@ from ..engine.lora import LoraError
 from .disagg import DisaggStats, HandoffKeeper, KvReceiver, release_handoff
 from .draft_pool import DraftPool
 from .metrics import RequestStats
+from .next_turn import NextTurnPrefill
 from .draft_watch import DraftWatch
 from .step_loop import StepLoop
 
@@ -67,6 +68,7 @@ class TargetWorker:
         self.loop = StepLoop(engine, pool, worker_id, watch=DraftWatch(propose_timeout, min_wait=propose_min_wait),
                              on_kv_events=self._kv_out.put_nowait, publish=publish, epoch=epoch,
                              executor=executor)
+        self.next_turn = NextTurnPrefill(self.loop)  # agents' next-turn prefills: background, yielding
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self.cancelled = 0  # handlers cancelled by their client
@@ -100,7 +102,14 @@ class TargetWorker:
 
     async def generate(self, req: GenerateRequest, ctx) -> AsyncIterator[TokenDelta]:
         """Token ids in, token deltas out; the last delta has the finish reason and usage. A request
-        with ``kv_transfer`` (decode role) has its prompt's KV pulled from a prefill worker."""
+        with ``kv_transfer`` (decode role) has its prompt's KV pulled from a prefill worker. A
+        ``next_turn`` request fills the prefix cache in the background (:mod:`.next_turn`) and
+        answers one delta: ``NEXT_TURN_DONE`` or ``NEXT_TURN_DROPPED``."""
+        if req.next_turn:
+            if req.model and req.model != self.model_name:
+                raise InvalidRequest(f"this worker serves {self.model_name!r}, not {req.model!r}", field="model")
+            yield TokenDelta(finish_reason=await self.next_turn.run(f"{ctx.request_id}#{next(self._ids)}", req))
+            return
         async for _, delta in self._serve(req, ctx, prefill_only=False):
             yield delta
 
@@ -137,6 +146,7 @@ class TargetWorker:
             grammar = await self.loop.compile_grammar(list(req.token_ids), req.sampling, list(req.output_ids))
         started, last = time.monotonic(), None
         finished = False
+        self.next_turn.yield_now()  # a real request: background prefill steps aside before it is queued
         try:
             if req.kv_transfer is not None and self.receiver is not None:
                 out = await self.receiver.admit(self.loop, rid, req, grammar)

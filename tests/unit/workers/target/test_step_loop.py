@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -13,6 +14,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.speculation.payloads import DraftOutput
 from workers.target.draft_watch import DraftWatch
 from workers.target.disagg import DisaggStats
+from workers.target.next_turn import NextTurnPrefill
 from workers.target.metrics import RequestStats, TargetCollector
 from workers.target.step_loop import BROKEN_AFTER, AddRequest, StepLoop
 from workers.target.seam import SynchronousSeam
@@ -42,80 +44,76 @@ async def drain(queue: asyncio.Queue, timeout: float = 10.0) -> list[int] | Base
             return tokens
 
 
-async def test_a_failing_step_fails_its_batch_and_the_loop_serves_on(model, expected):
-    engine = Engine(model, CFG)
-    real_step = engine.step
-    failures = {"left": 1}
+class Fault:
+    """Raises ``error`` when called, the first ``times`` calls (None: until ``on`` is set False)."""
 
-    def flaky_step(proposals=None):
-        if failures["left"]:
-            failures["left"] -= 1
-            raise RuntimeError("injected: CUDA error")
+    def __init__(self, error: BaseException, times: int | None = 1):
+        self.error, self.times, self.on = error, times, True
+
+    def __call__(self, *args) -> None:
+        if self.times is not None:
+            self.on = self.times > 0
+            self.times = max(self.times - 1, 0)
+        if self.on:
+            raise self.error
+
+
+def with_failing_step(engine: Engine, fault: Fault) -> Engine:
+    """``engine`` with its step calling ``fault`` first."""
+    real_step = engine.step
+
+    def step(proposals=None):
+        fault()
         return real_step(proposals)
 
-    engine.step = flaky_step
-    loop = StepLoop(engine)
+    engine.step = step
+    return engine
+
+
+@contextlib.asynccontextmanager
+async def started(loop: StepLoop):
+    """``loop`` started, and stopped when the block ends."""
     loop.start()
     try:
+        yield loop
+    finally:
+        await loop.stop()
+
+
+async def test_a_failing_step_fails_its_batch_and_the_loop_serves_on(model, expected):
+    engine = with_failing_step(Engine(model, CFG), Fault(RuntimeError("injected: CUDA error")))
+    async with started(StepLoop(engine)) as loop:
         failed = await drain(loop.submit("a", PROMPT, PARAMS))
         assert isinstance(failed, EngineFailed) and "injected" in str(failed)
         assert not engine.seqs and engine.blocks.num_free_blocks == CFG.num_blocks  # nothing left behind
         assert await drain(loop.submit("b", PROMPT, PARAMS)) == expected
         assert loop.healthy and loop.step_failures == 1
-    finally:
-        await loop.stop()
 
 
 async def test_steps_that_keep_failing_mark_the_loop_unhealthy_until_one_succeeds(model, expected):
-    engine = Engine(model, CFG)
-    real_step = engine.step
-    broken = {"on": True}
-
-    def step(proposals=None):
-        if broken["on"]:
-            raise MemoryError("injected")
-        return real_step(proposals)
-
-    engine.step = step
-    loop = StepLoop(engine)
-    loop.start()
-    try:
+    broken = Fault(MemoryError("injected"), times=None)
+    async with started(StepLoop(with_failing_step(Engine(model, CFG), broken))) as loop:
         for i in range(BROKEN_AFTER):
             assert isinstance(await drain(loop.submit(f"r{i}", PROMPT, PARAMS)), EngineFailed)
         assert not loop.healthy
-        broken["on"] = False
+        broken.on = False
         assert await drain(loop.submit("ok", PROMPT, PARAMS)) == expected
         assert loop.healthy
-    finally:
-        await loop.stop()
 
 
 async def test_an_error_outside_the_step_fails_open_requests_and_the_loop_goes_on(model, expected):
-    engine = Engine(model, CFG)
-    failures = {"left": 1}
-
-    def on_kv_events(events):  # the loop's own hook, called after the step's outputs are delivered
-        if failures["left"]:
-            failures["left"] -= 1
-            raise RuntimeError("injected: publishing KV events")
-
-    loop = StepLoop(engine, on_kv_events=on_kv_events)
-    loop.start()
-    try:
+    # on_kv_events: the loop's own hook, called after the step's outputs are delivered
+    on_kv_events = Fault(RuntimeError("injected: publishing KV events"))
+    async with started(StepLoop(Engine(model, CFG), on_kv_events=on_kv_events)) as loop:
         failed = await drain(loop.submit("a", PROMPT, PARAMS))
         assert isinstance(failed, EngineFailed) and loop.loop_errors == 1
         assert await drain(loop.submit("b", PROMPT, PARAMS)) == expected
         assert await loop.call(lambda e: not e.seqs)  # the failed request was aborted in the engine too
         assert loop.healthy
-    finally:
-        await loop.stop()
 
 
 async def test_failing_commands_reach_their_callers_only(model, expected):
-    engine = Engine(model, CFG)
-    loop = StepLoop(engine)
-    loop.start()
-    try:
+    async with started(StepLoop(Engine(model, CFG))) as loop:
         with pytest.raises(ZeroDivisionError):
             await loop.call(lambda e: 1 / 0)
         other = loop.submit("b", PROMPT, PARAMS)
@@ -124,8 +122,6 @@ async def test_failing_commands_reach_their_callers_only(model, expected):
         loop._push(AddRequest("b2-again", [], PARAMS))  # an empty prompt the engine refuses (skipping submit's check)
         assert isinstance(await drain(dup_again), InvalidRequest)
         assert await drain(other) == expected and await drain(dup) == expected
-    finally:
-        await loop.stop()
 
 
 class _Client(NewsByParts):
@@ -216,7 +212,7 @@ async def test_plain_steps_say_no_draft_and_draft_backoff(model, expected, pool,
         assert [t for d in deltas for t in d.token_ids] == expected
         assert deltas[-1].usage.spec.plain_steps == {why: PARAMS.max_tokens - 1}
         worker = type("W", (), {"loop": loop, "engine": loop.engine, "stats": RequestStats(),
-                                "disagg": DisaggStats()})()
+                                "disagg": DisaggStats(), "next_turn": NextTurnPrefill(loop)})()
         samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
                    for m in TargetCollector(worker, "m").collect() for x in m.samples}
         assert samples[("tandem_target_spec_plain_steps_total", (("model", "m"), ("reason", why)))] == 7
