@@ -70,7 +70,7 @@ def run(model, make_proposer, layers, batch, params, gamma: int, mode: str, lag:
             stager.release(engine.take_released())
             inputs = engine.draft_inputs()
             for d in inputs:
-                stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_length, d.hidden_states,
+                stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_budget, d.hidden_states,
                               d.sampling)
             answers, asked = stager.answer_and_stage([d.seq_id for d in inputs])
             in_flight.append(answers + stager.stage(asked))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from tests.support.procs import ManagedProcess  # noqa: E402
-from tests.support.servers import env_for, free_port, start_servers  # noqa: E402
+from tests.support.servers import env_for, free_port, running_servers  # noqa: E402
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -112,8 +112,7 @@ async def run(mode: str, args, etcd, nats_server) -> dict:
 
 
 async def amain(args) -> None:
-    etcd, nats_server = start_servers()
-    try:
+    with running_servers() as (etcd, nats_server):
         for mode in args.router_mode:
             r = await run(mode, args, etcd, nats_server)
             last = "none" if r["last_routed_ms"] is None else f"{r['last_routed_ms']:.0f} ms"
@@ -123,9 +122,6 @@ async def amain(args) -> None:
                   f"{r['statuses']}; routed to the dead worker after the kill: {r['routed_after_kill']} "
                   f"(first {first}, last {last} after SIGKILL); requests it was serving, moved to another worker: "
                   f"{r['in_flight_moved']}{moved}", flush=True)
-    finally:
-        etcd.cleanup()
-        nats_server.cleanup()
 
 
 def main() -> None:

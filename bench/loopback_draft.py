@@ -4,14 +4,14 @@ process: the child serves until killed and prints its port first (the parent rea
 from __future__ import annotations
 
 
-async def serve_on_loopback(proposer, draft_id: str, max_speculative_tokens: int = 16) -> None:
+async def serve_on_loopback(proposer, draft_id: str, max_num_speculative_tokens: int = 16) -> None:
     """Serve a :class:`workers.draft.service.DraftService` around ``proposer``; print the port."""
     import grpc
 
     from proto import spec_pb2_grpc
     from workers.draft.service import DraftService
 
-    service = DraftService(proposer, draft_id, max_speculative_tokens)
+    service = DraftService(proposer, draft_id, max_num_speculative_tokens)
     await service.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     spec_pb2_grpc.add_DraftServiceServicer_to_server(service, server)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from tests.support.procs import ManagedProcess  # noqa: E402
-from tests.support.servers import env_for, free_port, start_servers  # noqa: E402
+from tests.support.servers import env_for, free_port, running_servers  # noqa: E402
 
 RUNS = (("baseline", False, False), ("engine", False, True), ("router queue", True, False), ("both", True, True))
 
@@ -102,8 +102,7 @@ async def run(name: str, queue: bool, engine: bool, args, etcd, nats_server) -> 
 
 
 async def amain(args) -> None:
-    etcd, nats_server = start_servers()
-    try:
+    with running_servers() as (etcd, nats_server):
         print(f"{args.requests} streaming completions at {args.rate}/s, {args.high_share:.0%} high priority; "
               f"{args.workers} mock workers x {args.max_num_seqs} slots, {args.token_latency_ms} ms/token, "
               f"{args.max_tokens} tokens each", flush=True)
@@ -117,9 +116,6 @@ async def amain(args) -> None:
             print(f"| {r['name']} | {r['high_p50'] * 1000:.0f} / {r['high_p90'] * 1000:.0f} | "
                   f"{r['low_p50'] * 1000:.0f} / {r['low_p90'] * 1000:.0f} | {r['low_p50'] / r['high_p50']:.1f}x | "
                   f"{r['low_p90'] / r['high_p90']:.1f}x | {r['low_max'] * 1000:.0f} | {r['statuses']} |", flush=True)
-    finally:
-        etcd.cleanup()
-        nats_server.cleanup()
 
 
 def main() -> None:

@@ -36,21 +36,12 @@ async def serve_draft() -> None:
 def tiny_engine():
     import torch
 
-    from workers.engine.config import ModelConfig
+    from bench.common import random_decoder
     from workers.engine.engine import Engine, EngineConfig
-    from workers.engine.model import DecoderModel
 
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    model = DecoderModel(cfg, 512)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.reset_buffers()
-    return Engine(model.eval(), EngineConfig(num_blocks=512, block_size=16), eos_token_ids=(),
-                      num_speculative_tokens=4)
+    return Engine(random_decoder(256, 512), EngineConfig(num_blocks=512, block_size=16), eos_token_ids=(),
+                  num_speculative_tokens=4)
 
 
 async def measure(port: int | None, batches: list[int], tokens: int, repeats: int, seam: str = "sync") -> dict:

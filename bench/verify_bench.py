@@ -23,27 +23,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def build(vocab: int):
-    import torch
-
-    from workers.engine.config import ModelConfig
+    # bench/common.py beside this script (the tree timed, ROOT, may be one from before it existed)
+    from common import random_decoder
     from workers.engine.engine import EngineConfig
-    from workers.engine.model import DecoderModel
 
     try:
         from workers.target.spec_engine import SpecEngine as Engine  # before the one-step engine
     except ImportError:
         from workers.engine.engine import Engine
-    torch.manual_seed(0)
-    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
-    model = DecoderModel(cfg, 1024)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.reset_buffers()
-    return Engine(model.eval(), EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=32,
-                                             max_num_batched_tokens=2048), eos_token_ids=(),
-                  num_speculative_tokens=4, adaptive=False)
+    cfg = EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=32, max_num_batched_tokens=2048)
+    return Engine(random_decoder(vocab, 1024), cfg, eos_token_ids=(), num_speculative_tokens=4, adaptive=False)
 
 
 def measure(batch: int, temperature: float, vocab: int, repeats: int) -> float:

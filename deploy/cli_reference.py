@@ -114,8 +114,10 @@ name in upper case, dashes as underscores (`--num-speculative-tokens` reads `TAN
   `--nats`) it uses those servers and starts no etcd or NATS of its own.
 - **Old spellings**: `--model-name` (draft, mock), `--method` (draft), `--context-length` (mock) and
   `--mode` (router) still work as aliases of the canonical names; their variables are the canonical
-  ones. Flags whose settings moved into a JSON-valued flag (`--spec-seam`, `--ngram-max`,
-  `--nats-tls-ca`, ...) stop the service with one line naming the key that replaced them.
+  ones. Flags whose settings moved into a JSON-valued flag (commit 11deaa7) stop the service with one
+  line naming the key that replaced them (the tables: `RETIRED_FLAGS` in `workers/target/__main__.py`
+  and `workers/draft/__main__.py`, `RETIRED_RUNTIME_FLAGS` in `runtime/config.py`); the draft refuses
+  their variables too.
 - **JSON-valued flags** (`--speculative-config`, `--kv-offload-config`, `--kv-transfer-config`,
   `--distill-config`, `--nats-security`, `--etcd-security`) take a JSON object or `@FILE`; their
   variable's keys apply beneath the flag's, key by key, so `TANDEM_SPECULATIVE_CONFIG='{"seam": "sync"}'`

@@ -116,6 +116,9 @@ class StackConfig:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
         if self.mock and self.drafts:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
+        problem = self.speculative.method_problem(self.draft_method)
+        if problem:
+            raise ValueError(f"--speculative-config: {problem}")
         drafts_only = self.speculative.draft_only_keys()
         if drafts_only and not self.num_drafts:
             raise ValueError(f"--speculative-config's {', '.join(drafts_only)} are the draft workers' keys and this "
@@ -146,9 +149,9 @@ class StackConfig:
         keys = spec.given()
         if self.draft_method not in HEAD_METHODS and "hidden_layers" not in keys:
             keys["hidden_layers"] = "none"
-        gamma = self.num_speculative_tokens
-        if gamma is not None and gamma > spec.max_num_speculative_tokens and "max_num_speculative_tokens" not in keys:
-            keys["max_num_speculative_tokens"] = gamma
+        asked = self.num_speculative_tokens
+        if asked is not None and asked > spec.max_num_speculative_tokens and "max_num_speculative_tokens" not in keys:
+            keys["max_num_speculative_tokens"] = asked
         return ["--speculative-config", json.dumps(keys, sort_keys=True)] if keys else []
 
     @property

@@ -55,11 +55,11 @@ class Hello(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., pipelined: _Optional[bool] = ..., hidden_planes: _Optional[_Iterable[str]] = ..., hidden_shm: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_plane_dtype: _Optional[str] = ..., lanes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_speculative_tokens", "hidden_dtype", "vocab_size", "pipelined", "hidden_plane", "step_news", "lane", "lane_address", "lane_token")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_num_speculative_tokens", "hidden_dtype", "vocab_size", "pipelined", "hidden_plane", "step_news", "lane", "lane_address", "lane_token")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
@@ -71,7 +71,7 @@ class HelloAck(_message.Message):
     draft_id: str
     method: str
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
-    max_speculative_tokens: int
+    max_num_speculative_tokens: int
     hidden_dtype: str
     vocab_size: int
     pipelined: bool
@@ -80,7 +80,7 @@ class HelloAck(_message.Message):
     lane: str
     lane_address: str
     lane_token: bytes
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., pipelined: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ..., lane: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_num_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., pipelined: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ..., lane: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")
@@ -97,11 +97,11 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("seq_id", "round", "new_tokens", "num_tokens", "sampling", "hidden_states", "tree_topk", "tree_depth", "max_depth", "hidden")
+    __slots__ = ("seq_id", "round", "new_tokens", "num_speculative_tokens", "sampling", "hidden_states", "tree_topk", "tree_depth", "max_depth", "hidden")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -111,14 +111,14 @@ class ProposeRequest(_message.Message):
     seq_id: str
     round: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
-    num_tokens: int
+    num_speculative_tokens: int
     sampling: SamplingSpec
     hidden_states: _containers.RepeatedCompositeFieldContainer[Tensor]
     tree_topk: int
     tree_depth: int
     max_depth: int
     hidden: HiddenRef
-    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., tree_topk: _Optional[int] = ..., tree_depth: _Optional[int] = ..., max_depth: _Optional[int] = ..., hidden: _Optional[_Union[HiddenRef, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., round: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingSpec, _Mapping]] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., tree_topk: _Optional[int] = ..., tree_depth: _Optional[int] = ..., max_depth: _Optional[int] = ..., hidden: _Optional[_Union[HiddenRef, _Mapping]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests",)

@@ -140,6 +140,11 @@ class RuntimeConfig:
                             user=user, password=password)
 
 
+# Flags a worker no longer has that a launcher (tandem up) still does, under the same name: their
+# variables may be set for the launcher, and a worker inherits its environment.
+LAUNCHER_FLAGS = frozenset({"--num-speculative-tokens", "--speculative-eagle-topk", "--speculative-num-steps",
+                            "--no-load-aware-speculation"})
+
 RETIRED_RUNTIME_FLAGS = {
     **{f"--nats-{key.replace('_', '-')}": f"use --nats-security '{{\"{key}\": ...}}' or TANDEM_NATS_{key.upper()}"
        for key in ("tls_ca", "tls_cert", "tls_key", "creds", "nkey")},
@@ -170,8 +175,8 @@ def add_runtime_args(parser) -> None:
                              "tls_cert and tls_key (a client certificate and its key, PEM, for mutual TLS), user, "
                              "password (or @FILE to read it from a file; prefer TANDEM_ETCD_PASSWORD: flags show in "
                              "ps). Each key also reads from TANDEM_ETCD_<KEY>")
-    if isinstance(parser, EnvParser):
-        parser.retire(RETIRED_RUNTIME_FLAGS)
+    if isinstance(parser, EnvParser):  # their per-key variables (TANDEM_NATS_TLS_CA, ...) still hold
+        parser.retire(RETIRED_RUNTIME_FLAGS, env=False)
     parser.add_argument("--connect-timeout", type=float, default=None,
                         help="seconds to keep trying NATS and etcd at start-up before exiting with an error "
                              "(env TANDEM_CONNECT_TIMEOUT, default 30)")
@@ -198,12 +203,18 @@ class EnvParser(argparse.ArgumentParser):
         self.options: list[argparse.Action] = []
         self.subcommands: dict[str, EnvParser] = {}
         self.retired: dict[str, str] = {}
+        self.retired_env: set[str] = set()
         super().__init__(*args, **kwargs)
 
-    def retire(self, flags: Mapping[str, str]) -> None:
+    def retire(self, flags: Mapping[str, str], env: bool = True) -> None:
         """Flags this parser no longer has, each with where its setting went: given one, the parser
-        exits with one line saying so (not argparse's bare "unrecognized arguments")."""
+        exits with one line saying so (not argparse's bare "unrecognized arguments"). With ``env``, its
+        ``TANDEM_<FLAG>`` variable set is refused the same way (it would be ignored without a word),
+        unless a launcher still has a flag of that name (:data:`LAUNCHER_FLAGS`: a shared environment
+        may set it for the launcher)."""
         self.retired.update(flags)
+        if env:
+            self.retired_env.update(flag for flag in flags if flag not in LAUNCHER_FLAGS)
 
     def parse_known_args(self, args=None, namespace=None):
         import sys
@@ -213,6 +224,13 @@ class EnvParser(argparse.ArgumentParser):
             flag = word.partition("=")[0]
             if flag in self.retired:
                 self.error(f"{flag} was retired: {self.retired[flag]}")
+        for flag in sorted(self.retired_env):
+            name = _flag_env_name(flag)
+            if os.environ.get(name):
+                hint = self.retired[flag]
+                moved = hint.split()[1] if hint.startswith("use --") else None  # the flag it moved into
+                also = f" (or {_flag_env_name(moved)} with that JSON)" if moved else ""
+                self.error(f"{name} ({flag}) was retired: {hint}{also}")
         return super().parse_known_args(args, namespace)
 
     def _keep(self, add):
@@ -376,10 +394,14 @@ def default_log_level() -> str:
     return os.environ.get("TANDEM_LOG_LEVEL") or "INFO"
 
 
+def _flag_env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
 def flag_env(flag: str) -> str | None:
     """The value of ``flag``'s ``TANDEM_<FLAG>`` variable (None: unset): a JSON-valued flag's keys from
     the environment, read beneath the flag's own (:func:`runtime.settings.parse_group`)."""
-    return os.environ.get(ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")) or None
+    return os.environ.get(_flag_env_name(flag)) or None
 
 
 def load_interval() -> float:

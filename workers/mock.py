@@ -294,23 +294,23 @@ class MockWorker:
                 await asyncio.sleep(self.prefill_latency_per_token * (len(prompt) - cached))
             pool = [t for t in req.token_ids if t not in self.special_ids] or [t for t in req.token_ids]
             rng = random.Random(sp.seed) if sp.seed is not None else random.Random()
-            gamma = self.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
-            spec = SpecUsage() if gamma > 0 else None
+            drafted = self.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
+            spec = SpecUsage() if drafted > 0 else None
             stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
             produced, finish = 0, "length"
             while produced < sp.max_tokens:
                 step = 1
-                if gamma > 0:
+                if drafted > 0:
                     accepted = 0
-                    while accepted < gamma and rng.random() < self.acceptance_rate:
+                    while accepted < drafted and rng.random() < self.acceptance_rate:
                         accepted += 1
-                    self.counters.observe_draft(gamma, accepted)
+                    self.counters.observe_draft(drafted, accepted)
                     self._stats_dirty = True
-                    per_pos = list(spec.accepted_per_pos) or [0] * gamma
+                    per_pos = list(spec.accepted_per_pos) or [0] * drafted
                     for i in range(accepted):
                         per_pos[i] += 1
                     spec = msgspec.structs.replace(spec, num_drafts=spec.num_drafts + 1,
-                                                   num_draft_tokens=spec.num_draft_tokens + gamma,
+                                                   num_draft_tokens=spec.num_draft_tokens + drafted,
                                                    num_accepted_tokens=spec.num_accepted_tokens + accepted,
                                                    accepted_per_pos=per_pos)
                     step = accepted + 1

@@ -36,8 +36,8 @@ async def test_ngram_draft_worker_serves_batched_proposals(rt, spawn):
 
         # Two sequences in one batch.
         outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=[
-            spec_pb2.ProposeRequest(seq_id="a", round=0, new_tokens=[1, 2, 3, 4, 1, 2], num_tokens=3),
-            spec_pb2.ProposeRequest(seq_id="b", round=0, new_tokens=[7, 8, 9], num_tokens=3),
+            spec_pb2.ProposeRequest(seq_id="a", round=0, new_tokens=[1, 2, 3, 4, 1, 2], num_speculative_tokens=3),
+            spec_pb2.ProposeRequest(seq_id="b", round=0, new_tokens=[7, 8, 9], num_speculative_tokens=3),
         ])))
         got = (await responses.read()).proposals.proposals
         assert {p.seq_id: list(p.token_ids) for p in got} == {"a": [3, 4, 1], "b": []}
@@ -46,7 +46,7 @@ async def test_ngram_draft_worker_serves_batched_proposals(rt, spawn):
         outgoing.put_nowait(spec_pb2.TargetMessage(verify=spec_pb2.VerifyBatch(outcomes=[
             spec_pb2.VerifyOutcome(seq_id="a", round=0, num_accepted=2, emitted_tokens=[3, 4, 1])])))
         outgoing.put_nowait(spec_pb2.TargetMessage(propose=spec_pb2.ProposeBatch(requests=[
-            spec_pb2.ProposeRequest(seq_id="a", round=1, new_tokens=[], num_tokens=2)])))
+            spec_pb2.ProposeRequest(seq_id="a", round=1, new_tokens=[], num_speculative_tokens=2)])))
         [p] = (await responses.read()).proposals.proposals
         # History 1 2 3 4 1 2 3 4 1: the suffix "3 4 1" last occurred at positions 2..4, then "2 3".
         assert p.round == 1 and list(p.token_ids) == [2, 3]

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -265,6 +266,31 @@ async def after_the_draft_is_gone(target: Target, findings: Findings, plain_s: f
         await target.check(PROMPTS, bound_for(plain_s), "after the hostile draft is gone, again")
 
 
+@dataclass
+class HostileRun:
+    """What a test body sees while its hostile draft is registered."""
+
+    plain_s: float  # the slowest plain request before the draft came
+    bound: float  # bound_for(plain_s)
+    findings: Findings
+    draft: Any = None  # the registered hostile draft (its counts, its id)
+
+
+@contextlib.asynccontextmanager
+async def registered(target: Target, runtime_config, behaviour, name: str):
+    """The course of every test here: time plain requests, register a hostile draft acting out
+    ``behaviour``, run the body as the phase "while the <name> draft is registered", log the draft's
+    counts, then check requests once it is gone. The test adds its own phases after the block and
+    ends with ``run.findings.check()``."""
+    plain_s = await target.plain()
+    run = HostileRun(plain_s, bound_for(plain_s), Findings())
+    async with hostile_draft(runtime_config, behaviour, MODEL) as run.draft:
+        with run.findings.phase(f"while the {name} draft is registered"):
+            yield run
+        log.info("%s draft: %s", name, run.draft.counts)
+    await after_the_draft_is_gone(target, run.findings, plain_s)
+
+
 # ------------------------------------------------------------------------------------------ tests
 
 
@@ -274,15 +300,12 @@ async def after_the_draft_is_gone(target: Target, findings: Findings, plain_s: f
 ], ids=["missing-hidden-layers", "nonsense-hidden-dtype"])
 async def test_a_draft_with_an_impossible_handshake_is_refused_and_changes_nothing(
         target, runtime_config, layers, dtype, bad):
-    plain_s = await target.plain()
-    bound = bound_for(plain_s)
-    findings = Findings()
-    async with hostile_draft(runtime_config, BadHandshake(layers, dtype), MODEL) as draft:
-        with findings.phase("while the incompatible draft is registered"):
-            await target.until(lambda: draft.counts.hellos > 0, bound, "until the draft said hello")
-            await target.check(PROMPTS, bound, "with the incompatible draft registered")
-            await target.check(PROMPTS, bound, "with the incompatible draft registered, again")
-    await after_the_draft_is_gone(target, findings, plain_s)
+    async with registered(target, runtime_config, BadHandshake(layers, dtype), "incompatible") as run:
+        draft, bound = run.draft, run.bound
+        await target.until(lambda: draft.counts.hellos > 0, bound, "until the draft said hello")
+        await target.check(PROMPTS, bound, "with the incompatible draft registered")
+        await target.check(PROMPTS, bound, "with the incompatible draft registered, again")
+    findings = run.findings
     with findings.phase("refused at the handshake"):
         if draft.counts.asks:
             raise AssertionError(f"the incompatible draft was asked for proposals: {draft.counts}")
@@ -298,63 +321,49 @@ async def test_a_draft_with_an_impossible_handshake_is_refused_and_changes_nothi
 
 
 async def test_malformed_proposals_are_dropped_and_cost_no_timeouts(target, runtime_config):
-    plain_s = await target.plain()
-    bound = bound_for(plain_s)
-    findings = Findings()
     behaviour = Malformed(target.oracle(), VOCAB)
-    async with hostile_draft(runtime_config, behaviour, MODEL) as draft:
-        with findings.phase("while the malformed draft is registered"):
-            await target.until(lambda: draft.counts.asks > 0, bound, "until the draft was asked")
-            # A sampled request rides along: rejection sampling must not read NaN, negative or
-            # out-of-vocabulary probabilities. Its tokens are random, their number and range are not.
-            sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
-            greedy, rand = await asyncio.gather(
-                target.check(PROMPTS, bound, "with the malformed draft"),
-                target.run([PROMPTS[1]], bound, "sampled, with the malformed draft", sampled),
-                return_exceptions=True)
-            for outcome in (greedy, rand):
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            tokens = rand[0].tokens
-            if len(tokens) != MAX_TOKENS or not all(0 <= t < VOCAB for t in tokens):
-                raise AssertionError(f"sampled request: {len(tokens)} tokens, want {MAX_TOKENS} in [0, {VOCAB}): "
-                                     f"{tokens}")
-            await target.check(PROMPTS, bound, "with the malformed draft, again")
-        log.info("malformed kinds sent: %s; %s", behaviour.counts, draft.counts)
-    await after_the_draft_is_gone(target, findings, plain_s)
-    findings.check()
+    async with registered(target, runtime_config, behaviour, "malformed") as run:
+        draft, bound = run.draft, run.bound
+        await target.until(lambda: draft.counts.asks > 0, bound, "until the draft was asked")
+        # A sampled request rides along: rejection sampling must not read NaN, negative or
+        # out-of-vocabulary probabilities. Its tokens are random, their number and range are not.
+        sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+        greedy, rand = await asyncio.gather(
+            target.check(PROMPTS, bound, "with the malformed draft"),
+            target.run([PROMPTS[1]], bound, "sampled, with the malformed draft", sampled),
+            return_exceptions=True)
+        for outcome in (greedy, rand):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        tokens = rand[0].tokens
+        if len(tokens) != MAX_TOKENS or not all(0 <= t < VOCAB for t in tokens):
+            raise AssertionError(f"sampled request: {len(tokens)} tokens, want {MAX_TOKENS} in [0, {VOCAB}): "
+                                 f"{tokens}")
+        await target.check(PROMPTS, bound, "with the malformed draft, again")
+    log.info("malformed kinds sent: %s", behaviour.counts)
+    run.findings.check()
 
 
 async def test_a_silent_draft_costs_seconds_not_minutes(target, runtime_config):
-    plain_s = await target.plain()
-    bound = bound_for(plain_s)
-    findings = Findings()
-    async with hostile_draft(runtime_config, Silent(), MODEL) as draft:
-        with findings.phase("while the silent draft is registered"):
-            await target.until(lambda: draft.counts.asks > 0, bound, "until the silent draft was asked")
-            await target.check(PROMPTS, bound, "with the silent draft")
-            await target.check(PROMPTS, bound, "with the silent draft, again")
-        log.info("silent draft: %s", draft.counts)
-    await after_the_draft_is_gone(target, findings, plain_s)
-    findings.check()
+    async with registered(target, runtime_config, Silent(), "silent") as run:
+        draft, bound = run.draft, run.bound
+        await target.until(lambda: draft.counts.asks > 0, bound, "until the silent draft was asked")
+        await target.check(PROMPTS, bound, "with the silent draft")
+        await target.check(PROMPTS, bound, "with the silent draft, again")
+    run.findings.check()
 
 
 async def test_a_draft_that_aborts_after_one_answer_and_keeps_failing(target, runtime_config):
-    plain_s = await target.plain()
-    bound = bound_for(plain_s)
-    findings = Findings()
-    async with hostile_draft(runtime_config, AbortAfterFirst(target.oracle()), MODEL) as draft:
-        with findings.phase("while the aborting draft is registered"):
-            await target.until(lambda: draft.counts.aborts > 0, bound, "until the draft aborted a stream")
-            await target.check(PROMPTS, bound, "after the draft aborted")
-            # It takes new streams and fails them the same way: each retry the target makes (when
-            # its backoff allows, which this test does not prescribe) must be as harmless.
-            await target.until(lambda: draft.counts.aborts > 1, bound, "while the target may retry the draft",
-                               timeout=5.0, required=False)
-            await target.check(PROMPTS, bound, "after the draft aborted again (or was backed off)")
-        log.info("aborting draft: %s", draft.counts)
-    await after_the_draft_is_gone(target, findings, plain_s)
-    findings.check()
+    async with registered(target, runtime_config, AbortAfterFirst(target.oracle()), "aborting") as run:
+        draft, bound = run.draft, run.bound
+        await target.until(lambda: draft.counts.aborts > 0, bound, "until the draft aborted a stream")
+        await target.check(PROMPTS, bound, "after the draft aborted")
+        # It takes new streams and fails them the same way: each retry the target makes (when
+        # its backoff allows, which this test does not prescribe) must be as harmless.
+        await target.until(lambda: draft.counts.aborts > 1, bound, "while the target may retry the draft",
+                           timeout=5.0, required=False)
+        await target.check(PROMPTS, bound, "after the draft aborted again (or was backed off)")
+    run.findings.check()
 
 
 SLOW_DELAY_S = 0.3  # per answer, where a step of the tiny model takes about a millisecond
@@ -364,17 +373,13 @@ async def test_a_slow_draft_is_backed_off_from_the_targets_own_step_time(target,
     """A correct but slow draft: every proposal is accepted, yet waiting 0.3 s for γ+1 tokens is far
     slower than decoding them plainly, so a target that judges the draft by its own step time
     stops waiting for it."""
-    plain_s = await target.plain()
-    # Tighter than bound_for: a target that waits for each answer needs ≥ MAX_TOKENS / (γ+1)
-    # answers × 0.3 s ≈ 1.5 s per request, and more where an answer comes too late to use; one
-    # that backs off after a slow probe or two loses well under a second.
-    bound = 1.0 + 2 * plain_s
-    findings = Findings()
-    async with hostile_draft(runtime_config, Slow(target.oracle(), SLOW_DELAY_S), MODEL) as draft:
-        with findings.phase("while the slow draft is registered"):
-            await target.until(lambda: draft.counts.answers > 0, bound_for(plain_s), "until the slow draft answered")
-            for round_ in range(3):
-                await target.check(PROMPTS, bound, f"with the slow draft, round {round_}")
-        log.info("slow draft: %s", draft.counts)
-    await after_the_draft_is_gone(target, findings, plain_s)
-    findings.check()
+    async with registered(target, runtime_config, Slow(target.oracle(), SLOW_DELAY_S), "slow") as run:
+        draft = run.draft
+        await target.until(lambda: draft.counts.answers > 0, run.bound, "until the slow draft answered")
+        # Tighter than bound_for: a target that waits for each answer needs ≥ MAX_TOKENS / (γ+1)
+        # answers × 0.3 s ≈ 1.5 s per request, and more where an answer comes too late to use; one
+        # that backs off after a slow probe or two loses well under a second.
+        bound = 1.0 + 2 * run.plain_s
+        for round_ in range(3):
+            await target.check(PROMPTS, bound, f"with the slow draft, round {round_}")
+    run.findings.check()

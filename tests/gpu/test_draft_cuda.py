@@ -51,7 +51,7 @@ def _config(target_dir, device: str, dtype: str = "auto", **extra) -> DraftConfi
                        target_model=str(target_dir), num_blocks=256, block_size=16, **extra)
 
 
-def _inputs(proposer, n: int, seed: int, num_tokens: int = 3, sampling: SamplingSpec = SamplingSpec(),
+def _inputs(proposer, n: int, seed: int, num_speculative_tokens: int = 3, sampling: SamplingSpec = SamplingSpec(),
             tree_topk: int = 0) -> list[DraftInput]:
     """``n`` sequences of random prompts with random float32 target rows (as a float32 target sends
     them), the same for every proposer given the same seed."""
@@ -61,7 +61,7 @@ def _inputs(proposer, n: int, seed: int, num_tokens: int = 3, sampling: Sampling
     for i in range(n):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(4, 40))]
         hidden = [torch.randn(len(prompt) - 1, HIDDEN, generator=gen) for _ in proposer.caps.hidden_layers]
-        out.append(DraftInput(f"s{i}", 0, prompt, num_tokens, sampling, hidden, tree_topk=tree_topk))
+        out.append(DraftInput(f"s{i}", 0, prompt, num_speculative_tokens, sampling, hidden, tree_topk=tree_topk))
     return out
 
 
@@ -122,7 +122,7 @@ def test_replayed_head_steps_draft_what_eager_steps_draft(target_dir):
     eager = make_proposer(_config(target_dir, "cuda", "float32", cuda_graphs=False))
     assert graphs.graphs is not None and eager.graphs is None
     for n in (1, 5, 16):
-        batch = _inputs(graphs, n, seed=10 + n, num_tokens=4)
+        batch = _inputs(graphs, n, seed=10 + n, num_speculative_tokens=4)
         got, want = graphs.propose(batch), eager.propose(batch)
         same = sum(g.token_ids == w.token_ids for g, w in zip(got, want))
         assert same >= n - n // 8, [(g.token_ids, w.token_ids) for g, w in zip(got, want)]
@@ -132,7 +132,7 @@ def test_replayed_head_steps_draft_what_eager_steps_draft(target_dir):
 def test_trees_and_seeded_draws_on_cuda(target_dir):
     tree = make_proposer(_config(target_dir, "cuda", tree_topk=3, tree_depth=3))
     allowed = _target_ids(tree)
-    for out in tree.propose(_inputs(tree, 4, seed=2, num_tokens=8, tree_topk=3)):
+    for out in tree.propose(_inputs(tree, 4, seed=2, num_speculative_tokens=8, tree_topk=3)):
         assert 0 < len(out.token_ids) <= 8 and set(out.token_ids) <= allowed
         assert all(p == ROOT or 0 <= p < i for i, p in enumerate(out.parents)), out.parents
 
@@ -174,7 +174,7 @@ def test_staged_branches_on_cuda_replay_and_continue_the_synchronous_chains(targ
     sync = make_proposer(_config(target_dir, "cuda", "float32", cuda_graphs=False))
     staged = make_proposer(_config(target_dir, "cuda", "float32"))
     assert staged.caps.stages and staged.graphs is not None
-    batch = _inputs(sync, 8, seed=3, num_tokens=5)
+    batch = _inputs(sync, 8, seed=3, num_speculative_tokens=5)
     chains = sync.propose(batch)
     branches = []
     for item in batch:

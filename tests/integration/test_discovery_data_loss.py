@@ -5,6 +5,7 @@ a key deleted meanwhile is gone at once (nothing is held)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -31,19 +32,33 @@ async def restart(etcd: EtcdServer, wipe: bool) -> None:
     await asyncio.to_thread(etcd.start)
 
 
-async def test_entries_lost_with_the_data_are_held_until_written_again_or_expired():
+@contextlib.asynccontextmanager
+async def watching_a_and_b(hold: float, other_writes: int = 0):
+    """A fresh etcd with instances "a" and "b" (and ``other_writes`` writes of another key after
+    them), and a started snapshot of the prefix that lists both; yields the server, a client and the
+    snapshot, and tears all three down."""
     etcd = EtcdServer()
     etcd.start()
     client = EtcdClient("127.0.0.1", etcd.port, timeout=2)
-    snap: Snapshot[InstanceRecord] = Snapshot(client, PREFIX, InstanceRecord, hold=3.0)
+    snap: Snapshot[InstanceRecord] = Snapshot(client, PREFIX, InstanceRecord, hold=hold)
     try:
         await client.connect()
         for name in ("a", "b"):
             await client.put((PREFIX + name).encode(), record(name))
-        for i in range(20):  # a revision well above what the empty etcd starts from
+        for i in range(other_writes):
             await client.put(b"tandem/loss/other", str(i).encode())
         await snap.start()
         await snap.wait_for(lambda items: len(items) == 2, 5)
+        yield etcd, client, snap
+    finally:
+        await snap.stop()
+        await client.close()
+        etcd.cleanup()
+
+
+async def test_entries_lost_with_the_data_are_held_until_written_again_or_expired():
+    # 20 other writes: a revision well above what the empty etcd starts from
+    async with watching_a_and_b(hold=3.0, other_writes=20) as (etcd, client, snap):
         syncs = snap.syncs
         await restart(etcd, wipe=True)
         await eventually(lambda: snap.syncs > syncs, timeout=15, what="a resync after the wipe")
@@ -62,30 +77,12 @@ async def test_entries_lost_with_the_data_are_held_until_written_again_or_expire
                          what=lambda: f"a resync holding both (held: {snap.held()})")
         assert snap.drop_held("b") == 1
         assert [r.instance_id for r in snap.values()] == ["a"] and snap.held() == [PREFIX + "a"]
-    finally:
-        await snap.stop()
-        await client.close()
-        etcd.cleanup()
 
 
 async def test_a_restart_that_kept_the_data_holds_nothing():
-    etcd = EtcdServer()
-    etcd.start()
-    client = EtcdClient("127.0.0.1", etcd.port, timeout=2)
-    snap: Snapshot[InstanceRecord] = Snapshot(client, PREFIX, InstanceRecord, hold=30.0)
-    try:
-        await client.connect()
-        for name in ("a", "b"):
-            await client.put((PREFIX + name).encode(), record(name))
-        await snap.start()
-        await snap.wait_for(lambda items: len(items) == 2, 5)
-        await asyncio.to_thread(etcd.stop, True)
-        await asyncio.to_thread(etcd.start)
+    async with watching_a_and_b(hold=30.0) as (etcd, client, snap):
+        await restart(etcd, wipe=False)
         await client.delete((PREFIX + "b").encode())  # gone while the watch was down, or right after
         await eventually(lambda: [r.instance_id for r in snap.values()] == ["a"], timeout=15,
                          what=lambda: f"only a listed (listed: {[r.instance_id for r in snap.values()]})")
         assert snap.held() == []
-    finally:
-        await snap.stop()
-        await client.close()
-        etcd.cleanup()

@@ -43,15 +43,15 @@ class Ask:
 
     seq_id: str
     round: int
-    num_tokens: int  # γ asked for
-    max_depth: int  # 0: no bound but num_tokens
+    num_speculative_tokens: int  # γ asked for
+    max_depth: int  # 0: no bound but num_speculative_tokens
     context: tuple[int, ...]  # every token of the sequence the target has told this stream about
     greedy: bool
 
     @property
-    def chain_length(self) -> int:
+    def chain_budget(self) -> int:
         """The tokens a well-behaved draft proposes as a chain."""
-        return min(self.num_tokens, self.max_depth) if self.max_depth else self.num_tokens
+        return min(self.num_speculative_tokens, self.max_depth) if self.max_depth else self.num_speculative_tokens
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,11 @@ class Behaviour:
 
     hidden_layers: tuple[int, ...] = ()
     hidden_dtype = ""
-    max_speculative_tokens = 16
+    max_num_speculative_tokens = 16
 
     def hello_ack(self, hello: spec_pb2.Hello, draft_id: str) -> spec_pb2.HelloAck:
         return spec_pb2.HelloAck(draft_id=draft_id, method=METHOD, hidden_layers=self.hidden_layers,
-                                 max_speculative_tokens=self.max_speculative_tokens, hidden_dtype=self.hidden_dtype)
+                                 max_num_speculative_tokens=self.max_num_speculative_tokens, hidden_dtype=self.hidden_dtype)
 
     async def answer(self, asks: list[Ask], stream: StreamState) -> Answer:
         return [batch([proposal(a, []) for a in asks])]
@@ -159,7 +159,7 @@ class AbortAfterFirst(Behaviour):
     async def answer(self, asks: list[Ask], stream: StreamState) -> Answer:
         if stream.answers > 0:  # the abort raced a second batch: that one gets nothing
             return []
-        good = [proposal(a, self.oracle.continuation(a.context, a.chain_length)) for a in asks]
+        good = [proposal(a, self.oracle.continuation(a.context, a.chain_budget)) for a in asks]
         return [batch(good), Abort(details="hostile draft: failing after one answer")]
 
 
@@ -174,7 +174,7 @@ class Slow(Behaviour):
 
     async def answer(self, asks: list[Ask], stream: StreamState) -> Answer:
         await asyncio.sleep(self.delay)
-        return [batch([proposal(a, self.oracle.continuation(a.context, a.chain_length)) for a in asks])]
+        return [batch([proposal(a, self.oracle.continuation(a.context, a.chain_budget)) for a in asks])]
 
 
 def _filler(vocab: int, n: int, offset: int = 0) -> list[int]:
@@ -195,10 +195,10 @@ def _malformed_kinds(vocab: int) -> dict[str, Callable[[Ask, Good], list[spec_pb
         return [make(t) for t in tokens]
 
     nan, inf = math.nan, math.inf
-    n = lambda a: max(a.chain_length, 2)  # noqa: E731 (kinds that need two tokens get two)
+    n = lambda a: max(a.chain_budget, 2)  # noqa: E731 (kinds that need two tokens get two)
     return {
         # well-formed and correct: speculation that works, between the garbage
-        "valid": lambda a, g: [proposal(a, g(a.chain_length))],
+        "valid": lambda a, g: [proposal(a, g(a.chain_budget))],
         # token ids outside the vocabulary
         "negative_id": lambda a, g: [proposal(a, g(n(a) - 1) + [-1])],
         "id_equals_vocab": lambda a, g: [proposal(a, g(n(a) - 1) + [vocab])],
@@ -226,16 +226,16 @@ def _malformed_kinds(vocab: int) -> dict[str, Callable[[Ask, Good], list[spec_pb
         "token_not_in_its_distribution": lambda a, g: [proposal(a, g(n(a)), distributions=dists(
             g(n(a)), lambda t: ([(t + 1) % vocab], [1.0])))],
         # more tokens than asked for: correct ones (a lax target would emit past max_tokens), and 5,000
-        "longer_than_asked": lambda a, g: [proposal(a, g(a.num_tokens + 8))],
+        "longer_than_asked": lambda a, g: [proposal(a, g(a.num_speculative_tokens + 8))],
         "five_thousand_tokens": lambda a, g: [proposal(a, g(5000))],
         "five_thousand_siblings": lambda a, g: [proposal(a, _filler(vocab, 5000), parents=[-1] * 5000)],
         # answers addressed to nobody: unknown sequences, rounds from the future and from the past
-        "unknown_seq_id": lambda a, g: [proposal(a, g(a.chain_length), seq_id=f"ghost-{a.seq_id}")],
-        "empty_seq_id": lambda a, g: [proposal(a, g(a.chain_length), seq_id="")],
-        "future_round": lambda a, g: [proposal(a, g(a.chain_length), round_=a.round + 1000)],
-        "past_round": lambda a, g: [proposal(a, g(a.chain_length), round_=(a.round - 1) % 2**64)],
+        "unknown_seq_id": lambda a, g: [proposal(a, g(a.chain_budget), seq_id=f"ghost-{a.seq_id}")],
+        "empty_seq_id": lambda a, g: [proposal(a, g(a.chain_budget), seq_id="")],
+        "future_round": lambda a, g: [proposal(a, g(a.chain_budget), round_=a.round + 1000)],
+        "past_round": lambda a, g: [proposal(a, g(a.chain_budget), round_=(a.round - 1) % 2**64)],
         # the right sequence twice: garbage first, then a valid answer
-        "duplicate": lambda a, g: [proposal(a, [-7] * n(a)), proposal(a, g(a.chain_length))],
+        "duplicate": lambda a, g: [proposal(a, [-7] * n(a)), proposal(a, g(a.chain_budget))],
         # no tokens, but parents and distributions for them anyway
         "empty_with_junk": lambda a, g: [proposal(a, [], parents=[3, -9], distributions=[([1], [nan])])],
     }
@@ -293,7 +293,7 @@ class HostileDraft(spec_pb2_grpc.DraftServiceServicer):
         self._server = server
         self.address = f"127.0.0.1:{port}"
         await rt.register_model(ModelCard(name=model, role="draft", spec_method=METHOD,
-                                          num_speculative_tokens=self.behaviour.max_speculative_tokens))
+                                          num_speculative_tokens=self.behaviour.max_num_speculative_tokens))
         await rt.register("draft", "speculate", role="draft", model=model, grpc_address=self.address)
         log.info("hostile draft %s (%s) on %s", self.draft_id, type(self.behaviour).__name__, self.address)
 
@@ -345,7 +345,7 @@ class HostileDraft(spec_pb2_grpc.DraftServiceServicer):
                         for r in msg.propose.requests:
                             seen = stream.contexts.setdefault(r.seq_id, [])
                             seen.extend(r.new_tokens)
-                            asks.append(Ask(r.seq_id, r.round, r.num_tokens, r.max_depth, tuple(seen),
+                            asks.append(Ask(r.seq_id, r.round, r.num_speculative_tokens, r.max_depth, tuple(seen),
                                             r.sampling.temperature == 0))
                         task = asyncio.create_task(respond(asks))
                         answering.add(task)

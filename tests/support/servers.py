@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # One lookup for binaries and ports, shared with the launcher (tests may import deploy/).
 from deploy.binaries import find_binary, free_port, wait_port
 from runtime.config import child_env
 
-__all__ = ["EtcdServer", "NatsServer", "env_for", "find_binary", "free_port", "start_servers", "wait_port"]
+__all__ = ["EtcdServer", "NatsServer", "env_for", "find_binary", "free_port", "running_servers", "start_servers",
+           "wait_port"]
 
 
 class _Server:
@@ -115,6 +118,17 @@ def start_servers() -> tuple[EtcdServer, NatsServer]:
     etcd.start()
     nats_.start()
     return etcd, nats_
+
+
+@contextlib.contextmanager
+def running_servers() -> Iterator[tuple[EtcdServer, NatsServer]]:
+    """:func:`start_servers`, both cleaned up when the block ends."""
+    etcd, nats_ = start_servers()
+    try:
+        yield etcd, nats_
+    finally:
+        etcd.cleanup()
+        nats_.cleanup()
 
 
 def env_for(etcd: EtcdServer, nats_: NatsServer, namespace: str) -> dict[str, str]:

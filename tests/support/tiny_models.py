@@ -47,6 +47,45 @@ def tiny_hf_model(family: str, path: Path, *, seed: int = 0, tied: bool = False,
     return model
 
 
+
+def tiny_model_dir(tmp_path_factory, family: str = "llama", **options) -> Path:
+    """A fresh directory from pytest's ``tmp_path_factory`` holding ``tiny_hf_model(family, …, **options)``."""
+    path = tmp_path_factory.mktemp(f"tiny-{family}")
+    tiny_hf_model(family, path, **options)
+    return path
+
+
+def tiny_model_fixture(family: str = "llama", *, load: bool = False, **options):
+    """A module-scoped pytest fixture, named by the module attribute it is assigned to
+    (``target_dir = tiny_model_fixture(seed=1, vocab=SPEC_VOCAB)``): the directory of
+    :func:`tiny_model_dir`, or with ``load`` the engine model loaded from it."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        path = tiny_model_dir(tmp_path_factory, family, **options)
+        if not load:
+            return path
+        from workers.engine.weights import load_model
+
+        return load_model(path)
+
+    return fixture
+
+
+def target_and_draft_fixture(seed: int, vocab: int = SPEC_VOCAB):
+    """A module-scoped pytest fixture (named as :func:`tiny_model_fixture`'s) of the speculative tests'
+    checkpoint pair: a 2-layer llama target of ``seed`` and a 1-layer draft of ``seed + 1``, one vocabulary."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        return (tiny_model_dir(tmp_path_factory, seed=seed, vocab=vocab, layers=2),
+                tiny_model_dir(tmp_path_factory, seed=seed + 1, vocab=vocab, layers=1))
+
+    return fixture
+
+
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """Greedy continuation with transformers' own KV cache, ignoring eos (on the model's device)."""

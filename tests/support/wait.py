@@ -29,17 +29,18 @@ def _failure(what: str | Callable[[], str], timeout: float, last: Any) -> NotRea
     return NotReached(f"{text}: not reached within {timeout:g} s (last value: {last!r})")
 
 
-async def eventually(condition: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05,
-                     what: str | Callable[[], str] = "condition",
-                     ignoring: tuple[type[BaseException], ...] = ()) -> Any:
-    """Await ``condition()`` (sync, or a coroutine function) every ``interval`` seconds until it is
-    truthy and return that value; :class:`NotReached` after ``timeout`` seconds."""
+def _poll(condition: Callable[[], Any], timeout: float, what: str | Callable[[], str],
+          ignoring: tuple[type[BaseException], ...], awaits: bool):
+    """The loop of both waits, as a generator that does all but the waiting: it yields an awaitable
+    the condition returned (only where ``awaits``: the caller awaits it and sends back its result, or
+    throws in what it raised) or None (the caller sleeps one interval), returns the first truthy value
+    and raises :class:`NotReached` once ``timeout`` has passed."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             last = condition()
-            if inspect.isawaitable(last):
-                last = await last
+            if awaits and inspect.isawaitable(last):
+                last = yield last
         except ignoring as exc:
             last = exc
         else:
@@ -47,22 +48,39 @@ async def eventually(condition: Callable[[], Any], *, timeout: float = 10.0, int
                 return last
         if time.monotonic() >= deadline:
             raise _failure(what, timeout, last)
-        await asyncio.sleep(interval)
+        yield None
+
+
+async def eventually(condition: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05,
+                     what: str | Callable[[], str] = "condition",
+                     ignoring: tuple[type[BaseException], ...] = ()) -> Any:
+    """Await ``condition()`` (sync, or a coroutine function) every ``interval`` seconds until it is
+    truthy and return that value; :class:`NotReached` after ``timeout`` seconds."""
+    poll = _poll(condition, timeout, what, ignoring, awaits=True)
+    resume, sent = poll.send, None
+    try:
+        while True:
+            pending = resume(sent)
+            resume, sent = poll.send, None
+            if pending is None:
+                await asyncio.sleep(interval)
+                continue
+            try:
+                sent = await pending
+            except BaseException as exc:  # the generator decides: one of ``ignoring``, or raised on
+                resume, sent = poll.throw, exc
+    except StopIteration as done:
+        return done.value
 
 
 def eventually_sync(condition: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05,
                     what: str | Callable[[], str] = "condition",
                     ignoring: tuple[type[BaseException], ...] = ()) -> Any:
     """:func:`eventually` for a test without an event loop: blocks the calling thread while it waits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            last = condition()
-        except ignoring as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() >= deadline:
-            raise _failure(what, timeout, last)
-        time.sleep(interval)
+    poll = _poll(condition, timeout, what, ignoring, awaits=False)
+    try:
+        while True:
+            next(poll)
+            time.sleep(interval)
+    except StopIteration as done:
+        return done.value

@@ -126,3 +126,49 @@ def test_engine_parts_sit_below_the_engine():
     bad = [f"workers.engine.{part} imports workers.engine.engine"
            for part in ENGINE_PARTS if "workers.engine.engine" in graph[f"workers.engine.{part}"]]
     assert not bad, "\n".join(bad)
+
+
+# The config modules sit below what they configure: the speculation schema (read by the target, the
+# draft and tandem up alike) and the draft methods' names know no engine, draft or target; the
+# target's config, in the engine package, knows neither worker; the settings base knows no workers at
+# all. Transitively, lazy imports included (workers_imports follows both).
+CONFIG_MODULES = {
+    "workers.speculation.spec_config": ("workers.engine", "workers.draft", "workers.target"),
+    "workers.speculation.methods": ("workers.engine", "workers.draft", "workers.target"),
+    "workers.engine.target_config": ("workers.draft", "workers.target"),
+}
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+@pytest.mark.parametrize("module", sorted(CONFIG_MODULES))
+def test_config_modules_sit_below_what_they_configure(module):
+    graph = workers_imports()
+    bad = sorted(m for m in _reachable(graph, module) if m.startswith(CONFIG_MODULES[module]))
+    assert not bad, f"{module} reaches {bad}"
+
+
+def test_the_settings_base_imports_no_workers():
+    assert "workers" not in imported_roots(ROOT / "runtime" / "settings.py")
+    assert imported_roots(ROOT / "runtime" / "settings.py") <= {"__future__", "json", "collections", "pathlib",
+                                                                  "typing", "pydantic"}
+
+
+def test_config_modules_import_light():
+    """Importing the config modules loads pydantic, not torch nor a worker (tandem up validates with them).
+    One interpreter for all: none of them may load these, so neither may their union."""
+    import subprocess
+    import sys
+
+    modules = ", ".join([*sorted(CONFIG_MODULES), "runtime.settings"])
+    code = (f"import sys, {modules}; print(sorted(m for m in sys.modules if m == 'torch' or "
+            "m.startswith(('workers.draft', 'workers.target', 'workers.engine.engine'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"the config modules load {out.stdout.strip()}"

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from proto import spec_pb2_grpc
 from runtime import Runtime
-from runtime.config import ENV_PREFIX, EnvParser, add_runtime_args, apply_env_defaults, config_from_args, flag_env
+from runtime.config import EnvParser, add_runtime_args, apply_env_defaults, config_from_args, flag_env
 from runtime.messages import ModelCard
 from runtime.errors import StartupError
 from runtime.flags import SERVED_MODEL_NAME, first_name
@@ -119,20 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     return apply_env_defaults(parser)
 
 
-# The retired flags' TANDEM_<FLAG> fallbacks, as silent as the flags were loud: refused too, but for the
-# three the target worker had under the same name (a shared environment may still set them for it).
-SHARED_WITH_TARGET = ("--num-speculative-tokens", "--speculative-eagle-topk", "--speculative-num-steps")
-
-
-def parse_args(argv=None, environ=None) -> argparse.Namespace:
-    parser = build_parser()
-    environ = os.environ if environ is None else environ
-    for flag, where in RETIRED_FLAGS.items():
-        name = ENV_PREFIX + flag[2:].upper().replace("-", "_")
-        if flag not in SHARED_WITH_TARGET and environ.get(name):
-            spec_env = ENV_PREFIX + "SPECULATIVE_CONFIG" if where.startswith(SPEC) else ENV_PREFIX + "DISTILL_CONFIG"
-            parser.error(f"{name} ({flag}) was retired: use {where} (or {spec_env} with that JSON)")
-    return parser.parse_args(argv)
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _one(flag: str, value, key: str, spec_value):
@@ -147,6 +135,8 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
     spec = speculative_config(args.speculative_config, flag_env(SPEC))
     # the method from the flag or the key; neither: vLLM's guess from 'model' (spec.draft_method), else ngram
     method = _one("--draft-method", args.method, "method", spec.method) or spec.draft_method or "ngram"
+    if spec.method_problem(method):
+        raise ValueError(f"{SPEC}: {spec.method_problem(method)}")
     draft_model, eagle_model = args.draft_model, args.eagle_model
     if spec.model is not None:
         if method in HEAD_METHODS:

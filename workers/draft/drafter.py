@@ -131,11 +131,11 @@ class Drafter:
 
     def branch(self, item: DraftInput) -> Branch:
         """The one branch the synchronous seam asks for ``item``: a tree when the request (or this
-        drafter's default) asks for one, else a chain of ``item.chain_length`` drawn as it samples."""
+        drafter's default) asks for one, else a chain of ``item.chain_budget`` drawn as it samples."""
         shape = tree_shape(item, self.tree_topk, self.tree_depth)
         if shape is not None:
-            return Branch(item.seq_id, (), item.num_tokens, tree=shape)
-        return Branch(item.seq_id, (), max(0, item.chain_length), sampled=True)
+            return Branch(item.seq_id, (), item.num_speculative_tokens, tree=shape)
+        return Branch(item.seq_id, (), max(0, item.chain_budget), sampled=True)
 
     def propose(self, batch: list[DraftInput]) -> list[DraftOutput]:
         """The synchronous seam: each request's news committed, then one branch per sequence drafted in

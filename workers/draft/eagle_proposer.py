@@ -75,7 +75,7 @@ class EagleProposer(Drafter):
                  graph_batch: int = 64, staging: bool = True):
         """``cuda_graphs``: replay chain steps after the first as CUDA graphs (:mod:`.head_graphs`) of up
         to ``graph_batch`` sequences; on a CPU head the same static steps run eagerly (tests).
-        ``staging``: draft branches for the pipelined seam (the draft worker's ``--eagle-pipelined``;
+        ``staging``: draft branches for the pipelined seam (the draft worker's ``--speculative-config`` eagle_pipelined;
         without it the head serves the synchronous seam)."""
         if tree_topk < 1 or tree_depth < 0:
             raise ValueError(f"tree_topk must be >= 1 and tree_depth >= 0, got {tree_topk} and {tree_depth}")

@@ -29,7 +29,7 @@ class DraftStats:
     accepted_tokens: int = 0
     drafted_ahead: int = 0  # draft-ahead passes run
     hidden_bytes: int = 0  # hidden-state bytes received from targets
-    weight_swaps: int = 0  # new head weights taken (online distillation, --distill-follow)
+    weight_swaps: int = 0  # new head weights taken (online distillation, --distill-config's follow)
     batch_size: Histogram = field(default_factory=lambda: histogram(BATCH_BUCKETS))
     latency: Histogram = field(default_factory=lambda: histogram(LATENCY_BUCKETS))
 
@@ -63,7 +63,7 @@ class DraftCollector(Collector):
                 ("drafted_ahead", "Draft-ahead passes run while targets verified.", stats.drafted_ahead),
                 ("hidden_state_bytes", "Hidden-state bytes received from targets.", stats.hidden_bytes),
                 ("weight_swaps", "New head weights taken between proposals (online distillation, "
-                 "--distill-follow).", stats.weight_swaps)):
+                 "--distill-config's follow).", stats.weight_swaps)):
             yield family(CounterMetricFamily, name, doc, value)
         distiller = self.service.distiller
         if distiller is not None:
@@ -87,7 +87,7 @@ class DraftCollector(Collector):
             yield family(CounterMetricFamily, name, doc, value)
         share = d.train_seconds / d.trainer_seconds if d.trainer_seconds else 0.0
         for name, doc, value in (
-                ("distill_compute_share", "Share of its wall time the trainer computed (capped by --distill-share).",
+                ("distill_compute_share", "Share of its wall time the trainer computed (capped by --distill-config's share).",
                  share),
                 ("distill_buffer_tokens", "Tokens of recent traffic the trainer holds.", d.buffer_tokens),
                 ("distill_loss", "The latest training step's loss.", d.last_loss),

@@ -301,13 +301,13 @@ class Follower:
         try:
             state = self.load(self.directory / name)
         except Exception as exc:  # a head that does not load (or does not fit) is skipped, loudly
-            log.warning("--distill-follow: %s not taken: %s", self.directory / name, exc)
+            log.warning("--distill-config's follow: %s not taken: %s", self.directory / name, exc)
             self.current = name
             return False
         self.current = name
         self.on_swap(state)
         self.swaps += 1
-        log.info("--distill-follow: serving %s", self.directory / name)
+        log.info("--distill-config's follow: serving %s", self.directory / name)
         return True
 
     def start(self) -> None:

@@ -96,7 +96,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
 
     takes_step_news = True  # HelloAck.step_news: a target may send each step's news as one StepNews
 
-    def __init__(self, drafter: Drafter, draft_id: str, max_speculative_tokens: int = 16, overlap: bool = True,
+    def __init__(self, drafter: Drafter, draft_id: str, max_num_speculative_tokens: int = 16, overlap: bool = True,
                  alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None):
         self.drafter = drafter
         caps = drafter.caps
@@ -109,7 +109,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._proposed: dict[str, int] = {}  # seq id -> tokens in its last proposal
         self._full_rate: dict[str, float] = {}  # seq id -> moving average of whole proposals accepted
         self.draft_id = draft_id
-        self.max_speculative_tokens = max_speculative_tokens
+        self.max_num_speculative_tokens = max_num_speculative_tokens
         self._work: asyncio.Queue[Work] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.streams: dict[int, _Stream] = {}
@@ -223,7 +223,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
             for item in news:
                 if isinstance(item, Requests):
                     for x in item.inputs:
-                        stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_length, x.hidden_states,
+                        stager.commit(x.seq_id, x.round, list(x.new_tokens), x.chain_budget, x.hidden_states,
                                       x.sampling)
                 else:
                     stager.verified(item.results)
@@ -292,7 +292,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     async def _draft_ahead(self) -> None:
         # The round's branch, longer: γ drafts + a guess of the target's bonus token + γ drafts for the
         # next round, in one drafting call; the drafter keeps them (what it returns now goes nowhere).
-        branches = [Branch(seq_id, (), 2 * gamma + 1, sampled=True) for seq_id, gamma in self._ahead.items()]
+        branches = [Branch(seq_id, (), 2 * n + 1, sampled=True) for seq_id, n in self._ahead.items()]
         self._ahead.clear()
         await self._calls.run(self.drafter.draft, branches)
         self.stats.drafted_ahead += 1
@@ -310,8 +310,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     async def _propose(self, batch: list[tuple[_Stream, DraftInput]]) -> None:
         inputs = [d for _, d in batch]
         if self.overlap:
-            self._ahead.update((d.seq_id, d.chain_length) for d in inputs
-                               if d.chain_length > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
+            self._ahead.update((d.seq_id, d.chain_budget) for d in inputs
+                               if d.chain_budget > 0 and self._full_rate.get(d.seq_id, 1.0) >= AHEAD_MIN)
         started = time.perf_counter()
         outputs = await self._calls.run(self.drafter.propose, inputs)
         stats = self.stats
@@ -424,8 +424,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         inputs = []
         for r in batch.requests:
             d = draft_input_from_pb(r)
-            if d.num_tokens > self.max_speculative_tokens:
-                d = dataclasses.replace(d, num_tokens=self.max_speculative_tokens)
+            if d.num_speculative_tokens > self.max_num_speculative_tokens:
+                d = dataclasses.replace(d, num_speculative_tokens=self.max_num_speculative_tokens)
             stream.seqs.add(d.seq_id)
             inputs.append(d)
         self._work.put_nowait(Requests(stream, await self._with_rows(stream, inputs)))
@@ -470,7 +470,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                      f"on plane {plane}" if plane else "inline", ", fast lane offered" if token else "")
             stream.out.put_nowait(spec_pb2.DraftMessage(hello_ack=spec_pb2.HelloAck(
                 draft_id=self.draft_id, method=caps.method, hidden_layers=caps.hidden_layers,
-                max_speculative_tokens=self.max_speculative_tokens,
+                max_num_speculative_tokens=self.max_num_speculative_tokens,
                 hidden_dtype=caps.hidden_dtype, vocab_size=caps.vocab_size,
                 pipelined=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
                 lane=lane.UNIX if token else "", lane_address=self._lanes.address if token else "",

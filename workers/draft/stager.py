@@ -67,7 +67,7 @@ class _Seq:
     round: int = 0  # the latest round heard of
     drafted_round: int = 0  # the latest round heard of when it was last drafted for
     lag: int = 1  # target steps between its last two draftings: how far the target gets meanwhile
-    gamma: int = 0
+    num_speculative_tokens: int = 0  # γ the target asked for last
 
     def spare(self, answer: bool) -> int:
         """Plain target steps a proposal is expected to arrive after (each commits one of its tokens, so
@@ -94,13 +94,13 @@ class Stager:
 
     # ------------------------------------------------------------------ news from the target
 
-    def commit(self, seq_id: str, round_: int, tokens: list[int], gamma: int, hidden_states: list = (),
+    def commit(self, seq_id: str, round_: int, tokens: list[int], num_speculative_tokens: int, hidden_states: list = (),
                sampling: SamplingSpec = SamplingSpec()) -> None:
         """A round request: the tokens committed since the last news (with their hidden rows, for a
         drafter that reads them), and the budget to draft."""
         seq = self._seqs.setdefault(seq_id, _Seq())
         seq.tokens.extend(tokens)
-        seq.round, seq.gamma = max(seq.round, round_), gamma
+        seq.round, seq.num_speculative_tokens = max(seq.round, round_), num_speculative_tokens
         self.drafter.commit(seq_id, list(tokens), hidden_states, sampling)
 
     def verified(self, results: list[VerifyResult]) -> None:
@@ -146,13 +146,13 @@ class Stager:
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.gamma <= 0:
+            if seq is None or seq.num_speculative_tokens <= 0:
                 continue
             seq.sent = [s for s in seq.sent if s.prop.start > len(seq.tokens) or overlap(s.prop, seq.tokens) is not None]
             self._note_round(seq)
             if self._in_use(seq) is None and self._next_up(seq) is None:
                 spare = seq.spare(True)
-                todo.append((seq_id, Branch(seq_id, (), seq.gamma + spare + 1, self.alternatives), False, spare, False))
+                todo.append((seq_id, Branch(seq_id, (), seq.num_speculative_tokens + spare + 1, self.alternatives), False, spare, False))
         return todo
 
     def answer_and_stage(self, seq_ids: list[str], early: Early | None = None) -> tuple[list[DraftOutput], list[str]]:
@@ -185,7 +185,7 @@ class Stager:
         todo = []
         for seq_id in seq_ids:
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.gamma <= 0:
+            if seq is None or seq.num_speculative_tokens <= 0:
                 continue
             found = self._in_use(seq)
             if found is not None:
@@ -231,9 +231,9 @@ class Stager:
         # γ tokens at most: ``x``
         skip = over + max(0, sent.expect - over)
         pre = base + tuple(drafted[over:skip])
-        x = drafted[skip : skip + seq.gamma]
+        x = drafted[skip : skip + seq.num_speculative_tokens]
         k = len(x)
-        size = seq.gamma + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
+        size = seq.num_speculative_tokens + spare + 1  # drafted per branch: γ, spare ones, a guess of what follows
         todo = []
         for j in range(over, skip):  # a token expected to be committed plainly first, the target's another:
             alts = alternatives[j] if j < len(alternatives) else []  # the draft's alternatives to it

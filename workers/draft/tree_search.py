@@ -28,10 +28,10 @@ from ..speculation.payloads import ROOT, DraftInput
 def tree_shape(item: DraftInput, default_topk: int, default_depth: int) -> tuple[int, int] | None:
     """(top-k, depth) of the tree to draft for ``item`` (the request's, else the worker's); None: a chain."""
     topk = item.tree_topk or default_topk
-    if topk <= 1 or item.num_tokens <= 1:
+    if topk <= 1 or item.num_speculative_tokens <= 1:
         return None
-    depth = item.tree_depth or default_depth or item.num_tokens
-    return topk, max(1, min(depth, item.chain_length))
+    depth = item.tree_depth or default_depth or item.num_speculative_tokens
+    return topk, max(1, min(depth, item.chain_budget))
 
 
 class DraftTree:

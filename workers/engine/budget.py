@@ -164,7 +164,7 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
     if not cost.ready or not caps:
         return dict(caps)
     gains = gains or {}
-    gamma = {sid: 0 for sid in caps}
+    drafted = {sid: 0 for sid in caps}
     emitted = float(len(caps))  # without drafts each decoding sequence emits one token
     tokens, verified = base_tokens, 0
     plain_rate = emitted / max(cost.seconds(tokens, 0), 1e-9)
@@ -179,7 +179,7 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
             return own[j - 1] if j <= len(own) else 0.0
         return alphas[sid] ** j
 
-    heap = [(-gain(sid, 1), sid) for sid, cap in caps.items() if cap > 0 and gain(sid, 1) > 0]
+    heap = [(-gain(sid, 1), sid) for sid, limit in caps.items() if limit > 0 and gain(sid, 1) > 0]
     heapq.heapify(heap)
     # Every further draft adds at most the largest gain left and costs at least b seconds: once that
     # ratio and the current rate are both at most the best rate, no longer prefix can beat it (the
@@ -192,14 +192,14 @@ def plan(caps: dict[str, int], alphas: dict[str, float], base_tokens: int, cost:
         neg_gain, sid = heapq.heappop(heap)
         emitted -= neg_gain
         tokens += 1
-        verified += gamma[sid] == 0
-        gamma[sid] += 1
+        verified += drafted[sid] == 0
+        drafted[sid] += 1
         order.append(sid)
         rate = emitted / max(cost.seconds(tokens, verified), 1e-9)
         if rate > best_rate:
             best_rate, best_n = rate, len(order)
-        if gamma[sid] < caps[sid]:
-            next_gain = min(gain(sid, gamma[sid] + 1), -neg_gain)  # never more than the draft before it
+        if drafted[sid] < caps[sid]:
+            next_gain = min(gain(sid, drafted[sid] + 1), -neg_gain)  # never more than the draft before it
             if next_gain > 1e-6:
                 heapq.heappush(heap, (-next_gain, sid))
     best = dict.fromkeys(caps, 0)

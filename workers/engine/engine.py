@@ -358,7 +358,7 @@ class Engine:
             if s.grammar is not None or penalised(s) or s.prefill_only:  # a handoff is its first token
                 return False
             st = self.spec.states.get(s.request_id) if drafting else None
-            if st is not None and st.gamma > 0:
+            if st is not None and st.num_speculative_tokens > 0:
                 return False
         return True
 

@@ -70,7 +70,7 @@ class DraftNews:
         # per request: positions whose hidden rows it carries (those before its new tokens)
         spans = [(max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0) for r in requests]
         hidden, refs = self._carried(seqs, spans, layers, dtype, plane)
-        return [tell(r.seq, r.state, r.num_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
+        return [tell(r.seq, r.state, r.num_speculative_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
                      tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
                 for r, rows, ref in zip(requests, hidden, refs)]
 
@@ -83,12 +83,12 @@ class DraftNews:
         out = []
         for seq in added:
             st = self.spec.states.get(seq.request_id)
-            if (st is None or st.told or st.cap <= 0 or st.tree_topk > 1 or seq.prefill_only
+            if (st is None or st.told or st.adapted <= 0 or st.tree_topk > 1 or seq.prefill_only
                     or seq.num_computed or seqs.get(seq.request_id) is not seq):
                 continue
             # what the first decode step may verify: none deeper than can still be emitted after the
             # prefill's token and the step's own
-            k = min(st.cap, seq.params.max_tokens - seq.num_generated - 2, max_model_len - len(seq) - 2)
+            k = min(st.adapted, seq.params.max_tokens - seq.num_generated - 2, max_model_len - len(seq) - 2)
             if k > 0:
                 out.append(tell(seq, st, k))  # (told nothing yet: the whole prompt)
         return out
@@ -158,11 +158,11 @@ class DraftNews:
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 
 
-def tell(seq: Sequence, st: SpecState, num_tokens: int, **extra) -> DraftInput:
+def tell(seq: Sequence, st: SpecState, num_speculative_tokens: int, **extra) -> DraftInput:
     """A proposal request for ``seq`` carrying its tokens the draft has not heard of, for the next
     round; the draft has heard of them all from now on."""
     p = seq.params
-    request = DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], num_tokens,
+    request = DraftInput(seq.request_id, st.round, seq.token_ids[st.told :], num_speculative_tokens,
                          SamplingSpec(p.temperature, p.top_p, p.top_k, p.seed), **extra)
     st.told = len(seq)
     st.round += 1

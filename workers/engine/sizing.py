@@ -74,9 +74,9 @@ class CachePlan:
     max_model_len: int
 
 
-def plan_cache(model: DecoderModel, config: EngineConfig, num_hidden_layers: int, gamma: int) -> CachePlan:
+def plan_cache(model: DecoderModel, config: EngineConfig, num_hidden_layers: int, num_speculative_tokens: int) -> CachePlan:
     """The cache for ``model`` under ``config`` keeping
-    ``num_hidden_layers`` layers' hidden rows, verifying up to ``gamma`` draft tokens a sequence."""
+    ``num_hidden_layers`` layers' hidden rows, verifying up to ``num_speculative_tokens`` draft tokens a sequence."""
     cfg = model.cfg
     # sliding-window layers attend to their window only (workers.engine.attention): no cap at the window
     max_len = min(config.max_model_len or cfg.max_position_embeddings, model.max_positions)
@@ -85,7 +85,7 @@ def plan_cache(model: DecoderModel, config: EngineConfig, num_hidden_layers: int
     block_bytes = ModelRunner.bytes_per_block(model, config.block_size) + slot_bytes * config.block_size
     kv_bytes = config.kv_cache_bytes
     if config.num_blocks is None and config.gpu_memory_utilization is not None:
-        kv_bytes = _kv_bytes_for_utilization(model, config, block_bytes, gamma)
+        kv_bytes = _kv_bytes_for_utilization(model, config, block_bytes, num_speculative_tokens)
     num_blocks = config.num_blocks or max(1, kv_bytes // block_bytes)
     if num_blocks * config.block_size < max_len:
         if config.max_model_len is not None:
@@ -94,7 +94,7 @@ def plan_cache(model: DecoderModel, config: EngineConfig, num_hidden_layers: int
     return CachePlan(num_blocks, block_bytes, max_len)
 
 
-def _kv_bytes_for_utilization(model: DecoderModel, config: EngineConfig, block_bytes: int, gamma: int) -> int:
+def _kv_bytes_for_utilization(model: DecoderModel, config: EngineConfig, block_bytes: int, num_speculative_tokens: int) -> int:
     """The KV cache's bytes under ``gpu_memory_utilization`` (CUDA; the CPU keeps kv_cache_bytes)."""
     param = next(model.parameters())
     if not param.is_cuda:
@@ -106,10 +106,10 @@ def _kv_bytes_for_utilization(model: DecoderModel, config: EngineConfig, block_b
     shape = dict(hidden_size=cfg.hidden_size, intermediate_size=inter,
                  q_size=cfg.num_heads * cfg.head_dim, kv_size=cfg.num_kv_heads * cfg.head_dim,
                  vocab_size=cfg.vocab_size, itemsize=param.element_size())
-    rows = min(config.max_num_batched_tokens, config.max_num_seqs * (gamma + 1))
+    rows = min(config.max_num_batched_tokens, config.max_num_seqs * (num_speculative_tokens + 1))
     reserve = step_activation_bytes(config.max_num_batched_tokens, rows, **shape) + ALLOCATOR_SLACK
     if config.cuda_graphs and model.static_capable:  # the graphs' pool (the largest graphed step) and
-        graphed = (config.cuda_graph_max_batch or config.max_num_seqs) * (gamma + 1)  # their scratch block
+        graphed = (config.cuda_graph_max_batch or config.max_num_seqs) * (num_speculative_tokens + 1)  # their scratch block
         reserve += step_activation_bytes(graphed, graphed, **shape) + block_bytes
     torch.cuda.synchronize(param.device)
     free, total = torch.cuda.mem_get_info(param.device)
@@ -133,11 +133,11 @@ def log_device_memory(model: DecoderModel, config: EngineConfig) -> None:
                  config.gpu_memory_utilization, config.gpu_memory_utilization * total / GIB)
 
 
-def graph_config(model: DecoderModel, config: EngineConfig, hidden_layers: tuple[int, ...], gamma: int) -> GraphConfig | None:
+def graph_config(model: DecoderModel, config: EngineConfig, hidden_layers: tuple[int, ...], num_speculative_tokens: int) -> GraphConfig | None:
     """CUDA graphs for decode and verify steps (CUDA, tensor-only attention), captured at start-up
     with the hidden layers the engine keeps, so that no draft worker causes a recapture."""
     if not (config.cuda_graphs and next(model.parameters()).is_cuda and model.static_capable):
         return None
-    lens = tuple(range(1, gamma + 2)) if config.cuda_graph_every_length else (1, gamma + 1)
-    return GraphConfig(config.cuda_graph_max_batch or config.max_num_seqs, lens if gamma else (1,),
-                       tuple(sorted(set(hidden_layers))), trees=gamma > 1)
+    lens = tuple(range(1, num_speculative_tokens + 2)) if config.cuda_graph_every_length else (1, num_speculative_tokens + 1)
+    return GraphConfig(config.cuda_graph_max_batch or config.max_num_seqs, lens if num_speculative_tokens else (1,),
+                       tuple(sorted(set(hidden_layers))), trees=num_speculative_tokens > 1)

@@ -53,8 +53,8 @@ LATE_ROUNDS = 2
 
 @dataclass
 class SpecState:
-    gamma: int  # the request's chain length or node budget
-    cap: int  # adaptive budget for the next round (≤ gamma); 0: paused
+    num_speculative_tokens: int  # γ: the request's chain length or node budget
+    adapted: int  # adaptive γ for the next round (≤ num_speculative_tokens); 0: paused
     tree_topk: int = 0  # tree shape asked of the draft (0: the draft worker's setting)
     tree_depth: int = 0
     told: int = 0  # tokens of the sequence the draft worker knows
@@ -115,12 +115,12 @@ class Drafted:
 
 @dataclass(frozen=True)
 class Request:
-    """A sequence to draft for: ``num_tokens`` (a chain's length or a tree's budget), and the deepest
-    a drafted token may sit and still be emitted (0: no bound but num_tokens)."""
+    """A sequence to draft for: ``num_speculative_tokens`` (a chain's length or a tree's budget), and the deepest
+    a drafted token may sit and still be emitted (0: no bound but num_speculative_tokens)."""
 
     seq: Sequence
     state: SpecState
-    num_tokens: int
+    num_speculative_tokens: int
     max_depth: int
 
 
@@ -171,9 +171,9 @@ class Speculator:
 
     def add(self, request_id: str, num_speculative_tokens: int | None, tree_topk: int | None,
             tree_depth: int | None) -> None:
-        gamma = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
+        tokens = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
         prior = self.acceptance.alpha
-        self.states[request_id] = SpecState(gamma, gamma, tree_topk or self.tree_topk, tree_depth or self.tree_depth,
+        self.states[request_id] = SpecState(tokens, tokens, tree_topk or self.tree_topk, tree_depth or self.tree_depth,
                                             acceptance=Acceptance(2 * prior, 2 * (1 - prior)))
 
     def forget(self, request_id: str) -> SpecState | None:
@@ -217,19 +217,19 @@ class Speculator:
                 continue
             decoding += 1
             st = self.states.get(seq.request_id)
-            if st is None or st.gamma <= 0:
+            if st is None or st.num_speculative_tokens <= 0:
                 continue
             st.asked = 0  # unless asked below: the pipelined seam drafts for it next step only if asked
-            if st.cap == 0:
+            if st.adapted == 0:
                 if st.pause > 0:
                     st.pause -= 1
                     st.why_plain = "paused"
                     continue
-                st.cap = 1
+                st.adapted = 1
             # A chain is no longer than what can still be emitted; a tree keeps its node budget (its
             # nodes take KV slots, hence max_model_len) and grows no deeper than that (max_depth).
             room = seq.params.max_tokens - seq.num_generated - 1
-            k = min(st.cap, max_model_len - len(seq) - 1)
+            k = min(st.adapted, max_model_len - len(seq) - 1)
             if k > 0 and room > 0:
                 caps[seq.request_id], rooms[seq.request_id] = k, room
                 st.why_plain = "draft_late"  # until its proposal arrives
@@ -355,7 +355,7 @@ class Speculator:
         alphas = {seq.request_id: st.acceptance.alpha for seq, st, _ in found}
         for seq, st, prop in found:
             sid = seq.request_id
-            caps[sid] = min(max(st.cap, 1), len(prop.token_ids))
+            caps[sid] = min(max(st.adapted, 1), len(prop.token_ids))
             if prop.confidence and not prop.is_tree:  # evidence adds to the request's record, never takes from it
                 gains[sid] = [max(g, alphas[sid] ** j) for j, g in enumerate(calib.gains(prop.confidence), 1)]
         planned = plan(caps, alphas, decoding, self.cost, gains)
@@ -392,7 +392,7 @@ class Speculator:
             # a streamed proposal may carry a few more tokens than a round verifies, so that after the
             # target decoded its first ones plainly the rest is still a whole round
             problem = ("round" if prop.round >= st.round else position_problem(prop, self.vocab_size)
-                       or proposal_problem(prop, max(st.gamma, 1) + SPARE_MAX, self.vocab_size))
+                       or proposal_problem(prop, max(st.num_speculative_tokens, 1) + SPARE_MAX, self.vocab_size))
             if problem is not None:
                 self._drop(problem)
                 continue
@@ -407,7 +407,7 @@ class Speculator:
         if not prop.token_ids:
             return
         room = seq.params.max_tokens - seq.num_generated - 1  # drafts that can still be emitted
-        k = min(len(prop.token_ids), max(st.cap, 1), max_model_len - len(seq) - 1)
+        k = min(len(prop.token_ids), max(st.adapted, 1), max_model_len - len(seq) - 1)
         d = Drafted(seq, list(prop.token_ids), list(prop.distributions),
                     list(prop.parents) if prop.is_tree else [])
         if d.parents:  # nodes within the budget (a prefix), and no deeper than can be emitted
@@ -432,14 +432,14 @@ class Speculator:
         self._hold = 0  # a plan holds over consecutive rounds only: the next one asked is planned afresh
         for seq in running:
             st = self.states.get(seq.request_id)
-            if st is not None and st.gamma > 0 and seq.num_uncomputed == 1:
+            if st is not None and st.num_speculative_tokens > 0 and seq.num_uncomputed == 1:
                 st.why_plain = why
                 st.asked = 0  # nor does the pipelined seam use what the draft streamed ahead
 
     def count_plain(self, seq: Sequence) -> None:
         """``seq`` (speculating) decoded this step without a draft: count why."""
         st = self.states.get(seq.request_id)
-        if st is None or st.gamma <= 0 or not st.why_plain:  # nobody decided about drafting: plain by design
+        if st is None or st.num_speculative_tokens <= 0 or not st.why_plain:  # nobody decided about drafting: plain by design
             return
         why = st.why_plain
         st.plain_steps[why] = st.plain_steps.get(why, 0) + 1
@@ -475,10 +475,10 @@ class Speculator:
         if self.adaptive:
             if d.parents:  # a tree: nodes off the accepted path are spent by design, so only a pass that
                 # accepts nothing says the draft is off (the budget halves); any hit doubles it again
-                st.cap = min(st.gamma, max(2 * st.cap, st.cap + 2)) if accepted else st.cap // 2
+                st.adapted = min(st.num_speculative_tokens, max(2 * st.adapted, st.adapted + 2)) if accepted else st.adapted // 2
             else:
-                st.cap = min(st.gamma, st.cap + 2) if accepted == depth else max(0, st.cap - 1)
-            if st.cap == 0:
+                st.adapted = min(st.num_speculative_tokens, st.adapted + 2) if accepted == depth else max(0, st.adapted - 1)
+            if st.adapted == 0:
                 st.pause = self.pause_steps
         return st
 

@@ -56,9 +56,9 @@ def proposal_problem(prop: DraftOutput, asked: int, vocab_size: int) -> str | No
     return None
 
 
-def hello_ack_problem(layers: list[int], dtype: str, vocab_size: int, max_speculative_tokens: int,
+def hello_ack_problem(layers: list[int], dtype: str, vocab_size: int, max_num_speculative_tokens: int,
                       offered_layers: tuple[int, ...], target_vocab_size: int) -> tuple[str, str] | None:
-    """Why a draft that announced (``layers``, ``dtype``, ``vocab_size``, ``max_speculative_tokens``)
+    """Why a draft that announced (``layers``, ``dtype``, ``vocab_size``, ``max_num_speculative_tokens``)
     cannot serve a target offering ``offered_layers`` with ``target_vocab_size`` tokens, as (a
     metric label, a sentence), or None."""
     missing = sorted(set(layers) - set(offered_layers))
@@ -69,6 +69,6 @@ def hello_ack_problem(layers: list[int], dtype: str, vocab_size: int, max_specul
         return "hidden_dtype", f"its hidden-state dtype {dtype!r} is not one of {list(HIDDEN_DTYPES[1:])}"
     if vocab_size and vocab_size != target_vocab_size:
         return "vocab_size", f"its vocabulary has {vocab_size} tokens, this target's {target_vocab_size}"
-    if max_speculative_tokens < 0:
-        return "gamma", f"it announced max_speculative_tokens={max_speculative_tokens}"
+    if max_num_speculative_tokens < 0:
+        return "num_speculative_tokens", f"it announced max_num_speculative_tokens={max_num_speculative_tokens}"
     return None

@@ -71,7 +71,7 @@ def ref_from_pb(msg) -> HiddenRef | None:
 
 def draft_input_to_pb(d: DraftInput, hidden_dtype: str = "") -> spec_pb2.ProposeRequest:
     return spec_pb2.ProposeRequest(seq_id=d.seq_id, round=d.round, new_tokens=d.new_tokens,
-                                   num_tokens=d.num_tokens, sampling=sampling_to_pb(d.sampling),
+                                   num_speculative_tokens=d.num_speculative_tokens, sampling=sampling_to_pb(d.sampling),
                                    hidden_states=[tensor_to_pb(h, hidden_dtype) for h in d.hidden_states],
                                    tree_topk=d.tree_topk, tree_depth=d.tree_depth, max_depth=d.max_depth,
                                    hidden=ref_to_pb(d.hidden_ref))
@@ -79,7 +79,7 @@ def draft_input_to_pb(d: DraftInput, hidden_dtype: str = "") -> spec_pb2.Propose
 
 def draft_input_from_pb(msg: spec_pb2.ProposeRequest) -> DraftInput:
     """``hidden_ref`` set: the rows are on the plane, for the service to resolve (hidden_states empty)."""
-    return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_tokens, sampling_from_pb(msg.sampling),
+    return DraftInput(msg.seq_id, msg.round, list(msg.new_tokens), msg.num_speculative_tokens, sampling_from_pb(msg.sampling),
                       [tensor_from_pb(h) for h in msg.hidden_states], msg.tree_topk, msg.tree_depth,
                       msg.max_depth, ref_from_pb(msg))
 

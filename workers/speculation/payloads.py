@@ -2,7 +2,7 @@
 
 Both sides convert protobuf messages into these types at the gRPC edge (:mod:`.convert`). Phases:
 
-- :class:`DraftInput` — draft up to ``num_tokens`` tokens for a sequence after appending
+- :class:`DraftInput` — draft up to ``num_speculative_tokens`` tokens for a sequence after appending
   ``new_tokens`` (tokens committed since the draft last heard of the sequence);
 - :class:`DraftOutput` — the proposal: token ids, their tree (``parents``; empty for a chain) and,
   when the draft sampled, the sparse distribution each token was drawn from; under the pipelined
@@ -50,18 +50,18 @@ class DraftInput:
     seq_id: str
     round: int
     new_tokens: list[int]
-    num_tokens: int
+    num_speculative_tokens: int  # γ for this round: a chain's length, or a tree's node budget
     sampling: SamplingSpec = SamplingSpec()
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # per layer: [rows, hidden], see spec.proto
     tree_topk: int = 0  # children per node and depth (0: the draft worker's setting; 1: a chain)
     tree_depth: int = 0  # draft steps (0: the draft worker's setting)
-    max_depth: int = 0  # deepest a drafted token can sit and still be emitted (0: no bound but num_tokens)
+    max_depth: int = 0  # deepest a drafted token can sit and still be emitted (0: no bound but num_speculative_tokens)
     hidden_ref: HiddenRef | None = None  # on a data plane: where hidden_states lie (resolved at the edge)
 
     @property
-    def chain_length(self) -> int:
+    def chain_budget(self) -> int:
         """Tokens a chain drafts: the budget, but none deeper than can be emitted."""
-        return min(self.num_tokens, self.max_depth) if self.max_depth > 0 else self.num_tokens
+        return min(self.num_speculative_tokens, self.max_depth) if self.max_depth > 0 else self.num_speculative_tokens
 
 
 @dataclass(frozen=True)

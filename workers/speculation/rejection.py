@@ -51,19 +51,19 @@ def rejection_sample(
 
     Row b emits num_accepted[b] + 1 tokens: the accepted drafts, then one recovered or bonus token.
     """
-    batch, gamma = draft_tokens.shape
-    positions = torch.arange(gamma, device=draft_tokens.device)
+    batch, draft_len = draft_tokens.shape
+    positions = torch.arange(draft_len, device=draft_tokens.device)
     valid = positions[None, :] < num_draft[:, None]  # [B, G]
     safe_tokens = draft_tokens.clamp(min=0)
 
-    p_tok = target_probs[:, :gamma].gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, G]
+    p_tok = target_probs[:, :draft_len].gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, G]
     if draft_probs is None:
         q_tok = torch.ones_like(p_tok)
     else:
         q_tok = draft_probs.gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, G]
     # u < p/q, written without division: p = q = 0 rejects (no NaN); q = 0 < p accepts, the min(1, p/q) limit.
     accept_sampled = uniforms * q_tok < p_tok
-    accept_greedy = draft_tokens == target_probs[:, :gamma].argmax(-1)
+    accept_greedy = draft_tokens == target_probs[:, :draft_len].argmax(-1)
     accept = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid
     num_accepted = accept.long().cumprod(-1).sum(-1)  # [B]: length of the accepted prefix
 
@@ -71,8 +71,8 @@ def rejection_sample(
     rows = torch.arange(batch, device=draft_tokens.device)
     p_final = target_probs[rows, num_accepted]  # [B, V]
     rejected = num_accepted < num_draft  # [B]: the final token is recovered, not a bonus
-    k_draft = num_accepted.clamp(max=max(gamma - 1, 0))
-    if gamma == 0:
+    k_draft = num_accepted.clamp(max=max(draft_len - 1, 0))
+    if draft_len == 0:
         residual = p_final
     else:
         if draft_probs is None:
@@ -91,18 +91,18 @@ def rejection_sample(
     final_greedy = p_final.argmax(-1)
     final = torch.where(greedy, final_greedy, final_sampled)  # [B]
 
-    out = torch.full((batch, gamma + 1), PAD, dtype=torch.long, device=draft_tokens.device)
-    keep = torch.arange(gamma + 1, device=draft_tokens.device)[None, :] < num_accepted[:, None]
-    out[:, :gamma] = torch.where(keep[:, :gamma], draft_tokens, torch.full_like(draft_tokens, PAD))
+    out = torch.full((batch, draft_len + 1), PAD, dtype=torch.long, device=draft_tokens.device)
+    keep = torch.arange(draft_len + 1, device=draft_tokens.device)[None, :] < num_accepted[:, None]
+    out[:, :draft_len] = torch.where(keep[:, :draft_len], draft_tokens, torch.full_like(draft_tokens, PAD))
     out[rows, num_accepted] = final
     return out, num_accepted
 
 
 def random_inputs(
-    batch: int, gamma: int, vocab: int, generators: list[torch.Generator | None] | None = None
+    batch: int, draft_len: int, vocab: int, generators: list[torch.Generator | None] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniforms [B, G] and exponentials [B, V], drawn per row from that row's generator."""
-    uniforms = torch.empty(batch, gamma)
+    uniforms = torch.empty(batch, draft_len)
     exponentials = torch.empty(batch, vocab)
     for b in range(batch):
         gen = generators[b] if generators else None

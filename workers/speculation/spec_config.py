@@ -90,11 +90,9 @@ class SpeculativeConfig(Group):
 
     @model_validator(mode="after")
     def _together(self) -> SpeculativeConfig:
-        method = self.draft_method
-        for prefix, owner in (("prompt_lookup_", "ngram"), ("suffix_decoding_", "suffix"), ("oracle_", "oracle")):
-            given = sorted(key for key in self.model_fields_set if key.startswith(prefix))
-            if given and method is not None and method != owner:
-                raise ValueError(f"{', '.join(repr(k) for k in given)} apply to method {owner}, not {method}")
+        problem = self.method_problem(self.draft_method)
+        if problem:
+            raise ValueError(problem)
         if self.propose_min_wait > self.propose_timeout:
             raise ValueError("'propose_min_wait' must be at most 'propose_timeout'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -124,6 +122,15 @@ class SpeculativeConfig(Group):
     def tree(self) -> tuple[int, int]:
         """(children per node, depth) the target asks of its drafts (0: the draft's setting)."""
         return self.eagle_topk or 0, self.num_steps or 0
+
+    def method_problem(self, method: str | None) -> str | None:
+        """Why the keys given do not fit ``method`` (one method's keys given for another: they would do
+        nothing); None when they fit or the method is not known here."""
+        for prefix, owner in (("prompt_lookup_", "ngram"), ("suffix_decoding_", "suffix"), ("oracle_", "oracle")):
+            given = sorted(key for key in self.model_fields_set if key.startswith(prefix))
+            if given and method is not None and method != owner:
+                return f"{', '.join(repr(k) for k in given)} apply to method {owner}, not {method}"
+        return None
 
     def draft_only_keys(self) -> list[str]:
         """The keys given that only a draft worker reads (an error where a stack runs no drafts)."""

@@ -123,19 +123,19 @@ def rejection_sample_triton(
     block_v: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`workers.speculation.rejection.rejection_sample`."""
-    batch, gamma = draft_tokens.shape
+    batch, draft_len = draft_tokens.shape
     vocab = target_probs.shape[-1]
-    out = torch.full((batch, gamma + 1), PAD, dtype=torch.long, device=target_probs.device)
+    out = torch.full((batch, draft_len + 1), PAD, dtype=torch.long, device=target_probs.device)
     nacc = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
     target = target_probs.float().contiguous()
     # With γ = 0 (or no draft probabilities) the kernel still forms pointers into these; give it
     # valid memory: one -1 token, and the target's own rows (at least V floats) for the probabilities.
-    tokens = draft_tokens.long().contiguous() if gamma else torch.full((1,), PAD, dtype=torch.long, device=target.device)
-    probs = draft_probs.float().contiguous() if draft_probs is not None and gamma else target
+    tokens = draft_tokens.long().contiguous() if draft_len else torch.full((1,), PAD, dtype=torch.long, device=target.device)
+    probs = draft_probs.float().contiguous() if draft_probs is not None and draft_len else target
     _rejection_kernel[(batch,)](
         target, tokens, probs, num_draft.long().contiguous(),
         greedy.to(torch.int8).contiguous(), uniforms.float().contiguous(), exponentials.float().contiguous(),
-        out, nacc, gamma, vocab, HAS_DRAFT_PROBS=draft_probs is not None and gamma > 0,
+        out, nacc, draft_len, vocab, HAS_DRAFT_PROBS=draft_probs is not None and draft_len > 0,
         BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
     )
     return out, nacc

@@ -119,7 +119,7 @@ class DraftClient:
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
         ack = first.hello_ack
         problem = hello_ack_problem(list(ack.hidden_layers), ack.hidden_dtype, ack.vocab_size,
-                                    ack.max_speculative_tokens, tuple(self._offered_layers), self.vocab_size)
+                                    ack.max_num_speculative_tokens, tuple(self._offered_layers), self.vocab_size)
         if problem is not None:
             raise IncompatibleDraft(self.draft_id, *problem)
         self.method = ack.method

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from router.__main__ import RouterServiceConfig, parse_args, service_config
 from router.base import RoundRobinRouter
@@ -17,6 +16,7 @@ from runtime import InvalidRequest
 from runtime.kv_hash import block_hashes
 from runtime.messages import InstanceRecord, KvEvent, RouteRelease, RouteRequest
 from runtime.request_plane import RequestContext
+from tests.support.metrics import assert_exposed, exposition
 
 pytestmark = pytest.mark.unit
 
@@ -66,13 +66,9 @@ async def test_router_collector_exports_decisions_blocks_and_events():
     router.on_kv_event(KvEvent("a", 1, "stored", block_hashes(list(range(64)), 16)))
     router.on_kv_event(KvEvent("a", 1, "stored", []))  # duplicate
     await router.select("m", list(range(64)))
-    registry = CollectorRegistry()
-    registry.register(KvRouterCollector(router))
-    text = generate_latest(registry).decode()
-    assert "tandem_router_decisions_total 1.0" in text
-    assert 'tandem_router_kv_blocks{worker="a"} 4.0' in text
-    assert 'tandem_router_in_flight{worker="a"} 1.0' in text
-    assert 'tandem_router_kv_events_total{outcome="duplicates"} 1.0' in text
+    assert_exposed(exposition(KvRouterCollector(router)), "tandem_router_decisions_total 1.0",
+                   'tandem_router_kv_blocks{worker="a"} 4.0', 'tandem_router_in_flight{worker="a"} 1.0',
+                   'tandem_router_kv_events_total{outcome="duplicates"} 1.0')
 
 
 def test_service_config_from_flags():

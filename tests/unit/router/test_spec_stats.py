@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import SpecDecodeCollector, spec_stats_json
 from router.spec_stats import SpecDecodeStats
 from runtime.messages import SpecStatsEvent
 from runtime.spec_stats import SpecCounters
+from tests.support.metrics import assert_exposed, exposition
 
 pytestmark = pytest.mark.unit
 
@@ -95,17 +95,15 @@ def test_prometheus_sink_uses_vllm_names_and_labels():
     s.observe_event(ev("t1", "d1", T0, 10, 40, 20, [8, 6, 4, 2]), now=1.0)
     s.observe_event(ev("t1", "d1", T0, 12, 48, 26, [10, 8, 5, 3]), now=2.0)
     clock.now = 3.0
-    registry = CollectorRegistry()
-    registry.register(SpecDecodeCollector(s))
-    text = generate_latest(registry).decode()
-    assert 'tandem_spec_decode_num_drafts_total{draft="d1",target="t1"} 12.0' in text
-    assert 'tandem_spec_decode_num_draft_tokens_total{draft="d1",target="t1"} 48.0' in text
-    assert 'tandem_spec_decode_num_accepted_tokens_total{draft="d1",target="t1"} 26.0' in text
-    assert 'tandem_spec_decode_num_accepted_tokens_per_pos_total{draft="d1",position="2",target="t1"} 5.0' in text
-    assert "# TYPE tandem_spec_decode_num_drafts_total counter" in text
-    # the window gauge covers the change since the first (baseline) observation: 6 of 8 accepted
-    assert 'tandem_spec_decode_window_acceptance_rate{target="t1"} 0.75' in text
-    assert 'tandem_spec_decode_window_mean_accepted_length{target="t1"} 4.0' in text
+    assert_exposed(exposition(SpecDecodeCollector(s)),
+                   'tandem_spec_decode_num_drafts_total{draft="d1",target="t1"} 12.0',
+                   'tandem_spec_decode_num_draft_tokens_total{draft="d1",target="t1"} 48.0',
+                   'tandem_spec_decode_num_accepted_tokens_total{draft="d1",target="t1"} 26.0',
+                   'tandem_spec_decode_num_accepted_tokens_per_pos_total{draft="d1",position="2",target="t1"} 5.0',
+                   "# TYPE tandem_spec_decode_num_drafts_total counter",
+                   # the window gauge covers the change since the first (baseline) observation: 6 of 8 accepted
+                   'tandem_spec_decode_window_acceptance_rate{target="t1"} 0.75',
+                   'tandem_spec_decode_window_mean_accepted_length{target="t1"} 4.0')
 
 
 def test_prometheus_window_gauges_have_no_sample_without_drafts():
@@ -113,9 +111,7 @@ def test_prometheus_window_gauges_have_no_sample_without_drafts():
     s = fresh(window=10.0, clock=clock)
     s.observe_event(ev("t1", "d1", T0, 10, 40, 20, [8, 6, 4, 2]), now=0.0)  # seen late: the baseline
     clock.now = 30.0
-    registry = CollectorRegistry()
-    registry.register(SpecDecodeCollector(s))
-    text = generate_latest(registry).decode()
+    text = exposition(SpecDecodeCollector(s))
     assert 'tandem_spec_decode_num_drafts_total{draft="d1",target="t1"} 10.0' in text
     assert "tandem_spec_decode_window_acceptance_rate{" not in text
     assert "tandem_spec_decode_window_mean_accepted_length{" not in text

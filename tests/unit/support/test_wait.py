@@ -58,3 +58,23 @@ def test_listed_exceptions_count_as_not_yet_and_others_propagate():
         eventually_sync(down, timeout=0.02, interval=0.01, ignoring=(ConnectionError,))
     with pytest.raises(KeyError):
         asyncio.run(eventually(lambda: {}["x"], ignoring=(ConnectionError,)))
+
+
+def test_a_coroutine_condition_may_raise_a_listed_exception_and_others_propagate():
+    attempts = itertools.count()
+
+    async def flaky():
+        if next(attempts) < 2:
+            raise ConnectionError("not up yet")
+        return "up"
+
+    async def broken():
+        raise KeyError("x")
+
+    assert asyncio.run(eventually(flaky, interval=0, ignoring=(ConnectionError,))) == "up"
+    with pytest.raises(KeyError):
+        asyncio.run(eventually(broken, ignoring=(ConnectionError,)))
+    # a blocking wait does not await: a coroutine is a truthy value like any other
+    coroutine = broken()
+    assert eventually_sync(lambda: coroutine) is coroutine
+    coroutine.close()

@@ -44,12 +44,14 @@ class DistillConfig:
 
     def __post_init__(self):
         if not 0 < self.share <= 1:
-            raise ValueError(f"--distill-share must be in (0, 1], got {self.share}")
+            raise ValueError(f"--distill-config's 'share' must be in (0, 1], got {self.share}")
         for name in ("buffer_tokens", "batch_tokens", "eval_every", "threads", "steps", "holdout_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--distill-{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            if getattr(self, name) <= 0:  # the --distill-config keys by their key, the rest as fields
+                what = (f"--distill-config's {name!r}" if name in ("buffer_tokens", "eval_every", "threads")
+                        else f"DistillConfig.{name}")
+                raise ValueError(f"{what} must be positive, got {getattr(self, name)}")
         if self.lr <= 0 or self.min_gain < 0:
-            raise ValueError("--distill-lr must be > 0 and --distill-min-gain >= 0")
+            raise ValueError("--distill-config's 'lr' must be > 0 and 'min_gain' >= 0")
 
 
 def trainable_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from runtime.messages import SamplingParams
 from tests.support.eagle_heads import H, write_eagle1, write_eagle3
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import tiny_model_fixture
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.draft.eagle import Eagle1Head, Eagle3Head, load_eagle, load_target_parts
 from workers.draft.eagle_proposer import EagleProposer
@@ -18,11 +18,7 @@ from workers.engine.weights import load_model
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target4")
-    tiny_hf_model("llama", path, seed=7, vocab=VOCAB, layers=4)
-    return path
+target_dir = tiny_model_fixture(seed=7, vocab=VOCAB, layers=4)
 
 
 def test_layouts_load_and_map_vocab(target_dir, tmp_path):

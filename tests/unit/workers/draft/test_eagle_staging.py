@@ -103,7 +103,7 @@ def test_pipelined_eagle_speculation_in_process_equals_plain_decoding(target_dir
         stager.release(engine.take_released())
         inputs = engine.draft_inputs()
         for d in inputs:
-            stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_length, d.hidden_states, d.sampling)
+            stager.commit(d.seq_id, d.round, list(d.new_tokens), d.chain_budget, d.hidden_states, d.sampling)
         answers, asked = stager.answer_and_stage([d.seq_id for d in inputs])
         engine.offer(answers + stager.stage(asked))
     assert len(got.pop("sampled")) == 16

@@ -155,14 +155,17 @@ def test_distill_config_reaches_the_trainers_settings(tmp_path):
     assert config().distill == DistillSettings()
 
 
-def test_a_retired_flags_environment_variable_is_refused_too(capsys):
+def test_a_retired_flags_environment_variable_is_refused_too(capsys, monkeypatch):
+    monkeypatch.setenv("TANDEM_EAGLE_PIPELINED", "1")
     with pytest.raises(SystemExit) as exc:
-        parse_args([], environ={"TANDEM_EAGLE_PIPELINED": "1"})
+        parse_args([])
     assert exc.value.code == 2
     assert ("TANDEM_EAGLE_PIPELINED (--eagle-pipelined) was retired: use --speculative-config "
             "'{\"eagle_pipelined\": true}' (or TANDEM_SPECULATIVE_CONFIG with that JSON)") in capsys.readouterr().err
-    # the target worker's γ, in an environment the two share, is not the draft's business
-    assert parse_args([], environ={"TANDEM_NUM_SPECULATIVE_TOKENS": "3"}).speculative_config is None
+    monkeypatch.delenv("TANDEM_EAGLE_PIPELINED")
+    # the target worker's and tandem up's γ, in an environment they share, is not the draft's business
+    monkeypatch.setenv("TANDEM_NUM_SPECULATIVE_TOKENS", "3")
+    assert parse_args([]).speculative_config is None
 
 
 def test_the_speculative_config_reads_from_the_environment(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from runtime.messages import SamplingParams
 from tests.support.eagle_heads import write_eagle3
 from tests.support.procs import pid_alive
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import tiny_model_fixture
 from tests.support.wait import eventually_sync
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, run_spec
 from workers.draft.eagle import load_eagle, load_target_parts
@@ -28,11 +28,7 @@ pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("distill-target")
-    tiny_hf_model("llama", path, seed=7, vocab=VOCAB, layers=4)
-    return path
+target_dir = tiny_model_fixture(seed=7, vocab=VOCAB, layers=4)
 
 
 @pytest.fixture(scope="module")

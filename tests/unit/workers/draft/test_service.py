@@ -97,12 +97,12 @@ def test_a_budget_over_the_drafts_maximum_is_cut_keeping_the_tree_shape():
 
     async def main():
         proposer = Recording()
-        async with draft_on_loopback(DraftService(proposer, "d1", max_speculative_tokens=6)) as client:
+        async with draft_on_loopback(DraftService(proposer, "d1", max_num_speculative_tokens=6)) as client:
             ask = DraftInput("s", 0, [1, 2, 3], 16, tree_topk=4, tree_depth=5, max_depth=3)
             got = await client.propose([ask], timeout=5)
             assert len(got["s"].token_ids) == 6
             seen = proposer.seen[0]
-            assert (seen.num_tokens, seen.tree_topk, seen.tree_depth, seen.max_depth) == (6, 4, 5, 3)
+            assert (seen.num_speculative_tokens, seen.tree_topk, seen.tree_depth, seen.max_depth) == (6, 4, 5, 3)
 
     asyncio.run(main())
 

@@ -19,7 +19,7 @@ REF = list(range(100, 160))  # the target's greedy text: prompt = REF[:10]
 
 def test_an_answer_then_staged_proposals_for_every_outcome_of_it():
     stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
-    stager.commit("s", 0, REF[:10], gamma=3)
+    stager.commit("s", 0, REF[:10], num_speculative_tokens=3)
     [answer] = stager.answer(["s"])
     # one token spare (the target decodes one plainly while it is drafted), γ = 3
     assert (answer.start, answer.token_ids, answer.assumed[-1]) == (10, REF[10:14], REF[9])
@@ -40,7 +40,7 @@ def test_the_oracle_stages_the_truth_after_a_wrong_draft_token_and_pays_once_per
     monkeypatch.setattr("workers.draft.oracle.time.sleep", slept.append)
     oracle = OracleProposer([REF], 0.0, 1000, token_cost_s=0.01)
     stager = Stager(oracle, alternatives=1)
-    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.commit("s", 0, REF[:10], num_speculative_tokens=2)
     chains = oracle.draft([Branch("s", (), 4, 1), Branch("s", (REF[10],), 2, 1)])
     assert [c.tokens for c in chains] == [REF[10:14], REF[11:13]]
     assert slept == [pytest.approx(0.04)]  # one batched pass per depth, the deepest branch's
@@ -51,13 +51,13 @@ def test_the_oracle_stages_the_truth_after_a_wrong_draft_token_and_pays_once_per
 
 def test_verdicts_move_the_proposal_in_use_and_stale_ones_are_forgotten():
     stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
-    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.commit("s", 0, REF[:10], num_speculative_tokens=2)
     stager.answer(["s"])
     stager.stage(["s"])
     # the target decoded REF[10] plainly, then verified the answer: 2 accepted + its bonus
-    stager.commit("s", 1, [REF[10]], gamma=2)
+    stager.commit("s", 1, [REF[10]], num_speculative_tokens=2)
     stager.verified([VerifyResult("s", 1, 2, REF[11:14])])
-    stager.commit("s", 2, [], gamma=2)
+    stager.commit("s", 2, [], num_speculative_tokens=2)
     assert stager.answer(["s"]) == []  # a staged proposal fits
     more = stager.stage(["s"])
     assert more and all(p.start > 14 for p in more)
@@ -75,7 +75,7 @@ def test_ngram_branches_draft_after_the_assumed_tokens_with_alternatives():
 
 def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
     stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
-    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.commit("s", 0, REF[:10], num_speculative_tokens=2)
     stager.answer(["s"])
     [level1] = stager.stage(["s"])
     assert not stager.behind(["s"]) and stager.stage_ahead(["s"]) == []  # it keeps up (a step per news so far)
@@ -87,7 +87,7 @@ def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
     # the target verifies the answer (after one plain step), then level 1 whole: level 2 fits, and
     # staging from it does not repeat
     committed = REF[: level1.start + 3]
-    stager.commit("s", 1, committed[10:], gamma=2)
+    stager.commit("s", 1, committed[10:], num_speculative_tokens=2)
     target = Staged()
     target.offer(level2)
     assert target.take("s", committed).token_ids == level2.token_ids
@@ -95,11 +95,11 @@ def test_staging_ahead_covers_the_likeliest_outcome_of_the_likeliest_outcome():
 
 def test_after_a_plain_step_it_stages_from_the_proposal_one_token_ahead_instead_of_answering():
     stager = Stager(OracleProposer([REF], 0.0, 1000), alternatives=1)
-    stager.commit("s", 0, REF[:10], gamma=2)
+    stager.commit("s", 0, REF[:10], num_speculative_tokens=2)
     stager.answer(["s"])
     [level1] = stager.stage(["s"])  # expected after the answer's round: start 14, assumes REF[13]
     # the answer came late and the target decoded REF[10..12] plainly: level 1 fits once REF[13] is in
-    stager.commit("s", 1, REF[10:13], gamma=2)
+    stager.commit("s", 1, REF[10:13], num_speculative_tokens=2)
     assert stager.answer(["s"]) == []  # no answer: the target verifies level 1 after its next plain step
     staged = stager.stage(["s"])
     assert staged and all(p.start >= level1.start + 1 for p in staged)
@@ -128,7 +128,7 @@ def test_staged_proposals_carry_confidence_conditional_on_what_they_assume():
                     for b in branches]
 
     stager = Stager(Sure(), alternatives=0)
-    stager.commit("s", 0, [1, 2, 3], gamma=2)
+    stager.commit("s", 0, [1, 2, 3], num_speculative_tokens=2)
     [answer] = stager.answer(["s"])
     assert answer.confidence == [0.5] * len(answer.token_ids)
     stager._seqs["s"].sent[0].chain = Draft(answer.token_ids, [])  # trimmed to its end: the branch guesses first
@@ -146,13 +146,13 @@ def test_one_drafting_call_answers_one_sequence_and_stages_the_others(monkeypatc
     real = oracle.draft
     monkeypatch.setattr(oracle, "draft", lambda branches: calls.append(len(branches)) or real(branches))
     stager = Stager(oracle, alternatives=1)
-    stager.commit("a", 0, refs[0][:10], gamma=2)
-    stager.commit("b", 0, refs[1][:10], gamma=2)
+    stager.commit("a", 0, refs[0][:10], num_speculative_tokens=2)
+    stager.commit("b", 0, refs[1][:10], num_speculative_tokens=2)
     first, answered = stager.answer_and_stage(["a", "b"])
     assert answered == ["a", "b"] and len(calls) == 1  # nothing streamed yet: both answered, one call
-    stager.commit("b", 1, [], gamma=2)
+    stager.commit("b", 1, [], num_speculative_tokens=2)
     stager.release(["a"])
-    stager.commit("a", 1, refs[0][:10], gamma=2)  # "a" starts over (say the target preempted it)
+    stager.commit("a", 1, refs[0][:10], num_speculative_tokens=2)  # "a" starts over (say the target preempted it)
     calls.clear()
     props, answered = stager.answer_and_stage(["a", "b"])
     assert answered == ["a"] and len(calls) == 1
@@ -175,12 +175,12 @@ def test_proposals_leave_before_the_drafting_calls_last_pass(monkeypatch):
         oracle = OracleProposer([REF], 0.3, 1000, seed=4, token_cost_s=0.01)
         stager = Stager(oracle, alternatives=1)
         send = (lambda props: events.append(("early", [p.token_ids for p in props]))) if early else None
-        stager.commit("s", 0, REF[:10], gamma=2)
+        stager.commit("s", 0, REF[:10], num_speculative_tokens=2)
         answers, _ = stager.answer_and_stage(["s"], early=send)
         staged = stager.stage(["s"], early=send)
-        stager.commit("s", 1, [REF[10]], gamma=2)
+        stager.commit("s", 1, [REF[10]], num_speculative_tokens=2)
         stager.verified([VerifyResult("s", 1, 2, REF[11:14])])
-        stager.commit("s", 2, [], gamma=2)
+        stager.commit("s", 2, [], num_speculative_tokens=2)
         later, _ = stager.answer_and_stage(["s"], early=send)
         runs[early] = [[(p.start, p.token_ids, p.assumed) for p in props] for props in (answers, staged, later)]
         slept[early] = round(sum(s for kind, s in events if kind == "sleep"), 6)

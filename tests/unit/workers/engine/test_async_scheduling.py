@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from runtime.messages import KvEventKind, SamplingParams, TokenDelta
+from tests.support.engine_load import mixed_requests
 from tests.support.tiny_models import tiny_hf_model
 from tests.unit.workers.engine.test_spec_engine import make_proposer, run_spec
 from tests.unit.workers.engine.test_spec_engine import prompts as spec_prompts
@@ -327,26 +328,8 @@ def test_aborts_mid_run_and_a_reused_request_id(model):
 def test_many_mixed_requests_with_aborts_leave_nothing_behind(model):
     """A long random run (sampled and greedy, stops, aborts, a small cache that evicts and preempts)."""
     engine = _engine(model, True, eos=(7,), num_blocks=48, max_model_len=128, max_num_seqs=16)
-    rng = random.Random(9)
-    shared = [rng.randrange(VOCAB) for _ in range(12)]
-    live: set[str] = set()
-    for i in range(300):
-        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))]
-        params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(0, 10),
-                                seed=rng.randrange(100), ignore_eos=rng.random() < 0.5,
-                                stop_token_ids=[rng.randrange(VOCAB)], logprobs=rng.choice([None, 2]))
-        engine.add_request(f"q{i}", prompt, params)
-        live.add(f"q{i}")
-        if rng.random() < 0.15 and live:
-            engine.abort(rng.choice(sorted(live)))
-        for rid, delta in engine.step():
-            if delta.finish_reason:
-                assert rid in live
-                live.discard(rid)
-    while engine.has_work():
-        for rid, delta in engine.step():
-            if delta.finish_reason:
-                live.discard(rid)
+    mixed_requests(engine, random.Random(9), 300, vocab=VOCAB, max_tokens=10, abort_p=0.15, finished_are_live=True,
+                   extra=lambda rng: {"stop_token_ids": [rng.randrange(VOCAB)], "logprobs": rng.choice([None, 2])})
     events = engine.drain_kv_events()
     assert any(e.kind == KvEventKind.REMOVED for e in events)
     assert engine.device_fed > 50

@@ -230,7 +230,7 @@ def test_pipelined_policy_verifies_a_proposal_its_evidence_says_will_pay(confide
     verified = 0
     for step in range(4):
         asked = spec.requests([seq], 1024)
-        assert [r.num_tokens for r in asked] == [4]  # asked every step
+        assert [r.num_speculative_tokens for r in asked] == [4]  # asked every step
         spec.states["s"].round = step + 1  # (the engine counts the round when it converts the ask)
         spec.offer([DraftOutput("s", step, [20, 21, 22, 23], start=len(seq.token_ids),
                                 assumed=seq.token_ids[-4:], confidence=[1.0] * 4 if confident else [])])

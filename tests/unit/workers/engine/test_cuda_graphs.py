@@ -171,29 +171,43 @@ def test_engine_greedy_equal_with_graphs(model_dir):
     assert engine.runner.graphs.replays > 0
 
 
-def test_spec_engine_verify_steps_with_graphs(model_dir):
-    """Verify steps with drafts of the right tokens (oracle) and wrong ones: output equals plain decoding."""
+def _verify_with_graphs(model_dir, seed: int, num_speculative_tokens: int, propose) -> _GraphedEngine:
+    """Three prompts decoded plainly, then by a graphed speculative engine whose drafts come from
+    ``propose(step, i, inp, truth)`` (the i-th draft input of that step; truth: the plain continuation
+    from where the request stands), as a DraftOutput's arguments after the round; asserts the output
+    equals plain decoding and returns the graphed engine."""
     model = load_model(model_dir, device=DEVICE, fused=True)
     cfg = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4)
-    prompts = _prompts(3, seed=1)
+    prompts = _prompts(3, seed=seed)
     plain = Engine(model, cfg, eos_token_ids=()).generate(prompts, GREEDY)
-    engine = _GraphedEngine(model, cfg, eos_token_ids=(), num_speculative_tokens=3, adaptive=False)
+    engine = _GraphedEngine(model, cfg, eos_token_ids=(), num_speculative_tokens=num_speculative_tokens,
+                            adaptive=False)
     got = {rid: [] for rid in prompts}
     for rid, p in prompts.items():
         engine.add_request(rid, p, GREEDY)
     step = 0
     while engine.has_work():
         proposals = {}
-        for inp in engine.draft_inputs():
-            done = len(got[inp.seq_id])
-            future = plain[inp.seq_id][done : done + inp.num_tokens]
-            if step % 2:  # every other step a wrong last draft token
-                future = future[:-1] + [(future[-1] + 1) % 256] if future else future
-            proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, future)
+        for i, inp in enumerate(engine.draft_inputs()):
+            truth = plain[inp.seq_id][len(got[inp.seq_id]):]
+            proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, *propose(step, i, inp, truth))
         for rid, delta in engine.step(proposals):
             got[rid].extend(delta.token_ids)
         step += 1
     assert got == plain
+    return engine
+
+
+def test_spec_engine_verify_steps_with_graphs(model_dir):
+    """Verify steps with drafts of the right tokens (oracle) and wrong ones: output equals plain decoding."""
+
+    def propose(step, i, inp, truth):
+        future = truth[: inp.num_speculative_tokens]
+        if step % 2:  # every other step a wrong last draft token
+            future = future[:-1] + [(future[-1] + 1) % 256] if future else future
+        return (future,)
+
+    engine = _verify_with_graphs(model_dir, 1, 3, propose)
     assert engine.runner.graphs.replays > 0
     assert {key[1] for key in engine.runner.graphs.graphs} == {1, 4}
 
@@ -201,29 +215,16 @@ def test_spec_engine_verify_steps_with_graphs(model_dir):
 def test_tree_verify_steps_with_graphs(model_dir):
     """Token trees in the graphed verify step (the correct path among wrong siblings, chains beside
     them in the same batch): output equals plain decoding, and tree graphs were replayed."""
-    model = load_model(model_dir, device=DEVICE, fused=True)
-    cfg = EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4)
-    prompts = _prompts(3, seed=2)
-    plain = Engine(model, cfg, eos_token_ids=()).generate(prompts, GREEDY)
-    engine = _GraphedEngine(model, cfg, eos_token_ids=(), num_speculative_tokens=5, adaptive=False)
-    got = {rid: [] for rid in prompts}
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, GREEDY)
-    while engine.has_work():
-        proposals = {}
-        for i, inp in enumerate(engine.draft_inputs()):
-            done = len(got[inp.seq_id])
-            f = plain[inp.seq_id][done : done + 3]
-            if i == 0 or len(f) < 3:  # a chain
-                proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, f[: inp.num_tokens])
-                continue
-            wrong = [(t + 7) % 256 for t in f]
-            # root → {f0, w0}; f0 → {w1, f1}; f1 → f2: the accepted path is nodes 0, 3, 4
-            proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, [f[0], wrong[0], wrong[1], f[1], f[2]], [],
-                                                [-1, -1, 0, 0, 3])
-        for rid, delta in engine.step(proposals):
-            got[rid].extend(delta.token_ids)
-    assert got == plain
+
+    def propose(step, i, inp, truth):
+        f = truth[:3]
+        if i == 0 or len(f) < 3:  # a chain
+            return (f[: inp.num_speculative_tokens],)
+        wrong = [(t + 7) % 256 for t in f]
+        # root → {f0, w0}; f0 → {w1, f1}; f1 → f2: the accepted path is nodes 0, 3, 4
+        return [f[0], wrong[0], wrong[1], f[1], f[2]], [], [-1, -1, 0, 0, 3]
+
+    engine = _verify_with_graphs(model_dir, 2, 5, propose)
     assert any(key[3] for key in engine.runner.graphs.graphs)  # a tree graph ran
     assert engine.counters[""].accepted_per_pos[2] > 0  # three-deep paths were accepted
 

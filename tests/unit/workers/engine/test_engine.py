@@ -7,20 +7,16 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.messages import KvEventKind, SamplingParams
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.engine_load import mixed_requests
+from tests.support.tiny_models import tiny_model_fixture
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_hf_model("llama", path, vocab=256)
-    return load_model(path)
+model = tiny_model_fixture(vocab=256, load=True)
 
 
 def _prompts(n: int, seed: int = 0) -> dict[str, list[int]]:
@@ -147,22 +143,7 @@ def test_migration_continues_after_output_ids_and_prefix_hits_are_reported(model
 
 def test_eviction_publishes_removed_and_500_mixed_requests_leave_no_blocks(model):
     engine = _engine(model, num_blocks=48, max_model_len=128, max_num_seqs=16)
-    rng = random.Random(5)
-    shared = [rng.randrange(256) for _ in range(12)]
-    live: set[str] = set()
-    for i in range(500):
-        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
-        params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(0, 8),
-                                seed=rng.randrange(100), ignore_eos=rng.random() < 0.5)
-        engine.add_request(f"q{i}", prompt, params)
-        live.add(f"q{i}")
-        if rng.random() < 0.1 and live:
-            engine.abort(rng.choice(sorted(live)))
-        for rid, delta in engine.step():
-            if delta.finish_reason:
-                live.discard(rid)
-    while engine.has_work():
-        engine.step()
+    mixed_requests(engine, random.Random(5), 500, vocab=256, max_tokens=8, abort_p=0.1)
     events = engine.drain_kv_events()
     assert any(e.kind == KvEventKind.REMOVED for e in events)
     assert any(e.kind == KvEventKind.STORED for e in events)

@@ -7,20 +7,15 @@ import random
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import tiny_model_fixture
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.weights import load_model
 
 pytestmark = pytest.mark.unit
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-priority")
-    tiny_hf_model("llama", path, vocab=256)
-    return load_model(path)
+model = tiny_model_fixture(vocab=256, load=True)
 
 
 def _prompt(seed: int, n: int = 20) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.support.tiny_models import SPEC_VOCAB as VOCAB
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import target_and_draft_fixture
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
 from workers.engine.engine import Engine, EngineConfig
@@ -22,13 +22,7 @@ pytestmark = pytest.mark.unit
 CFG = EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target_dir = tmp_path_factory.mktemp("target")
-    draft_dir = tmp_path_factory.mktemp("draft")
-    tiny_hf_model("llama", target_dir, seed=1, vocab=VOCAB, layers=2)
-    tiny_hf_model("llama", draft_dir, seed=2, vocab=VOCAB, layers=1)
-    return target_dir, draft_dir
+models = target_and_draft_fixture(seed=1, vocab=VOCAB)
 
 
 def prompts(n: int, seed: int) -> dict[str, list[int]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.messages import SamplingParams
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import target_and_draft_fixture
 from tests.unit.workers.engine.test_spec_engine import run_spec
 from tests.unit.workers.speculation.test_rejection import chi2_pvalue
 from workers.draft.draft_model import DraftModelProposer
@@ -26,13 +26,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 N = 3000
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    target = tmp_path_factory.mktemp("t")
-    draft = tmp_path_factory.mktemp("d")
-    tiny_hf_model("llama", target, seed=21, vocab=VOCAB, layers=2)
-    tiny_hf_model("llama", draft, seed=22, vocab=VOCAB, layers=1)
-    return target, draft
+dirs = target_and_draft_fixture(seed=21, vocab=VOCAB)
 
 
 @torch.inference_mode()
@@ -87,7 +81,7 @@ class FixedTree:
 
     def propose(self, batch):
         from workers.speculation.payloads import DraftOutput
-        return [DraftOutput(d.seq_id, d.round, self.tokens[: d.num_tokens], [], self.parents[: d.num_tokens])
+        return [DraftOutput(d.seq_id, d.round, self.tokens[: d.num_speculative_tokens], [], self.parents[: d.num_speculative_tokens])
                 for d in batch]
 
     def verified(self, results):

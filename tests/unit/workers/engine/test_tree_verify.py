@@ -8,7 +8,7 @@ import random
 import pytest
 
 from runtime.messages import SamplingParams
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import tiny_model_fixture
 from tests.unit.workers.engine.test_spec_engine import CFG, VOCAB, plain, prompts, run_spec
 from workers.engine.engine import Engine
 from workers.engine.weights import load_model
@@ -18,11 +18,7 @@ from workers.speculation.tree import tree_depths, valid_parents
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tiny_hf_model("llama", path, seed=1, vocab=VOCAB, layers=2)
-    return path
+target_dir = tiny_model_fixture(seed=1, vocab=VOCAB, layers=2)
 
 
 class OracleTree:
@@ -75,8 +71,8 @@ class OracleTree:
                 on_path = nxt
             assert valid_parents(parents, len(tokens))
             self.trees += 1
-            out.append(DraftOutput(item.seq_id, item.round, tokens[: item.num_tokens], [],
-                                   parents[: item.num_tokens]))
+            out.append(DraftOutput(item.seq_id, item.round, tokens[: item.num_speculative_tokens], [],
+                                   parents[: item.num_speculative_tokens]))
         return out
 
     def _wrong(self, avoid: int | None) -> int:
@@ -163,7 +159,7 @@ def test_trees_near_max_tokens_keep_their_node_budget_and_bound_their_depth(targ
         for rid, delta in engine.step():  # prefill: one token each, three left
             got[rid].extend(delta.token_ids)
         inputs = engine.draft_inputs()
-        assert [(i.num_tokens, i.max_depth, i.chain_length) for i in inputs] == [(8, 2, 2)] * len(batch)
+        assert [(i.num_speculative_tokens, i.max_depth, i.chain_budget) for i in inputs] == [(8, 2, 2)] * len(batch)
         proposals = {o.seq_id: o for o in draft.propose(inputs)}
         for o in proposals.values():
             if topk > 1:
@@ -192,7 +188,7 @@ def test_adaptive_tree_budgets_keep_a_good_tree_and_back_off_a_missing_one(targe
         oracle = OracleTree(want, batch, seed=2, branching=3, depth=4, hit=hit, deep_hit=0.0)
         asked: list[int] = []
         propose = oracle.propose
-        oracle.propose = lambda items: asked.extend(i.num_tokens for i in items) or propose(items)
+        oracle.propose = lambda items: asked.extend(i.num_speculative_tokens for i in items) or propose(items)
         assert run_spec(engine, oracle, batch, params) == want
         c = engine.counters[""]
         if hit:

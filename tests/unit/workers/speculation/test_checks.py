@@ -64,4 +64,4 @@ def test_handshake_checks():
     assert label == "hidden_layers" and "[0, 999]" in why and "hidden_layers" in why
     assert hello_ack_problem([2], "float99", 0, 3, offered, V)[0] == "hidden_dtype"
     assert hello_ack_problem([], "", V + 1, 3, offered, V)[0] == "vocab_size"
-    assert hello_ack_problem([], "", 0, -1, offered, V)[0] == "gamma"
+    assert hello_ack_problem([], "", 0, -1, offered, V)[0] == "num_speculative_tokens"

@@ -43,4 +43,4 @@ def test_tree_proposals_and_shapes_round_trip():
     assert not draft_output_from_pb(draft_output_to_pb(chain)).is_tree
     ask = DraftInput("s", 1, [1, 2], 8, tree_topk=4, tree_depth=3, max_depth=2)
     back = draft_input_from_pb(spec_pb2.ProposeRequest.FromString(draft_input_to_pb(ask).SerializeToString()))
-    assert (back.tree_topk, back.tree_depth, back.num_tokens, back.max_depth, back.chain_length) == (4, 3, 8, 2, 2)
+    assert (back.tree_topk, back.tree_depth, back.num_speculative_tokens, back.max_depth, back.chain_budget) == (4, 3, 8, 2, 2)

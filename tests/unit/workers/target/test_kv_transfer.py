@@ -14,7 +14,7 @@ import torch
 
 from runtime.messages import SamplingParams
 from tests.unit.workers.engine.conftest import _one_torch_thread  # noqa: F401 (autouse: one torch thread)
-from tests.support.tiny_models import tiny_hf_model
+from tests.support.tiny_models import tiny_model_fixture
 from workers.draft.draft_model import DraftModelProposer
 from workers.draft.ngram import NgramProposer
 from workers.engine.engine import HANDOFF, Engine, EngineConfig
@@ -28,11 +28,7 @@ CFG = EngineConfig(block_size=4, num_blocks=128, max_num_seqs=8, max_num_batched
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tiny_hf_model("llama", path, seed=1, vocab=VOCAB, layers=2)
-    return path
+target_dir = tiny_model_fixture(seed=1, vocab=VOCAB, layers=2)
 
 
 def engine_of(target_dir, cfg: EngineConfig = CFG) -> Engine:

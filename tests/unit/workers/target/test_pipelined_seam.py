@@ -276,7 +276,7 @@ def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(mode
     engine.add_request("tree", PROMPTS["c"], PARAMS, tree_topk=2, tree_depth=2)
     engine.add_request("handoff", PROMPTS["c"], PARAMS, prefill_only=True)
     inputs = engine.prompt_inputs(engine.take_added())
-    assert [(i.seq_id, i.round, i.new_tokens, i.num_tokens) for i in inputs] == [
+    assert [(i.seq_id, i.round, i.new_tokens, i.num_speculative_tokens) for i in inputs] == [
         ("chain", 0, PROMPTS["a"], 3), ("short", 0, PROMPTS["b"], 1)]
     assert engine.take_added() == []
     engine.add_request("late", PROMPTS["c"], PARAMS)
