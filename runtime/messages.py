@@ -37,6 +37,10 @@ class InstanceRecord(_Wire):
     grpc_address: str = ""
     http_address: str = ""  # health/metrics port, when the process serves one
     started_at: float = 0.0
+    # Which start of the process behind ``instance_id`` this is (nanoseconds since the epoch at its
+    # start; 0: not said): a worker restarted under the same id (TANDEM_INSTANCE_ID) registers a
+    # greater one, and a peer refuses anything of an older one (see workers/target/draft_pool.py).
+    incarnation: int = 0
 
 
 class ModelCard(_Wire):

@@ -30,7 +30,7 @@ import msgspec
 import nats
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from .config import RuntimeConfig, redact_url
+from .config import RuntimeConfig, fixed_instance_id, redact_url
 from .discovery import Registrar, Snapshot
 from .etcd import EtcdClient
 from .errors import NoInstances, StartupError
@@ -147,8 +147,11 @@ class Runtime:
     def __init__(self, config: RuntimeConfig):
         self.config = config
         self.namespace = config.namespace
-        self.instance_id = new_instance_id()
-        self.started_at = time.time()
+        # TANDEM_INSTANCE_ID: a stable worker id across restarts (a StatefulSet pod's name); each start
+        # is then told apart by its incarnation, which only grows
+        self.instance_id = check_token(fixed_instance_id() or new_instance_id(), "TANDEM_INSTANCE_ID")
+        self.incarnation = time.time_ns()
+        self.started_at = self.incarnation / 1e9
         self.nc: nats.NATS | None = None
         self.etcd: aetcd.Client | None = None
         self.events: EventPlane | None = None
@@ -444,6 +447,7 @@ class Runtime:
             grpc_address=grpc_address,
             http_address=http_address or (self.health.advertised_address if self.health else ""),
             started_at=self.started_at,
+            incarnation=self.incarnation,
         )
         await self._registrar.put(instance_key(self.namespace, component, endpoint, self.instance_id), encode(record))
         self._served += 1

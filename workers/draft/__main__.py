@@ -297,7 +297,8 @@ async def amain(args: argparse.Namespace, cfg: DraftConfig) -> None:
     config = config_from_args(args, drain_timeout=cfg.drain_timeout)
     async with Runtime.connect(config) as rt:
         service = DraftService(proposer, rt.instance_id, cfg.spec.max_num_speculative_tokens,
-                               overlap=cfg.spec.overlap, alternatives=cfg.spec.stage_alternatives, executor=torch_work)
+                               overlap=cfg.spec.overlap, alternatives=cfg.spec.stage_alternatives, executor=torch_work,
+                               incarnation=rt.incarnation)
         REGISTRY.register(DraftCollector(service, cfg.model_name or "draft", cfg.method))
         await service.start()
         distilling = start_distillation(cfg, proposer, service)

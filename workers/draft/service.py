@@ -97,7 +97,8 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
     takes_step_news = True  # HelloAck.step_news: a target may send each step's news as one StepNews
 
     def __init__(self, drafter: Drafter, draft_id: str, max_num_speculative_tokens: int = 16, overlap: bool = True,
-                 alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None):
+                 alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None,
+                 incarnation: int = 0):
         self.drafter = drafter
         caps = drafter.caps
         self._calls = DrafterCalls(caps.on_loop, executor)  # where the drafter's work runs
@@ -109,6 +110,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
         self._proposed: dict[str, int] = {}  # seq id -> tokens in its last proposal
         self._full_rate: dict[str, float] = {}  # seq id -> moving average of whole proposals accepted
         self.draft_id = draft_id
+        self.incarnation = incarnation  # this start of the worker (its record's; HelloAck.incarnation)
         self.max_num_speculative_tokens = max_num_speculative_tokens
         self._work: asyncio.Queue[Work] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -474,7 +476,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 hidden_dtype=caps.hidden_dtype, vocab_size=caps.vocab_size,
                 pipelined=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
                 lane=lane.UNIX if token else "", lane_address=self._lanes.address if token else "",
-                lane_token=token)))
+                lane_token=token, incarnation=self.incarnation)))
         elif body == "hidden_rows":
             if stream.plane is None:
                 raise ValueError("hidden rows on a stream without a data plane")

@@ -47,8 +47,9 @@ Command = AddRequest | AbortRequest | EngineCall
 
 @dataclass(frozen=True)
 class DraftContext:
-    """What a cycle needs of the current draft stream: its id (a change resets the engine's drafts),
-    the hidden layers it reads and the dtype it takes them in, and whether to ask it this round."""
+    """What a cycle needs of the current draft stream: its draft worker's id, the stream (a new one,
+    even to the same worker, knows none of the engine's sequences: a change resets the engine's
+    drafts), the hidden layers it reads and the dtype it takes them in, and whether to ask it this round."""
 
     draft_id: str
     layers: tuple[int, ...]
@@ -59,6 +60,7 @@ class DraftContext:
     # pipelined, a draft that reads no hidden states: sends requests (converted) on the stream from the
     # engine's thread, ahead of the cycle's news (new requests' prompts, before their prefill)
     early: Callable[[list], None] | None = None
+    stream: int = 0  # the stream's serial number (DraftClient.serial): one per stream the target opened
 
 
 @dataclass

@@ -23,11 +23,19 @@ Messages: a draft on this host offers a fast lane in its HelloAck (:mod:`workers
 a Unix-domain socket bound to this stream by a token); the client then carries every message of
 the stream on it, written at once, and keeps the gRPC stream open as the pair's control channel.
 A lane out of reach leaves everything on gRPC; a lane that breaks breaks the client.
+
+Incarnations: a draft worker restarted under the same worker id (``TANDEM_INSTANCE_ID``) is a new
+process that knows nothing of the old one's sequences. Its HelloAck names its ``incarnation`` (its
+discovery record's); a handshake from another worker id than the one dialled, or from an older
+incarnation than the record dialled, is refused (:class:`IncompatibleDraft`). Once the pool learns of
+a newer incarnation it :meth:`DraftClient.fence`\ s the stream to the old one: it is broken, and
+anything that still arrives on it is counted (``fenced``) and dropped, never applied.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 
 import grpc
@@ -62,10 +70,13 @@ class IncompatibleDraft(ConnectionError):
 class DraftClient:
     """A bidirectional stream to one draft worker."""
 
+    _serials = itertools.count(1)
+
     def __init__(self, target_id: str, model: str, vocab_size: int, instance: InstanceRecord, hidden_layers=(),
                  tls: ClientTls | None = None, pipelined: bool = False, plane: PlaneOffer | None = None,
                  lanes: bool = True):
         self.target_id = target_id
+        self.serial = next(self._serials)  # tells this stream from every other this process opened
         self._offer_lanes = lanes and lane.available()  # offer the draft a fast lane (workers.speculation.lane)
         self.lane: LaneProtocol | None = None  # the lane agreed and connected (None: everything on gRPC)
         self._offer = plane if plane is not None and hidden_layers else None  # hidden-state planes offered
@@ -80,6 +91,9 @@ class DraftClient:
         self.vocab_size = vocab_size
         self.instance = instance
         self.draft_id = instance.instance_id
+        self.incarnation = instance.incarnation  # the draft process's start (HelloAck's, once connected)
+        self.fenced = 0  # proposals that arrived after the stream was fenced (a newer incarnation known): dropped
+        self._fenced = False
         self.method = ""
         self.hidden_layers: list[int] = []
         self.hidden_dtype = ""  # what the draft computes in; hidden states are sent in it
@@ -118,6 +132,12 @@ class DraftClient:
         if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
             raise ConnectionError(f"draft worker {self.draft_id} did not acknowledge the stream")
         ack = first.hello_ack
+        if ack.draft_id and ack.draft_id != self.draft_id:
+            raise IncompatibleDraft(self.draft_id, "draft_id", f"it says it is draft worker {ack.draft_id!r}")
+        if ack.incarnation and ack.incarnation < self.instance.incarnation:
+            raise IncompatibleDraft(self.draft_id, "incarnation", f"incarnation {ack.incarnation} is older than the "
+                                    f"registered {self.instance.incarnation}")
+        self.incarnation = ack.incarnation or self.instance.incarnation
         problem = hello_ack_problem(list(ack.hidden_layers), ack.hidden_dtype, ack.vocab_size,
                                     ack.max_num_speculative_tokens, tuple(self._offered_layers), self.vocab_size)
         if problem is not None:
@@ -218,6 +238,9 @@ class DraftClient:
         """A message from the draft (on gRPC or the lane): proposals to the inbox or their futures."""
         if msg.WhichOneof("body") != "proposals":
             return
+        if self._fenced:  # from an incarnation older than one known: never applied
+            self.fenced += len(msg.proposals.proposals)
+            return
         if self.seam.pipelined:
             self._inbox.extend(draft_output_from_pb(p) for p in msg.proposals.proposals)
             if len(self._inbox) > INBOX_MAX:  # nobody takes them (an idle target): keep the newest
@@ -230,6 +253,19 @@ class DraftClient:
                 self.stray += 1
             else:
                 fut.set_result(draft_output_from_pb(proposal))
+
+    def fence(self, newer: int) -> None:
+        """A newer incarnation (``newer``) of this draft worker is known: this stream is to an older
+        one. It is broken at once (nothing more is sent on it), the proposals waiting in its inbox are
+        dropped, and whatever still arrives on it is counted in :attr:`fenced` and dropped."""
+        if self._fenced:
+            return
+        self._fenced = True
+        self.fenced += len(self._inbox)
+        self._inbox = []
+        log.warning("draft worker %s restarted (incarnation %d, this stream's %d): dropping the stream to the old "
+                    "one and everything it sends", self.draft_id, newer, self.incarnation)
+        self._break("an older incarnation", quiet=True)
 
     def _break(self, reason: str, quiet: bool = False) -> None:
         if not self.broken and not quiet:

@@ -194,6 +194,13 @@ class TargetCollector(Collector):
             for reason, count in sorted(dict(loop.pool.refused).items()):
                 refused.add_metric([self.model, reason], count)
             yield refused
+            pool = loop.pool
+            yield counter("draft_streams_fenced", "Streams dropped because a newer incarnation of their draft "
+                          "worker appeared (restarted under the same worker id).", getattr(pool, "streams_fenced", 0))
+            fenced = getattr(pool, "proposals_fenced", None)
+            yield counter("draft_proposals_fenced", "Proposals from an older incarnation of their draft worker "
+                          "that arrived once a newer one was known: dropped, never applied.",
+                          fenced() if fenced is not None else 0)
             hidden = CounterMetricFamily("tandem_target_hidden_state_bytes",
                                          "Hidden-state bytes sent to draft workers, by plane (inline: in the "
                                          "messages; shm: the shared-memory ring; stream: chunked rows).",

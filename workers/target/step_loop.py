@@ -91,6 +91,8 @@ class StepLoop:
         self._has_work = False
         self._client: DraftClient | None = None  # the stream the latest news went to (its seam holds the round)
         self._draft_id = ""
+        self._stream = 0  # the serial of the stream the latest context came from (0: none)
+        self._engine_stream = 0  # the stream the engine's drafting state belongs to (the engine's thread's)
         self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
         self._last_asked = False  # proposals were asked for the previous cycle's step
@@ -261,10 +263,15 @@ class StepLoop:
             engine.observe_cycle(last_cycle, last_asked)
         spec = engine.spec
         draft_id = context.draft_id if context is not None else ""
+        stream = context.stream if context is not None else 0
         pipelined = context is not None and context.pipelined
-        if draft_id != engine.draft_id or pipelined != spec.pipelined:
-            engine.reset_drafts()  # a new draft stream (or none) knows none of our sequences
+        if draft_id != engine.draft_id or pipelined != spec.pipelined or stream != self._engine_stream:
+            # a new draft stream (or none) knows none of our sequences, even one to the same draft
+            # worker (a new stream to it, or to a newer incarnation of it): all are committed afresh,
+            # and nothing the old stream sent is used
+            engine.reset_drafts()
             engine.draft_id = draft_id
+            self._engine_stream = stream
             spec.pipelined = pipelined  # the stream's seam, fixed at its handshake
             proposals = Proposals()
         for cmd in commands:
@@ -414,20 +421,23 @@ class StepLoop:
             log.warning("choosing a draft worker failed: %r", exc)
             client = None
         draft_id = client.draft_id if client is not None else ""
-        if draft_id != self._draft_id:
+        stream = (getattr(client, "serial", 0) or id(client)) if client is not None else 0  # (id: test fakes)
+        if stream != self._stream:
             if draft_id:
                 self._method = client.method
-                log.info("speculating with draft worker %s (%s)", draft_id, client.method)
-            else:
+                log.info("speculating with draft worker %s (%s, incarnation %d)", draft_id, client.method,
+                         getattr(client, "incarnation", 0))
+            elif self._draft_id:
                 log.warning("no draft worker reachable: plain decoding until one appears")
-            self._draft_id = draft_id
+            self._draft_id, self._stream = draft_id, stream
             self.watch.reset()
         self._client = client
         if client is None:
             return None
         seam = client.seam
         return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed(),
-                            seam.pipelined, seam.plane, seam.send_prompts if seam.prompts_early else None)
+                            seam.pipelined, seam.plane, seam.send_prompts if seam.prompts_early else None,
+                            stream)
 
     def _forget_round(self) -> None:
         """Give up the round of proposals asked for, if any."""
