@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from frontend.metrics import FrontendMetrics
-from frontend.models import ModelRegistry
 from frontend.next_turn import NextTurnPrefiller, next_turn_messages, next_turn_tokens
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, check_supported, parse
 from frontend.serving import CompletionService
 from frontend.tokenizer import Tokenizer
-from runtime.messages import NEXT_TURN_DONE, NEXT_TURN_DROPPED, ModelCard, TokenDelta, Usage
+from runtime.messages import NEXT_TURN_DONE, NEXT_TURN_DROPPED, TokenDelta, Usage
+
+from tests.support.frontend import completion_service, demo_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -26,17 +26,12 @@ REPLY = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    from workers.demo_model import demo_tokenizer_dir
-
-    return Tokenizer.load(str(demo_tokenizer_dir()))
+    return demo_tokenizer()
 
 
 @pytest.fixture
 def service(tokenizer) -> CompletionService:
-    registry = ModelRegistry(loader=lambda path, template, eos: tokenizer, preload=False)
-    card = ModelCard("m", tokenizer_path="/tok", context_length=2048, eos_token_ids=[2], instance_id="a")
-    registry.update({"k": card})
-    return CompletionService(registry, None, FrontendMetrics(), max_n=4)
+    return completion_service(tokenizer, context_length=2048)
 
 
 async def prepare(service, body: dict, chat: bool = True):

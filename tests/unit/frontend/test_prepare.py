@@ -6,30 +6,26 @@ import json
 
 import pytest
 
-from frontend.metrics import FrontendMetrics
-from frontend.models import ModelRegistry, UnknownModel
+from frontend.models import UnknownModel
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, check_supported, parse
 from frontend.serving import CompletionService
 from frontend.tokenizer import Tokenizer
 from runtime import InvalidRequest
 from runtime.messages import ModelCard
 
+from tests.support.frontend import completion_service, demo_tokenizer
+
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    from workers.demo_model import demo_tokenizer_dir
-
-    return Tokenizer.load(str(demo_tokenizer_dir()))
+    return demo_tokenizer()
 
 
 @pytest.fixture
 def service(tokenizer) -> CompletionService:
-    registry = ModelRegistry(loader=lambda path, template, eos: tokenizer, preload=False)
-    card = ModelCard("m", tokenizer_path="/tok", context_length=256, eos_token_ids=[2], instance_id="a")
-    registry.update({"k": card, "draft": ModelCard("d", role="draft")})
-    return CompletionService(registry, None, FrontendMetrics(), max_n=4)
+    return completion_service(tokenizer, context_length=256, draft=ModelCard("d", role="draft"))
 
 
 async def prepare(service, body: dict, chat: bool = True):
