@@ -2,6 +2,8 @@
 
 Usage: .venv/bin/python bench/agent_bench.py [--sessions bench/prompts/agent_sessions.jsonl] [--max-tokens 48]
        [--tool-latency 0.5] [--workers 2] [--only ...]
+       .venv/bin/python bench/agent_bench.py --draft-methods none suffix [--gamma 8] [--max-tokens 160]
+       [--speculative-config '{"suffix_decoding_max_tree_depth": 32}'] [--kinds coding ...]
 
 Real etcd and nats-server on loopback, ``--workers`` target workers on the demo model (SmolLM2-135M,
 ``--threads 1`` each, no speculation) and one ``python -m frontend --router-mode kv``. The sessions
@@ -21,6 +23,17 @@ Reported per run: TTFT p50/p90 over all turns, next-turn TTFT p50 (turns after t
 prefix is cached (the reply's ``cached_tokens`` cover the previous turn's whole prompt blocks) and
 that stayed on the previous turn's worker (the router's log), the next-turn prefill counts, and
 whether every reply equals the first run's (greedy).
+
+Speculation mode (``--draft-methods none suffix``): one run per method, each on a fresh stack, every
+turn with its session header and no next-turn prefill. ``none`` is plain decoding (targets at γ = 0,
+no draft worker, as ``tandem up --draft-method none``); any other method starts the targets at
+``--gamma`` with one draft worker of that method serving them all (``--speculative-config`` goes to
+the targets and the draft, draft-only keys to the draft). Reported per session kind (coding, search,
+support): session time mean, its ratio to the first method's, completion tokens, tokens per target
+step (completion tokens / (verify steps + plain decode steps + 1): what speculation buys a request),
+mean accepted length (tokens per verify step, vLLM's), the draft acceptance rate, the decode steps
+that ran without a draft by reason (``usage.spec_decode.plain_steps``), and replies equal to the
+first method's (greedy: must be all).
 """
 
 from __future__ import annotations
@@ -108,7 +121,19 @@ def chosen_workers(log: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"request (\S+)-[0-9a-f]{8}: chose (\S+)", log)}
 
 
-async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict], etcd, nats_server) -> dict:
+TARGET_KEYS = {"num_speculative_tokens", "eagle_topk", "num_steps", "adaptive", "load_aware", "seam", "propose_timeout",
+               "propose_min_wait", "hidden_layers", "hidden_plane", "hidden_ring_mib", "draft_lane"}
+
+
+def split_config(config: dict) -> tuple[dict, dict]:
+    """(the targets' keys, the draft's keys) of a --speculative-config (eagle_topk, num_steps: both)."""
+    both = {"eagle_topk", "num_steps"}
+    return ({k: v for k, v in config.items() if k in TARGET_KEYS},
+            {k: v for k, v in config.items() if k not in TARGET_KEYS or k in both})
+
+
+async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict], etcd, nats_server,
+              method: str = "none") -> dict:
     from workers.demo_model import DEMO_NAME, demo_model_dir
 
     env = env_for(etcd, nats_server, "agent-" + uuid.uuid4().hex[:8])
@@ -116,11 +141,20 @@ async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict],
     url = f"http://127.0.0.1:{port}"
     model_dir = str(demo_model_dir())
     health = [free_port() for _ in range(args.workers)]
+    on_target, on_draft = split_config(json.loads(args.speculative_config)) if method != "none" else ({}, {})
+    spec = (["--num-speculative-tokens", str(args.gamma)] if method != "none" else ["--num-speculative-tokens", "0"])
+    spec += ["--speculative-config", json.dumps(on_target)] if on_target else []
     workers = [ManagedProcess("workers.target", ["--model", model_dir, "--served-model-name", DEMO_NAME, "--threads", "1",
-                                                 "--num-speculative-tokens", "0", "--max-model-len", "4096",
+                                                 *spec, "--max-model-len", "4096",
                                                  "--lease-ttl", "3", "--health-port", str(health[i])], env,
                               f"target{i}").start()
                for i in range(args.workers)]
+    draft_health = free_port()
+    if method != "none":
+        workers.append(ManagedProcess("workers.draft", ["--draft-method", method, "--served-model-name", DEMO_NAME,
+                                                        "--lease-ttl", "3", "--health-port", str(draft_health),
+                                                        *(["--speculative-config", json.dumps(on_draft)] if on_draft else [])],
+                                      env, f"draft-{method}").start())
     frontend = ManagedProcess("frontend", ["--http-port", str(port), "--router-mode", "kv", "--log-level", "DEBUG",
                                            "--lease-ttl", "3"], env, "frontend").start()
     try:
@@ -134,6 +168,12 @@ async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict],
                 if time.monotonic() > deadline:
                     raise TimeoutError("workers never registered:\n" + "\n".join(w.logs()[-1500:] for w in workers))
                 await asyncio.sleep(0.2)
+            if method != "none":  # every target has its draft stream before the sessions start
+                deadline = time.monotonic() + 120
+                while not all("speculating with draft worker" in w.logs() for w in workers[:args.workers]):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no draft stream:\n" + "\n".join(w.logs()[-1500:] for w in workers))
+                    await asyncio.sleep(0.2)
             for i in range(args.workers):  # warm every worker (first-step costs), then forget the caches' state
                 await http.post("/v1/completions", json={"model": DEMO_NAME, "prompt": f"warm {i} " * 4, "max_tokens": 2})
             await asyncio.sleep(1.0)
@@ -149,6 +189,7 @@ async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict],
             await asyncio.sleep(1.0)  # the last turns' next-turn prefills end
             metrics = (await http.get("/metrics")).text
             on_workers: dict[str, int] = {}  # the workers' own outcomes of next-turn prefills
+            draft_metrics = (await http.get(f"http://127.0.0.1:{draft_health}/metrics")).text if method != "none" else ""
             for port_ in health:
                 text = (await http.get(f"http://127.0.0.1:{port_}/metrics")).text
                 for k, v in re.findall(r'tandem_target_next_turn_prefills_total\{model="[^"]*",outcome="(\w+)"\} (\S+)', text):
@@ -172,7 +213,7 @@ async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict],
                 "itl_p90": percentile([x for t in turns for x in t["itl"]], 0.9),
                 "session_mean": statistics.fmean(r["time"] for r in results), "session_max": max(r["time"] for r in results),
                 "landed": landed / later, "stayed": stayed / later, "later": later, "prefills": prefills,
-                "on_workers": on_workers,
+                "on_workers": on_workers, "draft_metrics": draft_metrics,
                 "prompt_tokens": sum(t["usage"]["prompt_tokens"] for t in turns),
                 "cached_tokens": sum(t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in turns)}
     finally:
@@ -181,10 +222,75 @@ async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict],
             w.stop(timeout=10)
 
 
+def spec_counts(turns: list[dict]) -> dict:
+    """Completion tokens, verify steps, accepted and drafted tokens and plain steps by reason of ``turns``."""
+    out = {"tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0, "plain": {}, "turns": len(turns)}
+    for t in turns:
+        u = t["usage"]
+        out["tokens"] += u["completion_tokens"]
+        spec = u.get("spec_decode") or {}
+        out["drafts"] += spec.get("num_drafts", 0)
+        out["draft_tokens"] += spec.get("draft_tokens", 0)
+        out["accepted"] += spec.get("accepted_tokens", 0)
+        for why, n in spec.get("plain_steps", {}).items():
+            out["plain"][why] = out["plain"].get(why, 0) + n
+    # decode steps: the prefill emits each turn's first token; every later step a verify or a plain one
+    plain = sum(out["plain"].values())
+    out["steps"] = out["drafts"] + plain + out["turns"]
+    if not out["drafts"] and not plain:  # no speculation at all (plain decoding): one token a step
+        out["steps"] = out["tokens"]
+    return out
+
+
+async def speculation(args, sessions: list[dict], etcd, nats_server) -> None:
+    kinds = sorted({s["kind"] for s in sessions}, key=[s["kind"] for s in sessions].index)
+    print(f"{len(sessions)} sessions ({', '.join(kinds)}) x {len(sessions[0]['turns'])} turns, all in flight; "
+          f"{args.workers} target workers (demo model, 1 thread each); {args.max_tokens} tokens a turn, greedy; "
+          f"tool latency {args.tool_latency} s; γ {args.gamma}; speculative config {args.speculative_config}", flush=True)
+    runs = []
+    for method in args.draft_methods:
+        r = await run(method, True, False, args, sessions, etcd, nats_server, method=method)
+        runs.append(r)
+        print(f"  {method}: wall {r['wall']:.1f} s", flush=True)
+        if args.verbose:
+            for s in r["results"]:
+                print("   ", s["id"], f"{s['time']:.1f} s", [(t["usage"]["prompt_tokens"], t["usage"]["completion_tokens"],
+                                                             (t["usage"].get("spec_decode") or {}).get("accepted_tokens"))
+                                                            for t in s["turns"]])
+            won = re.findall(r'tandem_draft_suffix_won_total\{[^}]*tree="(\w+)"[^}]*\} (\S+)', r["draft_metrics"])
+            if won:
+                print("    suffix proposals by tree:", dict(won))
+    if args.save:
+        Path(args.save).write_text(json.dumps({r["name"]: r["results"] for r in runs}, indent=1))
+    base = runs[0]
+    first = {s["id"]: [t["text"] for t in s["turns"]] for s in base["results"]}
+    print("| kind | method | session time mean (s) | vs " + args.draft_methods[0] + " | completion tokens "
+          "| tokens per target step | mean accepted length | acceptance rate | plain decode steps by reason "
+          "| replies equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kind in [*kinds, "all"]:
+        base_time = statistics.fmean(s["time"] for s in base["results"] if kind in ("all", s["kind"]))
+        for method, r in zip(args.draft_methods, runs):
+            mine = [s for s in r["results"] if kind in ("all", s["kind"])]
+            mean = statistics.fmean(s["time"] for s in mine)
+            c = spec_counts([t for s in mine for t in s["turns"]])
+            same = sum(a == b for s in mine for a, b in zip(first[s["id"]], (t["text"] for t in s["turns"])))
+            mal = f"{1 + c['accepted'] / c['drafts']:.2f}" if c["drafts"] else "–"
+            rate = f"{c['accepted'] / c['draft_tokens']:.0%}" if c["draft_tokens"] else "–"
+            plain = ", ".join(f"{k} {v}" for k, v in sorted(c["plain"].items())) or "–"
+            print(f"| {kind} | {method} | {mean:.1f} | {base_time / mean:.2f}× | {c['tokens']} | "
+                  f"{c['tokens'] / c['steps']:.2f} | {mal} | {rate} | {plain} | {same} / {c['turns']} |", flush=True)
+
+
 async def amain(args) -> None:
     sessions = load_sessions(Path(args.sessions))
+    if args.kinds:
+        sessions = [s for s in sessions if s["kind"] in args.kinds]
     etcd, nats_server = start_servers()
     try:
+        if args.draft_methods:
+            await speculation(args, sessions, etcd, nats_server)
+            return
         print(f"{len(sessions)} sessions x {len(sessions[0]['turns'])} turns, all in flight; {args.workers} target workers "
               f"(demo model, 1 thread each); {args.max_tokens} tokens a turn, greedy; tool latency {args.tool_latency} s",
               flush=True)
@@ -227,6 +333,12 @@ def main() -> None:
     parser.add_argument("--stagger", type=float, default=0.3, help="seconds between the sessions' starts")
     parser.add_argument("--only", nargs="*", default=None, help="run only these runs (by name)")
     parser.add_argument("--verbose", action="store_true", help="per turn: TTFT, prompt and cached tokens")
+    parser.add_argument("--draft-methods", nargs="*", default=None, metavar="METHOD",
+                        help="speculation mode: one run per draft method (none: plain decoding), e.g. none suffix")
+    parser.add_argument("--gamma", type=int, default=8, help="speculation mode: the targets' γ")
+    parser.add_argument("--speculative-config", default="{}", help="speculation mode: JSON for targets and drafts")
+    parser.add_argument("--save", default=None, help="speculation mode: every run's sessions and replies as JSON here")
+    parser.add_argument("--kinds", nargs="*", default=None, help="only the sessions of these kinds")
     asyncio.run(amain(parser.parse_args()))
 
 

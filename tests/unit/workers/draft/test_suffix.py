@@ -162,18 +162,75 @@ def test_the_draft_worker_builds_it_from_its_flags():
 
 
 def test_proposals_carry_the_trees_estimate_of_reaching_each_token():
-    """Confidence: the product of conditional frequencies along the path, so a repeated output is
-    proposed with confidence 1 and a path seen half the time with 0.5; staged chains carry it too."""
+    """Confidence: the product of conditional frequencies along the path times the reliability of the
+    match each token extends, so a repeated output is proposed with confidence near 1 and a path seen
+    half the time with half as much; staged chains carry it too."""
     from workers.draft.drafter import Branch
+    from workers.draft.suffix import match_reliability as r
 
     p = SuffixProposer()
     serve(p, "a", [1, 2, 3, 7, 8], TEMPLATE)
     [out] = p.propose([DraftInput("b", 0, [4, 5, 6, 7, 8] + TEMPLATE[:3], 4)])
-    assert out.token_ids == TEMPLATE[3:7] and out.confidence == [1.0] * 4
+    # matched "7 8 50 51 52": five tokens, then six, seven, eight
+    reach = [r(5), r(5) * r(6), r(5) * r(6) * r(7), r(5) * r(6) * r(7) * r(8)]
+    assert out.token_ids == TEMPLATE[3:7] and out.confidence == pytest.approx(reach)
     serve(p, "c", [1, 2, 3, 7, 8], TEMPLATE[:5] + [99, 98, 97, 96, 95])  # the same start, then another way
     [out] = p.propose([DraftInput("d", 0, [4, 5, 6, 7, 8] + TEMPLATE[:3], 4)])
-    assert out.token_ids[:2] == TEMPLATE[3:5] and out.confidence[:2] == [1.0, 1.0]
-    assert out.confidence[2] == pytest.approx(0.5)  # after TEMPLATE[4]: 59 … once, 99 … once
+    assert out.token_ids[:2] == TEMPLATE[3:5] and out.confidence[:2] == pytest.approx(reach[:2])
+    assert out.confidence[2] == pytest.approx(0.5 * reach[2])  # after TEMPLATE[4]: 59 … once, 99 … once
     p.commit("e", [4, 5, 6, 7, 8] + TEMPLATE[:3])
     [chain] = p.draft([Branch("e", (), 2, 0)])
-    assert chain.tokens == TEMPLATE[3:5] and chain.confidence == [1.0, 1.0]
+    assert chain.tokens == TEMPLATE[3:5] and chain.confidence == pytest.approx(reach[:2])
+
+
+def test_match_reliability_grows_with_the_match():
+    """A continuation after a one-token match is a guess, after a long one near certain (the agent
+    replay's measured acceptance: 17 % after 1 token, 44 % after 2, 92 % after 4 to 7, 99 % after 16)."""
+    from workers.draft.suffix import match_reliability as r
+
+    assert r(0) == 0.0 and r(1) == pytest.approx(0.2) and r(2) == pytest.approx(0.5)
+    assert all(r(m) < r(m + 1) < 1.0 for m in range(1, 40))
+    assert r(4) >= 0.8 and r(16) >= 0.98
+
+
+def test_a_short_match_claims_little_and_a_long_one_near_certainty():
+    """The same tree and the same unique continuation: claimed by the length of the match it follows.
+    The target's calibration bins claims, so copying (long matches) and guessing (short ones) are
+    told apart instead of both arriving as confidence 1."""
+    p = SuffixProposer(SuffixConfig(spec_factor=8.0))
+    passage = list(range(100, 140))  # text the session saw once (a file the agent wrote, say)
+    [short] = p.propose([DraftInput("s", 0, [7, 8, 9] + passage + [1, 2, 100], 4)])
+    assert short.token_ids == passage[1:5]  # matched "100" alone
+    assert short.confidence[0] == pytest.approx(0.2) and short.confidence[-1] < 0.1
+    [long] = p.propose([DraftInput("l", 0, [7, 8, 9] + passage + [1, 2] + passage[:20], 4)])
+    assert long.token_ids == passage[20:24]  # matched 16 or more tokens: copying
+    assert min(long.confidence) > 0.9
+
+
+def test_the_sessions_own_long_match_wins_over_a_frequent_short_one_elsewhere():
+    """Agent loops: the request's prompt holds the session's earlier turns, outputs and tool results.
+    A long match there, even with a split continuation, beats a short match that unrelated earlier
+    outputs (the global tree) continue the same way every time; by frequency alone the global
+    tree's chain (probability 1 all along) would have won."""
+    p = SuffixProposer(SuffixConfig(max_depth=12, spec_factor=8.0))  # matches of up to 8 tokens
+    for i in range(3):  # unrelated outputs: after 60 always 70 71 72 73
+        serve(p, f"other{i}", [1, 2], [60, 70, 71, 72, 73, 74])
+    won = dict(p.won)
+    own = [10, 11, 12, 13, 14, 15, 16, 60, 80, 81, 5, 10, 11, 12, 13, 14, 15, 16, 60, 80, 82, 5]
+    [out] = p.propose([DraftInput("s", 0, own + [10, 11, 12, 13, 14, 15, 16, 60], 4)])
+    assert out.token_ids[0] == 80 and p.won == {"request": won["request"] + 1, "global": won["global"]}
+
+
+def test_tree_proposals_carry_the_match_reliability_by_depth():
+    from workers.draft.suffix import match_reliability as r
+
+    p = SuffixProposer(SuffixConfig(spec_factor=8.0))
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8, 1, 2, 3, 4]  # after "1 2 3 4": 5 6 once, 7 8 once
+    [out] = p.propose([DraftInput("t", 0, prompt, 4, tree_topk=2, tree_depth=2)])
+    assert out.is_tree
+    by_depth = {}
+    for token, parent in zip(out.token_ids, out.parents):
+        by_depth[token] = 1 if parent == ROOT else by_depth[out.token_ids[parent]] + 1
+    for token, c in zip(out.token_ids, out.confidence):
+        want = 0.5 * r(4) * (r(5) if by_depth[token] == 2 else 1.0)
+        assert c == pytest.approx(want)
