@@ -27,6 +27,13 @@ class NewsByParts:
     """For a draft-client stand-in with ``verified``, ``release`` and ``send``: ``DraftClient.news``
     (a step's verdicts, released sequences and requests, in that order) made of those three."""
 
+    incarnation = 0  # the draft process's start: not said
+
+    @property
+    def serial(self) -> int:
+        """Tells this stand-in's stream from every other (``DraftClient.serial``)."""
+        return id(self)
+
     def news(self, verdicts, released, requests):
         self.verified(verdicts)
         self.release(released)

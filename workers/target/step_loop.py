@@ -421,12 +421,12 @@ class StepLoop:
             log.warning("choosing a draft worker failed: %r", exc)
             client = None
         draft_id = client.draft_id if client is not None else ""
-        stream = (getattr(client, "serial", 0) or id(client)) if client is not None else 0  # (id: test fakes)
+        stream = client.serial if client is not None else 0
         if stream != self._stream:
             if draft_id:
                 self._method = client.method
                 log.info("speculating with draft worker %s (%s, incarnation %d)", draft_id, client.method,
-                         getattr(client, "incarnation", 0))
+                         client.incarnation)
             elif self._draft_id:
                 log.warning("no draft worker reachable: plain decoding until one appears")
             self._draft_id, self._stream = draft_id, stream
