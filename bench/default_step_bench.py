@@ -108,7 +108,7 @@ class Driver:
 
         started, wall, forward = time.thread_time(), time.perf_counter(), self.forward
         answers = {r.seq_id: DraftOutput(r.seq_id, r.round, [self.draw.randrange(self.loop.engine.vocab_size)
-                                                             for _ in range(r.num_tokens)])
+                                                             for _ in range(r.num_speculative_tokens)])
                    for r in self.requests}  # a random head's answers to the last round, in time
         cycle = self.loop.run_cycle(self.commands, Proposals(answers=answers), self.context, self.last, self.asked)
         cpu = time.thread_time() - started

@@ -57,7 +57,7 @@ def measure(batch: int, temperature: float, vocab: int, repeats: int) -> float:
         proposals = {}
         for inp in engine.draft_inputs():
             done = got[inp.seq_id]
-            draft = list(want[inp.seq_id][done : done + inp.num_tokens])
+            draft = list(want[inp.seq_id][done : done + inp.num_speculative_tokens])
             if draft and step % 3 == 0:
                 draft[-1] = (draft[-1] + 1) % vocab
             proposals[inp.seq_id] = DraftOutput(inp.seq_id, inp.round, draft)
