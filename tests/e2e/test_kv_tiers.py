@@ -126,6 +126,31 @@ async def test_a_second_turn_on_the_other_target_loads_its_prefix_from_the_share
     assert await metric(ports[1], "tandem_target_kv_tier_bad_blocks_total", reason="corrupt") == 1
 
 
+async def test_a_session_whose_worker_died_finds_its_prefix_on_the_survivors_disk(rt, spawn, target_dir, tmp_path):
+    """Issue 58's sessions: the worker a session was on is SIGKILLed after a turn; the next turn, on
+    the other target, loads the turn's prefix from the shared disk tier instead of recomputing it."""
+    disk = tmp_path / "shared"
+    ports = free_port(), free_port()
+    home = spawn("workers.target", *worker_args(target_dir, disk, ports[0]), name="target-home")
+    client = await rt.client("target", "generate")
+    [a] = await client.wait_for_instances(1, timeout=120)
+    spawn("workers.target", *worker_args(target_dir, disk, ports[1]), name="target-survivor")
+    b = next(i for i in await client.wait_for_instances(2, timeout=120) if i.instance_id != a.instance_id)
+
+    rng = random.Random(2)
+    turn1 = [rng.randrange(1, 256) for _ in range(60)]
+    out1, _ = await generate(client, a.instance_id, turn1)
+    await wait_for_files(disk, (60 + 11) // 8)
+    home.kill()
+    await eventually(lambda: a.instance_id not in {i.instance_id for i in client.instances()}, timeout=30,
+                     interval=0.1, what="the dead worker's record gone")
+    turn2 = turn1 + out1 + [rng.randrange(1, 256) for _ in range(9)]
+    out2, cached = await generate(client, b.instance_id, turn2)
+    assert out2 == expected(target_dir, turn2)
+    assert cached >= 64  # turn 1's prompt and reply: from the dead worker's disk blocks
+    assert await metric(ports[1], "tandem_target_kv_tier_hits_total", tier="disk") >= 8
+
+
 class LimitedProcess(ManagedProcess):
     """A managed process whose files may not grow past ``fsize`` bytes (RLIMIT_FSIZE: writes past it
     fail with EFBIG, as on a full disk; Python ignores SIGXFSZ)."""

@@ -84,9 +84,9 @@ def _stream(url: str, ids: list[int], out: dict, first: threading.Event) -> None
 def test_tandem_up_tp2_serves_equal_greedy_and_survives_a_killed_rank(reference):
     ids, want = reference
     # the draft may run slower than the target's steps on two busy cores: give its proposals time
-    os.environ.setdefault("TANDEM_SPECULATIVE_CONFIG", '{"propose_min_wait": 0.5}')
+    # (tandem up hands the workers the keys its own flags do not carry)
     up = Launcher("--tensor-parallel-size", "2", "--targets", "2", "--router-mode", "round_robin",
-                  "--no-load-aware-speculation")
+                  "--no-load-aware-speculation", "--speculative-config", '{"propose_min_wait": 0.5}')
     try:
         up.wait_ready(timeout=240)
         logs = up.logs()

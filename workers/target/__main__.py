@@ -63,13 +63,15 @@ RETIRED_FLAGS = {
     "--kv-offload-disk-gb": "use --kv-offload-config '{\"disk_gb\": N}'",
     "--kv-transfer-timeout": "use --kv-transfer-config '{\"transfer_timeout\": SECONDS}'",
     "--kv-handoff-ttl": "use --kv-transfer-config '{\"handoff_ttl\": SECONDS}'",
-    "--load-interval": "set TANDEM_LOAD_INTERVAL=SECONDS",
 }
+# retired too, but its variable is where the setting went: not refused
+LOAD_INTERVAL_RETIRED = {"--load-interval": "set TANDEM_LOAD_INTERVAL=SECONDS"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvParser(prog="python -m workers.target", description="Tandem target worker")
     parser.retire(RETIRED_FLAGS)
+    parser.retire(LOAD_INTERVAL_RETIRED, env=False)
     add_runtime_args(parser)
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the demo SmolLM2)")
     SERVED_MODEL_NAME.add(parser)

@@ -29,9 +29,11 @@ STILL_FLAGS = {"--num-speculative-tokens", "--speculative-eagle-topk", "--specul
 
 def retired_flags() -> set[str]:
     from workers.draft.__main__ import RETIRED_FLAGS as DRAFT_RETIRED
+    from workers.target.__main__ import LOAD_INTERVAL_RETIRED
     from workers.target.__main__ import RETIRED_FLAGS as TARGET_RETIRED
 
-    return (set(TARGET_RETIRED) | set(DRAFT_RETIRED) | set(RETIRED_RUNTIME_FLAGS)) - STILL_FLAGS
+    every = set(TARGET_RETIRED) | set(LOAD_INTERVAL_RETIRED) | set(DRAFT_RETIRED) | set(RETIRED_RUNTIME_FLAGS)
+    return every - STILL_FLAGS
 
 
 def test_every_speculative_config_key_is_in_the_speculative_docs():

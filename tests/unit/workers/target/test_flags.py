@@ -74,3 +74,21 @@ def test_on_cuda_without_num_blocks_the_metrics_report_it_in_force():
     assert utilization_in_force(engine("cuda", None)) == "0.5"
     assert utilization_in_force(engine("cuda", 64)) == utilization_in_force(engine("cpu", None)) == ""
     assert utilization_in_force(engine("cuda", None, None)) == ""
+
+
+def test_a_retired_flag_and_its_variable_stop_the_worker_but_the_load_interval_variable_is_read(monkeypatch, capsys):
+    from runtime.config import load_interval
+
+    with pytest.raises(SystemExit):
+        parse_args(["--spec-seam", "sync"])
+    assert "--spec-seam was retired: use --speculative-config '{\"seam\": \"sync\"}'" in capsys.readouterr().err
+    monkeypatch.setenv("TANDEM_HIDDEN_PLANE", "shm")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "TANDEM_HIDDEN_PLANE (--hidden-plane) was retired" in capsys.readouterr().err
+    monkeypatch.delenv("TANDEM_HIDDEN_PLANE")
+    monkeypatch.setenv("TANDEM_LOAD_INTERVAL", "0.2")  # --load-interval's new home: read, not refused
+    parse_args([])
+    assert load_interval() == 0.2
+    monkeypatch.setenv("TANDEM_NO_LOAD_AWARE_SPECULATION", "1")  # tandem up's flag, in a shared environment
+    parse_args([])
