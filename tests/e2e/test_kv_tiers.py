@@ -82,17 +82,24 @@ async def wait_for_files(directory: Path, at_least: int, timeout: float = 30.0) 
         f"{at_least} block files written (found {len(list(directory.rglob('*.kvb')))})"))
 
 
+async def two_targets_on_one_disk(rt, spawn, target_dir, disk: Path):
+    """Two target workers sharing the disk tier ``disk``, started one after the other: (the first's
+    process, both health ports, a client, the first's record, the second's)."""
+    ports = free_port(), free_port()
+    first = spawn("workers.target", *worker_args(target_dir, disk, ports[0]), name="target-a")
+    client = await rt.client("target", "generate")
+    [a] = await client.wait_for_instances(1, timeout=120)
+    spawn("workers.target", *worker_args(target_dir, disk, ports[1]), name="target-b")
+    b = next(i for i in await client.wait_for_instances(2, timeout=120) if i.instance_id != a.instance_id)
+    return first, ports, client, a, b
+
+
 async def test_a_second_turn_on_the_other_target_loads_its_prefix_from_the_shared_disk(rt, spawn, target_dir,
                                                                                         tmp_path):
     events: list[KvEvent] = []
     await rt.subscribe(TOPIC_KV, KvEvent, events.append)
     disk = tmp_path / "shared"
-    ports = free_port(), free_port()
-    spawn("workers.target", *worker_args(target_dir, disk, ports[0]), name="target-a")
-    client = await rt.client("target", "generate")
-    [a] = await client.wait_for_instances(1, timeout=120)
-    spawn("workers.target", *worker_args(target_dir, disk, ports[1]), name="target-b")
-    b = next(i for i in await client.wait_for_instances(2, timeout=120) if i.instance_id != a.instance_id)
+    _, ports, client, a, b = await two_targets_on_one_disk(rt, spawn, target_dir, disk)
 
     rng = random.Random(1)
     turn1 = [rng.randrange(1, 256) for _ in range(60)]
@@ -130,12 +137,7 @@ async def test_a_session_whose_worker_died_finds_its_prefix_on_the_survivors_dis
     """Issue 58's sessions: the worker a session was on is SIGKILLed after a turn; the next turn, on
     the other target, loads the turn's prefix from the shared disk tier instead of recomputing it."""
     disk = tmp_path / "shared"
-    ports = free_port(), free_port()
-    home = spawn("workers.target", *worker_args(target_dir, disk, ports[0]), name="target-home")
-    client = await rt.client("target", "generate")
-    [a] = await client.wait_for_instances(1, timeout=120)
-    spawn("workers.target", *worker_args(target_dir, disk, ports[1]), name="target-survivor")
-    b = next(i for i in await client.wait_for_instances(2, timeout=120) if i.instance_id != a.instance_id)
+    home, ports, client, a, b = await two_targets_on_one_disk(rt, spawn, target_dir, disk)
 
     rng = random.Random(2)
     turn1 = [rng.randrange(1, 256) for _ in range(60)]
