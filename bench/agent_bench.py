@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench.common import wait_for_instances  # noqa: E402
 from tests.support.procs import ManagedProcess  # noqa: E402
 from tests.support.servers import env_for, free_port, start_servers  # noqa: E402
 
@@ -160,14 +161,8 @@ async def run(name: str, header: bool, hinted: bool, args, sessions: list[dict],
     try:
         frontend.wait_for_log("frontend ready", timeout=60)
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            deadline = time.monotonic() + 180
-            while True:
-                models = {m["id"]: m["instances"] for m in (await http.get("/v1/models")).json()["data"]}
-                if models.get(DEMO_NAME, 0) >= args.workers:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("workers never registered:\n" + "\n".join(w.logs()[-1500:] for w in workers))
-                await asyncio.sleep(0.2)
+            await wait_for_instances(http, DEMO_NAME, args.workers, timeout=180,
+                                     why=lambda: "\n".join(w.logs()[-1500:] for w in workers))
             if method != "none":  # every target has its draft stream before the sessions start
                 deadline = time.monotonic() + 120
                 while not all("speculating with draft worker" in w.logs() for w in workers[:args.workers]):

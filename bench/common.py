@@ -20,3 +20,20 @@ def random_decoder(vocab: int = 256, max_positions: int = 512):
             p.normal_(0, 0.2)
     model.reset_buffers()
     return model.eval()
+
+
+async def wait_for_instances(http, model: str, count: int, timeout: float, interval: float = 0.2,
+                             why=lambda: "") -> None:
+    """Wait until the frontend behind ``http`` (an ``httpx.AsyncClient``) lists ``count`` instances of
+    ``model`` on ``/v1/models``; ``TimeoutError`` (with ``why()``, e.g. the workers' logs) past ``timeout``."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        models = {m["id"]: m["instances"] for m in (await http.get("/v1/models")).json()["data"]}
+        if models.get(model, 0) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the frontend never saw {count} instances of {model}\n{why()}")
+        await asyncio.sleep(interval)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench.common import wait_for_instances  # noqa: E402
 from tests.support.procs import ManagedProcess  # noqa: E402
 from tests.support.servers import env_for, free_port, running_servers  # noqa: E402
 
@@ -71,14 +72,7 @@ async def run(name: str, queue: bool, engine: bool, args, etcd, nats_server) -> 
     try:
         frontend.wait_for_log("frontend ready", timeout=60)
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            deadline = time.monotonic() + 60
-            while True:
-                models = {m["id"]: m["instances"] for m in (await http.get("/v1/models")).json()["data"]}
-                if models.get("mock", 0) >= args.workers:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("workers never registered")
-                await asyncio.sleep(0.1)
+            await wait_for_instances(http, "mock", args.workers, timeout=60, interval=0.1)
             await http.post("/v1/completions", json={"model": "mock", "prompt": "warm", "max_tokens": 1})
             await asyncio.sleep(1.0)  # load events with the workers' capacity reach the router
             rng = random.Random(args.seed)
