@@ -82,12 +82,3 @@ def build(cls: type[G], what: str = "", flags: Mapping[str, str] | None = None, 
     except ValidationError as exc:
         raise ValueError(one_line(exc, what, flags)) from None
 
-
-def keys_help(cls: type[Group]) -> str:
-    """``key=default, ...`` for a flag's help: every key the group takes, with its default."""
-    parts = []
-    for name, field in cls.model_fields.items():
-        default = field.default
-        shown = "unset" if default is None else json.dumps(default) if not isinstance(default, BaseModel) else "{}"
-        parts.append(f"{name}={shown}")
-    return ", ".join(parts)

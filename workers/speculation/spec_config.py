@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from runtime.settings import Group, build, parse_group
-from workers.speculation.methods import BENCH_METHODS, HEAD_METHODS, METHODS
+from workers.speculation.methods import BENCH_METHODS, METHODS
 
 FLAG = "--speculative-config"
 PASSED_AS_FLAGS = ("method", "model", "draft_tensor_parallel_size")  # a launcher's own flags carry these
@@ -112,11 +112,6 @@ class SpeculativeConfig(Group):
         low = self.model.lower()
         return ("eagle3" if "eagle3" in low else "eagle" if "eagle-" in low else
                 "medusa" if "medusa" in low else "draft_model")
-
-    @property
-    def reads_hidden(self) -> bool:
-        """Whether the method drafts from the target's hidden states."""
-        return self.draft_method in HEAD_METHODS
 
     @property
     def tree(self) -> tuple[int, int]:
