@@ -1,6 +1,7 @@
 """The ``tandem`` command: ``tandem up`` (local stack) and ``tandem ray up`` (Ray actors).
 
-Usage: tandem up [--mock] [--targets N] [--drafts M] [--http-port 8000] [--planner --planner-args '--itl-p90 50ms'] ...
+Usage: tandem up [--mock] [--targets N] [--drafts M | --draft-kinds suffix:1,eagle3:2] [--http-port 8000]
+                 [--planner --planner-args '--itl-p90 50ms'] ...
        tandem ray up --address auto --etcd http://HOST:2379 --nats nats://HOST:4222 [--mock] ...
 """
 
@@ -12,6 +13,7 @@ import logging
 import shlex
 import sys
 
+from deploy.draft_kinds import parse_draft_kinds
 from deploy.stack import DRAFT_DTYPES, DRAFT_METHODS, ROUTER_MODES, StackConfig
 from frontend.flags import API_KEY, FRONTEND_FLAGS
 from runtime.config import DEFAULT_NAMESPACE, EnvParser, apply_env_defaults, flag_env
@@ -59,6 +61,12 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
                              "budgets from each target's measured step costs, down to none when drafting does not pay)")
     parser.add_argument("--drafts", type=int, default=None,
                         help="draft workers (default 1 for a real model, 0 with --mock or --draft-method none)")
+    parser.add_argument("--draft-kinds", default=None, metavar="KINDS",
+                        help="draft workers of several kinds side by side, instead of --drafts, --draft-method and "
+                             "--draft-model: METHOD[=PATH][:COUNT], comma-separated, e.g. suffix:1,eagle3=HEAD:2 "
+                             "(COUNT default 1; eagle3 without a path: the bundled head of the demo model); each "
+                             "worker gets its kind's method and path and the --speculative-config keys that apply to "
+                             "it; a planner adds the kind furthest below its share of the pool, the first among equals")
     parser.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="routing (default kv)")
     parser.add_argument("--standalone-router", action="store_true",
                         help="run the router as its own process (python -m router) instead of inside the frontend")
@@ -157,6 +165,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         namespace=args.namespace or DEFAULT_NAMESPACE,
         drain_timeout=args.drain_timeout, prefill_workers=args.prefill_workers,
         planner=args.planner, planner_args=planner_args(args),
+        draft_kinds=parse_draft_kinds(args.draft_kinds) if args.draft_kinds else (),
     )
 
 
@@ -224,6 +233,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="conversations per data shard")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="draft vocabulary (most frequent reply tokens; eagle3 and medusa)")
+    p.add_argument("--vocab-coverage", type=float, default=0.0,
+                   help="eagle3/medusa: size the draft vocabulary as the smallest (at most --draft-vocab, a multiple "
+                        "of 64) whose tokens hold this share of the eval split's reply tokens (0: --draft-vocab as is)")
+    p.add_argument("--eval-every-epoch", action="store_true",
+                   help="evaluate on the held-out split after every epoch (OUT/per_epoch.json, metrics per_epoch)")
     p.add_argument("--steps", type=int, default=3,
                    help="eagle3: training-time-test steps; medusa: heads; mlp: stages (the head's default γ)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the training data")
@@ -255,6 +269,7 @@ def train_draft(args: argparse.Namespace) -> None:
                              seed=args.seed, device=args.device, threads=args.threads, dtype=args.dtype,
                              head=args.head, data_from=args.data_from, inner_dim=args.inner_dim,
                              head_layers=args.head_layers, init_from=args.init_from,
+                             vocab_coverage=args.vocab_coverage, eval_every_epoch=args.eval_every_epoch,
                              styles=tuple(x.strip() for x in args.styles.split(",") if x.strip()))
         metrics = train(config)
     except ValueError as exc:

@@ -34,11 +34,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.binaries import free_port, free_ports, listening_socket, port_open, wait_port
 from deploy.children import Child, stop_tiers
+from deploy.draft_kinds import kind_to_add, pick_victims
 from deploy.infra import etcd_child, nats_child
 from deploy.scaling import ScaleService
 from deploy.stack import WORKER_POOLS, Component, StackConfig, component_names, plan, worker_component
@@ -210,8 +212,10 @@ class Launcher:
         if not cfg.mock:
             if cfg.model and not Path(cfg.model).exists():
                 raise LaunchError(f"--model {cfg.model} does not exist")
-            if cfg.draft_model and cfg.num_drafts and not Path(cfg.draft_model).exists():
-                raise LaunchError(f"--draft-model {cfg.draft_model} does not exist")
+            for kind in cfg.draft_kinds or cfg.planned_drafts()[:1]:
+                if kind.model and not Path(kind.model).exists():
+                    flag = f"--draft-kinds {kind.label}:" if cfg.draft_kinds else "--draft-model"
+                    raise LaunchError(f"{flag} {kind.model} does not exist")
             model_path = cfg.model or resolve_demo_model()
         self._model_path = model_path
         self._check_stop()
@@ -420,9 +424,12 @@ class Launcher:
                 started.append(child.name)
             if len(active) > request.replicas:
                 order = {pid: i for i, pid in enumerate(request.remove_first)}
-                # the planner's choice first (least loaded), then the newest
-                victims = sorted(reversed(active), key=lambda c: order.get(c.pid, len(order)))
-                for child in victims[:len(active) - request.replicas]:
+                # the planner's choice first (least loaded), then the newest; a kind's last draft last
+                by_name = {c.name: c for c in active}
+                kinds = {c.name: c.draft_kind for c in self._components}
+                victims = pick_victims([(c.name, kinds.get(c.name, "")) for c in active], len(active) - request.replicas,
+                                       lambda name: order.get(by_name[name].pid, len(order)))
+                for child in (by_name[name] for name in victims):
                     child.expected_exit = True
                     thread = threading.Thread(target=stop_tiers, args=([[child]], self.config.drain_timeout + 5),
                                               name=f"stop-{child.name}", daemon=True)
@@ -433,7 +440,11 @@ class Launcher:
 
     def _start_worker(self, kind: str) -> Child:
         taken = [int(c.name.rsplit("-", 1)[1]) for c in self._components if c.kind == kind]
-        comp = worker_component(self.config, self._model_path, kind, max(taken, default=-1) + 1, free_port())
+        draft_kind = None
+        if kind == "draft":  # the kind furthest below its share of the pool (deploy.draft_kinds)
+            labels = {c.name: c.draft_kind for c in self._components}
+            draft_kind = kind_to_add(self.config.kinds, Counter(labels[c.name] for c in self._pool("draft")))
+        comp = worker_component(self.config, self._model_path, kind, max(taken, default=-1) + 1, free_port(), draft_kind)
         self._components.append(comp)
         child = self._children[comp.name] = Child(comp.name, comp.argv(), env={**self._child_env, **dict(comp.env)})
         return child.start()

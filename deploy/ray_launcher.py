@@ -20,8 +20,10 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
+from deploy.draft_kinds import kind_to_add, pick_victims
 from deploy.scaling import ScaleService
 from deploy.stack import WORKER_POOLS, Component, StackConfig, component_names, plan, worker_component
 from planner.messages import PoolReplicas, ScaleReply, ScaleRequest
@@ -279,8 +281,10 @@ class RayScaler:
                 active.append(name)
                 started.append(name)
             order = {pid: i for i, pid in enumerate(request.remove_first)}
-            victims = sorted(reversed(active), key=lambda n: order.get(self.pids.get(n, -1), len(order)))
-            for name in victims[:max(0, len(active) - request.replicas)]:
+            kinds = {c.name: c.draft_kind for c in self.components}
+            victims = pick_victims([(n, kinds.get(n, "")) for n in active], max(0, len(active) - request.replicas),
+                                   lambda n: order.get(self.pids.get(n, -1), len(order)))
+            for name in victims:
                 self.stopping.add(name)
                 threading.Thread(target=self._remove, args=(name,), name=f"stop-{name}", daemon=True).start()
                 stopping.append(name)
@@ -304,7 +308,11 @@ class RayScaler:
         # in the actors map at once, so that the launcher kills it at shutdown even if it never starts
         actor = self.actors[name] = self.remote_cls.options(**_actor_options(kind, self.config, self.options)).remote(name)
         port = _get(actor.free_port.remote(), self.stop, self.options.startup_timeout, f"placing {name}")
-        comp = worker_component(self.config, self.model_path, kind, int(name.rsplit("-", 1)[1]), port)
+        draft_kind = None
+        if kind == "draft":  # the kind furthest below its share of the pool (deploy.draft_kinds)
+            labels = {c.name: c.draft_kind for c in self.components}
+            draft_kind = kind_to_add(self.config.kinds, Counter(labels[n] for n in self._active("draft")))
+        comp = worker_component(self.config, self.model_path, kind, int(name.rsplit("-", 1)[1]), port, draft_kind)
         self.components.append(comp)
         self.start(comp)
         return name

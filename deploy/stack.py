@@ -12,6 +12,8 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
+from deploy.draft_kinds import FLAG as DRAFT_KINDS_FLAG
+from deploy.draft_kinds import METHOD_KEYS, DraftKind
 from workers.speculation.methods import DTYPES as DRAFT_DTYPES
 from workers.speculation.methods import HEAD_METHODS, METHODS
 from workers.speculation.spec_config import SpeculativeConfig
@@ -60,9 +62,13 @@ class StackConfig:
     # (each reads its own: workers/speculation/spec_config.py)
     speculative_keys: str = "{}"
     api_keys: tuple[str, ...] = ()  # the frontend's --api-key values (passed in its environment, not its argv)
+    # draft workers of several kinds side by side (--draft-kinds); (): one kind, --draft-method x --drafts
+    draft_kinds: tuple[DraftKind, ...] = ()
 
     def __post_init__(self) -> None:
         demo = self.model is None and not self.mock
+        if self.draft_kinds:
+            self._take_draft_kinds(demo)
         if self.draft_method is None:
             object.__setattr__(self, "draft_method", "eagle3" if demo else "ngram")
         if self.draft_method == "eagle3" and self.draft_model is None and demo:
@@ -105,7 +111,8 @@ class StackConfig:
             raise ValueError("--prefill-workers needs model workers (the mock worker has no prefill role)")
         if self.planner_args and not self.planner:
             raise ValueError("--planner-args applies with --planner")
-        if self.draft_method in ("draft_model", *HEAD_METHODS) and not self.draft_model and self.num_drafts:
+        if self.draft_method in ("draft_model", *HEAD_METHODS) and not self.draft_model and self.num_drafts \
+                and not self.draft_kinds:
             what = "a draft head directory" if self.draft_method in HEAD_METHODS else "a draft model"
             raise ValueError(f"--draft-method {self.draft_method} needs --draft-model PATH ({what})")
         if self.draft_model and self.draft_method in ("ngram", "suffix", "none"):
@@ -116,7 +123,7 @@ class StackConfig:
             raise ValueError("--draft-method none cannot start drafts (drop --drafts or pick a method)")
         if self.mock and self.drafts:
             raise ValueError("--mock runs no draft workers (the mock target simulates speculation)")
-        problem = self.speculative.method_problem(self.draft_method)
+        problem = self._keys_problem()
         if problem:
             raise ValueError(f"--speculative-config: {problem}")
         drafts_only = self.speculative.draft_only_keys()
@@ -131,6 +138,58 @@ class StackConfig:
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
 
+    def _take_draft_kinds(self, demo: bool) -> None:
+        """``draft_kinds`` given: they alone name the drafts' methods, heads and counts; an EAGLE-3 kind
+        without a path on the demo model runs the bundled head; ``draft_method`` is the first kind's."""
+        if self.draft_method is not None or self.draft_model is not None or self.drafts is not None:
+            raise ValueError(f"{DRAFT_KINDS_FLAG} names the draft workers' methods, heads and counts: drop "
+                             f"--draft-method, --draft-model and --drafts (and --speculative-config's method and model)")
+        if self.mock:
+            raise ValueError(f"--mock runs no draft workers ({DRAFT_KINDS_FLAG} needs a model)")
+        kinds = []
+        for kind in self.draft_kinds:
+            if kind.method == "eagle3" and kind.model is None and demo:
+                from workers.demo_model import demo_head_dir
+
+                kind = replace(kind, model=str(demo_head_dir()))
+            if kind.method in ("draft_model", *HEAD_METHODS) and kind.model is None:
+                what = "a draft head directory" if kind.method in HEAD_METHODS else "a draft model"
+                raise ValueError(f"{DRAFT_KINDS_FLAG}: {kind.method} needs {what}: write {kind.method}=PATH:COUNT")
+            kinds.append(kind)
+        labels = [k.label for k in kinds]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"{DRAFT_KINDS_FLAG}: a kind is named twice (give it a count instead)")
+        object.__setattr__(self, "draft_kinds", tuple(kinds))
+        object.__setattr__(self, "draft_method", kinds[0].method)
+
+    def _keys_problem(self) -> str | None:
+        """Why ``--speculative-config``'s method keys fit no draft of the stack (None: they fit)."""
+        if not self.draft_kinds:
+            return self.speculative.method_problem(self.draft_method)
+        methods = {k.method for k in self.draft_kinds}
+        for prefix, owner in METHOD_KEYS:
+            given = sorted(key for key in self.speculative.model_fields_set if key.startswith(prefix))
+            if given and owner not in methods:
+                return f"{', '.join(repr(k) for k in given)} apply to method {owner}, and no {DRAFT_KINDS_FLAG} kind is {owner}"
+        return None
+
+    @property
+    def kinds(self) -> tuple[DraftKind, ...]:
+        """The stack's draft kinds with their counts (its shares of the pool when a planner grows it): the
+        ``--draft-kinds`` given, else the one kind of ``--draft-method`` (count at least 1, so that a stack
+        started with ``--drafts 0`` can still be given drafts); none with ``--mock`` or method none."""
+        if self.draft_kinds:
+            return self.draft_kinds
+        if self.mock or self.draft_method == "none":
+            return ()
+        return (DraftKind(self.draft_method, self.draft_model, max(1, self.num_drafts)),)
+
+    def planned_drafts(self) -> tuple[DraftKind, ...]:
+        """The kind of each draft worker the stack starts with (``draft-0``, ``draft-1``, ... in order)."""
+        if self.draft_kinds:
+            return tuple(k for k in self.draft_kinds for _ in range(k.count))
+        return self.kinds[:1] * self.num_drafts
+
     @property
     def speculative(self) -> SpeculativeConfig:
         """The keys passed on to the workers, with the launcher's flags read onto them."""
@@ -141,13 +200,14 @@ class StackConfig:
             keys["load_aware"] = False
         return SpeculativeConfig(**keys)
 
-    def worker_speculative_config(self) -> list[str]:
-        """``--speculative-config`` as every target and draft worker of the stack gets it (none: nothing
-        to say). A stack whose drafts read no hidden states has its targets keep none (their per-slot
-        store would only take KV blocks); a γ above a draft's own cap raises the cap."""
+    def worker_speculative_config(self, kind: DraftKind | None = None) -> list[str]:
+        """``--speculative-config`` as the stack's targets get it, or a draft worker of ``kind`` (without
+        another method's own keys); none: nothing to say. A stack none of whose drafts read hidden states
+        has its targets keep none (their per-slot store would only take KV blocks); a γ above a draft's own
+        cap raises the cap."""
         spec = self.speculative
-        keys = spec.given()
-        if self.draft_method not in HEAD_METHODS and "hidden_layers" not in keys:
+        keys = spec.given() if kind is None else kind.speculative_keys(spec.given())
+        if not any(k.reads_hidden_states for k in self.kinds) and "hidden_layers" not in keys:
             keys["hidden_layers"] = "none"
         asked = self.num_speculative_tokens
         if asked is not None and asked > spec.max_num_speculative_tokens and "max_num_speculative_tokens" not in keys:
@@ -156,6 +216,8 @@ class StackConfig:
 
     @property
     def num_drafts(self) -> int:
+        if self.draft_kinds:
+            return sum(k.count for k in self.draft_kinds)
         if self.drafts is not None:
             return self.drafts
         return 0 if self.mock or self.draft_method == "none" else 1
@@ -188,6 +250,7 @@ class Component:
     health_port: int | None = None  # where /health answers (the HTTP port for frontend and router)
     gpu: bool = False
     env: tuple[tuple[str, str], ...] = ()  # variables this process gets besides the stack's (secrets: not argv)
+    draft_kind: str = ""  # a draft worker's kind (DraftKind.label), for launchers that add drafts of a kind
 
     def argv(self, python: str = sys.executable) -> list[str]:
         return [python, "-m", self.module, *self.args]
@@ -196,18 +259,21 @@ class Component:
 WORKER_POOLS = ("prefill", "target", "draft")  # the kinds a planner may resize
 
 
-def draft_component(config: StackConfig, model_path: str | None, index: int, port: int) -> Component:
-    """Draft worker ``draft-{index}`` serving the model named for ``model_path``."""
-    args = ["--draft-method", config.draft_method, "--served-model-name", config.model_name(model_path),
+def draft_component(config: StackConfig, model_path: str | None, index: int, port: int,
+                    kind: DraftKind | None = None) -> Component:
+    """Draft worker ``draft-{index}`` of ``kind`` (default: the stack's first) serving the model named
+    for ``model_path``."""
+    kind = kind or config.kinds[0]
+    args = ["--draft-method", kind.method, "--served-model-name", config.model_name(model_path),
             "--health-port", str(port)]
-    if config.draft_method in HEAD_METHODS:  # the head reads the target's embedding and LM head
-        args += ["--eagle-model", config.draft_model, "--target-model", str(model_path)]
-    elif config.draft_model:
-        args += ["--draft-model", config.draft_model]
-    if config.draft_method in ("draft_model", *HEAD_METHODS):  # on the GPU reserved for it, where there is one
+    if kind.method in HEAD_METHODS:  # the head reads the target's embedding and LM head
+        args += ["--eagle-model", kind.model, "--target-model", str(model_path)]
+    elif kind.model:
+        args += ["--draft-model", kind.model]
+    if kind.method in ("draft_model", *HEAD_METHODS):  # on the GPU reserved for it, where there is one
         args += ["--device", config.draft_device, "--dtype", config.draft_dtype]
-    args += config.worker_speculative_config()
-    return Component(f"draft-{index}", "draft", "workers.draft", tuple(args), port, gpu=True)
+    args += config.worker_speculative_config(kind)
+    return Component(f"draft-{index}", "draft", "workers.draft", tuple(args), port, gpu=True, draft_kind=kind.label)
 
 
 def target_component(config: StackConfig, model_path: str | None, index: int, port: int,
@@ -236,11 +302,12 @@ def target_component(config: StackConfig, model_path: str | None, index: int, po
     return Component(f"{kind}-{index}", kind, "workers.target", tuple(args), port, gpu=True)
 
 
-def worker_component(config: StackConfig, model_path: str | None, kind: str, index: int, port: int) -> Component:
-    """A worker of pool ``kind`` (prefill, target, draft) as :func:`plan` would start it, drain flag
-    included: for launchers that add workers to a running stack."""
+def worker_component(config: StackConfig, model_path: str | None, kind: str, index: int, port: int,
+                     draft_kind: DraftKind | None = None) -> Component:
+    """A worker of pool ``kind`` (prefill, target, draft; a draft of ``draft_kind``, default the first)
+    as :func:`plan` would start it, drain flag included: for launchers that add workers to a running stack."""
     if kind == "draft":
-        comp = draft_component(config, model_path, index, port)
+        comp = draft_component(config, model_path, index, port, draft_kind)
     elif kind in ("target", "prefill"):
         comp = target_component(config, model_path, index, port, kind)
     else:
@@ -278,7 +345,8 @@ def plan(config: StackConfig, model_path: str | None, ports: dict[str, int],
         out.append(Component("router", "router", "router",
                              ("--http-port", str(ports["router"]), "--router-mode", config.router_mode),
                              ports["router"]))
-    out += [draft_component(config, model_path, i, ports[f"draft-{i}"]) for i in range(config.num_drafts)]
+    out += [draft_component(config, model_path, i, ports[f"draft-{i}"], kind)
+            for i, kind in enumerate(config.planned_drafts())]
     out += [target_component(config, model_path, i, ports[f"prefill-{i}"], "prefill")
             for i in range(config.prefill_workers)]
     out += [target_component(config, model_path, i, ports[f"target-{i}"]) for i in range(config.targets)]

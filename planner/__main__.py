@@ -65,17 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--min-samples", type=int, default=5, help="latency observations a window needs to count")
     timing.add_argument("--start-timeout", default=180.0,
                         help="how long a worker asked for may take to register before it is no longer waited for")
-    draft = parser.add_argument_group("draft:target rule")
+    draft = parser.add_argument_group("draft pool rule (its own load)")
     draft.add_argument("--draft-wait-high", type=float, default=DraftRule.wait_high,
                        help="add a draft when targets wait on proposals this share of their busy time")
+    draft.add_argument("--draft-late-high", type=float, default=DraftRule.late_high,
+                       help="add a draft when this share of proposals reaches the targets too late to use")
+    draft.add_argument("--draft-step-high", type=float, default=DraftRule.step_high,
+                       help="add a draft when a propose call takes this many target steps (proposals cannot keep pace)")
+    draft.add_argument("--draft-batch-high", type=float, default=DraftRule.batch_high,
+                       help="add a draft when its propose calls batch this many sequences on average (what queued "
+                            "for each call; 0: not read)")
     draft.add_argument("--draft-busy-high", type=float, default=DraftRule.busy_high,
                        help="add a draft when drafts compute proposals this share of the time")
     draft.add_argument("--draft-busy-low", type=float, default=DraftRule.busy_low,
                        help="remove a draft when drafts compute proposals less than this share of the time")
     draft.add_argument("--min-accepted-length", type=float, default=DraftRule.min_accepted_length,
                        help="tokens per verify step (1 + accepted per draft) for drafting to pay")
-    draft.add_argument("--max-draft-ratio", type=float, default=DraftRule.max_ratio,
-                       help="drafts per target at most (each target streams to one draft)")
+    draft.add_argument("--max-draft-ratio", type=float, default=None,
+                       help="optional safety bound: drafts per target at most (default: none, the draft pool follows "
+                            "its load up to --max-drafts)")
     where = parser.add_argument_group("signals and connector")
     where.add_argument("--frontend-url", action="append", default=[],
                        help="a frontend's base URL whose /metrics give TTFT and ITL (repeat for several)")
@@ -99,8 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def planner_config(args: argparse.Namespace) -> PlannerConfig:
     bounds = {"prefill": Bounds(args.min_prefill, args.max_prefill), "target": Bounds(args.min_targets, args.max_targets),
               "draft": Bounds(args.min_drafts, args.max_drafts)}
-    rule = DraftRule(args.draft_wait_high, args.draft_busy_high, args.draft_busy_low, args.min_accepted_length,
-                     args.max_draft_ratio)
+    rule = DraftRule(wait_high=args.draft_wait_high, busy_high=args.draft_busy_high, busy_low=args.draft_busy_low,
+                     min_accepted_length=args.min_accepted_length, max_ratio=args.max_draft_ratio,
+                     late_high=args.draft_late_high, step_high=args.draft_step_high, batch_high=args.draft_batch_high)
     return PlannerConfig(_seconds("--ttft-p90", args.ttft_p90), _seconds("--itl-p90", args.itl_p90), bounds,
                          _seconds("--adjustment-interval", args.adjustment_interval),
                          _seconds("--latency-window", args.latency_window), _seconds("--up-cooldown", args.up_cooldown),

@@ -41,24 +41,31 @@ class Bounds:
 
 @dataclass(frozen=True)
 class DraftRule:
-    """Thresholds of the draft:target rule (docs/planner.md gives the formulas)."""
+    """Thresholds of the draft pool's rule (docs/planner.md gives the formulas)."""
 
     wait_high: float = 0.10  # targets spend at least this share of their busy time waiting on proposals
     busy_high: float = 0.60  # drafts compute proposals at least this share of wall time: saturated
     busy_low: float = 0.15  # below this share a draft idles
     min_accepted_length: float = 1.3  # tokens per verify step for drafting to pay
-    max_ratio: float = 1.0  # drafts per target at most (a target streams to one draft worker)
+    max_ratio: float | None = None  # optional safety bound: drafts per target at most (None: none)
+    late_high: float = 0.20  # at least this share of proposals reach the targets too late to use
+    step_high: float = 1.0  # a draft call takes at least this many target steps: proposals cannot keep pace
+    batch_high: float = 64.0  # sequences per propose call (the draft head's largest CUDA graph); 0: not read
 
     def __post_init__(self) -> None:
-        for name in ("wait_high", "busy_high", "busy_low"):
+        for name in ("wait_high", "busy_high", "busy_low", "late_high"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"draft {name.replace('_', '-')} must be a share in [0, 1], got {getattr(self, name)}")
         if self.busy_low >= self.busy_high:
             raise ValueError(f"draft busy-low ({self.busy_low}) must be below busy-high ({self.busy_high})")
         if self.min_accepted_length < 1.0:
             raise ValueError(f"min accepted length is at least 1 token per step, got {self.min_accepted_length}")
-        if self.max_ratio <= 0:
+        if self.max_ratio is not None and self.max_ratio <= 0:
             raise ValueError(f"max draft ratio must be > 0, got {self.max_ratio}")
+        if self.step_high <= 0:
+            raise ValueError(f"draft step-high must be > 0 target steps, got {self.step_high}")
+        if self.batch_high < 0:
+            raise ValueError(f"draft batch-high must be >= 0 sequences (0: not read), got {self.batch_high}")
 
 
 @dataclass(frozen=True)

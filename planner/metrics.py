@@ -12,6 +12,10 @@
     tandem_planner_sla_seconds{metric}             the SLA targets
     tandem_planner_draft_wait_share                targets' share of busy time spent waiting on proposals
     tandem_planner_draft_busy_share                drafts' mean share of wall time spent proposing
+    tandem_planner_draft_late_share                share of proposals that reached the targets too late to use
+    tandem_planner_draft_call_seconds              drafting time per propose call
+    tandem_planner_target_step_seconds             the targets' busy seconds per engine step
+    tandem_planner_draft_batch_size                sequences per propose call (what queued for each call)
     tandem_planner_mean_accepted_length            window mean accepted length over all (target, draft) pairs
     tandem_planner_signal_errors_total             sources that could not be read at a tick
 
@@ -47,6 +51,12 @@ class PlannerMetrics:
         self.sla = Gauge(P + "sla_seconds", "SLA targets (p90)", ("metric",), registry=r)
         self.draft_wait = Gauge(P + "draft_wait_share", "Targets' share of busy time waiting on proposals", registry=r)
         self.draft_busy = Gauge(P + "draft_busy_share", "Drafts' mean share of wall time computing proposals", registry=r)
+        self.draft_late = Gauge(P + "draft_late_share", "Share of proposals that reached the targets too late to use",
+                                registry=r)
+        self.draft_call = Gauge(P + "draft_call_seconds", "Drafting time per propose call", registry=r)
+        self.target_step = Gauge(P + "target_step_seconds", "Targets' busy seconds per engine step", registry=r)
+        self.draft_batch = Gauge(P + "draft_batch_size", "Sequences per propose call (what queued for each call)",
+                                 registry=r)
         self.accepted_length = Gauge(P + "mean_accepted_length", "Window mean accepted length over all pairs",
                                      registry=r)
         self.signal_errors = Counter(P + "signal_errors", "Sources that could not be read at a tick", registry=r)
@@ -68,6 +78,10 @@ class PlannerMetrics:
         d = observation.draft
         self.draft_wait.set(_value(d.wait_share))
         self.draft_busy.set(_value(d.busy))
+        self.draft_late.set(_value(d.late_share))
+        self.draft_call.set(_value(d.call_seconds))
+        self.target_step.set(_value(d.step_seconds))
+        self.draft_batch.set(_value(d.batch))
         self.accepted_length.set(_value(d.accepted_length))
         if observation.errors:
             self.signal_errors.inc(len(observation.errors))

@@ -3,8 +3,8 @@ report every decision as metrics and one log line.
 
 Which SLA drives which pool: the prefill pool is sized against TTFT when it may have workers
 (``--max-prefill`` > 0); the target pool against ITL, and against TTFT as well when there is no
-prefill pool to take it; the draft pool by the draft:target rule. Pools change by at most one worker
-per tick.
+prefill pool to take it; the draft pool by its own load (targets' wait, late proposals, drafting time
+per step, queueing, busy time). Pools change by at most one worker per tick.
 """
 
 from __future__ import annotations

@@ -13,14 +13,22 @@ Latency pools (prefill: TTFT; target: ITL, and TTFT too when there is no prefill
 The gap between "above the SLA" and "below down_ratio × SLA after the removal" is the hysteresis:
 a pool that just scaled up is not scaled back down by the next tick's better numbers.
 
-Draft pool (the draft:target rule; ``T`` targets, ``D`` drafts, ``cap = min(max, ceil(max_ratio·T))``):
+Draft pool (sized by its own load; ``T`` targets, ``D`` drafts, ``cap = max``, or with a ratio bound
+``min(max, max(min, ceil(max_ratio·T)))``):
 
-- **up** when drafting pays (window mean accepted length ≥ ``min_accepted_length``) and either targets
-  wait on proposals (share of their busy time spent waiting ≥ ``wait_high``) or drafts are saturated
-  (mean share of wall time proposing ≥ ``busy_high``), and ``D < cap``;
-- **down** when ``D > cap`` (targets were removed), or drafts idle: busy ≤ ``busy_low``, targets do not
-  wait, and the same proposal work spread over ``D - 1`` drafts (busy · D / (D - 1)) stays below ``busy_high``;
-  the last draft goes (with a minimum of 0) only when drafting is measured not to pay;
+- **up** when drafting pays (window mean accepted length ≥ ``min_accepted_length``) and the drafts hold
+  the targets back or are full, ``D < cap``. In order: targets wait on proposals (share of their busy
+  time spent waiting ≥ ``wait_high``: ``targets_wait``); drafts are saturated (mean share of wall time
+  proposing ≥ ``busy_high``: ``drafts_busy``); proposals arrive too late to use (share ≥ ``late_high``:
+  ``proposals_late``); a draft's call takes longer than a target step (seconds per propose call
+  ≥ ``step_high`` × the targets' seconds per step: ``drafts_slow``); sequences queue on the drafts (mean
+  sequences per propose call ≥ ``batch_high``: ``drafts_queued``). Lateness, slowness and queueing
+  count only while the drafts work (busy > ``busy_low``): from idle drafts they come from something
+  another draft would not fix (a draft slower than a step on its own);
+- **down** when a ratio bound is set and ``D > cap`` (targets were removed), or drafts idle: busy ≤
+  ``busy_low``, targets do not wait, proposals are not late, and the same work spread over ``D - 1``
+  drafts (busy · D / (D - 1), sequences per call · D / (D - 1)) stays below ``busy_high`` and
+  ``batch_high``; the last draft goes (with a minimum of 0) only when drafting is measured not to pay;
 - otherwise **hold**. Without draft measurements the pool holds (``no_signal``).
 """
 
@@ -145,42 +153,85 @@ class DraftSignals:
     wait_share: float | None = None  # of the targets' busy time, the share spent waiting on proposals
     busy: float | None = None  # mean share of wall time the drafts spent computing proposals
     accepted_length: float | None = None  # window mean accepted length (tokens per verify step)
+    late_share: float | None = None  # of the proposals the targets received, the share too late to use
+    call_seconds: float | None = None  # drafting time per propose call, over all drafts
+    step_seconds: float | None = None  # the targets' busy seconds per engine step
+    batch: float | None = None  # sequences per propose call, over all drafts (what queued for each call)
 
     def describe(self) -> str:
         def pct(x: float | None) -> str:
             return "n/a" if x is None else f"{100 * x:.0f}%"
 
-        length = "n/a" if self.accepted_length is None else f"{self.accepted_length:.2f}"
+        def num(x: float | None, fmt: str) -> str:
+            return "n/a" if x is None else format(x, fmt)
+
+        def ms(x: float | None) -> str:
+            return "n/a" if x is None else f"{1e3 * x:.1f} ms"
+
         return (f"{self.targets} targets, targets wait {pct(self.wait_share)} of busy time, drafts busy "
-                f"{pct(self.busy)}, mean accepted length {length}")
+                f"{pct(self.busy)}, {pct(self.late_share)} of proposals late, {ms(self.call_seconds)} per draft "
+                f"call against {ms(self.step_seconds)} per target step, {num(self.batch, '.1f')} sequences per "
+                f"call, mean accepted length {num(self.accepted_length, '.2f')}")
 
 
 def draft_cap(bounds: Bounds, rule: DraftRule, targets: int) -> int:
-    """Most drafts worth having for ``targets`` targets: ``min(max, max(min, ceil(max_ratio · targets)))``."""
+    """Most drafts the rule may ask for: ``max``, or with a ratio bound
+    ``min(max, max(min, ceil(max_ratio · targets)))``."""
+    if rule.max_ratio is None:
+        return bounds.high
     return min(bounds.high, max(bounds.low, math.ceil(rule.max_ratio * targets)))
 
 
+def draft_pressure(signals: DraftSignals, rule: DraftRule) -> str | None:
+    """Why the drafts need help (the first reason in the module docstring's order), or None."""
+    s = signals
+    if s.wait_share is not None and s.wait_share >= rule.wait_high:
+        return "targets_wait"
+    if s.busy is not None and s.busy >= rule.busy_high:
+        return "drafts_busy"
+    working = s.busy is not None and s.busy > rule.busy_low
+    if working and s.late_share is not None and s.late_share >= rule.late_high:
+        return "proposals_late"
+    if (working and s.call_seconds is not None and s.step_seconds is not None and s.step_seconds > 0
+            and s.call_seconds >= rule.step_high * s.step_seconds):
+        return "drafts_slow"
+    if working and rule.batch_high > 0 and s.batch is not None and s.batch >= rule.batch_high:
+        return "drafts_queued"
+    return None
+
+
+def _idle(n: int, signals: DraftSignals, rule: DraftRule) -> bool:
+    """Whether ``n > 1`` drafts idle and ``n - 1`` would carry the same work without pressure."""
+    s, spread = signals, n / (n - 1)
+    return (s.busy is not None and s.busy <= rule.busy_low and s.busy * spread < rule.busy_high
+            and not (s.wait_share is not None and s.wait_share >= rule.wait_high)
+            and not (s.late_share is not None and s.late_share >= rule.late_high)
+            and not (rule.batch_high > 0 and s.batch is not None and s.batch * spread >= rule.batch_high))
+
+
 def decide_drafts(view: PoolView, signals: DraftSignals, bounds: Bounds, rule: DraftRule, timing: Timing) -> Decision:
-    """The draft:target rule (see the module docstring)."""
+    """The draft pool's rule (see the module docstring)."""
     n = view.replicas
     cap = draft_cap(bounds, rule, signals.targets)
-    detail = f"{signals.describe()}; cap {cap}"
+    detail = signals.describe() + ("" if rule.max_ratio is None else f"; ratio cap {cap}")
     if n < bounds.low:
         return Decision(view.pool, n, bounds.low, "below_min", detail)
+    if n > bounds.high:
+        return Decision(view.pool, n, bounds.high, "above_max", detail)
     if n > cap:
         if view.since_change < timing.down_cooldown:
             return _hold(view, "cooldown", f"over_ratio, changed {view.since_change:.0f}s ago: {detail}")
         return Decision(view.pool, n, n - 1, "over_ratio", detail)
     pays = signals.accepted_length is not None and signals.accepted_length >= rule.min_accepted_length
-    waits = signals.wait_share is not None and signals.wait_share >= rule.wait_high
-    busy = signals.busy is not None and signals.busy >= rule.busy_high
-    if pays and (waits or busy):
-        return _up(view, cap, "at_cap", "targets_wait" if waits else "drafts_busy", detail, timing)
+    pressure = draft_pressure(signals, rule)
+    if pays and pressure is not None:
+        at_limit = "at_cap" if cap < bounds.high else "at_max"
+        return _up(view, cap, at_limit, pressure, detail, timing)
     if n == 1 and signals.accepted_length is not None and not pays:
         reason = "does_not_pay"  # the last draft goes only when drafting is measured not to pay
     elif signals.busy is None:
         return _hold(view, "no_signal", detail)
-    elif n > 1 and signals.busy <= rule.busy_low and not waits and signals.busy * n / (n - 1) < rule.busy_high:
+    elif n > 1 and _idle(n, signals, rule):
         reason = "drafts_idle"
     else:
         return _hold(view, "balanced", detail)

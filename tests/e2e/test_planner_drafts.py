@@ -55,7 +55,7 @@ async def test_planner_adds_a_draft_under_load_and_removes_one_when_idle(rt, spa
         finally:
             stop.set()
             await asyncio.gather(*load, return_exceptions=True)
-    added = re.search(r"pool draft: 1 -> 2 \((targets_wait|drafts_busy)\): (.*)", up.logs())
+    added = re.search(r"pool draft: 1 -> 2 \((targets_wait|drafts_busy|proposals_late|drafts_slow|drafts_queued)\): (.*)", up.logs())
     assert added, up.logs()[-4000:]
     deadline = time.monotonic() + 90
     while len(drafts.instances()) > 1:
