@@ -66,7 +66,7 @@ def loops(plain, spec, aa: bool):
 
     if aa:  # the A/A control: plain decoding on both sides
         return StepLoop(plain, None), StepLoop(spec, None), None
-    context = DraftContext("bench-draft", LAYERS, "float32", ask=True)
+    context = DraftContext("bench-draft", LAYERS, "float32", ask=True, stream=1)
     return StepLoop(plain, None), StepLoop(spec, Pool()), context
 
 
@@ -110,12 +110,15 @@ class Driver:
         answers = {r.seq_id: DraftOutput(r.seq_id, r.round, [self.draw.randrange(self.loop.engine.vocab_size)
                                                              for _ in range(r.num_speculative_tokens)])
                    for r in self.requests}  # a random head's answers to the last round, in time
-        cycle = self.loop.run_cycle(self.commands, Proposals(answers=answers), self.context, self.last, self.asked)
+        contexts = (self.context,) if self.context is not None else ()
+        proposals = {self.context.stream: Proposals(answers=answers)} if self.context is not None else {}
+        cycle = self.loop.run_cycle(self.commands, proposals, contexts, self.last, self.asked)
         cpu = time.thread_time() - started
         self.commands = []
         self.last = time.perf_counter() - wall if cycle.stepped else 0.0
-        self.asked, self.requests = bool(cycle.requests), cycle.requests
-        self.rounds += bool(cycle.requests)
+        self.requests = [r for news in cycle.news.values() for r in news.requests]
+        self.asked = bool(self.requests)
+        self.rounds += self.asked
         if cycle.stepped:
             self.cpu.append(cpu)
             self.outside.append(cpu - (self.forward - forward))

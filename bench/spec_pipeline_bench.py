@@ -159,10 +159,10 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
         return sum(c.num_drafts for c in engine.counters.values())
 
     async def timed_iteration():
-        steps, verified, waited, started = loop.steps, drafts(), loop.draft_wait_seconds, time.perf_counter()
+        steps, verified, waited, started = loop.steps, drafts(), loop.drafting.wait_seconds, time.perf_counter()
         await iteration()
         if loop.steps > steps:
-            cycles.append(time.perf_counter() - started - (loop.draft_wait_seconds - waited))
+            cycles.append(time.perf_counter() - started - (loop.drafting.wait_seconds - waited))
             if drafts() > verified:
                 verify_cycles.append(cycles[-1])
 
@@ -202,7 +202,7 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
                 return time.perf_counter()
 
     started = time.perf_counter()
-    steps0, busy0, wait0 = loop.steps, loop.busy_seconds, loop.draft_wait_seconds
+    steps0, busy0, wait0 = loop.steps, loop.busy_seconds, loop.drafting.wait_seconds
     cpu0, draft_cpu0 = time.process_time(), cpu_seconds(draft_pid) if draft_pid else 0.0
     ends = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - started
@@ -213,7 +213,7 @@ async def run_once(engine, pool, prompts: list[list[int]], tokens: int, tag: str
     counters = engine.counters.get(getattr(pool.client, "draft_id", ""), None) if pool is not None else None
     row = {"tok_s": sum(len(o) - 1 for o in outputs.values()) / decode, "wall": wall,
            "steps": loop.steps - steps0, "busy": loop.busy_seconds - busy0,
-           "wait": loop.draft_wait_seconds - wait0, "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))],
+           "wait": loop.drafting.wait_seconds - wait0, "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))],
            "plain_steps": dict(engine.spec.plain_steps), "dropped": dict(engine.spec.dropped),
            "cpu_ms": cpu_ms, "draft_cpu_ms": draft_cpu_ms}
     row["full_tok_s"] = full_batch_tok_s(deliveries, len(prompts))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from router.base import Router, Selection
+from router.drafts import DraftAffinity
 from runtime import EndpointClient, InstanceGone, InstanceTimeout, NoInstances, PendingBytes, ResponseStream, ShuttingDown
 from runtime.errors import EngineFailed, declares_gone
 from runtime.messages import NEXT_TURN_DROPPED, GenerateRequest, RoutingHints, SamplingParams, TokenDelta
@@ -61,6 +62,7 @@ class Dispatcher:
         # none: the dead one's restart, or another one starting (0: fail at once)
         self.restart_wait_s = restart_wait_s
         self.migrations = 0  # requests moved to another worker
+        self.drafts = DraftAffinity()  # the draft worker each conversation's latest turn speculated with
         self._on_migrate = on_migrate
         self._present: set[str] = set()  # models some registered instance serves
         self._lost: set[str] = set()  # models whose registered instances all went at some point
@@ -135,6 +137,10 @@ class Generation:
         self.served_by: str | None = None  # the worker it was last sent to (its KV is there when it ends)
 
     @property
+    def _session(self) -> str:
+        return self.hints.session_id if self.hints is not None else ""
+
+    @property
     def instance_id(self) -> str | None:
         return self._selection.instance_id if self._selection else None
 
@@ -179,7 +185,8 @@ class Generation:
                                   num_speculative_tokens=spec.num_draft_tokens if spec else None,
                                   speculative_tree_topk=spec.eagle_topk if spec else None,
                                   speculative_tree_depth=spec.num_steps if spec else None, lora=self.lora,
-                                  priority=self.hints.priority if self.hints else 0)
+                                  priority=self.hints.priority if self.hints else 0,
+                                  draft_id=self._d.drafts.choose(self.token_ids, self._session))
         handoff = None
         if self.attempt == 0 and self._d.prefill is not None and not self.lora:  # adapters: no disaggregation
             try:
@@ -240,6 +247,9 @@ class Generation:
             if delta is not None:
                 self.output_ids.extend(delta.token_ids)
                 self._finishing = delta.finish_reason is not None
+                spec = delta.usage.spec if delta.usage is not None else None
+                if spec is not None and spec.draft_id:  # its next turn goes back to that draft
+                    self._d.drafts.note(self.token_ids + self.output_ids, spec.draft_id, self._session)
                 return delta
             await self._migrate(failure)
             if len(self.output_ids) >= self.sampling.max_tokens:

@@ -239,6 +239,7 @@ class GenerateRequest(_Wire):
     lora: str = ""  # the LoRA adapter to run with ("": the base model ``model``)
     priority: int = 0
     next_turn: bool = False
+    draft_id: str = ""  # the draft worker the router chose for it (a hint: honoured when the target streams to it)
 
 
 # The finish reasons of a next-turn prefill (GenerateRequest.next_turn): the context is in the prefix
@@ -268,6 +269,7 @@ class SpecUsage(_Wire):
     accepted_per_pos: list[int] = []  # [i]: verify steps whose accepted path reached depth i + 1
     # decode steps of the request that ran without a draft, by why (see PLAIN_STEP_REASONS)
     plain_steps: dict[str, int] = {}
+    draft_id: str = ""  # the draft worker it speculated with last (router.drafts: its next turn goes back)
 
 
 # Why a speculating request decoded a step plainly (SpecUsage.plain_steps and the target's metrics):

@@ -295,7 +295,7 @@ class MockWorker:
             pool = [t for t in req.token_ids if t not in self.special_ids] or [t for t in req.token_ids]
             rng = random.Random(sp.seed) if sp.seed is not None else random.Random()
             drafted = self.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
-            spec = SpecUsage() if drafted > 0 else None
+            spec = SpecUsage(draft_id=req.draft_id or self.draft_id) if drafted > 0 else None
             stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
             produced, finish = 0, "length"
             while produced < sp.max_tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class FixedPool:
-    """``DraftPool``'s face to the step loop and its metrics (poll, prune, close, refused, hidden_bytes) over
+    """``DraftPool``'s face to the step loop and its metrics (streams, poll, prune, close, refused, hidden_bytes) over
     one client, none refused."""
 
     def __init__(self, client):
@@ -15,6 +15,9 @@ class FixedPool:
 
     async def poll(self):
         return self.client
+
+    async def streams(self):
+        return [self.client] if self.client is not None else []
 
     async def prune(self):
         pass

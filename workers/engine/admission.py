@@ -61,7 +61,7 @@ class Admission:
 
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
             grammar: Grammar | None, speculation: tuple, prefill_only: bool, lora: str | None, priority: int = 0) -> None:
-        """Queue a request (see ``Engine.add_request``); ``speculation``: (γ, tree top-k, tree depth)."""
+        """Queue a request (see ``Engine.add_request``); ``speculation``: (γ, tree top-k, tree depth[, draft hint])."""
         if lora:
             if self.lora is None:
                 raise InvalidRequest("this worker serves no LoRA adapters", field="model")

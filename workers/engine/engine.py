@@ -152,16 +152,17 @@ class Engine:
                     output_ids: list[int] = (), grammar: Grammar | None = None, *,
                     num_speculative_tokens: int | None = None, tree_topk: int | None = None,
                     tree_depth: int | None = None, prefill_only: bool = False, lora: str | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, draft: str = "") -> None:
         """Queue a request (after :meth:`validate`); ``output_ids`` continue a migrated request.
         ``grammar``: the request's compiled ``params.structured`` (compiled here when not given).
         ``num_speculative_tokens``, ``tree_topk``, ``tree_depth``: this request's speculation (None:
         the engine's settings). ``prefill_only``: a prefill worker's request, which ends after its
         first token with finish reason :data:`HANDOFF`, its blocks kept for a decode worker to pull
         (:class:`.handoff.Handoffs`). ``lora``: the LoRA adapter it runs with (None: the base model).
-        ``priority``: vLLM's (lower first), read under ``EngineConfig.scheduling_policy`` "priority"."""
+        ``priority``: vLLM's (lower first), read under ``EngineConfig.scheduling_policy`` "priority".
+        ``draft``: the draft worker to speculate with, when the target streams to it (a router's hint)."""
         self.admission.add(request_id, token_ids, params, output_ids, grammar,
-                           (num_speculative_tokens, tree_topk, tree_depth), prefill_only, lora, priority)
+                           (num_speculative_tokens, tree_topk, tree_depth, draft), prefill_only, lora, priority)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is not running here. (A request whose KV
@@ -194,14 +195,6 @@ class Engine:
     def counters(self):
         """Spec-decode counters per draft worker id."""
         return self.spec.counters
-
-    @property
-    def draft_id(self) -> str:
-        return self.spec.draft_id
-
-    @draft_id.setter
-    def draft_id(self, draft_id: str) -> None:
-        self.spec.draft_id = draft_id
 
     def reset_drafts(self) -> None:
         """A new draft worker knows none of our sequences: start every one from scratch."""
@@ -239,6 +232,16 @@ class Engine:
 
     def take_released(self) -> list[str]:
         return self.news.take_released()
+
+    def draft_news_by(self, groups: dict[str, tuple], asking: dict[str, tuple]) -> tuple[dict, dict, dict]:
+        """Several draft streams (workers.target.placement): per draft worker id, the latest verdicts and
+        released sequences (``groups``: each one's (layers, dtype, plane), as :meth:`draft_inputs` takes
+        them), then this round's requests (``asking``: the groups asked). Verdicts go to the draft that
+        proposed even if the sequence was placed on another since."""
+        verdicts, released = self.news.take_verdicts_by(groups), self.spec.take_released_by()
+        if self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
+            self.admission.immediate.extend(self.flush())  # (their deltas come with the next step)
+        return verdicts, released, self.news.inputs_by(self.scheduler.running, self.max_model_len, asking)
 
     # ------------------------------------------------------------------ stepping
 

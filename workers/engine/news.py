@@ -33,6 +33,9 @@ class Verdict:
 
 
 Span = tuple[int, int]  # positions [start, stop) of one sequence
+# What a draft stream takes hidden rows as: the layers it reads (None: all offered), the host dtype,
+# and the data plane they are written to (None: inline)
+Carry = tuple[tuple[int, ...] | None, torch.dtype | None, object]
 
 
 class DraftNews:
@@ -62,17 +65,38 @@ class DraftNews:
                dtype: torch.dtype | None, plane=None) -> list[DraftInput]:
         """Proposal requests for the ``running`` sequences that decode next and speculate this round
         (:meth:`.speculator.Speculator.requests`), with their hidden rows (see :meth:`take_verdicts`)."""
+        return self.inputs_by(running, max_model_len, None, (layers, dtype, plane)).get(None, [])
+
+    def inputs_by(self, running: list[Sequence], max_model_len: int, groups: dict[str, Carry] | None,
+                  carry: Carry = (None, None, None)) -> dict[str | None, list[DraftInput]]:
+        """:meth:`inputs` per draft worker (``groups``: each one's :data:`Carry`; a sequence placed on
+        none is not asked); ``groups`` None: every request in one list (key None), carried as ``carry``."""
         requests = self.spec.requests(running, max_model_len)
         if not requests:  # the plan drafts nothing (the usual step when drafting does not pay)
-            return []
-        layers = self.hidden_layers if layers is None else tuple(layers)
-        seqs = [r.seq for r in requests]
-        # per request: positions whose hidden rows it carries (those before its new tokens)
-        spans = [(max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0) for r in requests]
-        hidden, refs = self._carried(seqs, spans, layers, dtype, plane)
-        return [tell(r.seq, r.state, r.num_speculative_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
-                     tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
-                for r, rows, ref in zip(requests, hidden, refs)]
+            return {}
+        out = {}
+        for key, (layers, dtype, plane), part in self._split(requests, lambda r: r.state, groups, carry):
+            seqs = [r.seq for r in part]
+            # per request: positions whose hidden rows it carries (those before its new tokens)
+            spans = [(max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0) for r in part]
+            hidden, refs = self._carried(seqs, spans, layers, dtype, plane)
+            out[key] = [tell(r.seq, r.state, r.num_speculative_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
+                             tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
+                        for r, rows, ref in zip(part, hidden, refs)]
+        return out
+
+    def _split(self, items: list, state_of, groups: dict[str, Carry] | None, carry: Carry):
+        """(key, carry with its layers resolved, items) per group: by each item's draft worker, or all as one."""
+        if groups is None:
+            parts = {None: (carry, items)}
+        else:
+            parts = {}
+            for item in items:
+                key = self.spec.draft_of(state_of(item))
+                if key in groups:
+                    parts.setdefault(key, (groups[key], []))[1].append(item)
+        for key, ((layers, dtype, plane), part) in parts.items():
+            yield key, (self.hidden_layers if layers is None else tuple(layers), dtype, plane), part
 
     def prompt_inputs(self, added: list[Sequence], seqs: dict[str, Sequence], max_model_len: int) -> list[DraftInput]:
         """Pipelined seam, a draft that needs no hidden states: proposal requests for sequences just
@@ -99,19 +123,30 @@ class DraftNews:
         ``layers`` (None: all offered) on the host in ``dtype``, or, given a data ``plane``
         (:class:`workers.speculation.hidden_plane.PlaneWriter`), written to it as one block and
         referred to by ``hidden_ref``."""
+        return self.take_verdicts_by(None, (layers, dtype, plane)).get(None, [])
+
+    def take_verdicts_by(self, groups: dict[str, Carry] | None,
+                         carry: Carry = (None, None, None)) -> dict[str | None, list[VerifyResult]]:
+        """:meth:`take_verdicts` per draft worker (see :meth:`inputs_by`); a verdict on a sequence of a
+        draft worker in no group is dropped (its stream ended: the sequence is told afresh elsewhere)."""
         verdicts, self.verdicts = self.verdicts, []
         if not verdicts:  # every step that verified nothing
-            return []
-        verdicts = [v for v in verdicts if v.seq.request_id in self.spec.states]  # finished since: released
-        layers = self.hidden_layers if layers is None else tuple(layers)
-        spans = [(v.first_row, v.first_row + len(v.emitted)) if layers else (0, 0) for v in verdicts]
-        hidden, refs = self._carried([v.seq for v in verdicts], spans, layers, dtype, plane)
-        return [VerifyResult(v.seq.request_id, v.round, v.accepted, v.emitted, rows, ref)
-                for v, rows, ref in zip(verdicts, hidden, refs)]
+            return {}
+        states = self.spec.states
+        verdicts = [v for v in verdicts if v.seq.request_id in states]  # finished since: released
+        out = {}
+        for key, (layers, dtype, plane), part in self._split(verdicts, lambda v: states[v.seq.request_id],
+                                                             groups, carry):
+            spans = [(v.first_row, v.first_row + len(v.emitted)) if layers else (0, 0) for v in part]
+            hidden, refs = self._carried([v.seq for v in part], spans, layers, dtype, plane)
+            out[key] = [VerifyResult(v.seq.request_id, v.round, v.accepted, v.emitted, rows, ref)
+                        for v, rows, ref in zip(part, hidden, refs)]
+        return out
 
     def take_released(self) -> list[str]:
         """Sequences the draft worker knew that ended since the last call: it may forget them."""
         out, self.spec.released = self.spec.released, []
+        self.spec.released_from.clear()
         return out
 
     def _carried(self, seqs: list[Sequence], spans: list[Span], layers: tuple[int, ...],

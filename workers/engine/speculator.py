@@ -49,6 +49,9 @@ REPLAN_MAX = 64  # ... doubling while the plans made keep drafting nothing, up t
 # gone too. So an answer offered with ``rounds asked - 1 - r`` at 0 or 1 kept up; at 2 or more the
 # draft took longer than a target step to answer (it is late, whatever it guessed).
 LATE_ROUNDS = 2
+# Why a speculating sequence's step ran plainly where its draft had the chance (asked, and it proposed
+# nothing usable, or its acceptance paused it): such a step counts against the draft's fit
+DRAFT_FAILED = frozenset({"draft_late", "no_proposal", "draft_empty", "draft_stale", "draft_invalid", "paused"})
 
 
 @dataclass
@@ -66,6 +69,15 @@ class SpecState:
     why_plain: str = ""  # why the sequence's next step runs without a draft ("": it was asked for one)
     confidence: list[float] = field(default_factory=list)  # the draft's, for the chain verified this step
     plain_steps: dict[str, int] = field(default_factory=dict)  # decode steps without a draft, by why
+    # The draft worker it speculates with and that stream's seam (None: the engine's default,
+    # Speculator.draft_id and .pipelined): a target with several draft streams places each sequence
+    # on one (Speculator.assign)
+    draft: str | None = None
+    pipelined: bool | None = None
+    hint: str = ""  # the draft worker the router chose for the request ("": none)
+    # per draft worker it speculated with: [decode steps on it, draft tokens accepted] (see placement's fit)
+    fit: dict[str, list[int]] = field(default_factory=dict)
+    settled: bool = False  # placement compared its drafts' fit and chose: it moves only if that draft goes
 
 
 @dataclass
@@ -166,21 +178,78 @@ class Speculator:
         # pipelined: what was seen of the streamed proposals (late: drafted from news LATE_ROUNDS or
         # more rounds old); the step loop judges the draft's use by it (DraftWatch.observe_staged)
         self.staged_use = StagedUse()
+        self.staged_by: dict[str, StagedUse] = {}  # the same, per draft worker
+        self.bad_by: dict[str, int] = {}  # proposals dropped as malformed, per draft worker
+        self.released_from: dict[str, str] = {}  # released sequence id -> the draft worker that knew it
+        self.mixed = False  # some sequence was placed on a stream whose seam is not the default's
+
+    def draft_of(self, st: SpecState) -> str:
+        """The draft worker a sequence speculates with."""
+        return self.draft_id if st.draft is None else st.draft
+
+    def pipelined_of(self, st: SpecState) -> bool:
+        """Whether a sequence's draft stream runs the pipelined seam."""
+        return self.pipelined if st.pipelined is None else st.pipelined
+
+    def assign(self, request_id: str, draft: str, pipelined: bool) -> bool:
+        """Place a sequence on a draft worker's stream (a target with several); True when it moved:
+        then the new draft hears the sequence from its start, and nothing the old one streamed for
+        it is used. The old draft is told to forget it (see :meth:`take_released`)."""
+        st = self.states.get(request_id)
+        if st is None or (st.draft == draft and st.pipelined == pipelined):
+            return False
+        if st.told:
+            self._release(request_id, st)
+            st.told = 0
+        self.staged.drop(request_id)
+        st.draft, st.pipelined = draft, pipelined
+        self.mixed |= pipelined != self.pipelined
+        return True
+
+    def unassign_draft(self, draft: str) -> list[str]:
+        """A draft worker's stream ended: its sequences are placed afresh (the ones returned), and
+        hear of their tokens from the start on the stream they move to; the gone stream is told nothing."""
+        moved = []
+        for rid, st in self.states.items():
+            if self.draft_of(st) == draft:
+                st.draft = st.pipelined = None
+                st.told = 0
+                self.staged.drop(rid)
+                moved.append(rid)
+        gone = [rid for rid, d in self.released_from.items() if d == draft]
+        for rid in gone:
+            del self.released_from[rid]
+        if gone:
+            drop = set(gone)
+            self.released = [rid for rid in self.released if rid not in drop]
+        return moved
+
+    def _release(self, request_id: str, st: SpecState) -> None:
+        self.released.append(request_id)
+        self.released_from[request_id] = self.draft_of(st)
+
+    def take_released_by(self) -> dict[str, list[str]]:
+        """Sequences the draft workers knew that ended (or moved) since the last call, per draft worker."""
+        out: dict[str, list[str]] = {}
+        for rid in self.released:
+            out.setdefault(self.released_from.pop(rid, self.draft_id), []).append(rid)
+        self.released = []
+        return out
 
     # ------------------------------------------------------------------ requests
 
     def add(self, request_id: str, num_speculative_tokens: int | None, tree_topk: int | None,
-            tree_depth: int | None) -> None:
+            tree_depth: int | None, hint: str = "") -> None:
         tokens = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
         prior = self.acceptance.alpha
         self.states[request_id] = SpecState(tokens, tokens, tree_topk or self.tree_topk, tree_depth or self.tree_depth,
-                                            acceptance=Acceptance(2 * prior, 2 * (1 - prior)))
+                                            acceptance=Acceptance(2 * prior, 2 * (1 - prior)), hint=hint)
 
     def forget(self, request_id: str) -> SpecState | None:
         self.staged.drop(request_id)
         st = self.states.pop(request_id, None)
         if st is not None and st.told:
-            self.released.append(request_id)
+            self._release(request_id, st)
         return st
 
     def forget_told(self, request_id: str) -> None:
@@ -189,13 +258,15 @@ class Speculator:
         st = self.states.get(request_id)
         if st is not None and st.told:
             st.told = 0
-            self.released.append(request_id)
+            self._release(request_id, st)
 
     def reset(self) -> None:
         """A new draft worker knows none of our sequences: start every one from scratch."""
         for st in self.states.values():
             st.told = 0
+            st.draft = st.pipelined = None
         self.released.clear()
+        self.released_from.clear()
         self.staged.clear()
 
     def usage(self, request_id: str) -> SpecUsage | None:
@@ -203,7 +274,7 @@ class Speculator:
         st = self.states.get(request_id)
         if st is None or not (st.usage.num_drafts or st.plain_steps):
             return None
-        return msgspec.structs.replace(st.usage, plain_steps=dict(st.plain_steps))
+        return msgspec.structs.replace(st.usage, plain_steps=dict(st.plain_steps), draft_id=self.draft_of(st))
 
     # ------------------------------------------------------------------ asking
 
@@ -235,14 +306,16 @@ class Speculator:
                 st.why_plain = "draft_late"  # until its proposal arrives
             else:
                 st.why_plain = "no_room"
-        if self.load_aware and caps and not self.pipelined:
-            planned = self._load_plan(caps, decoding)
+        # the synchronous seam plans before asking; the pipelined one when the proposals are in hand
+        sync = {sid: k for sid, k in caps.items() if not self.pipelined_of(self.states[sid])} if self.load_aware else {}
+        if sync:
+            planned = self._load_plan(sync, decoding)
             if not any(planned.values()):
                 self.unplanned_steps += 1
             for sid, k in planned.items():
                 if k <= 0:
                     self.states[sid].why_plain = "load"
-            caps = {sid: k for sid, k in planned.items() if k > 0}
+            caps = {sid: planned.get(sid, k) for sid, k in caps.items() if planned.get(sid, k) > 0}
         self.planned_draft_tokens = sum(caps.values())
         if not caps:
             return []
@@ -301,25 +374,24 @@ class Speculator:
         :func:`proposal_problem` is dropped (counted in ``dropped``). Pipelined seam: the ones that fit
         each sequence's committed tokens, from those :meth:`offer` kept (``proposals`` is unused)."""
         drafted: dict[str, Drafted] = {}
-        if self.pipelined:
+        if self.pipelined or self.mixed:
             found: list[tuple[Sequence, SpecState, DraftOutput]] = []
             for seq in running:
                 st = self.states.get(seq.request_id)
-                if st is None or seq.num_uncomputed != 1 or st.asked <= 0:
+                if st is None or seq.num_uncomputed != 1 or st.asked <= 0 or not self.pipelined_of(st):
                     continue
                 had = self.staged.has(seq.request_id)
                 prop = self.staged.take(seq.request_id, seq.token_ids)
-                self.staged_use.looked += had
+                self._count_staged(st, looked=int(had))
                 if prop is None:
                     st.why_plain = "no_proposal"
                     continue
-                self.staged_use.found += 1
+                self._count_staged(st, found=1)
                 found.append((seq, st, prop))
             if self.load_aware and found:
                 found = self._plan_found(found, sum(1 for seq in running if seq.num_uncomputed == 1))
             for seq, st, prop in found:
                 self._use(seq, st, prop, drafted, max_model_len, grammars)
-            return drafted
         if not proposals:
             return drafted
         for seq in running:
@@ -327,14 +399,14 @@ class Speculator:
             if prop is None:
                 continue
             st = self.states.get(seq.request_id)
-            if st is None or seq.num_uncomputed != 1 or prop.round != st.round - 1:
+            if st is None or seq.num_uncomputed != 1 or prop.round != st.round - 1 or self.pipelined_of(st):
                 self._drop("stale")
                 if st is not None:
                     st.why_plain = "draft_stale"
                 continue
             problem = proposal_problem(prop, max(st.asked, 1), self.vocab_size)
             if problem is not None:
-                self._drop(problem)
+                self._drop(problem, st)
                 st.why_plain = "draft_invalid"
                 continue
             self._use(seq, st, prop, drafted, max_model_len, grammars)
@@ -350,13 +422,13 @@ class Speculator:
         (:class:`RealizedRates`), only proposals with evidence of their own may still be verified,
         each still only if the cost model says it pays. The proposals kept are cut to their planned
         length; the others wait (``load``)."""
-        calib = self.calibrations.setdefault(self.draft_id, Calibration())
         caps, gains = {}, {}
         alphas = {seq.request_id: st.acceptance.alpha for seq, st, _ in found}
         for seq, st, prop in found:
             sid = seq.request_id
             caps[sid] = min(max(st.adapted, 1), len(prop.token_ids))
             if prop.confidence and not prop.is_tree:  # evidence adds to the request's record, never takes from it
+                calib = self.calibrations.setdefault(self.draft_of(st), Calibration())
                 gains[sid] = [max(g, alphas[sid] ** j) for j, g in enumerate(calib.gains(prop.confidence), 1)]
         planned = plan(caps, alphas, decoding, self.cost, gains)
         if any(planned.values()) and not self.realized.allow(decoding):
@@ -394,11 +466,22 @@ class Speculator:
             problem = ("round" if prop.round >= st.round else position_problem(prop, self.vocab_size)
                        or proposal_problem(prop, max(st.num_speculative_tokens, 1) + SPARE_MAX, self.vocab_size))
             if problem is not None:
-                self._drop(problem)
+                self._drop(problem, st)
                 continue
-            self.staged_use.arrived += 1
-            self.staged_use.late += st.round - 1 - prop.round >= LATE_ROUNDS
+            self._count_staged(st, arrived=1, late=int(st.round - 1 - prop.round >= LATE_ROUNDS))
             self.staged.offer(prop)
+
+    def _count_staged(self, st: SpecState, looked: int = 0, found: int = 0, arrived: int = 0, late: int = 0) -> None:
+        """Add to what was seen of streamed proposals, engine-wide and for the sequence's draft worker."""
+        draft = self.draft_of(st)
+        mine = self.staged_by.get(draft)
+        if mine is None:
+            mine = self.staged_by[draft] = StagedUse()
+        for use in (self.staged_use, mine):
+            use.looked += looked
+            use.found += found
+            use.arrived += arrived
+            use.late += late
 
     def _use(self, seq: Sequence, st: SpecState, prop: DraftOutput, drafted: dict[str, Drafted],
              max_model_len: int, grammars) -> None:
@@ -442,12 +525,26 @@ class Speculator:
         if st is None or st.num_speculative_tokens <= 0 or not st.why_plain:  # nobody decided about drafting: plain by design
             return
         why = st.why_plain
+        if why in DRAFT_FAILED:  # the draft had its chance and gave nothing
+            self._tally(st, self.draft_of(st), 0)
         st.plain_steps[why] = st.plain_steps.get(why, 0) + 1
         self.plain_steps[why] = self.plain_steps.get(why, 0) + 1
         st.why_plain = ""
 
-    def _drop(self, reason: str) -> None:
+    @staticmethod
+    def _tally(st: SpecState, draft: str, accepted: int) -> None:
+        """One decode step of ``st`` on ``draft``: ``accepted`` draft tokens (its fit, see placement)."""
+        fit = st.fit.get(draft)
+        if fit is None:
+            fit = st.fit[draft] = [0, 0]
+        fit[0] += 1
+        fit[1] += accepted
+
+    def _drop(self, reason: str, st: SpecState | None = None) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if st is not None and reason not in ("stale", "overflow"):
+            draft = self.draft_of(st)
+            self.bad_by[draft] = self.bad_by.get(draft, 0) + 1
 
     @property
     def num_bad_proposals(self) -> int:
@@ -466,11 +563,13 @@ class Speculator:
         st.usage = msgspec.structs.replace(u, num_drafts=u.num_drafts + 1, num_draft_tokens=u.num_draft_tokens + k,
                                            num_accepted_tokens=u.num_accepted_tokens + accepted,
                                            accepted_per_pos=per_pos)
-        self.counters.setdefault(self.draft_id, SpecCounters()).observe_draft(k, accepted, depth)
+        draft = self.draft_of(st)
+        self.counters.setdefault(draft, SpecCounters()).observe_draft(k, accepted, depth)
+        self._tally(st, draft, accepted)
         st.acceptance.observe(depth, accepted)
         self.acceptance.observe(depth, accepted)
         if st.confidence and not d.parents:
-            self.calibrations.setdefault(self.draft_id, Calibration()).observe(st.confidence[:k], accepted)
+            self.calibrations.setdefault(draft, Calibration()).observe(st.confidence[:k], accepted)
         st.confidence = []
         if self.adaptive:
             if d.parents:  # a tree: nodes off the accepted path are spent by design, so only a pass that

@@ -47,6 +47,7 @@ class SpeculativeConfig(Group):
     hidden_plane: Literal["auto", "shm", "stream", "inline"] = "auto"  # how hidden states reach drafts
     hidden_ring_mib: int = Field(64, ge=1)  # the shared-memory ring per draft stream (plane shm)
     draft_lane: Literal["auto", "off"] = "auto"  # a same-host draft's messages on a Unix socket
+    draft_streams: int = Field(4, ge=1)  # draft workers a target streams to at once; each sequence speculates with one
     draft_tls_ca: str | None = None  # reach drafts over TLS trusting this CA ('system': the system roots)
     draft_tls_cert: str | None = None  # mutual TLS: this target's certificate
     draft_tls_key: str | None = None  # and its key
@@ -166,6 +167,6 @@ SPECULATIVE_CONFIG_HELP = (
     "vLLM's speculative config as JSON (or @FILE): one schema for the target, the draft and tandem up, each "
     "reading its own keys (docs/speculative.md lists them): method, model and num_speculative_tokens (γ) as "
     "vLLM's; eagle_topk and num_steps (trees); the target's adaptive, load_aware, seam, propose_timeout, "
-    "propose_min_wait, hidden_layers, hidden_plane, hidden_ring_mib, draft_lane, draft_tls_ca/cert/key; the "
+    "propose_min_wait, hidden_layers, hidden_plane, hidden_ring_mib, draft_lane, draft_streams, draft_tls_ca/cert/key; the "
     "draft's max_num_speculative_tokens, overlap, stage_alternatives, eagle_pipelined, prompt_lookup_min/max, "
     "suffix_decoding_*, oracle_*. An unknown key is an error")

@@ -241,7 +241,7 @@ async def amain(args: argparse.Namespace) -> None:
             pool = DraftPool(rt.instance_id, cfg.served_model_name, engine.vocab_size, drafts.instances,
                              hidden_layers=engine.hidden_layers, tls=client_tls(cfg.spec),
                              pipelined=cfg.spec.seam == "pipelined" and cfg.spec.tree[0] <= 1, plane=plane_offer(engine, cfg),
-                             lanes=cfg.spec.draft_lane == "auto")
+                             lanes=cfg.spec.draft_lane == "auto", streams=cfg.spec.draft_streams)
         if cfg.role == "decode":
             from workers.target.disagg import DisaggStats, KvReceiver
 

@@ -27,6 +27,7 @@ class AddRequest:
     prefill_only: bool = False  # a prefill worker's request: its last delta carries the KV handoff
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     priority: int = 0  # vLLM's (lower first), read by an engine with the priority scheduling policy
+    draft: str = ""  # the draft worker the router chose for it ("": the target places it)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,19 @@ class DraftContext:
     # engine's thread, ahead of the cycle's news (new requests' prompts, before their prefill)
     early: Callable[[list], None] | None = None
     stream: int = 0  # the stream's serial number (DraftClient.serial): one per stream the target opened
+    method: str = ""  # the draft method it serves (placement compares the kinds' fit per sequence)
+
+
+@dataclass
+class StreamNews:
+    """One draft stream's share of a cycle: what goes to it after the step, and what the step saw of
+    its proposals."""
+
+    verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome
+    released: list[str] = field(default_factory=list)
+    requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
+    dropped: int = 0  # its proposals the engine refused as malformed this step
+    staged: StagedUse = field(default_factory=StagedUse)  # pipelined: what this cycle saw of its streamed proposals
 
 
 @dataclass
@@ -72,11 +86,7 @@ class Cycle:
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # requests to fail, and why
     stepped: bool = False
     decode_seconds: float = 0.0  # the step, when it was a decode/verify step (the draft's pace)
-    verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome
-    released: list[str] = field(default_factory=list)
-    requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
-    dropped: int = 0  # proposals the engine refused as malformed this step
-    staged: StagedUse = field(default_factory=StagedUse)  # pipelined: what this cycle saw of streamed proposals
+    news: dict[int, StreamNews] = field(default_factory=dict)  # per draft stream (its serial)
     kv_events: list[KvEvent] = field(default_factory=list)
     has_work: bool = False
     handoffs: dict = field(default_factory=dict)  # request id -> KvHandoff (prefill role)

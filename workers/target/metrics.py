@@ -137,10 +137,10 @@ class TargetCollector(Collector):
         yield counter("busy_seconds", "Seconds the step loop spent on iterations with work (waiting for "
                       "proposals included).", w.loop.busy_seconds)
         yield counter("draft_wait_seconds", "Seconds the step loop waited for rounds of draft proposals "
-                      "(the planner's draft:target rule reads its share of busy_seconds).", w.loop.draft_wait_seconds)
+                      "(the planner's draft:target rule reads its share of busy_seconds).", w.loop.drafting.wait_seconds)
         yield counter("draft_flush_seconds", "Seconds the step loop spent, before its steps, handing the previous "
                       "step's news to the draft stream (pipelined seam; part of busy_seconds, not of draft_wait).",
-                      w.loop.draft_flush_seconds)
+                      w.loop.drafting.flush_seconds)
         spec = engine.spec  # speculation budgets and the step-cost model behind load-aware ones
         fixed, per_token, per_seq, speculating = spec.cost.coefficients()
         yield gauge("spec_planned_draft_tokens", "Draft tokens asked for in the latest step.", spec.planned_draft_tokens)
@@ -170,7 +170,7 @@ class TargetCollector(Collector):
         for reason, count in sorted(dict(spec.dropped).items()):
             dropped.add_metric([self.model, reason], count)
         yield dropped
-        watch = loop.watch
+        watch = loop.drafting.watch
         yield counter("draft_rounds_late", "Proposal rounds most of whose proposals missed the deadline.",
                       watch.late_rounds)
         yield counter("draft_backoffs", "Times the draft was put on a backoff (slow, silent or malformed; "
@@ -188,6 +188,7 @@ class TargetCollector(Collector):
                     1 if watch.backed_off else 0)
         yield gauge("draft_deadline_seconds", "How long a round of proposals is waited for.", watch.deadline())
         if loop.pool is not None:
+            yield from self._per_draft(loop, spec)
             refused = CounterMetricFamily("tandem_target_draft_refused",
                                           "Draft workers refused at the handshake, by what did not match.",
                                           labels=["model", "reason"])
@@ -262,6 +263,37 @@ class TargetCollector(Collector):
             yield c
         yield histogram_family("tandem_target_kv_transfer_seconds", "Seconds per KV pull.", d.transfer_seconds,
                                ["model"], [self.model])
+
+    def _per_draft(self, loop, spec):
+        """Per draft worker this target streams to: sequences placed on it, its proposals verified and
+        their accepted tokens, its streamed proposals that came late (:mod:`workers.target.placement`)."""
+        drafting = loop.drafting
+        streams = GaugeMetricFamily("tandem_target_draft_streams", "Draft workers this target streams to now.",
+                                    labels=["model"])
+        streams.add_metric([self.model], drafting.streams)
+        yield streams
+        held = GaugeMetricFamily("tandem_target_draft_sequences", "Speculating sequences placed on each draft worker.",
+                                 labels=["model", "draft"])
+        for draft, n in sorted(drafting.sequences_by_draft().items()):
+            held.add_metric([self.model, draft], n)
+        yield held
+        families = {name: CounterMetricFamily(f"tandem_target_draft_{name}", doc, labels=["model", "draft"])
+                    for name, doc in (("verified_proposals", "Proposals of each draft worker verified."),
+                                      ("accepted_tokens", "Draft tokens of each draft worker accepted."),
+                                      ("late_proposals", "Streamed proposals of each draft worker drafted from news "
+                                                         "two or more rounds old (pipelined seam)."))}
+        for draft, counters in sorted(dict(self.worker.engine.counters).items()):
+            if draft:
+                families["verified_proposals"].add_metric([self.model, draft], counters.num_drafts)
+                families["accepted_tokens"].add_metric([self.model, draft], counters.num_accepted_tokens)
+        for draft, use in sorted(dict(spec.staged_by).items()):
+            if draft:
+                families["late_proposals"].add_metric([self.model, draft], use.late)
+        yield from families.values()
+        moved = CounterMetricFamily("tandem_target_draft_sequences_moved", "Sequences moved to another draft worker "
+                                    "because theirs went away or backed off.", labels=["model"])
+        moved.add_metric([self.model], drafting.placement.moved)
+        yield moved
 
     def _tiers(self, tiers):
         """KV tiers below the device pool (``--kv-offload-*``): ``tandem_target_kv_tier_*{tier=host|disk}``."""

@@ -41,7 +41,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 from runtime.errors import EngineFailed
 from runtime.events import TOPIC_SPEC_STATS
@@ -50,16 +49,14 @@ from runtime.messages import KvEvent, SamplingParams, TokenDelta
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..openmp import torch_thread
-from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
 from .commands import AbortRequest, AddRequest, Command, Cycle, DraftContext, EngineCall
-from .draft_client import DraftClient
 from .draft_pool import DraftPool
 from .draft_watch import DraftWatch
+from .drafting import Drafting
 from .seam import Proposals
 
 log = logging.getLogger(__name__)
 
-FLUSH_TIMEOUT = 0.005  # pipelined: the most a step waits for the draft stream's writes (normally ~0.1 ms)
 BROKEN_AFTER = 3  # engine steps failing in a row (each on a fresh batch) mark the engine broken
 
 
@@ -76,7 +73,7 @@ class StepLoop:
         if self.pool is not None:
             engine.time_steps = False  # the loop times whole cycles for the cost model (see _run)
         self.target_id = target_id
-        self.watch = watch or DraftWatch(propose_timeout)
+        self.drafting = Drafting(engine, pool, watch or DraftWatch(propose_timeout))
         self._on_kv_events = on_kv_events
         self._publish = publish
         self._epoch = epoch
@@ -89,21 +86,13 @@ class StepLoop:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._has_work = False
-        self._client: DraftClient | None = None  # the stream the latest news went to (its seam holds the round)
-        self._draft_id = ""
-        self._stream = 0  # the serial of the stream the latest context came from (0: none)
-        self._engine_stream = 0  # the stream the engine's drafting state belongs to (the engine's thread's)
-        self._method = ""
         self._last_cycle = 0.0  # seconds of the previous whole cycle (for the cost model)
         self._last_asked = False  # proposals were asked for the previous cycle's step
         self._failures_in_a_row = 0
         self.steps = 0
         self.busy_seconds = 0.0  # time in iterations with work (waiting for proposals included)
-        self.draft_wait_seconds = 0.0  # of that, time spent waiting for a round of proposals (pipelined: none)
-        self.draft_flush_seconds = 0.0  # of that, pipelined: time handing each step's news to the stream
         self.step_failures = 0
         self.loop_errors = 0
-        self.proposals_dropped = 0
         self.handoffs: dict = {}  # request id -> KvHandoff, taken by the prefill handler with its last delta
 
     # ------------------------------------------------------------------ handlers' side
@@ -136,16 +125,17 @@ class StepLoop:
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
                num_speculative_tokens: int | None = None,
                tree: tuple[int | None, int | None] = (None, None), grammar: Grammar | None = None,
-               prefill_only: bool = False, lora: str | None = None, priority: int = 0) -> asyncio.Queue:
+               prefill_only: bool = False, lora: str | None = None, priority: int = 0, draft: str = "") -> asyncio.Queue:
         """Validate (raises InvalidRequest here, on the caller's side) and queue a request; its
         deltas, or the exception that ended it, arrive on the returned queue. ``grammar``: the
         compiled ``params.structured`` (see :meth:`compile_grammar`). ``prefill_only``: the request
-        ends after its first token, with finish reason ``handoff`` and its KvHandoff in :attr:`handoffs`."""
+        ends after its first token, with finish reason ``handoff`` and its KvHandoff in :attr:`handoffs`.
+        ``draft``: the draft worker the router chose for it (see :mod:`.placement`)."""
         self.engine.validate(token_ids, params, output_ids)
         out: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = out
         self._push(AddRequest(request_id, list(token_ids), params, list(output_ids), num_speculative_tokens, tree,
-                              grammar, prefill_only, lora, priority))
+                              grammar, prefill_only, lora, priority, draft))
         return out
 
     async def receive(self, request_id: str, token_ids: list[int], params: SamplingParams, output_ids: list[int],
@@ -202,45 +192,32 @@ class StepLoop:
             except Exception as exc:  # a bug outside the engine step: fail what is open, keep serving
                 self.loop_errors += 1
                 log.exception("target step loop: iteration failed; failing its open requests")
-                self._forget_round()
+                self.drafting.forget()
                 for rid in list(self._queues):
                     self._fail(rid, EngineFailed(f"target step loop failed: {exc!r}"))
                     self._commands.append(AbortRequest(rid))
 
     async def _iteration(self) -> None:
         if not self._commands and not self._has_work:
-            self._forget_round()  # proposals for sequences that are gone: not worth waiting for
+            self.drafting.forget()  # proposals for sequences that are gone: not worth waiting for
             self._wake.clear()
             await self._wake.wait()
             return
         started = time.perf_counter()
-        proposals = Proposals()
-        if self._client is not None:
-            seam = self._client.seam
-            # pipelined: the last step's verdicts and round requests leave before this step takes the
-            # interpreter (normally taken already: see after the cycle)
-            self.draft_flush_seconds += await seam.flush(FLUSH_TIMEOUT)
-            proposals = await seam.collect(self.watch.deadline())
-            self.draft_wait_seconds += proposals.waited
-        context = await self._draft_context()
+        drafting = self.drafting
+        proposals = await drafting.collect()
+        contexts = await drafting.contexts()
         commands = list(self._commands)
         self._commands.clear()
         loop = asyncio.get_running_loop()
-        asked = proposals.asked > 0  # a round was asked for this cycle's step (late or not)
-        cycle = await loop.run_in_executor(self._executor, self.run_cycle, commands, proposals, context,
+        asked = any(p.asked > 0 for p in proposals.values())  # a round was asked for this cycle's step (late or not)
+        cycle = await loop.run_in_executor(self._executor, self.run_cycle, commands, proposals, contexts,
                                            self._last_cycle, self._last_asked)
         self._has_work = cycle.has_work
         for cmd, result, error in cycle.results:
             self._resolve(cmd, result, error)
-        if self._talk_to_draft(cycle):  # first: the draft works while the loop delivers
-            # One turn of the event loop, before the deliveries wake anything: the stream's writer
-            # takes this step's news (gRPC starts writing it as it takes it). Otherwise it would
-            # wait behind every request handler the deliveries wake, or, once the next step's thread
-            # holds the interpreter, a switch interval; the flush before the next step then finds
-            # nothing left to wait for.
-            handed = time.perf_counter()
-            await asyncio.sleep(0)
-            self.draft_flush_seconds += time.perf_counter() - handed
+        if drafting.talk(cycle):  # first: the drafts work while the loop delivers
+            await drafting.hand_over()
         self.handoffs.update(cycle.handoffs)  # before the deltas whose finish reason says "handoff"
         self._deliver(cycle.outputs)
         for rid, error in cycle.failed:
@@ -249,44 +226,38 @@ class StepLoop:
             self._on_kv_events(cycle.kv_events)
         if cycle.stepped:
             self.steps += 1
-        self._observe_step(cycle, proposals)
+        drafting.observe(cycle, proposals)
         self._last_cycle = time.perf_counter() - started if cycle.stepped else 0.0
         self.busy_seconds += time.perf_counter() - started
         self._last_asked = asked
 
-    def run_cycle(self, commands: list[Command], proposals: Proposals, context: DraftContext | None,
+    def run_cycle(self, commands: list[Command], proposals: dict[int, Proposals], contexts: tuple[DraftContext, ...],
                   last_cycle: float, last_asked: bool = False) -> Cycle:
         """Everything of one cycle that touches the engine, on its thread: the loop runs it in its
-        executor; a driver that runs cycles itself (``bench/default_step_bench.py``) calls it directly."""
+        executor; a driver that runs cycles itself (``bench/default_step_bench.py``) calls it directly.
+        ``proposals``: per stream serial, what its seam collected; ``contexts``: the streams to use,
+        primary first (empty: decode plainly)."""
         engine, out = self.engine, Cycle()
         if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
             engine.observe_cycle(last_cycle, last_asked)
         spec = engine.spec
-        draft_id = context.draft_id if context is not None else ""
-        stream = context.stream if context is not None else 0
-        pipelined = context is not None and context.pipelined
-        if draft_id != engine.draft_id or pipelined != spec.pipelined or stream != self._engine_stream:
-            # a new draft stream (or none) knows none of our sequences, even one to the same draft
-            # worker (a new stream to it, or to a newer incarnation of it): all are committed afresh,
-            # and nothing the old stream sent is used
-            engine.reset_drafts()
-            engine.draft_id = draft_id
-            self._engine_stream = stream
-            spec.pipelined = pipelined  # the stream's seam, fixed at its handshake
-            proposals = Proposals()
+        # a new draft stream knows none of our sequences, even one to the same draft worker (a new
+        # stream to it, or to a newer incarnation of it): its sequences are committed afresh, and
+        # nothing the old stream sent is used
+        self.drafting.placement.sync(spec, contexts)
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        dropped = spec.num_bad_proposals
-        staged = replace(spec.staged_use)
-        if proposals.streamed:  # pipelined: streamed ahead; checked and kept until they fit
-            engine.offer(proposals.streamed)
+        before = self.drafting.counts(contexts)
+        answers, streamed = self.drafting.proposals(proposals, contexts)
+        if streamed:  # pipelined: streamed ahead; checked and kept until they fit
+            engine.offer(streamed)
         added = engine.take_added()
-        if added and context is not None and context.ask and context.early is not None:
-            self._prompt_news(engine.prompt_inputs(added), context)
+        if added and contexts:
+            self.drafting.prompt_news(added, contexts)
         if engine.has_work():
             started = time.perf_counter()
             try:
-                out.outputs = engine.step(proposals.answers)
+                out.outputs = engine.step(answers)
                 out.handoffs = engine.handoffs.take()  # prefill role: where handed-off requests' KV waits
                 self._failures_in_a_row = 0
                 if engine.last_step.tokens:
@@ -294,10 +265,9 @@ class StepLoop:
             except Exception as exc:
                 out.failed = self._step_failed(exc)
             out.stepped = True
-        out.dropped = spec.num_bad_proposals - dropped
-        out.staged = spec.staged_use - staged
-        if context is not None:
-            self._draft_messages(out, context)
+        out.news = self.drafting.shares(contexts, before)
+        if contexts:
+            self.drafting.messages(out, contexts)
         else:
             engine.take_verdicts(())
             engine.take_released()
@@ -314,7 +284,7 @@ class StepLoop:
                 engine.add_request(cmd.request_id, cmd.token_ids, cmd.params, cmd.output_ids, cmd.grammar,
                                    num_speculative_tokens=cmd.num_speculative_tokens, tree_topk=top_k,
                                    tree_depth=depth, prefill_only=cmd.prefill_only, lora=cmd.lora,
-                                   priority=cmd.priority)
+                                   priority=cmd.priority, draft=cmd.draft)
                 return cmd, None, None
             if isinstance(cmd, AbortRequest):
                 engine.abort(cmd.request_id)
@@ -339,47 +309,6 @@ class StepLoop:
         engine.reset_drafts()  # verdicts of the failed step, if any, are unsafe to send
         error = EngineFailed(f"engine step failed: {exc!r}")
         return [(rid, error) for rid in batch]
-
-    def _converted(self, requests: list, dtype: str, what: str) -> list:
-        """``requests`` (DraftInput) for the wire; one that cannot be converted is not sent, and the
-        draft hears of its sequence from scratch next time."""
-        converted = []
-        for request in requests:
-            try:
-                converted.append(draft_input_to_pb(request, dtype))
-            except Exception as exc:
-                log.warning("request %s: %s not sent to the draft (%r)", request.seq_id, what, exc)
-                self.engine.spec.forget_told(request.seq_id)
-        return converted
-
-    def _prompt_news(self, requests: list, context: DraftContext) -> None:
-        """New requests' prompts to the draft before their prefill step (see :meth:`Engine.prompt_inputs`)."""
-        converted = self._converted(requests, context.dtype, "prompt")
-        if not converted:
-            return
-        try:
-            context.early(converted)
-        except Exception as exc:  # (the event loop closing): they hear of these after the prefill instead
-            log.warning("prompts not sent to the draft (%r)", exc)
-            for request in converted:
-                self.engine.spec.forget_told(request.seq_id)
-
-    def _draft_messages(self, out: Cycle, context: DraftContext) -> None:
-        """Verdicts, released sequences and the next round's requests, converted for the wire."""
-        engine = self.engine
-        dtype = DTYPES.get(context.dtype)
-        for verdict in engine.take_verdicts(context.layers, dtype, context.plane):
-            try:
-                out.verdicts.append(verify_to_pb(verdict, context.dtype))
-            except Exception as exc:  # the draft's view of this sequence is lost: start it afresh
-                log.warning("request %s: verdict not sent (%r); the draft starts it again", verdict.seq_id, exc)
-                engine.spec.forget_told(verdict.seq_id)
-        out.released = engine.take_released()
-        if not context.ask:
-            engine.spec.unasked(engine.scheduler.running, "draft_backoff")  # why the next step decodes plainly
-        else:
-            out.requests = self._converted(engine.draft_inputs(context.layers, dtype, context.plane), context.dtype,
-                                           "proposal request")
 
     def _resolve(self, cmd: Command, result: object, error: BaseException | None) -> None:
         if isinstance(cmd, AddRequest):
@@ -411,58 +340,6 @@ class StepLoop:
 
     # ------------------------------------------------------------------ speculation
 
-    async def _draft_context(self) -> DraftContext | None:
-        """The draft stream to use this cycle (None: decode plainly), from the pool without waiting."""
-        if self.pool is None:
-            return None
-        try:
-            client = await self.pool.poll()
-        except Exception as exc:
-            log.warning("choosing a draft worker failed: %r", exc)
-            client = None
-        draft_id = client.draft_id if client is not None else ""
-        stream = client.serial if client is not None else 0
-        if stream != self._stream:
-            if draft_id:
-                self._method = client.method
-                log.info("speculating with draft worker %s (%s, incarnation %d)", draft_id, client.method,
-                         client.incarnation)
-            elif self._draft_id:
-                log.warning("no draft worker reachable: plain decoding until one appears")
-            self._draft_id, self._stream = draft_id, stream
-            self.watch.reset()
-        self._client = client
-        if client is None:
-            return None
-        seam = client.seam
-        return DraftContext(draft_id, tuple(client.hidden_layers), client.hidden_dtype, self.watch.allowed(),
-                            seam.pipelined, seam.plane, seam.send_prompts if seam.prompts_early else None,
-                            stream)
-
-    def _forget_round(self) -> None:
-        """Give up the round of proposals asked for, if any."""
-        if self._client is not None:
-            self._client.seam.forget()
-
-    def _observe_step(self, cycle: Cycle, proposals: Proposals) -> None:
-        if cycle.decode_seconds:
-            self.watch.observe_step(cycle.decode_seconds)
-        if proposals.asked:
-            self.watch.observe_round(proposals.asked, proposals.arrived, cycle.dropped)
-        elif proposals.arrived:  # pipelined
-            self.watch.observe_round(proposals.arrived, proposals.arrived, cycle.dropped)
-        client = self._client  # (cycle.staged counts nothing but on the pipelined seam)
-        self.watch.observe_staged(cycle.staged, client is not None and bool(client.hidden_layers))
-        self.proposals_dropped += cycle.dropped
-
-    def _talk_to_draft(self, cycle: Cycle) -> bool:
-        """Send the step's news on the draft stream's seam; True when the seam wants the stream's
-        writer given a turn of the event loop (the pipelined one, when anything went)."""
-        client = self._client
-        if client is None:
-            return False
-        return client.seam.news(cycle.verdicts, cycle.released, cycle.requests)
-
     async def _housekeeping(self) -> None:
         """Publish the spec-decode counters per draft worker (cumulative, when they changed, and every
         10 intervals regardless) and let go of a draft worker that left while this target is idle."""
@@ -483,7 +360,7 @@ class StepLoop:
                 sent[draft_id] = counters.num_drafts
                 try:
                     await self._publish(TOPIC_SPEC_STATS, counters.event(self.target_id, draft_id, self._epoch,
-                                                                         self._method))
+                                                                         self.drafting.methods.get(draft_id, "")))
                 except Exception as exc:
                     log.debug("spec stats not published: %r", exc)
 

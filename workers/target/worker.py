@@ -157,7 +157,7 @@ class TargetWorker:
                 out = self.loop.submit(rid, list(req.token_ids), req.sampling, list(req.output_ids),
                                        req.num_speculative_tokens,
                                        (req.speculative_tree_topk, req.speculative_tree_depth), grammar, prefill_only,
-                                       lora, req.priority)
+                                       lora, req.priority, req.draft_id)
             while not finished:
                 items = [await out.get()]
                 while not out.empty():

@@ -86,3 +86,38 @@ async def test_priority_and_hints_reach_the_router_and_every_worker_tried():
     assert [t async for delta in gen for t in delta.token_ids] == [7, 8, 9]
     assert seen == [hints, hints]  # the first choice and the migration's
     assert [r.priority for _, r in client.requests] == [-3, -3]
+
+
+async def test_a_conversations_next_turn_is_sent_back_to_the_draft_that_served_it():
+    from runtime.messages import SpecUsage, Usage
+
+    class Served:
+        """Every request finishes at once, speculated with draft ``d7``."""
+
+        def __init__(self):
+            self.snapshot = FixedSnapshot([record("a")])
+            self.requests: list[GenerateRequest] = []
+
+        def unreachable_ids(self) -> list[str]:
+            return []
+
+        async def call(self, instance_id, request, response_type, request_id="", pending=None):
+            self.requests.append(request)
+            usage = Usage(prompt_tokens=len(request.token_ids), completion_tokens=2,
+                          spec=SpecUsage(num_drafts=1, draft_id="d7"))
+            stream = FakeStream(instance_id, [TokenDelta([5, 6], finish_reason="length", usage=usage)])
+            stream.finished = True
+            return stream
+
+    client = Served()
+    dispatcher = Dispatcher(RoundRobinRouter(lambda model: [record("a")]), client)
+    sampling = SamplingParams(max_tokens=2)
+    turn = list(range(100, 170))  # a whole block (64) and more
+    session = RoutingHints(session_id="s1")
+    for tokens, hints in ((turn, session), (turn + [5, 6, 9], None), (list(range(300, 380)), None),
+                          ([1, 2], session)):
+        gen = await dispatcher.open("m", tokens, sampling, "r", hints=hints)
+        [_ async for _ in gen]
+    # the first turn knew nothing; its next turn (by tokens) and a later request of its session go
+    # back to d7; another conversation does not
+    assert [r.draft_id for r in client.requests] == ["", "d7", "", "d7"]

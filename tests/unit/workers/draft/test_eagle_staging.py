@@ -145,7 +145,7 @@ async def test_pipelined_eagle3_over_grpc_with_the_real_step_loop_equals_plain_d
         finally:
             await loop.stop()
     assert got == want
-    assert loop.draft_wait_seconds == 0.0  # the pipelined loop awaits no proposal
+    assert loop.drafting.wait_seconds == 0.0  # the pipelined loop awaits no proposal
     counters = engine.counters["d1"]
     assert service.stager.staged > 0 and counters.num_drafts > 0 and counters.num_accepted_tokens > 0, counters
     assert engine.spec.num_bad_proposals == 0

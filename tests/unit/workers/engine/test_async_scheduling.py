@@ -465,7 +465,7 @@ def test_a_connected_draft_worker_keeps_speculating_sequences_synchronous(spec_m
     batch = spec_prompts(4, seed=13)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine = _spec_engine(target_dir, True)
-    engine.draft_id = "d"
+    engine.spec.draft_id = "d"
     proposer = make_proposer("ngram", target_dir, draft_dir)
     got = run_spec(engine, proposer, batch, params, before_step=lambda _: None)
     assert engine.device_fed == 0

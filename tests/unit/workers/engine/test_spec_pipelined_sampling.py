@@ -65,7 +65,7 @@ def test_the_first_verified_token_has_the_target_marginal_under_the_pipelined_se
                                                             max_num_batched_tokens=4096),
                     num_speculative_tokens=GAMMA, adaptive=False)
     engine.spec.pipelined = True
-    engine.draft_id = "d"
+    engine.spec.draft_id = "d"
     rng = random.Random(7)
     torch.manual_seed(1234)
     ids = list(range(0, VOCAB, 3))  # a sparse q over a third of the vocabulary, different per depth

@@ -57,7 +57,7 @@ async def test_pipelined_greedy_equals_the_target_alone_and_never_waits(model, e
         assert client.seam.pipelined
         engine, loop, got = await serve_with(model, client)
     assert got == expected
-    assert loop.draft_wait_seconds == 0.0  # the pipelined loop awaits no proposal
+    assert loop.drafting.wait_seconds == 0.0  # the pipelined loop awaits no proposal
     assert service.stager.staged > 0 and engine.spec.num_bad_proposals == 0
     if method == "oracle":  # (a random model's output repeats nothing an n-gram could find)
         counters = engine.counters["d1"]
@@ -138,7 +138,7 @@ async def test_missing_staged_proposals_mean_plain_steps_not_waits(model, expect
     want = expected["a"][:12]
     engine, loop, deltas = await run_scripted(model, lambda *_: [])
     assert [t for d in deltas for t in d.token_ids] == want
-    assert loop.draft_wait_seconds == 0.0
+    assert loop.drafting.wait_seconds == 0.0
     assert deltas[-1].usage.spec.plain_steps == {"no_proposal": 10, "no_room": 1}
 
 
@@ -260,7 +260,7 @@ async def test_a_steps_news_travels_as_one_message_to_a_draft_that_takes_it(mode
         assert kinds.get("step", 0) >= len(PROMPTS) and not {"propose", "verify", "release"} & set(kinds), kinds
     else:
         assert "step" not in kinds and kinds.get("propose", 0) >= len(PROMPTS) and kinds.get("release"), kinds
-    assert (loop.draft_flush_seconds > 0) == pipelined  # pipelined: the news handed over before each next step
+    assert (loop.drafting.flush_seconds > 0) == pipelined  # pipelined: the news handed over before each next step
 
 
 def test_prompts_go_to_the_draft_only_for_requests_that_will_verify_a_chain(model):
@@ -301,7 +301,7 @@ async def _serve_judged(model, engine: Engine, client) -> StepLoop:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = Engine(model, CFG).generate({"a": PROMPTS["a"]}, params)["a"]
     loop = StepLoop(engine, _Pool(client))
-    loop.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)
+    loop.drafting.watch = DraftWatch(2.0, staged_window=8, backoff_base=30.0)
     loop.start()
     try:
         got = await serve_through(loop, {"a": PROMPTS["a"]}, params)
@@ -325,7 +325,7 @@ async def test_a_draft_whose_streamed_proposals_come_too_late_is_backed_off(mode
 
     client = _Scripted(late)
     loop = await _serve_judged(model, engine, client)
-    assert loop.watch.backoffs_total == 1 and engine.spec.staged_use.found == 0
+    assert loop.drafting.watch.backoffs_total == 1 and engine.spec.staged_use.found == 0
     assert engine.spec.staged_use.late == engine.spec.staged_use.arrived > 0
     plain = engine.spec.plain_steps
     assert plain.get("draft_backoff", 0) > 20 and plain.get("no_proposal", 0) <= 12
@@ -347,9 +347,9 @@ async def test_a_draft_that_keeps_up_but_guesses_wrong_is_backed_off_only_if_it_
     loop = await _serve_judged(model, engine, client)
     assert engine.spec.staged_use.found == 0 and engine.spec.staged_use.late == 0
     if reads_hidden:
-        assert loop.watch.backoffs_total == 1 and engine.spec.plain_steps.get("draft_backoff", 0) > 20
+        assert loop.drafting.watch.backoffs_total == 1 and engine.spec.plain_steps.get("draft_backoff", 0) > 20
     else:
-        assert loop.watch.backoffs_total == 0 and engine.spec.staged_use.arrived > 30
+        assert loop.drafting.watch.backoffs_total == 0 and engine.spec.staged_use.arrived > 30
         assert engine.spec.plain_steps.get("draft_backoff", 0) == 0
 
 

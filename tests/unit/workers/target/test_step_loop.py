@@ -156,7 +156,7 @@ async def test_a_verdict_that_cannot_be_converted_restarts_the_drafts_view(model
     def broken_convert(verdict, dtype=""):
         raise ValueError("injected: cannot serialise")
 
-    monkeypatch.setattr("workers.target.step_loop.verify_to_pb", broken_convert)
+    monkeypatch.setattr("workers.target.drafting.verify_to_pb", broken_convert)
     engine = Engine(model, CFG, hidden_layers=(1,), num_speculative_tokens=1, adaptive=False)
     client = _Client(expected)
     loop = StepLoop(engine, _Pool(client))

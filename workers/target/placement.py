@@ -1,0 +1,127 @@
+"""Which draft stream each sequence speculates with, for a target that holds streams to several draft
+workers (:class:`.draft_pool.DraftPool` with ``streams`` > 1). Runs on the engine's thread, between
+steps; plain values in.
+
+The engine's *default* draft is the pool's primary stream: with one stream every sequence speculates
+with it and nothing here places anything. With several, each sequence is placed on one of the
+streams that are asking (:attr:`DraftContext.ask`: not backed off):
+
+- a sequence its draft worker already knows stays with it while that stream asks;
+- the router's choice for the request (``SpecState.hint``, a draft worker id), when that stream asks;
+- otherwise the asking stream holding the fewest sequences (ties: a hash of sequence and draft), so
+  each target splits its sequences evenly over its drafts, and a draft's load follows its share.
+
+Fit, where the asking streams serve more than one draft method (say suffix and EAGLE-3): each sequence
+keeps, per draft it speculated with, its decode steps there and the draft tokens accepted
+(``SpecState.fit``). After ``FIT_STEPS`` steps on a draft that gains it under ``EXPLORE_BELOW`` of its
+γ a step, it tries a stream of a method it has not tried; once it has tried what there is, it goes to
+(or stays with) the draft that gained it most a step, and stays there (``SpecState.settled``) unless
+that stream goes. So a repetitive request ends on the suffix draft and a chat request on the head, each
+by what it measured, and a sequence whose first draft serves it well never moves.
+
+A stream that ended, or was replaced by a new one to the same draft worker (a new incarnation, a
+broken stream reopened), takes its sequences with it: they are placed afresh and the draft they move
+to hears each from its start (:meth:`~workers.engine.speculator.Speculator.unassign_draft`); nothing
+the old stream sent is used. A sequence on a stream that stopped asking (backed off) moves to one
+that asks, and its old draft is told to forget it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Iterable
+
+from ..engine.speculator import SpecState, Speculator
+from .commands import DraftContext
+
+FIT_STEPS = 16  # decode steps on a draft before its fit for a sequence is judged
+EXPLORE_BELOW = 0.5  # a draft gaining a sequence less than this share of its γ a step: try another kind
+
+
+class Placement:
+    """Keeps the engine's per-sequence draft placement in step with the target's draft streams."""
+
+    def __init__(self) -> None:
+        self.serials: dict[str, int] = {}  # draft id -> the stream the engine's state for it belongs to
+        self.moved = 0  # sequences placed on another draft because theirs ended or stopped asking
+        self.refits = 0  # sequences placed on another draft by fit (another kind tried, or the best kept)
+
+    def sync(self, spec: Speculator, contexts: tuple[DraftContext, ...]) -> None:
+        """Follow the streams of this cycle: the first is the default draft; a draft whose stream ended
+        or changed loses its sequences (placed afresh next)."""
+        primary = contexts[0] if contexts else None
+        default = primary.draft_id if primary is not None else ""
+        live = {c.draft_id: c.stream for c in contexts}
+        old = spec.draft_id
+        if live != self.serials or default != old:
+            if default != old and old in live and live[old] == self.serials.get(old):
+                self._pin(spec)  # the old default lives on: its sequences stay with it, by name
+            for draft, serial in list(self.serials.items()):
+                if live.get(draft) != serial:
+                    self.moved += len(spec.unassign_draft(draft))
+                    del self.serials[draft]
+            if default != old and old not in self.serials:
+                spec.unassign_draft(old)  # a default no stream of ours stood for: its sequences start afresh
+            self.serials = live
+            spec.draft_id = default
+        spec.pipelined = primary.pipelined if primary is not None else False
+
+    @staticmethod
+    def _pin(spec: Speculator) -> None:
+        """Name the default draft on the sequences that speculate with it without a placement."""
+        for st in spec.states.values():
+            if st.draft is None:
+                st.draft, st.pipelined = spec.draft_id, spec.pipelined
+
+    def place(self, spec: Speculator, request_ids: Iterable[str], contexts: tuple[DraftContext, ...]) -> None:
+        """Place the sequences ``request_ids`` that need it on the asking streams (see the module)."""
+        asking = {c.draft_id: c for c in contexts if c.ask}
+        if len(contexts) < 2 or not asking:
+            return
+        held: Counter[str] = Counter(st.draft for st in spec.states.values() if st.draft in asking)
+        for rid in request_ids:
+            st = spec.states.get(rid)
+            if st is None or st.num_speculative_tokens <= 0:
+                continue
+            draft = spec.draft_of(st)
+            if draft in asking and (st.draft is not None or st.told):
+                if st.draft is None:  # known to the default draft: it stays there, by name now
+                    spec.assign(rid, draft, asking[draft].pipelined)
+                    held[draft] += 1
+                better = self._refit(st, draft, asking, held)
+                if better is not None:
+                    self.refits += 1
+                    held[draft] -= 1
+                    spec.assign(rid, better.draft_id, better.pipelined)
+                    held[better.draft_id] += 1
+                continue
+            choice = asking.get(st.hint) or min(asking.values(), key=lambda c: (held[c.draft_id], _tie(rid, c.draft_id)))
+            if st.told and draft not in asking:
+                self.moved += 1
+            if st.draft in held:
+                held[st.draft] -= 1
+            spec.assign(rid, choice.draft_id, choice.pipelined)
+            held[choice.draft_id] += 1
+
+
+    @staticmethod
+    def _refit(st: SpecState, draft: str, asking: dict[str, DraftContext], held: Counter) -> DraftContext | None:
+        """Another stream for ``st`` by fit (see the module), or None to stay on ``draft``."""
+        mine = st.fit.get(draft)
+        if st.settled or mine is None or mine[0] < FIT_STEPS or len({c.method for c in asking.values()}) < 2:
+            return None
+        tried = [d for d, (steps, _) in st.fit.items() if steps >= FIT_STEPS and d in asking]
+        score = {d: st.fit[d][1] / st.fit[d][0] for d in tried}
+        if score[draft] < EXPLORE_BELOW * st.num_speculative_tokens:
+            methods = {asking[d].method for d in tried}
+            untried = [c for c in asking.values() if c.method not in methods]
+            if untried:
+                return min(untried, key=lambda c: held[c.draft_id])
+        st.settled = True
+        best = max(tried, key=score.get)
+        return asking[best] if best != draft and score[best] > score[draft] else None
+
+
+def _tie(request_id: str, draft_id: str) -> int:
+    return zlib.crc32(f"{request_id}/{draft_id}".encode())
