@@ -36,7 +36,7 @@ from tests.support.procs import ManagedProcess  # noqa: E402
 from tests.support.servers import env_for, running_servers  # noqa: E402
 from tests.support.tiny_models import tiny_hf_model  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
 REPEATED = [[(11 * j + 3) % 250 for j in range(12)], [(13 * j + 40) % 250 for j in range(10)]]
 
 
@@ -57,7 +57,8 @@ async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: 
     namespace = f"fit-{'-'.join(kinds)}-{int(time.time())}"
     env = env_for(etcd, nats_server, namespace)
     oracle = json.dumps({"oracle_file": str(refs), "oracle_error_rate": args.error_rate, "oracle_vocab_size": 256})
-    spec = json.dumps({"adaptive": False, "load_aware": False, "propose_min_wait": 0.5, "draft_streams": len(kinds)})
+    spec = json.dumps({"adaptive": False, "load_aware": False, "propose_min_wait": 0.5, "draft_streams": len(kinds),
+                       "seam": args.seam})
     procs = []
     for kind in kinds:
         extra = ["--speculative-config", oracle] if kind == "oracle" else []
@@ -76,6 +77,7 @@ async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: 
             await (await rt.client("draft", "speculate")).wait_for_instances(len(kinds), timeout=120)
             await asyncio.sleep(2.0)  # the target's streams up
             tally = {"repeated": [0, 0], "fresh": [0, 0]}  # [tokens, accepted]
+            plain: dict[str, int] = {}  # decode steps without a draft, by why
             bad = 0
             fresh = iter(range(len(REPEATED), len(prompts)))
 
@@ -87,15 +89,17 @@ async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: 
                 spec = out[-1].usage.spec
                 tally[kind][0] += len(got)
                 tally[kind][1] += spec.num_accepted_tokens if spec is not None else 0
+                for why, n in (spec.plain_steps if spec is not None else {}).items():
+                    plain[why] = plain.get(why, 0) + n
 
             for r in range(args.rounds):
-                batch = [(j % len(REPEATED), "repeated") if j % 2 == 0 else (next(fresh), "fresh")
+                batch = [((j // 2) % len(REPEATED), "repeated") if j % 2 == 0 else (next(fresh), "fresh")
                          for j in range(args.batch)]
                 await asyncio.gather(*(one(i, kind) for i, kind in batch))
             per_step = {kind: tokens / max(tokens - accepted, 1) for kind, (tokens, accepted) in tally.items()}
             tokens = sum(t for t, _ in tally.values())
             per_step["all"] = tokens / max(tokens - sum(a for _, a in tally.values()), 1)
-            return {"kinds": kinds, "per_step": per_step, "bad": bad}
+            return {"kinds": kinds, "per_step": per_step, "bad": bad, "plain": plain}
     finally:
         for p in procs:
             p.stop(timeout=10)
@@ -114,7 +118,7 @@ async def amain(args) -> None:
             r = await run(kinds, args, etcd, nats_server, model_dir, refs, prompts, want)
             s = r["per_step"]
             print(f"{run_kinds:>13}: tokens per step: repeated {s['repeated']:.2f}, fresh {s['fresh']:.2f}, "
-                  f"all {s['all']:.2f}; {r['bad']} outputs unlike the target alone", flush=True)
+                  f"all {s['all']:.2f}; {r['bad']} outputs unlike the target alone; plain steps {r['plain']}", flush=True)
 
 
 def main() -> None:
@@ -122,6 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--error-rate", type=float, default=0.2)
+    parser.add_argument("--seam", choices=["pipelined", "sync"], default="sync")
     parser.add_argument("--runs", nargs="+", default=["suffix", "oracle", "suffix+oracle"])
     asyncio.run(amain(parser.parse_args()))
 

@@ -2,8 +2,9 @@
 tiny target worker and oracle draft workers, under 16 concurrent greedy streams.
 
 - Every sequence is placed on one of the target's draft streams, and both drafts hold some.
-- One draft is killed (SIGKILL) mid-stream: no stream fails, every output equals the target alone,
-  the dead draft's sequences move to the other, and every stream speculates again soon after.
+- One draft is killed (SIGKILL) mid-stream, under continuous load: no request fails, every output
+  equals the target alone, the dead draft's sequences move to the other, and every stream speculates
+  again soon after (logged; the issue's bound is 1 s, asserted here at 5 s for a loaded CI host).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 log = logging.getLogger("tests.draft_pool")
 
-GREEDY = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 STREAMS = 16
 
 
@@ -63,50 +64,55 @@ async def test_a_dead_drafts_sequences_move_to_the_other_without_a_gap(rt, spawn
     await eventually(lambda: _both(inst.http_address), timeout=30, interval=0.2, what="streams to both drafts")
 
     arrivals: dict[int, list[tuple[float, int]]] = {i: [] for i in range(STREAMS)}  # (time, tokens) per delta
-    outputs: dict[int, list[int]] = {}
     problems: list[str] = []
+    served = [0]
+    stop = asyncio.Event()
 
-    async def one(i: int) -> None:
-        prompt = i % len(PROMPTS)
-        try:
-            stream = await client.call(inst.instance_id, GenerateRequest(PROMPTS[prompt], GREEDY), TokenDelta)
-            got: list[int] = []
-            async with stream:
-                async for delta in stream:
-                    arrivals[i].append((time.monotonic(), len(delta.token_ids)))
-                    got.extend(delta.token_ids)
-            outputs[i] = got
-            if got != want[str(prompt)]:
-                problems.append(f"stream {i}: output differs from the target alone")
-        except Exception as exc:
-            problems.append(f"stream {i}: failed: {exc!r}")
+    async def one(i: int) -> None:  # requests back to back until stopped, each checked
+        n = 0
+        while not stop.is_set():
+            prompt = (i + n) % len(PROMPTS)
+            n += 1
+            try:
+                stream = await client.call(inst.instance_id, GenerateRequest(PROMPTS[prompt], GREEDY), TokenDelta)
+                got: list[int] = []
+                async with stream:
+                    async for delta in stream:
+                        arrivals[i].append((time.monotonic(), len(delta.token_ids)))
+                        got.extend(delta.token_ids)
+                served[0] += 1
+                if got != want[str(prompt)]:
+                    problems.append(f"stream {i}: output differs from the target alone")
+            except Exception as exc:
+                problems.append(f"stream {i}: failed: {exc!r}")
 
     load = asyncio.gather(*(one(i) for i in range(STREAMS)))
-    # every stream under way and both drafts holding sequences of this load
-    held = await eventually(lambda: _holding(inst.http_address), timeout=60, interval=0.05,
-                            what="both drafts holding sequences")
-    by_id = {r.instance_id: r for r in records}
-    victim_id = max(held, key=held.get)
-    victim = next(p for p in procs.values() if p.pid == by_id[victim_id].pid)
-    log.info("sequences per draft %s; killing %s (%s)", held, victim.name, victim_id)
-    killed = time.monotonic()
-    victim.kill()
-    await asyncio.wait_for(load, 120)
+    try:
+        # both drafts holding sequences of this load
+        held = await eventually(lambda: _holding(inst.http_address), timeout=60, interval=0.05,
+                                what="both drafts holding sequences")
+        by_id = {r.instance_id: r for r in records}
+        victim_id = max(held, key=held.get)
+        victim = next(p for p in procs.values() if p.pid == by_id[victim_id].pid)
+        log.info("sequences per draft %s; killing %s (%s)", held, victim.name, victim_id)
+        killed = time.monotonic()
+        victim.kill()
+        await asyncio.sleep(3.0)
+        before = served[0]
+        await eventually(lambda: served[0] >= before + STREAMS, timeout=60, what="a round of requests after the kill")
+    finally:
+        stop.set()
+        await asyncio.wait_for(load, 120)
     assert not problems, problems[:5]
-    assert len(outputs) == STREAMS
 
-    # every stream that was still decoding after the kill speculates again (a delta of several tokens)
+    # every stream speculates again after the kill (a delta of several tokens)
     gaps = []
     for i, seen in arrivals.items():
-        after = [(t, n) for t, n in seen if t > killed]
-        if len(after) < 8:
-            continue  # (it finished right after the kill)
-        first = next((t for t, n in after if n > 1), None)
+        first = next((t for t, n in seen if t > killed and n > 1), None)
         assert first is not None, f"stream {i} never speculated again after the kill"
         gaps.append(first - killed)
-    assert gaps, "no stream was still decoding after the kill"
-    log.info("after the kill: %d streams decoding; first multi-token delta after %.3f s (median %.3f s, max)",
-             len(gaps), max(gaps), sorted(gaps)[len(gaps) // 2])
+    log.info("after the kill every stream speculated again within %.3f s (median %.3f s)", max(gaps),
+             sorted(gaps)[len(gaps) // 2])
     moved = await scalar(inst.http_address, "tandem_target_draft_sequences_moved_total")
     assert moved >= 1, "no sequence moved off the dead draft"
     verified = await per_draft(inst.http_address, "tandem_target_draft_verified_proposals_total")

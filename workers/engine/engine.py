@@ -238,7 +238,7 @@ class Engine:
         released sequences (``groups``: each one's (layers, dtype, plane), as :meth:`draft_inputs` takes
         them), then this round's requests (``asking``: the groups asked). Verdicts go to the draft that
         proposed even if the sequence was placed on another since."""
-        verdicts, released = self.news.take_verdicts_by(groups), self.spec.take_released_by()
+        verdicts, released = self.news.take_verdicts_by(groups), self.news.take_released_by()
         if self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
             self.admission.immediate.extend(self.flush())  # (their deltas come with the next step)
         return verdicts, released, self.news.inputs_by(self.scheduler.running, self.max_model_len, asking)

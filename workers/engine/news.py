@@ -149,6 +149,14 @@ class DraftNews:
         self.spec.released_from.clear()
         return out
 
+    def take_released_by(self) -> dict[str, list[str]]:
+        """Sequences the draft workers knew that ended (or moved) since the last call, per draft worker."""
+        spec, out = self.spec, {}
+        for rid in spec.released:
+            out.setdefault(spec.released_from.pop(rid, spec.draft_id), []).append(rid)
+        spec.released = []
+        return out
+
     def _carried(self, seqs: list[Sequence], spans: list[Span], layers: tuple[int, ...],
                  dtype: torch.dtype | None, plane) -> tuple[list[list[torch.Tensor]], list[HiddenRef | None]]:
         """Per sequence: (its rows on the host, [] on a plane) and (its plane reference, or None)."""

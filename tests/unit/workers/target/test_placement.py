@@ -59,7 +59,7 @@ def test_a_stream_that_ends_takes_only_its_sequences_and_they_are_told_afresh_el
     assert len(on_a) == 2
     spec.forget("s0" if "s0" in on_a else "s1")  # one of a's finishes: a is owed a release ...
     placement.sync(spec, (stream("b", 2),))  # ... but a's stream is gone
-    assert spec.take_released_by() == {}  # nothing goes to the dead draft
+    assert spec.released == []  # nothing goes to the dead draft
     moved = [rid for rid in on_a if rid in spec.states]
     assert all(spec.states[rid].told == 0 for rid in moved)  # the survivor hears them from the start
     assert all(spec.states[rid].told == 10 for rid in spec.states if rid not in on_a)  # the others untouched
@@ -88,7 +88,7 @@ def test_a_backed_off_stream_hands_its_sequences_to_one_that_asks_and_is_told_to
     placement.sync(spec, backed_off)
     placement.place(spec, list(spec.states), backed_off)
     assert all(spec.draft_of(st) == "b" for st in spec.states.values())
-    assert sorted(spec.take_released_by()["a"]) == on_a
+    assert sorted(spec.released) == on_a and {spec.released_from[r] for r in on_a} == {"a"}
 
 
 def test_the_primary_changing_keeps_the_old_ones_sequences_with_it_by_name():
