@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nspec.proto\x12\x0etandem.spec.v1\"\xad\x02\n\rTargetMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.tandem.spec.v1.HelloH\x00\x12/\n\x07propose\x18\x02 \x01(\x0b\x32\x1c.tandem.spec.v1.ProposeBatchH\x00\x12-\n\x06verify\x18\x03 \x01(\x0b\x32\x1b.tandem.spec.v1.VerifyBatchH\x00\x12/\n\x07release\x18\x04 \x01(\x0b\x32\x1c.tandem.spec.v1.ReleaseBatchH\x00\x12\x31\n\x0bhidden_rows\x18\x05 \x01(\x0b\x32\x1a.tandem.spec.v1.HiddenRowsH\x00\x12(\n\x04step\x18\x06 \x01(\x0b\x32\x18.tandem.spec.v1.StepNewsH\x00\x42\x06\n\x04\x62ody\"y\n\x0c\x44raftMessage\x12-\n\thello_ack\x18\x01 \x01(\x0b\x32\x18.tandem.spec.v1.HelloAckH\x00\x12\x32\n\tproposals\x18\x02 \x01(\x0b\x32\x1d.tandem.spec.v1.ProposalBatchH\x00\x42\x06\n\x04\x62ody\"\xd2\x01\n\x05Hello\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rhidden_layers\x18\x04 \x03(\x05\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x15\n\rhidden_planes\x18\x06 \x03(\t\x12\x12\n\nhidden_shm\x18\x07 \x01(\t\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x1a\n\x12hidden_plane_dtype\x18\t \x01(\t\x12\r\n\x05lanes\x18\n \x03(\t\"\x9a\x02\n\x08HelloAck\x12\x10\n\x08\x64raft_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x15\n\rhidden_layers\x18\x03 \x03(\x05\x12\"\n\x1amax_num_speculative_tokens\x18\x04 \x01(\x05\x12\x14\n\x0chidden_dtype\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x11\n\tpipelined\x18\x07 \x01(\x08\x12\x14\n\x0chidden_plane\x18\x08 \x01(\t\x12\x11\n\tstep_news\x18\t \x01(\x08\x12\x0c\n\x04lane\x18\n \x01(\t\x12\x14\n\x0clane_address\x18\x0b \x01(\t\x12\x12\n\nlane_token\x18\x0c \x01(\x0c\x12\x13\n\x0bincarnation\x18\r \x01(\x04\"a\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x03\"\xa7\x02\n\x0eProposeRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.tandem.spec.v1.SamplingSpec\x12-\n\rhidden_states\x18\x06 \x03(\x0b\x32\x16.tandem.spec.v1.Tensor\x12\x11\n\ttree_topk\x18\x07 \x01(\x05\x12\x12\n\ntree_depth\x18\x08 \x01(\x05\x12\x11\n\tmax_depth\x18\t \x01(\x05\x12)\n\x06hidden\x18\n \x01(\x0b\x32\x19.tandem.spec.v1.HiddenRef\"@\n\x0cProposeBatch\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.tandem.spec.v1.ProposeRequest\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd1\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rdistributions\x18\x04 \x03(\x0b\x32\".tandem.spec.v1.SparseDistribution\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x12\r\n\x05start\x18\x07 \x01(\x03\x12\x0f\n\x07\x61ssumed\x18\x08 \x03(\x05\x12\x12\n\nconfidence\x18\t \x03(\x02J\x04\x08\x05\x10\x06R\rdraft_seconds\"<\n\rProposalBatch\x12+\n\tproposals\x18\x01 \x03(\x0b\x32\x18.tandem.spec.v1.Proposal\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb6\x01\n\rVerifyOutcome\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x16\n\x0e\x65mitted_tokens\x18\x04 \x03(\x05\x12-\n\rhidden_states\x18\x05 \x03(\x0b\x32\x16.tandem.spec.v1.Tensor\x12)\n\x06hidden\x18\x06 \x01(\x0b\x32\x19.tandem.spec.v1.HiddenRef\"<\n\tHiddenRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x10\n\x08streamed\x18\x03 \x01(\x08\"D\n\nHiddenRows\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\n\n\x02\x61t\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\">\n\x0bVerifyBatch\x12/\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1d.tandem.spec.v1.VerifyOutcome\"\x95\x01\n\x08StepNews\x12+\n\x06verify\x18\x01 \x01(\x0b\x32\x1b.tandem.spec.v1.VerifyBatch\x12-\n\x07release\x18\x02 \x01(\x0b\x32\x1c.tandem.spec.v1.ReleaseBatch\x12-\n\x07propose\x18\x03 \x01(\x0b\x32\x1c.tandem.spec.v1.ProposeBatch\"\x1f\n\x0cReleaseBatch\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t2\\\n\x0c\x44raftService\x12L\n\tSpeculate\x12\x1d.tandem.spec.v1.TargetMessage\x1a\x1c.tandem.spec.v1.DraftMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nspec.proto\x12\x0etandem.spec.v1\"\xad\x02\n\rTargetMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.tandem.spec.v1.HelloH\x00\x12/\n\x07propose\x18\x02 \x01(\x0b\x32\x1c.tandem.spec.v1.ProposeBatchH\x00\x12-\n\x06verify\x18\x03 \x01(\x0b\x32\x1b.tandem.spec.v1.VerifyBatchH\x00\x12/\n\x07release\x18\x04 \x01(\x0b\x32\x1c.tandem.spec.v1.ReleaseBatchH\x00\x12\x31\n\x0bhidden_rows\x18\x05 \x01(\x0b\x32\x1a.tandem.spec.v1.HiddenRowsH\x00\x12(\n\x04step\x18\x06 \x01(\x0b\x32\x18.tandem.spec.v1.StepNewsH\x00\x42\x06\n\x04\x62ody\"y\n\x0c\x44raftMessage\x12-\n\thello_ack\x18\x01 \x01(\x0b\x32\x18.tandem.spec.v1.HelloAckH\x00\x12\x32\n\tproposals\x18\x02 \x01(\x0b\x32\x1d.tandem.spec.v1.ProposalBatchH\x00\x42\x06\n\x04\x62ody\"\xd2\x01\n\x05Hello\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rhidden_layers\x18\x04 \x03(\x05\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x15\n\rhidden_planes\x18\x06 \x03(\t\x12\x12\n\nhidden_shm\x18\x07 \x01(\t\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x1a\n\x12hidden_plane_dtype\x18\t \x01(\t\x12\r\n\x05lanes\x18\n \x03(\t\"\xa8\x02\n\x08HelloAck\x12\x10\n\x08\x64raft_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x15\n\rhidden_layers\x18\x03 \x03(\x05\x12\"\n\x1amax_num_speculative_tokens\x18\x04 \x01(\x05\x12\x14\n\x0chidden_dtype\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x11\n\tpipelined\x18\x07 \x01(\x08\x12\x14\n\x0chidden_plane\x18\x08 \x01(\t\x12\x11\n\tstep_news\x18\t \x01(\x08\x12\x0c\n\x04lane\x18\n \x01(\t\x12\x14\n\x0clane_address\x18\x0b \x01(\t\x12\x12\n\nlane_token\x18\x0c \x01(\x0c\x12\x13\n\x0bincarnation\x18\r \x01(\x04\x12\x0c\n\x04lora\x18\x0e \x01(\t\"a\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x03\"\xa7\x02\n\x0eProposeRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.tandem.spec.v1.SamplingSpec\x12-\n\rhidden_states\x18\x06 \x03(\x0b\x32\x16.tandem.spec.v1.Tensor\x12\x11\n\ttree_topk\x18\x07 \x01(\x05\x12\x12\n\ntree_depth\x18\x08 \x01(\x05\x12\x11\n\tmax_depth\x18\t \x01(\x05\x12)\n\x06hidden\x18\n \x01(\x0b\x32\x19.tandem.spec.v1.HiddenRef\"@\n\x0cProposeBatch\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.tandem.spec.v1.ProposeRequest\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd1\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rdistributions\x18\x04 \x03(\x0b\x32\".tandem.spec.v1.SparseDistribution\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x12\r\n\x05start\x18\x07 \x01(\x03\x12\x0f\n\x07\x61ssumed\x18\x08 \x03(\x05\x12\x12\n\nconfidence\x18\t \x03(\x02J\x04\x08\x05\x10\x06R\rdraft_seconds\"<\n\rProposalBatch\x12+\n\tproposals\x18\x01 \x03(\x0b\x32\x18.tandem.spec.v1.Proposal\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb6\x01\n\rVerifyOutcome\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x16\n\x0e\x65mitted_tokens\x18\x04 \x03(\x05\x12-\n\rhidden_states\x18\x05 \x03(\x0b\x32\x16.tandem.spec.v1.Tensor\x12)\n\x06hidden\x18\x06 \x01(\x0b\x32\x19.tandem.spec.v1.HiddenRef\"<\n\tHiddenRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x10\n\x08streamed\x18\x03 \x01(\x08\"D\n\nHiddenRows\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\n\n\x02\x61t\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\">\n\x0bVerifyBatch\x12/\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1d.tandem.spec.v1.VerifyOutcome\"\x95\x01\n\x08StepNews\x12+\n\x06verify\x18\x01 \x01(\x0b\x32\x1b.tandem.spec.v1.VerifyBatch\x12-\n\x07release\x18\x02 \x01(\x0b\x32\x1c.tandem.spec.v1.ReleaseBatch\x12-\n\x07propose\x18\x03 \x01(\x0b\x32\x1c.tandem.spec.v1.ProposeBatch\"\x1f\n\x0cReleaseBatch\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t2\\\n\x0c\x44raftService\x12L\n\tSpeculate\x12\x1d.tandem.spec.v1.TargetMessage\x1a\x1c.tandem.spec.v1.DraftMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,33 +38,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO']._serialized_start=458
   _globals['_HELLO']._serialized_end=668
   _globals['_HELLOACK']._serialized_start=671
-  _globals['_HELLOACK']._serialized_end=953
-  _globals['_SAMPLINGSPEC']._serialized_start=955
-  _globals['_SAMPLINGSPEC']._serialized_end=1052
-  _globals['_PROPOSEREQUEST']._serialized_start=1055
-  _globals['_PROPOSEREQUEST']._serialized_end=1350
-  _globals['_PROPOSEBATCH']._serialized_start=1352
-  _globals['_PROPOSEBATCH']._serialized_end=1416
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=1418
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1466
-  _globals['_PROPOSAL']._serialized_start=1469
-  _globals['_PROPOSAL']._serialized_end=1678
-  _globals['_PROPOSALBATCH']._serialized_start=1680
-  _globals['_PROPOSALBATCH']._serialized_end=1740
-  _globals['_TENSOR']._serialized_start=1742
-  _globals['_TENSOR']._serialized_end=1794
-  _globals['_VERIFYOUTCOME']._serialized_start=1797
-  _globals['_VERIFYOUTCOME']._serialized_end=1979
-  _globals['_HIDDENREF']._serialized_start=1981
-  _globals['_HIDDENREF']._serialized_end=2041
-  _globals['_HIDDENROWS']._serialized_start=2043
-  _globals['_HIDDENROWS']._serialized_end=2111
-  _globals['_VERIFYBATCH']._serialized_start=2113
-  _globals['_VERIFYBATCH']._serialized_end=2175
-  _globals['_STEPNEWS']._serialized_start=2178
-  _globals['_STEPNEWS']._serialized_end=2327
-  _globals['_RELEASEBATCH']._serialized_start=2329
-  _globals['_RELEASEBATCH']._serialized_end=2360
-  _globals['_DRAFTSERVICE']._serialized_start=2362
-  _globals['_DRAFTSERVICE']._serialized_end=2454
+  _globals['_HELLOACK']._serialized_end=967
+  _globals['_SAMPLINGSPEC']._serialized_start=969
+  _globals['_SAMPLINGSPEC']._serialized_end=1066
+  _globals['_PROPOSEREQUEST']._serialized_start=1069
+  _globals['_PROPOSEREQUEST']._serialized_end=1364
+  _globals['_PROPOSEBATCH']._serialized_start=1366
+  _globals['_PROPOSEBATCH']._serialized_end=1430
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1432
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1480
+  _globals['_PROPOSAL']._serialized_start=1483
+  _globals['_PROPOSAL']._serialized_end=1692
+  _globals['_PROPOSALBATCH']._serialized_start=1694
+  _globals['_PROPOSALBATCH']._serialized_end=1754
+  _globals['_TENSOR']._serialized_start=1756
+  _globals['_TENSOR']._serialized_end=1808
+  _globals['_VERIFYOUTCOME']._serialized_start=1811
+  _globals['_VERIFYOUTCOME']._serialized_end=1993
+  _globals['_HIDDENREF']._serialized_start=1995
+  _globals['_HIDDENREF']._serialized_end=2055
+  _globals['_HIDDENROWS']._serialized_start=2057
+  _globals['_HIDDENROWS']._serialized_end=2125
+  _globals['_VERIFYBATCH']._serialized_start=2127
+  _globals['_VERIFYBATCH']._serialized_end=2189
+  _globals['_STEPNEWS']._serialized_start=2192
+  _globals['_STEPNEWS']._serialized_end=2341
+  _globals['_RELEASEBATCH']._serialized_start=2343
+  _globals['_RELEASEBATCH']._serialized_end=2374
+  _globals['_DRAFTSERVICE']._serialized_start=2376
+  _globals['_DRAFTSERVICE']._serialized_end=2468
 # @@protoc_insertion_point(module_scope)

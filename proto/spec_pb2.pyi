@@ -55,7 +55,7 @@ class Hello(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., pipelined: _Optional[bool] = ..., hidden_planes: _Optional[_Iterable[str]] = ..., hidden_shm: _Optional[str] = ..., hidden_size: _Optional[int] = ..., hidden_plane_dtype: _Optional[str] = ..., lanes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("draft_id", "method", "hidden_layers", "max_num_speculative_tokens", "hidden_dtype", "vocab_size", "pipelined", "hidden_plane", "step_news", "lane", "lane_address", "lane_token", "incarnation")
+    __slots__ = ("draft_id", "method", "hidden_layers", "max_num_speculative_tokens", "hidden_dtype", "vocab_size", "pipelined", "hidden_plane", "step_news", "lane", "lane_address", "lane_token", "incarnation", "lora")
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class HelloAck(_message.Message):
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     draft_id: str
     method: str
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -82,7 +83,8 @@ class HelloAck(_message.Message):
     lane_address: str
     lane_token: bytes
     incarnation: int
-    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_num_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., pipelined: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ..., lane: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_token: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, draft_id: _Optional[str] = ..., method: _Optional[str] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., max_num_speculative_tokens: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., pipelined: _Optional[bool] = ..., hidden_plane: _Optional[str] = ..., step_news: _Optional[bool] = ..., lane: _Optional[str] = ..., lane_address: _Optional[str] = ..., lane_token: _Optional[bytes] = ..., incarnation: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")

@@ -298,7 +298,7 @@ async def amain(args: argparse.Namespace, cfg: DraftConfig) -> None:
     async with Runtime.connect(config) as rt:
         service = DraftService(proposer, rt.instance_id, cfg.spec.max_num_speculative_tokens,
                                overlap=cfg.spec.overlap, alternatives=cfg.spec.stage_alternatives, executor=torch_work,
-                               incarnation=rt.incarnation)
+                               incarnation=rt.incarnation, lora=cfg.spec.draft_lora)
         REGISTRY.register(DraftCollector(service, cfg.model_name or "draft", cfg.method))
         await service.start()
         distilling = start_distillation(cfg, proposer, service)

@@ -98,8 +98,9 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, drafter: Drafter, draft_id: str, max_num_speculative_tokens: int = 16, overlap: bool = True,
                  alternatives: int = 1, lanes: bool = True, executor: ThreadPoolExecutor | None = None,
-                 incarnation: int = 0):
+                 incarnation: int = 0, lora: str = ""):
         self.drafter = drafter
+        self.lora = lora  # the LoRA adapter its head was trained against (HelloAck.lora; "": the base model)
         caps = drafter.caps
         self._calls = DrafterCalls(caps.on_loop, executor)  # where the drafter's work runs
         # The pipelined seam: staged proposals, ``alternatives`` bonus guesses per rejected depth.
@@ -476,7 +477,7 @@ class DraftService(spec_pb2_grpc.DraftServiceServicer):
                 hidden_dtype=caps.hidden_dtype, vocab_size=caps.vocab_size,
                 pipelined=self.stager is not None, hidden_plane=plane, step_news=self.takes_step_news,
                 lane=lane.UNIX if token else "", lane_address=self._lanes.address if token else "",
-                lane_token=token, incarnation=self.incarnation)))
+                lane_token=token, incarnation=self.incarnation, lora=self.lora)))
         elif body == "hidden_rows":
             if stream.plane is None:
                 raise ValueError("hidden rows on a stream without a data plane")

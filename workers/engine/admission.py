@@ -98,7 +98,7 @@ class Admission:
                        frozenset(t for t in stop if 0 <= t < self.vocab_size), generator, grammar=grammar,
                        lora=lora or None, hash_root=chain_root(lora))
         self.seqs[request_id] = seq
-        self.spec.add(request_id, *speculation)
+        self.spec.add(request_id, *speculation, lora=lora or "")
         return seq
 
     def abort(self, request_id: str) -> bool:

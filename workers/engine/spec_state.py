@@ -41,6 +41,7 @@ class SpecState:
     draft: str | None = None
     pipelined: bool | None = None
     hint: str = ""  # the draft worker the router chose for the request ("": none)
+    lora: str = ""  # the request's LoRA adapter: a draft trained against it is placed first
     # per draft worker it speculated with: [decode steps on it, draft tokens accepted] (see placement's fit)
     fit: dict[str, list[int]] = field(default_factory=dict)
     settled: bool = False  # placement compared its drafts' fit and chose: it moves only if that draft goes

@@ -146,11 +146,11 @@ class Speculator:
     # ------------------------------------------------------------------ requests
 
     def add(self, request_id: str, num_speculative_tokens: int | None, tree_topk: int | None,
-            tree_depth: int | None, hint: str = "") -> None:
+            tree_depth: int | None, hint: str = "", lora: str = "") -> None:
         tokens = max(0, self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens)
         prior = self.acceptance.alpha
         self.states[request_id] = SpecState(tokens, tokens, tree_topk or self.tree_topk, tree_depth or self.tree_depth,
-                                            acceptance=Acceptance(2 * prior, 2 * (1 - prior)), hint=hint)
+                                            acceptance=Acceptance(2 * prior, 2 * (1 - prior)), hint=hint, lora=lora)
 
     def forget(self, request_id: str) -> SpecState | None:
         self.staged.drop(request_id)

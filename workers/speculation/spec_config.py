@@ -54,6 +54,7 @@ class SpeculativeConfig(Group):
 
     # --- the draft's own (draft)
     max_num_speculative_tokens: int = Field(16, ge=1)  # the most a target may ask of this draft a round
+    draft_lora: str = ""  # the LoRA adapter this draft was trained against: targets give it that adapter's requests
     overlap: bool = True  # draft ahead while the target verifies (methods that can)
     stage_alternatives: int = Field(1, ge=0)  # pipelined seam: guessed bonus tokens per rejected position
     eagle_pipelined: bool = False  # an EAGLE head stages for the pipelined seam (else the synchronous one)
@@ -168,5 +169,5 @@ SPECULATIVE_CONFIG_HELP = (
     "reading its own keys (docs/speculative.md lists them): method, model and num_speculative_tokens (γ) as "
     "vLLM's; eagle_topk and num_steps (trees); the target's adaptive, load_aware, seam, propose_timeout, "
     "propose_min_wait, hidden_layers, hidden_plane, hidden_ring_mib, draft_lane, draft_streams, draft_tls_ca/cert/key; the "
-    "draft's max_num_speculative_tokens, overlap, stage_alternatives, eagle_pipelined, prompt_lookup_min/max, "
+    "draft's max_num_speculative_tokens, draft_lora, overlap, stage_alternatives, eagle_pipelined, prompt_lookup_min/max, "
     "suffix_decoding_*, oracle_*. An unknown key is an error")

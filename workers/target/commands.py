@@ -63,6 +63,7 @@ class DraftContext:
     early: Callable[[list], None] | None = None
     stream: int = 0  # the stream's serial number (DraftClient.serial): one per stream the target opened
     method: str = ""  # the draft method it serves (placement compares the kinds' fit per sequence)
+    lora: str = ""  # the LoRA adapter its head was trained against ("": the base model)
 
 
 @dataclass

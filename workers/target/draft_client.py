@@ -95,6 +95,7 @@ class DraftClient:
         self.fenced = 0  # proposals that arrived after the stream was fenced (a newer incarnation known): dropped
         self._fenced = False
         self.method = ""
+        self.lora = ""
         self.hidden_layers: list[int] = []
         self.hidden_dtype = ""  # what the draft computes in; hidden states are sent in it
         self.hidden_bytes = 0  # hidden-state payload sent so far
@@ -143,6 +144,7 @@ class DraftClient:
         if problem is not None:
             raise IncompatibleDraft(self.draft_id, *problem)
         self.method = ack.method
+        self.lora = ack.lora  # the adapter it was trained against ("": the base model)
         self.hidden_layers = list(ack.hidden_layers)
         self.hidden_dtype = ack.hidden_dtype
         self.step_news = ack.step_news

@@ -200,7 +200,7 @@ class Drafting:
         self._clients = clients
         return tuple(DraftContext(c.draft_id, tuple(c.hidden_layers), c.hidden_dtype, self.watch_of(c.serial).allowed(),
                                   c.seam.pipelined, c.seam.plane, c.seam.send_prompts if c.seam.prompts_early else None,
-                                  c.serial, c.method) for c in clients)
+                                  c.serial, c.method, c.lora) for c in clients)
 
     def watch_of(self, serial: int) -> DraftWatch:
         """The watch judging a stream: ``watch`` for the primary, one of its own for each other."""

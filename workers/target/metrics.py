@@ -272,23 +272,25 @@ class TargetCollector(Collector):
                                     labels=["model"])
         streams.add_metric([self.model], drafting.streams)
         yield streams
+        method = drafting.methods.get
         held = GaugeMetricFamily("tandem_target_draft_sequences", "Speculating sequences placed on each draft worker.",
-                                 labels=["model", "draft"])
+                                 labels=["model", "draft", "method"])
         for draft, n in sorted(drafting.sequences_by_draft().items()):
-            held.add_metric([self.model, draft], n)
+            held.add_metric([self.model, draft, method(draft, "")], n)
         yield held
-        families = {name: CounterMetricFamily(f"tandem_target_draft_{name}", doc, labels=["model", "draft"])
+        families = {name: CounterMetricFamily(f"tandem_target_draft_{name}", doc, labels=["model", "draft", "method"])
                     for name, doc in (("verified_proposals", "Proposals of each draft worker verified."),
                                       ("accepted_tokens", "Draft tokens of each draft worker accepted."),
                                       ("late_proposals", "Streamed proposals of each draft worker drafted from news "
                                                          "two or more rounds old (pipelined seam)."))}
         for draft, counters in sorted(dict(self.worker.engine.counters).items()):
             if draft:
-                families["verified_proposals"].add_metric([self.model, draft], counters.num_drafts)
-                families["accepted_tokens"].add_metric([self.model, draft], counters.num_accepted_tokens)
+                families["verified_proposals"].add_metric([self.model, draft, method(draft, "")], counters.num_drafts)
+                families["accepted_tokens"].add_metric([self.model, draft, method(draft, "")],
+                                                       counters.num_accepted_tokens)
         for draft, use in sorted(dict(spec.staged_by).items()):
             if draft:
-                families["late_proposals"].add_metric([self.model, draft], use.late)
+                families["late_proposals"].add_metric([self.model, draft, method(draft, "")], use.late)
         yield from families.values()
         moved = CounterMetricFamily("tandem_target_draft_sequences_moved", "Sequences moved to another draft worker "
                                     "because theirs went away or backed off.", labels=["model"])

@@ -9,7 +9,9 @@ streams that are asking (:attr:`DraftContext.ask`: not backed off):
 - a sequence its draft worker already knows stays with it while that stream asks;
 - the router's choice for the request (``SpecState.hint``, a draft worker id), when that stream asks;
 - otherwise the asking stream holding the fewest sequences (ties: a hash of sequence and draft), so
-  each target splits its sequences evenly over its drafts, and a draft's load follows its share.
+  each target splits its sequences evenly over its drafts, and a draft's load follows its share;
+  among those trained against the request's LoRA adapter (``HelloAck.lora``, the draft's
+  ``draft_lora`` key) when there are any, else among the base model's drafts, else among all.
 
 Fit, where the asking streams serve more than one draft method (say suffix and EAGLE-3): each sequence
 keeps, per draft it speculated with, its decode steps there and the draft tokens accepted
@@ -28,12 +30,15 @@ that asks, and its old draft is told to forget it.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections import Counter
 from collections.abc import Iterable
 
 from ..engine.speculator import SpecState, Speculator
 from .commands import DraftContext
+
+log = logging.getLogger(__name__)
 
 FIT_STEPS = 16  # decode steps on a draft before its fit for a sequence is judged
 EXPLORE_BELOW = 0.5  # a draft gaining a sequence less than this share of its γ a step: try another kind
@@ -89,14 +94,21 @@ class Placement:
                 if st.draft is None:  # known to the default draft: it stays there, by name now
                     spec.assign(rid, draft, asking[draft].pipelined)
                     held[draft] += 1
-                better = self._refit(st, draft, asking, held)
+                better = self._refit(st, draft, _fitting(st, asking), held)
                 if better is not None:
+                    log.debug("sequence %s: %s -> %s by fit (%s)", rid, draft, better.draft_id, st.fit)
                     self.refits += 1
                     held[draft] -= 1
                     spec.assign(rid, better.draft_id, better.pipelined)
                     held[better.draft_id] += 1
                 continue
-            choice = asking.get(st.hint) or min(asking.values(), key=lambda c: (held[c.draft_id], _tie(rid, c.draft_id)))
+            choice = asking.get(st.hint) or min(_fitting(st, asking).values(),
+                                                key=lambda c: (held[c.draft_id], _tie(rid, c.draft_id)))
+            if log.isEnabledFor(logging.DEBUG):
+                why = ("router's hint" if choice.draft_id == st.hint else
+                       f"adapter {st.lora!r}" if st.lora and choice.lora == st.lora else "fewest sequences")
+                log.debug("sequence %s on draft %s (%s; was %s)", rid, choice.draft_id, why,
+                          draft if st.told else "none")
             if st.told and draft not in asking:
                 self.moved += 1
             if st.draft in held:
@@ -121,6 +133,17 @@ class Placement:
         st.settled = True
         best = max(tried, key=score.get)
         return asking[best] if best != draft and score[best] > score[draft] else None
+
+
+def _fitting(st: SpecState, asking: dict[str, DraftContext]) -> dict[str, DraftContext]:
+    """The asking streams for a sequence's adapter: drafts trained against it, else the base model's,
+    else every one."""
+    if any(c.lora for c in asking.values()):
+        for want in (st.lora, ""):
+            same = {d: c for d, c in asking.items() if c.lora == want}
+            if same:
+                return same
+    return asking
 
 
 def _tie(request_id: str, draft_id: str) -> int:

@@ -155,3 +155,23 @@ def test_fit_counts_steps_where_the_draft_gave_nothing():
     st.why_plain = "load"  # the plan's choice, not the draft's failing
     spec.count_plain(type("Seq", (), {"request_id": "s0"})())
     assert st.fit == {"d": [1, 0]}
+
+
+def test_an_adapters_requests_go_to_the_head_trained_against_it_and_others_to_the_base_heads():
+    spec, placement = Speculator(vocab_size=100, num_speculative_tokens=4), Placement()
+    for i in range(4):
+        spec.add(f"sql{i}", None, None, None, lora="sql")
+        spec.add(f"base{i}", None, None, None)
+    spec.add("chat", None, None, None, lora="chat")  # no head for its adapter: a base head
+    heads = (stream("base-a", 1, method="eagle3"), stream("base-b", 2, method="eagle3"),
+             DraftContext("sql-head", (), "float32", True, True, stream=3, method="eagle3", lora="sql"))
+    placement.sync(spec, heads)
+    placement.place(spec, list(spec.states), heads)
+    on = {rid: spec.draft_of(st) for rid, st in spec.states.items()}
+    assert all(on[f"sql{i}"] == "sql-head" for i in range(4))
+    assert all(on[f"base{i}"] in ("base-a", "base-b") for i in range(4)) and on["chat"] in ("base-a", "base-b")
+    # the adapter's head backed off: its requests go to the base heads meanwhile
+    spec.add("sql9", None, None, None, lora="sql")
+    backed_off = heads[:2] + (DraftContext("sql-head", (), "float32", False, True, stream=3, lora="sql"),)
+    placement.place(spec, ["sql9"], backed_off)
+    assert spec.draft_of(spec.states["sql9"]) in ("base-a", "base-b")
