@@ -6,8 +6,6 @@ draft. The target is a random one-layer Llama with the demo tokenizer (real work
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import time
 from collections import Counter
 
@@ -17,27 +15,14 @@ import pytest
 from planner.connectors.launcher import LauncherConnector
 from tests.support.http import wait_for_model
 from tests.support.servers import free_port
+from tests.support.tiny_models import tiny_model_with_demo_tokenizer
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from tests.support.tiny_models import tiny_hf_model
-    from workers.demo_model import demo_tokenizer_dir
-
-    try:
-        tokenizer = demo_tokenizer_dir()
-    except FileNotFoundError:
-        pytest.skip("SmolLM2's tokenizer is not installed")
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_hf_model("llama", path, vocab=49152, layers=1, max_positions=2048)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
-    for item in tokenizer.iterdir():
-        if item.is_file() and not item.name.startswith(".") and item.name != "config.json":
-            shutil.copy(item, path / item.name)
-    return path
+    return tiny_model_with_demo_tokenizer(tmp_path_factory.mktemp("tiny-llama"), max_positions=2048)
 
 
 async def draft_methods(models, want: int, timeout: float = 60.0) -> Counter:

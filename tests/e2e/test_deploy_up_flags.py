@@ -11,9 +11,7 @@ docs/models.md makes it. On this CPU the KV cache takes ``--kv-cache-gb``: the w
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import signal
 
 import httpx
@@ -21,6 +19,7 @@ import openai
 import pytest
 
 from tests.support.launcher import descendants, launcher, wait_gone  # noqa: F401  (launcher: a fixture)
+from tests.support.tiny_models import tiny_model_with_demo_tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -30,21 +29,7 @@ KEY = "sk-flags-test"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from tests.support.tiny_models import tiny_hf_model
-    from workers.demo_model import demo_tokenizer_dir
-
-    try:
-        tokenizer = demo_tokenizer_dir()
-    except FileNotFoundError:
-        pytest.skip("SmolLM2's tokenizer is not installed")
-    path = tmp_path_factory.mktemp("tiny-llama-4k")
-    tiny_hf_model("llama", path, vocab=49152, layers=1, max_positions=4096)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
-    for item in tokenizer.iterdir():
-        if item.is_file() and not item.name.startswith(".") and item.name != "config.json":
-            shutil.copy(item, path / item.name)
-    return path
+    return tiny_model_with_demo_tokenizer(tmp_path_factory.mktemp("tiny-llama-4k"), max_positions=4096)
 
 
 @pytest.fixture(scope="module")

@@ -150,3 +150,26 @@ def write_llama_gguf(model, path: Path, projections: str = "F32") -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def tiny_model_with_demo_tokenizer(path: Path, max_positions: int) -> Path:
+    """A one-layer tiny Llama in ``path`` that speaks SmolLM2's tokenizer (49,152 tokens, eos 2), for stacks
+    that serve chat over HTTP; skips the test when the tokenizer is not installed."""
+    import json
+    import shutil
+
+    import pytest
+
+    from workers.demo_model import demo_tokenizer_dir
+
+    try:
+        tokenizer = demo_tokenizer_dir()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2's tokenizer is not installed")
+    tiny_hf_model("llama", path, vocab=49152, layers=1, max_positions=max_positions)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    for item in tokenizer.iterdir():
+        if item.is_file() and not item.name.startswith(".") and item.name != "config.json":
+            shutil.copy(item, path / item.name)
+    return path
