@@ -31,6 +31,7 @@ class NewsByParts:
     (a step's verdicts, released sequences and requests, in that order) made of those three."""
 
     incarnation = 0  # the draft process's start: not said
+    lora = ""  # the adapter its head was trained against: none (the base model)
 
     @property
     def serial(self) -> int:

@@ -65,25 +65,29 @@ class DraftNews:
                dtype: torch.dtype | None, plane=None) -> list[DraftInput]:
         """Proposal requests for the ``running`` sequences that decode next and speculate this round
         (:meth:`.speculator.Speculator.requests`), with their hidden rows (see :meth:`take_verdicts`)."""
-        return self.inputs_by(running, max_model_len, None, (layers, dtype, plane)).get(None, [])
+        requests = self.spec.requests(running, max_model_len)
+        if not requests:  # the plan drafts nothing (the usual step when drafting does not pay)
+            return []
+        return self._inputs(requests, self.hidden_layers if layers is None else tuple(layers), dtype, plane)
 
     def inputs_by(self, running: list[Sequence], max_model_len: int, groups: dict[str, Carry] | None,
                   carry: Carry = (None, None, None)) -> dict[str | None, list[DraftInput]]:
         """:meth:`inputs` per draft worker (``groups``: each one's :data:`Carry`; a sequence placed on
         none is not asked); ``groups`` None: every request in one list (key None), carried as ``carry``."""
         requests = self.spec.requests(running, max_model_len)
-        if not requests:  # the plan drafts nothing (the usual step when drafting does not pay)
+        if not requests:
             return {}
-        out = {}
-        for key, (layers, dtype, plane), part in self._split(requests, lambda r: r.state, groups, carry):
-            seqs = [r.seq for r in part]
-            # per request: positions whose hidden rows it carries (those before its new tokens)
-            spans = [(max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0) for r in part]
-            hidden, refs = self._carried(seqs, spans, layers, dtype, plane)
-            out[key] = [tell(r.seq, r.state, r.num_speculative_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
-                             tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
-                        for r, rows, ref in zip(part, hidden, refs)]
-        return out
+        return {key: self._inputs(part, layers, dtype, plane)
+                for key, (layers, dtype, plane), part in self._split(requests, lambda r: r.state, groups, carry)}
+
+    def _inputs(self, requests: list, layers: tuple[int, ...], dtype: torch.dtype | None, plane) -> list[DraftInput]:
+        seqs = [r.seq for r in requests]
+        # per request: positions whose hidden rows it carries (those before its new tokens)
+        spans = [(max(r.state.told - 1, 0), len(r.seq) - 1) if layers else (0, 0) for r in requests]
+        hidden, refs = self._carried(seqs, spans, layers, dtype, plane)
+        return [tell(r.seq, r.state, r.num_speculative_tokens, hidden_states=rows, tree_topk=r.state.tree_topk,
+                     tree_depth=r.state.tree_depth, max_depth=r.max_depth, hidden_ref=ref)
+                for r, rows, ref in zip(requests, hidden, refs)]
 
     def _split(self, items: list, state_of, groups: dict[str, Carry] | None, carry: Carry):
         """(key, carry with its layers resolved, items) per group: by each item's draft worker, or all as one."""
@@ -123,6 +127,8 @@ class DraftNews:
         ``layers`` (None: all offered) on the host in ``dtype``, or, given a data ``plane``
         (:class:`workers.speculation.hidden_plane.PlaneWriter`), written to it as one block and
         referred to by ``hidden_ref``."""
+        if not self.verdicts:  # every step that verified nothing
+            return []
         return self.take_verdicts_by(None, (layers, dtype, plane)).get(None, [])
 
     def take_verdicts_by(self, groups: dict[str, Carry] | None,

@@ -214,7 +214,10 @@ class Speculator:
             else:
                 st.why_plain = "no_room"
         # the synchronous seam plans before asking; the pipelined one when the proposals are in hand
-        sync = {sid: k for sid, k in caps.items() if not self.pipelined_of(self.states[sid])} if self.load_aware else {}
+        sync = {}
+        if self.load_aware and caps:
+            sync = caps if not (self.pipelined or self.mixed) else {
+                sid: k for sid, k in caps.items() if not self.pipelined_of(self.states[sid])}
         if sync:
             planned = self._load_plan(sync, decoding)
             if not any(planned.values()):
@@ -222,7 +225,7 @@ class Speculator:
             for sid, k in planned.items():
                 if k <= 0:
                     self.states[sid].why_plain = "load"
-            caps = {sid: planned.get(sid, k) for sid, k in caps.items() if planned.get(sid, k) > 0}
+            caps = {sid: k for sid, k in {**caps, **planned}.items() if k > 0}
         self.planned_draft_tokens = sum(caps.values())
         if not caps:
             return []

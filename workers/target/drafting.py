@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from dataclasses import replace
 
 from ..engine.engine import Engine
 from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
@@ -34,6 +33,12 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 0.005  # pipelined: the most a step waits for the draft stream's writes (normally ~0.1 ms)
 NO_USE = StagedUse()  # (read only)
+
+
+def _counts(spec, draft_id: str) -> tuple[int, int, int, int, int]:
+    """A draft's malformed proposals and staged use so far: (bad, looked, found, arrived, late)."""
+    use = spec.staged_by.get(draft_id, NO_USE)
+    return spec.bad_by.get(draft_id, 0), use.looked, use.found, use.arrived, use.late
 
 
 class Drafting:
@@ -75,21 +80,20 @@ class Drafting:
         await asyncio.sleep(0)
         self.flush_seconds += asyncio.get_running_loop().time() - handed
 
-    def counts(self, contexts: tuple[DraftContext, ...]) -> dict[int, tuple[int, StagedUse]]:
+    def counts(self, contexts: tuple[DraftContext, ...]) -> list[tuple[int, int, int, int, int]]:
         """Per stream, its draft's malformed proposals and staged use so far (engine's thread): a cycle's
-        share is what :meth:`shares` finds after the step, less these."""
+        share is what :meth:`shares` finds after the step, less these (plain ints: every step pays this)."""
         spec = self.engine.spec
-        return {c.stream: (spec.bad_by.get(c.draft_id, 0), replace(spec.staged_by.get(c.draft_id, NO_USE)))
-                for c in contexts}
+        return [_counts(spec, c.draft_id) for c in contexts]
 
-    def shares(self, contexts: tuple[DraftContext, ...], before: dict[int, tuple[int, StagedUse]]
+    def shares(self, contexts: tuple[DraftContext, ...], before: list[tuple[int, int, int, int, int]]
                ) -> dict[int, StreamNews]:
         """Per stream, what this cycle's step saw of its proposals (its news follows: :meth:`messages`)."""
         spec, out = self.engine.spec, {}
-        for c in contexts:
-            bad, use = before[c.stream]
-            out[c.stream] = StreamNews(dropped=spec.bad_by.get(c.draft_id, 0) - bad,
-                                       staged=spec.staged_by.get(c.draft_id, NO_USE) - use)
+        for c, (bad, looked, found, arrived, late) in zip(contexts, before):
+            now = _counts(spec, c.draft_id)
+            out[c.stream] = StreamNews(dropped=now[0] - bad, staged=StagedUse(
+                now[1] - looked, now[2] - found, now[3] - arrived, now[4] - late))
         return out
 
     def converted(self, requests: list, dtype: str, what: str) -> list:
@@ -149,29 +153,37 @@ class Drafting:
         engine = self.engine
         spec = engine.spec
         running = engine.scheduler.running
-        if len(contexts) == 1:  # every sequence speculates with the one stream
+        if len(contexts) == 1:  # every sequence speculates with the one stream (every step: kept lean)
             c = contexts[0]
-            dtype = DTYPES.get(c.dtype)
-            verdicts = {c.draft_id: engine.take_verdicts(c.layers, dtype, c.plane)}
-            released = {c.draft_id: engine.take_released()}
-            requests = ({c.draft_id: engine.draft_inputs(c.layers, dtype, c.plane)} if c.ask else {})
-        else:
-            self.placement.place(spec, (seq.request_id for seq in running), contexts)
-            groups = {c.draft_id: (c.layers, DTYPES.get(c.dtype), c.plane) for c in contexts}
-            asking = {d: g for d, g in groups.items() if any(c.ask for c in contexts if c.draft_id == d)}
-            verdicts, released, requests = engine.draft_news_by(groups, asking)
-        if not any(c.ask for c in contexts):
-            spec.unasked(running, "draft_backoff")  # why the next step decodes plainly
+            news, dtype = out.news[c.stream], DTYPES.get(c.dtype)
+            self._verdicts(news, engine.take_verdicts(c.layers, dtype, c.plane), c.dtype)
+            news.released = engine.take_released()
+            if c.ask:
+                requests = engine.draft_inputs(c.layers, dtype, c.plane)
+                if requests:
+                    news.requests = self.converted(requests, c.dtype, "proposal request")
+            else:
+                spec.unasked(running, "draft_backoff")  # why the next step decodes plainly
+            return
+        self.placement.place(spec, (seq.request_id for seq in running), contexts)
+        groups = {c.draft_id: (c.layers, DTYPES.get(c.dtype), c.plane) for c in contexts}
+        asking = {d: g for d, g in groups.items() if any(c.ask for c in contexts if c.draft_id == d)}
+        verdicts, released, requests = engine.draft_news_by(groups, asking)
+        if not asking:
+            spec.unasked(running, "draft_backoff")
         for c in contexts:
             news = out.news[c.stream]
-            for verdict in verdicts.get(c.draft_id, ()):
-                try:
-                    news.verdicts.append(verify_to_pb(verdict, c.dtype))
-                except Exception as exc:  # the draft's view of this sequence is lost: start it afresh
-                    log.warning("request %s: verdict not sent (%r); the draft starts it again", verdict.seq_id, exc)
-                    spec.forget_told(verdict.seq_id)
+            self._verdicts(news, verdicts.get(c.draft_id, ()), c.dtype)
             news.released = released.get(c.draft_id, [])
             news.requests = self.converted(requests.get(c.draft_id, []), c.dtype, "proposal request")
+
+    def _verdicts(self, news: StreamNews, verdicts, dtype: str) -> None:
+        for verdict in verdicts:
+            try:
+                news.verdicts.append(verify_to_pb(verdict, dtype))
+            except Exception as exc:  # the draft's view of this sequence is lost: start it afresh
+                log.warning("request %s: verdict not sent (%r); the draft starts it again", verdict.seq_id, exc)
+                self.engine.spec.forget_told(verdict.seq_id)
 
     async def contexts(self) -> tuple[DraftContext, ...]:
         """The draft streams to use this cycle, primary first (none: decode plainly), from the pool

@@ -56,6 +56,10 @@ class Placement:
         """Follow the streams of this cycle: the first is the default draft; a draft whose stream ended
         or changed loses its sequences (placed afresh next)."""
         primary = contexts[0] if contexts else None
+        if len(contexts) == 1 and len(self.serials) == 1 and self.serials.get(primary.draft_id) == primary.stream \
+                and spec.draft_id == primary.draft_id:  # the same one stream as last cycle: every step
+            spec.pipelined = primary.pipelined
+            return
         default = primary.draft_id if primary is not None else ""
         live = {c.draft_id: c.stream for c in contexts}
         old = spec.draft_id
