@@ -225,7 +225,7 @@ class Speculator:
             for sid, k in planned.items():
                 if k <= 0:
                     self.states[sid].why_plain = "load"
-            caps = {sid: k for sid, k in {**caps, **planned}.items() if k > 0}
+            caps = {sid: k for sid, k in (planned if sync is caps else {**caps, **planned}).items() if k > 0}
         self.planned_draft_tokens = sum(caps.values())
         if not caps:
             return []

@@ -32,7 +32,7 @@ from .seam import Proposals
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 0.005  # pipelined: the most a step waits for the draft stream's writes (normally ~0.1 ms)
-NO_USE = StagedUse()  # (read only)
+NO_USE = StagedUse()  # nothing seen (shared: read only)
 
 
 def _counts(spec, draft_id: str) -> tuple[int, int, int, int, int]:
@@ -92,8 +92,9 @@ class Drafting:
         spec, out = self.engine.spec, {}
         for c, (bad, looked, found, arrived, late) in zip(contexts, before):
             now = _counts(spec, c.draft_id)
-            out[c.stream] = StreamNews(dropped=now[0] - bad, staged=StagedUse(
-                now[1] - looked, now[2] - found, now[3] - arrived, now[4] - late))
+            staged = NO_USE if now[1:] == (looked, found, arrived, late) else StagedUse(
+                now[1] - looked, now[2] - found, now[3] - arrived, now[4] - late)
+            out[c.stream] = StreamNews(dropped=now[0] - bad, staged=staged)
         return out
 
     def converted(self, requests: list, dtype: str, what: str) -> list:

@@ -240,20 +240,21 @@ class StepLoop:
         engine, out = self.engine, Cycle()
         if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
             engine.observe_cycle(last_cycle, last_asked)
-        spec = engine.spec
-        # a new draft stream knows none of our sequences, even one to the same draft worker (a new
-        # stream to it, or to a newer incarnation of it): its sequences are committed afresh, and
-        # nothing the old stream sent is used
-        self.drafting.placement.sync(spec, contexts)
+        spec, drafting = engine.spec, self.drafting
+        if contexts or drafting.placement.serials:
+            # a new draft stream knows none of our sequences, even one to the same draft worker (a new
+            # stream to it, or to a newer incarnation of it): its sequences are committed afresh, and
+            # nothing the old stream sent is used
+            drafting.placement.sync(spec, contexts)
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        before = self.drafting.counts(contexts)
-        answers, streamed = self.drafting.proposals(proposals, contexts)
+        before = drafting.counts(contexts) if contexts else None
+        answers, streamed = drafting.proposals(proposals, contexts) if contexts else ({}, [])
         if streamed:  # pipelined: streamed ahead; checked and kept until they fit
             engine.offer(streamed)
         added = engine.take_added()
         if added and contexts:
-            self.drafting.prompt_news(added, contexts)
+            drafting.prompt_news(added, contexts)
         if engine.has_work():
             started = time.perf_counter()
             try:
@@ -265,9 +266,9 @@ class StepLoop:
             except Exception as exc:
                 out.failed = self._step_failed(exc)
             out.stepped = True
-        out.news = self.drafting.shares(contexts, before)
         if contexts:
-            self.drafting.messages(out, contexts)
+            out.news = drafting.shares(contexts, before)
+            drafting.messages(out, contexts)
         else:
             engine.take_verdicts(())
             engine.take_released()
