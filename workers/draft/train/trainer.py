@@ -42,7 +42,7 @@ from .corpus import is_corpus, read_manifest, shard_paths
 from .data import SampleMaker, eagle3_layers, load_samples, rehidden_shards, write_shards
 from .prompts import STYLES, local_prompts, mixed_conversation
 from .spec_heads import build_medusa, build_mlp, spec_head_forward
-from .ttt import draft_vocabulary, ttt_forward
+from .ttt import coverage_curve, draft_vocabulary, size_for_coverage, ttt_forward
 
 HEADS = ("eagle3", "medusa", "mlp")
 
@@ -79,6 +79,8 @@ class TrainConfig:
     head_layers: int = 1  # Medusa: residual blocks per head
     styles: tuple[str, ...] = ("templates",)  # prompt generators, taken in turn (prompts.STYLES)
     init_from: str | None = None  # an EAGLE-3 head to start from (fine-tuning) instead of a fresh one
+    vocab_coverage: float = 0.0  # > 0: draft vocabulary = the smallest (≤ draft_vocab) covering this share of eval replies
+    eval_every_epoch: bool = False  # evaluate on the held-out split after every epoch (metrics["per_epoch"])
 
     def __post_init__(self):
         if self.head not in HEADS:
@@ -107,6 +109,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.eval_prompts < 0 or self.lr <= 0 or self.temperature < 0:
             raise ValueError("--eval-prompts must be >= 0, --lr > 0 and --temperature >= 0")
+        if not 0 <= self.vocab_coverage <= 1:
+            raise ValueError(f"--vocab-coverage must be in [0, 1] (0: off), got {self.vocab_coverage}")
+        if self.vocab_coverage and self.eval_prompts == 0:
+            raise ValueError("--vocab-coverage sizes the draft vocabulary on the eval split: it needs --eval-prompts > 0")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"--dtype must be float16, bfloat16 or float32, got {self.dtype}")
 
@@ -287,7 +293,19 @@ def train(cfg: TrainConfig, progress=None) -> dict:
         known = torch.zeros_like(counts)
         known[torch.arange(start.d2t.shape[0]) + start.d2t.long()] = 1
         counts = counts * 2 + known * 3
-    draft_ids, d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab)
+    held_counts = torch.zeros(target_cfg.vocab_size, dtype=torch.long)
+    for s in held:
+        held_counts += torch.bincount(s["tokens"][s["mask"]], minlength=target_cfg.vocab_size)
+    vocab_size = cfg.draft_vocab
+    if cfg.vocab_coverage and cfg.head != "mlp":
+        if not held:
+            raise ValueError("--vocab-coverage: the eval split is empty, nothing to size the draft vocabulary on")
+        vocab_size = size_for_coverage(counts, held_counts, cfg.vocab_coverage, cfg.draft_vocab)
+        log.info("draft vocabulary: %d tokens hold %.4f of the eval replies (asked %.4f, at most %d)", vocab_size,
+                 coverage_curve(counts, held_counts, [vocab_size])[vocab_size], cfg.vocab_coverage, cfg.draft_vocab)
+    sizes = sorted({1024, 2048, 4096, 8192, 16384, 32768, vocab_size} & set(range(1, target_cfg.vocab_size + 1)))
+    eval_coverage = coverage_curve(counts, held_counts, sizes) if int(held_counts.sum()) else {}
+    draft_ids, d2t, t2d = draft_vocabulary(counts, vocab_size)
     t2d_index = torch.full((target_cfg.vocab_size,), -1, dtype=torch.long)
     t2d_index[draft_ids] = torch.arange(len(draft_ids))
     H, V = target_cfg.hidden_size, target_cfg.vocab_size
@@ -336,6 +354,8 @@ def train(cfg: TrainConfig, progress=None) -> dict:
         tmp.replace(state_path)
 
     train_started = time.perf_counter()
+    per_epoch_path = Path(cfg.out) / "per_epoch.json"  # kept across a resumed run
+    per_epoch = json.loads(per_epoch_path.read_text()) if state_path.exists() and per_epoch_path.exists() else []
     bar = progress(total=cfg.epochs * len(samples), initial=epoch * len(samples) + position, desc="training",
                    unit="seq")
     head.train()
@@ -366,6 +386,15 @@ def train(cfg: TrainConfig, progress=None) -> dict:
                     save_state()
         epoch, position = epoch + 1, 0
         save_state()
+        if cfg.eval_every_epoch and held:
+            head.eval()
+            m = evaluate(forward, held, cfg.steps)
+            head.train()
+            per_epoch.append({"epoch": epoch, "step": step, "acceptance_length": m["acceptance_length"],
+                              "top1_per_step": m["top1_per_step"]})
+            per_epoch_path.write_text(json.dumps(per_epoch, indent=2) + "\n")
+            log.info("epoch %d: held-out acceptance length %.3f, top-1 per step %s", epoch,
+                     m["acceptance_length"] or 0.0, [round(x, 3) if x is not None else None for x in m["top1_per_step"]])
     bar.close()
     head.eval()
     train_s = time.perf_counter() - train_started
@@ -375,6 +404,7 @@ def train(cfg: TrainConfig, progress=None) -> dict:
                    train_sequences=len(samples), eval_sequences=len(held), epochs=cfg.epochs,
                    generation_minutes=gen_s / 60, training_minutes=train_s / 60,
                    draft_vocab=V if cfg.head == "mlp" else len(draft_ids),
+                   eval_coverage={str(k): v for k, v in eval_coverage.items()}, per_epoch=per_epoch,
                    parameters=sum(p.numel() for p in {id(p): p for p in head.parameters()}.values()),
                    config=asdict(cfg))
     extra = {"metrics": {k: metrics[k] for k in ("acceptance_length", "top1_per_step", "train_tokens",

@@ -144,3 +144,34 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, tor
     t2d = torch.zeros(counts.shape[0], dtype=torch.bool)
     t2d[draft_ids] = True
     return draft_ids, d2t, t2d
+
+
+def coverage_order(counts: torch.Tensor) -> torch.Tensor:
+    """Target ids from most to least frequent in ``counts`` (ties: lower id), the order
+    :func:`draft_vocabulary` takes them in."""
+    return torch.sort(-counts.long(), stable=True).indices
+
+
+def coverage_curve(counts: torch.Tensor, held_counts: torch.Tensor, sizes) -> dict[int, float]:
+    """Share of the held-out tokens ``held_counts`` [V] that the draft vocabulary of each size in
+    ``sizes``, chosen from ``counts`` [V], holds."""
+    total = int(held_counts.sum())
+    cum = held_counts[coverage_order(counts)].double().cumsum(0)
+    return {int(n): (float(cum[min(int(n), cum.shape[0]) - 1]) / total if total else 0.0) for n in sizes}
+
+
+def size_for_coverage(counts: torch.Tensor, held_counts: torch.Tensor, coverage: float, cap: int,
+                      multiple: int = 64) -> int:
+    """The smallest draft vocabulary (a multiple of ``multiple``, at most ``cap``) whose tokens, the
+    most frequent of ``counts``, hold at least ``coverage`` of the held-out tokens ``held_counts``."""
+    if not 0 < coverage <= 1:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    total = int(held_counts.sum())
+    if total == 0:
+        raise ValueError("no held-out tokens to size the draft vocabulary on")
+    cum = held_counts[coverage_order(counts)].double().cumsum(0) / total
+    reached = torch.nonzero(cum >= coverage - 1e-12)
+    if reached.numel() == 0:
+        return min(cap, counts.shape[0])
+    n = int(reached[0]) + 1
+    return min(cap, -(-n // multiple) * multiple, counts.shape[0])
