@@ -95,6 +95,7 @@ class Speculator:
         self.staged_use = StagedUse()
         self.staged_by: dict[str, StagedUse] = {}  # the same, per draft worker
         self.bad_by: dict[str, int] = {}  # proposals dropped as malformed, per draft worker
+        self.seen = 0  # grows whenever staged_by or bad_by do (a step that saw nothing of either reads no more)
         self.released_from: dict[str, str] = {}  # released sequence id -> the draft worker that knew it
         self.mixed = False  # some sequence was placed on a stream whose seam is not the default's
 
@@ -384,6 +385,7 @@ class Speculator:
     def _count_staged(self, st: SpecState, looked: int = 0, found: int = 0, arrived: int = 0, late: int = 0) -> None:
         """Add to what was seen of streamed proposals, engine-wide and for the sequence's draft worker."""
         draft = self.draft_of(st)
+        self.seen += 1
         mine = self.staged_by.get(draft)
         if mine is None:
             mine = self.staged_by[draft] = StagedUse()
@@ -453,6 +455,7 @@ class Speculator:
         if st is not None and reason not in ("stale", "overflow"):
             draft = self.draft_of(st)
             self.bad_by[draft] = self.bad_by.get(draft, 0) + 1
+            self.seen += 1
 
     @property
     def num_bad_proposals(self) -> int:

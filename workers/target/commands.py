@@ -5,7 +5,7 @@ of the current draft stream (:class:`DraftContext`), and what one cycle produced
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.messages import KvEvent, SamplingParams, TokenDelta
@@ -13,6 +13,8 @@ from runtime.messages import KvEvent, SamplingParams, TokenDelta
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..speculation.staging import StagedUse
+
+NO_USE = StagedUse()  # nothing seen of a stream's proposals (shared: read only)
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,16 @@ class DraftContext:
     lora: str = ""  # the LoRA adapter its head was trained against ("": the base model)
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamNews:
-    """One draft stream's share of a cycle: what goes to it after the step, and what the step saw of
-    its proposals."""
+    """One draft stream's share of a cycle: what goes to it after the step (each a list once there is
+    any), and what the step saw of its proposals."""
 
-    verdicts: list = field(default_factory=list)  # spec_pb2.VerifyOutcome
-    released: list[str] = field(default_factory=list)
-    requests: list = field(default_factory=list)  # spec_pb2.ProposeRequest
+    verdicts: Sequence = ()  # spec_pb2.VerifyOutcome
+    released: Sequence[str] = ()
+    requests: Sequence = ()  # spec_pb2.ProposeRequest
     dropped: int = 0  # its proposals the engine refused as malformed this step
-    staged: StagedUse = field(default_factory=StagedUse)  # pipelined: what this cycle saw of its streamed proposals
+    staged: StagedUse = NO_USE  # pipelined: what this cycle saw of its streamed proposals (read only)
 
 
 @dataclass

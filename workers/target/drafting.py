@@ -22,7 +22,7 @@ from ..engine.engine import Engine
 from ..speculation.convert import DTYPES, draft_input_to_pb, verify_to_pb
 from ..speculation.payloads import DraftOutput
 from ..speculation.staging import StagedUse
-from .commands import Cycle, DraftContext, StreamNews
+from .commands import NO_USE, Cycle, DraftContext, StreamNews
 from .draft_client import DraftClient
 from .draft_pool import DraftPool
 from .draft_watch import DraftWatch
@@ -32,7 +32,6 @@ from .seam import Proposals
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 0.005  # pipelined: the most a step waits for the draft stream's writes (normally ~0.1 ms)
-NO_USE = StagedUse()  # nothing seen (shared: read only)
 
 
 def _counts(spec, draft_id: str) -> tuple[int, int, int, int, int]:
@@ -80,17 +79,21 @@ class Drafting:
         await asyncio.sleep(0)
         self.flush_seconds += asyncio.get_running_loop().time() - handed
 
-    def counts(self, contexts: tuple[DraftContext, ...]) -> list[tuple[int, int, int, int, int]]:
+    def counts(self, contexts: tuple[DraftContext, ...]) -> tuple[int, list[tuple[int, int, int, int, int]]]:
         """Per stream, its draft's malformed proposals and staged use so far (engine's thread): a cycle's
         share is what :meth:`shares` finds after the step, less these (plain ints: every step pays this)."""
         spec = self.engine.spec
-        return [_counts(spec, c.draft_id) for c in contexts]
+        return spec.seen, [_counts(spec, c.draft_id) for c in contexts]
 
-    def shares(self, contexts: tuple[DraftContext, ...], before: list[tuple[int, int, int, int, int]]
+    def shares(self, contexts: tuple[DraftContext, ...], before: tuple[int, list[tuple[int, int, int, int, int]]]
                ) -> dict[int, StreamNews]:
         """Per stream, what this cycle's step saw of its proposals (its news follows: :meth:`messages`)."""
-        spec, out = self.engine.spec, {}
-        for c, (bad, looked, found, arrived, late) in zip(contexts, before):
+        spec = self.engine.spec
+        seen, counts = before
+        if spec.seen == seen:  # the step saw no proposal of any stream (a declined step: the usual one)
+            return {c.stream: StreamNews() for c in contexts}
+        out = {}
+        for c, (bad, looked, found, arrived, late) in zip(contexts, counts):
             now = _counts(spec, c.draft_id)
             staged = NO_USE if now[1:] == (looked, found, arrived, late) else StagedUse(
                 now[1] - looked, now[2] - found, now[3] - arrived, now[4] - late)
@@ -179,6 +182,9 @@ class Drafting:
             news.requests = self.converted(requests.get(c.draft_id, []), c.dtype, "proposal request")
 
     def _verdicts(self, news: StreamNews, verdicts, dtype: str) -> None:
+        if not verdicts:
+            return
+        news.verdicts = []
         for verdict in verdicts:
             try:
                 news.verdicts.append(verify_to_pb(verdict, dtype))
