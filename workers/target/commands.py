@@ -77,7 +77,7 @@ class StreamNews:
     released: Sequence[str] = ()
     requests: Sequence = ()  # spec_pb2.ProposeRequest
     dropped: int = 0  # its proposals the engine refused as malformed this step
-    staged: StagedUse = NO_USE  # pipelined: what this cycle saw of its streamed proposals (read only)
+    staged: StagedUse = field(default_factory=lambda: NO_USE)  # pipelined: what this cycle saw of its proposals
 
 
 @dataclass
