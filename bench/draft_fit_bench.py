@@ -9,6 +9,11 @@ target's own greedy output with ``--error-rate`` of its tokens wrong: it drafts 
 perfectly). The workload mixes *repeated* requests (two prompts asked over and over: the suffix draft's
 case) with *fresh* ones (a new prompt each time: the head's), ``--batch`` at a time, greedy.
 
+``--demo``: the real thing on the demo model (SmolLM2-135M-Instruct) with its bundled EAGLE-3 head
+instead of the oracle (runs ``suffix``, ``eagle3``, ``suffix+eagle3``): the repeated requests are two
+hand-written chat prompts asked over and over, the fresh ones the other prompts of
+``bench/prompts/natural_chat.jsonl`` (``--batch`` 4 and ``--rounds`` 4 keep it to minutes on a CPU).
+
 Three runs, each on a fresh target and drafts: suffix alone, oracle alone, and both (``draft_streams``
 2: each sequence placed on one stream and moved by its measured fit, see workers/target/placement.py).
 The figure: tokens per target step (completion tokens over the steps that made them, from each
@@ -53,19 +58,21 @@ def expected(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return [out[str(i)] for i in range(len(prompts))]
 
 
-async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: Path, prompts, want) -> dict:
+async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: Path | None, prompts, want) -> dict:
     namespace = f"fit-{'-'.join(kinds)}-{int(time.time())}"
     env = env_for(etcd, nats_server, namespace)
     oracle = json.dumps({"oracle_file": str(refs), "oracle_error_rate": args.error_rate, "oracle_vocab_size": 256})
+    fresh_ids = iter(range(len(REPEATED), len(prompts))) if args.demo else None
     spec = json.dumps({"adaptive": False, "load_aware": False, "propose_min_wait": 0.5, "draft_streams": len(kinds),
                        "seam": args.seam})
     procs = []
     for kind in kinds:
-        extra = ["--speculative-config", oracle] if kind == "oracle" else []
+        extra = {"oracle": ["--speculative-config", oracle],
+                 "eagle3": ["--eagle-model", str(args.head or ""), "--target-model", str(model_dir)]}.get(kind, [])
         procs.append(ManagedProcess("workers.draft", ["--method", kind, *extra, "--health-port", "0", "--lease-ttl", "5"],
                                     env, f"draft-{kind}").start())
     procs.append(ManagedProcess("workers.target", ["--model", str(model_dir), "--served-model-name", "tiny", "--block-size",
-                                                   "8", "--num-blocks", "2048", "--max-model-len", "1024", "--threads", "1",
+                                                   "8", "--num-blocks", "2048", "--max-model-len", "2048", "--threads", "1",
                                                    "--num-speculative-tokens", "3", "--speculative-config", spec,
                                                    "--health-port", "0", "--lease-ttl", "5"], env, "target").start())
     config = RuntimeConfig(etcd_url=etcd.url, nats_url=nats_server.url, namespace=namespace, lease_ttl=5,
@@ -79,7 +86,7 @@ async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: 
             tally = {"repeated": [0, 0], "fresh": [0, 0]}  # [tokens, accepted]
             plain: dict[str, int] = {}  # decode steps without a draft, by why
             bad = 0
-            fresh = iter(range(len(REPEATED), len(prompts)))
+            fresh = fresh_ids or iter(range(len(REPEATED), len(prompts)))
 
             async def one(i: int, kind: str) -> None:
                 nonlocal bad
@@ -106,13 +113,26 @@ async def run(kinds: list[str], args, etcd, nats_server, model_dir: Path, refs: 
 
 
 async def amain(args) -> None:
-    prompts = REPEATED + fresh_prompts(args.rounds * args.batch * len(args.runs))
     with tempfile.TemporaryDirectory() as tmp, running_servers() as (etcd, nats_server):
-        model_dir = Path(tmp) / "tiny"
-        tiny_hf_model("llama", model_dir, seed=11, vocab=256, layers=2, max_positions=1024)
-        want = expected(model_dir, prompts)
-        refs = Path(tmp) / "refs.json"
-        refs.write_text(json.dumps([p + w for p, w in zip(prompts, want)]))
+        refs = None
+        if args.demo:
+            from transformers import AutoTokenizer
+
+            from bench.natural import natural_prompt_ids
+            from workers.demo_model import demo_head_dir, demo_model_dir, demo_tokenizer_dir
+
+            model_dir, args.head = demo_model_dir(), demo_head_dir()
+            chat = natural_prompt_ids(AutoTokenizer.from_pretrained(demo_tokenizer_dir()))
+            REPEATED[:] = chat[:2]
+            prompts = REPEATED + chat[2 : 2 + args.rounds * args.batch // 2]
+            want = expected(model_dir, prompts)
+        else:
+            prompts = REPEATED + fresh_prompts(args.rounds * args.batch * len(args.runs))
+            model_dir = Path(tmp) / "tiny"
+            tiny_hf_model("llama", model_dir, seed=11, vocab=256, layers=2, max_positions=1024)
+            want = expected(model_dir, prompts)
+            refs = Path(tmp) / "refs.json"
+            refs.write_text(json.dumps([p + w for p, w in zip(prompts, want)]))
         for run_kinds in args.runs:
             kinds = run_kinds.split("+")
             r = await run(kinds, args, etcd, nats_server, model_dir, refs, prompts, want)
@@ -127,8 +147,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--error-rate", type=float, default=0.2)
     parser.add_argument("--seam", choices=["pipelined", "sync"], default="sync")
-    parser.add_argument("--runs", nargs="+", default=["suffix", "oracle", "suffix+oracle"])
-    asyncio.run(amain(parser.parse_args()))
+    parser.add_argument("--runs", nargs="+", default=None,
+                        help="draft kinds per run (default: suffix, oracle, suffix+oracle; with --demo eagle3 for oracle)")
+    parser.add_argument("--demo", action="store_true", help="the demo model and its bundled EAGLE-3 head")
+    args = parser.parse_args()
+    args.head = None
+    if args.runs is None:
+        args.runs = ["suffix", "eagle3", "suffix+eagle3"] if args.demo else ["suffix", "oracle", "suffix+oracle"]
+    asyncio.run(amain(args))
 
 
 if __name__ == "__main__":

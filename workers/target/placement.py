@@ -120,12 +120,13 @@ class Placement:
             spec.assign(rid, choice.draft_id, choice.pipelined)
             held[choice.draft_id] += 1
 
-
     @staticmethod
     def _refit(st: SpecState, draft: str, asking: dict[str, DraftContext], held: Counter) -> DraftContext | None:
-        """Another stream for ``st`` by fit (see the module), or None to stay on ``draft``."""
+        """Another stream for ``st`` by fit (see the module), or None to stay on ``draft`` (``asking``:
+        the streams that fit its adapter; on one that does not, it stays: it went there for want of one)."""
         mine = st.fit.get(draft)
-        if st.settled or mine is None or mine[0] < FIT_STEPS or len({c.method for c in asking.values()}) < 2:
+        if (st.settled or mine is None or mine[0] < FIT_STEPS or draft not in asking
+                or len({c.method for c in asking.values()}) < 2):
             return None
         tried = [d for d, (steps, _) in st.fit.items() if steps >= FIT_STEPS and d in asking]
         score = {d: st.fit[d][1] / st.fit[d][0] for d in tried}

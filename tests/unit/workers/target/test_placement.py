@@ -175,3 +175,18 @@ def test_an_adapters_requests_go_to_the_head_trained_against_it_and_others_to_th
     backed_off = heads[:2] + (DraftContext("sql-head", (), "float32", False, True, stream=3, lora="sql"),)
     placement.place(spec, ["sql9"], backed_off)
     assert spec.draft_of(spec.states["sql9"]) in ("base-a", "base-b")
+
+
+def test_a_sequence_on_a_draft_outside_its_adapters_set_is_judged_by_nothing_and_stays():
+    spec, placement = Speculator(vocab_size=100, num_speculative_tokens=4), Placement()
+    spec.add("s", None, None, None, lora="sql")
+    base = (stream("base", 1, method="suffix"), stream("other", 2, method="eagle3"))
+    placement.sync(spec, base)
+    placement.place(spec, ["s"], base)  # no head for "sql": a base draft
+    first = spec.draft_of(spec.states["s"])
+    spec.states["s"].told = 20
+    fit(spec, "s", first, FIT_STEPS, 0)
+    heads = base + (DraftContext("sql-head", (), "float32", True, True, stream=3, method="eagle3", lora="sql"),)
+    placement.sync(spec, heads)
+    placement.place(spec, ["s"], heads)  # its adapter's head appeared: the fit does not judge a base draft
+    assert spec.draft_of(spec.states["s"]) == first
