@@ -186,7 +186,8 @@ def test_a_sequence_on_a_draft_outside_its_adapters_set_is_judged_by_nothing_and
     first = spec.draft_of(spec.states["s"])
     spec.states["s"].told = 20
     fit(spec, "s", first, FIT_STEPS, 0)
-    heads = base + (DraftContext("sql-head", (), "float32", True, True, stream=3, method="eagle3", lora="sql"),)
+    heads = base + (DraftContext("sql-head", (), "float32", True, True, stream=3, method="eagle3", lora="sql"),
+                    DraftContext("sql-suffix", (), "float32", True, True, stream=4, method="suffix", lora="sql"))
     placement.sync(spec, heads)
-    placement.place(spec, ["s"], heads)  # its adapter's head appeared: the fit does not judge a base draft
+    placement.place(spec, ["s"], heads)  # its adapter's drafts appeared: the fit does not judge a base draft
     assert spec.draft_of(spec.states["s"]) == first
