@@ -18,7 +18,9 @@ keeps, per draft it speculated with, its decode steps there and the draft tokens
 (``SpecState.fit``). After ``FIT_STEPS`` steps on a draft that gains it under ``EXPLORE_BELOW`` of its
 γ a step, it tries a stream of a method it has not tried; once it has tried what there is, it goes to
 (or stays with) the draft that gained it most a step, and stays there (``SpecState.settled``) unless
-that stream goes. So a repetitive request ends on the suffix draft and a chat request on the head, each
+that stream goes. What settled sequences gained on each method adds up (:attr:`Placement.kinds`): a
+new sequence starts on the method that has gained most a step so far, and only a sequence it serves
+poorly pays for trying the other. So a repetitive request ends on the suffix draft and a chat request on the head, each
 by what it measured, and a sequence whose first draft serves it well never moves.
 
 A stream that ended, or was replaced by a new one to the same draft worker (a new incarnation, a
@@ -51,6 +53,8 @@ class Placement:
         self.serials: dict[str, int] = {}  # draft id -> the stream the engine's state for it belongs to
         self.moved = 0  # sequences placed on another draft because theirs ended or stopped asking
         self.refits = 0  # sequences placed on another draft by fit (another kind tried, or the best kept)
+        # per draft method: [decode steps, draft tokens accepted] of the sequences that settled, on it
+        self.kinds: dict[str, list[int]] = {}
 
     def sync(self, spec: Speculator, contexts: tuple[DraftContext, ...]) -> None:
         """Follow the streams of this cycle: the first is the default draft; a draft whose stream ended
@@ -106,7 +110,7 @@ class Placement:
                     spec.assign(rid, better.draft_id, better.pipelined)
                     held[better.draft_id] += 1
                 continue
-            choice = asking.get(st.hint) or min(_fitting(st, asking).values(),
+            choice = asking.get(st.hint) or min(self._best_kind(_fitting(st, asking)).values(),
                                                 key=lambda c: (held[c.draft_id], _tie(rid, c.draft_id)))
             if log.isEnabledFor(logging.DEBUG):
                 why = ("router's hint" if choice.draft_id == st.hint else
@@ -120,8 +124,16 @@ class Placement:
             spec.assign(rid, choice.draft_id, choice.pipelined)
             held[choice.draft_id] += 1
 
-    @staticmethod
-    def _refit(st: SpecState, draft: str, asking: dict[str, DraftContext], held: Counter) -> DraftContext | None:
+    def _best_kind(self, asking: dict[str, DraftContext]) -> dict[str, DraftContext]:
+        """The streams of the method that has gained settled sequences most a step (all: none measured)."""
+        gains = {m: a / s for m, (s, a) in self.kinds.items() if s >= FIT_STEPS}
+        methods = {c.method for c in asking.values()}
+        if len(methods) < 2 or not gains.keys() & methods:
+            return asking
+        best = max(methods, key=lambda m: gains.get(m, -1.0))
+        return {d: c for d, c in asking.items() if c.method == best}
+
+    def _refit(self, st: SpecState, draft: str, asking: dict[str, DraftContext], held: Counter) -> DraftContext | None:
         """Another stream for ``st`` by fit (see the module), or None to stay on ``draft`` (``asking``:
         the streams that fit its adapter; on one that does not, it stays: it went there for want of one)."""
         mine = st.fit.get(draft)
@@ -136,6 +148,10 @@ class Placement:
             if untried:
                 return min(untried, key=lambda c: held[c.draft_id])
         st.settled = True
+        for d in tried:  # what the kinds gained it: new sequences start on the kind that gains most
+            kind = self.kinds.setdefault(asking[d].method, [0, 0])
+            kind[0] += st.fit[d][0]
+            kind[1] += st.fit[d][1]
         best = max(tried, key=score.get)
         return asking[best] if best != draft and score[best] > score[draft] else None
 

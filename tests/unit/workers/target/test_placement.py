@@ -191,3 +191,18 @@ def test_a_sequence_on_a_draft_outside_its_adapters_set_is_judged_by_nothing_and
     placement.sync(spec, heads)
     placement.place(spec, ["s"], heads)  # its adapter's drafts appeared: the fit does not judge a base draft
     assert spec.draft_of(spec.states["s"]) == first
+
+
+def test_new_sequences_start_on_the_kind_that_gained_settled_sequences_most():
+    spec, placement = speculator(1), Placement()
+    kinds = (stream("sfx", 1, method="suffix"), stream("eagle", 2, method="eagle3"))
+    placement.sync(spec, kinds)
+    placement.place(spec, ["s0"], kinds)
+    first = spec.draft_of(spec.states["s0"])
+    fit(spec, "s0", first, FIT_STEPS, 3 * FIT_STEPS)  # it served this sequence well: it settles there
+    placement.place(spec, ["s0"], kinds)
+    assert spec.states["s0"].settled
+    for i in range(1, 4):
+        spec.add(f"s{i}", None, None, None)
+    placement.place(spec, ["s1", "s2", "s3"], kinds)
+    assert all(spec.draft_of(spec.states[f"s{i}"]) == first for i in range(1, 4))  # not split by load
