@@ -18,8 +18,10 @@ first alternating), so that a slow spell of this shared machine hits both alike:
   EAGLE-3 head proposes: nearly never accepted, the regime in which load-aware speculation should
   switch itself off and cost nothing.
 
-Each cycle is timed on the engine thread's CPU clock (``time.thread_time``: time this thread was
-descheduled does not count), and so is the model's forward pass within it. Reported: the mean CPU
+Each cycle (:meth:`StepLoop.run_cycle`, what the target's engine thread runs; the proposals it is
+handed are collected on the event loop, so they are built outside it here) is timed on the engine
+thread's CPU clock (``time.thread_time``: time this thread was descheduled does not count), and so
+is the model's forward pass within it. Reported: the mean CPU
 time per step of each engine (and the median), their difference and ratio; the same outside the
 forward pass (the host work around it: scheduling, sampling, bookkeeping, and on the default side
 the speculation policy, the hidden-state store, the draft messages), whose difference is what the
@@ -106,12 +108,14 @@ class Driver:
         from workers.speculation.payloads import DraftOutput
         from workers.target.seam import Proposals
 
-        started, wall, forward = time.thread_time(), time.perf_counter(), self.forward
+        # a random head's answers to the last round, in time; collected, as the target's loop does, on
+        # its event loop (outside the engine thread's cycle timed here)
         answers = {r.seq_id: DraftOutput(r.seq_id, r.round, [self.draw.randrange(self.loop.engine.vocab_size)
                                                              for _ in range(r.num_speculative_tokens)])
-                   for r in self.requests}  # a random head's answers to the last round, in time
+                   for r in self.requests}
         contexts = (self.context,) if self.context is not None else ()
         proposals = {self.context.stream: Proposals(answers=answers)} if self.context is not None else {}
+        started, wall, forward = time.thread_time(), time.perf_counter(), self.forward
         cycle = self.loop.run_cycle(self.commands, proposals, contexts, self.last, self.asked)
         cpu = time.thread_time() - started
         self.commands = []

@@ -34,6 +34,8 @@ import heapq
 from dataclasses import dataclass
 
 MARGIN = 0.03  # speculate only when the plan's expected rate beats plain decoding's by this much
+REPLAN_EVERY = 8  # steps a plan not drafted holds while the batch and its caps stay the same
+REPLAN_MAX = 64  # ... doubling while the plans made keep drafting nothing, up to this
 
 
 class StepCost:
@@ -321,3 +323,55 @@ class RealizedRates:
                 # step that loses costs a proposal round trip; up to one in ``explore_max``)
                 self._every[b] = min(2 * every, self.explore_max)
         return explore if vetoed else not explore
+
+
+class PlanHold:
+    """A load-aware plan that is not drafted (it drafts nothing, or the realized rates veto it) holds
+    for ``REPLAN_EVERY`` rounds while the same sequences decode with the same caps, twice as long each
+    time the plan made then still drafts nothing, up to ``REPLAN_MAX``; a plan that drafts is made
+    afresh every round, and the next one not drafted holds ``REPLAN_EVERY`` again."""
+
+    def __init__(self) -> None:
+        self.key: object = None  # what the held plan was made for (the batch and its caps)
+        self.plan: dict[str, int] | None = None
+        self.left = 0  # rounds it still holds
+        self.hold_for = REPLAN_EVERY  # how long the next plan not drafted holds
+
+    def get(self, key: object) -> dict[str, int] | None:
+        """The held plan, one of its rounds used, if it holds for ``key``."""
+        if self.left > 0 and self.key == key:
+            self.left -= 1
+            return self.plan
+        return None
+
+    def hold(self, key: object, plan: dict[str, int]) -> None:
+        """A plan not drafted, made now."""
+        self.key, self.plan, self.left = key, plan, self.hold_for - 1
+        self.hold_for = min(2 * self.hold_for, REPLAN_MAX)
+
+    def drafted(self) -> None:
+        """A plan drafts: plan afresh next round."""
+        self.key, self.plan, self.left, self.hold_for = None, None, 0, REPLAN_EVERY
+
+    def planned(self, key: object, make, realized: RealizedRates, batch: int) -> dict[str, int]:
+        """The γ per sequence this round: the held plan while it holds for ``key``, else ``make()``'s,
+        overruled where ``realized`` vetoes speculating at ``batch`` (:meth:`RealizedRates.allow`,
+        consulted on every round the plan drafts, as its exploring schedule counts them); a held plan
+        that drafts is made afresh on a round the realized rates let speculate."""
+        raw = self.get(key)
+        held = raw is not None
+        if not held:
+            raw = make()
+        planned = raw
+        if any(raw.values()):
+            if not realized.allow(batch):  # speculating did worse here than the model thinks, or plain
+                planned = dict.fromkeys(raw, 0)  # is due a measure: these sequences decode plainly for load
+            elif held:  # this round speculates (an exploring one): on a plan made now
+                raw = planned = make()
+                held = False
+        if not held:
+            if any(planned.values()):  # its verdicts will move the acceptance: plan afresh next round
+                self.drafted()
+            else:
+                self.hold(key, raw)
+        return planned

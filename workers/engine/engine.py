@@ -17,8 +17,7 @@ else touches torch. A step:
    (and hidden rows) of accepted tree paths and copy-on-write blocks in one batched copy each.
 
 It returns one :class:`TokenDelta` per request that produced tokens or finished (the last carries
-``finish_reason`` and ``usage``). Verdicts for the draft worker wait in :meth:`take_verdicts`, and
-the next round's requests come from :meth:`draft_inputs`.
+``finish_reason`` and ``usage``); what a draft worker hears next comes from :meth:`draft_news`.
 """
 
 from __future__ import annotations
@@ -179,8 +178,7 @@ class Engine:
 
     def has_work(self) -> bool:
         return (bool(self.admission.immediate or self.admission.joining) or self.scheduler.has_work()
-                or self._pending is not None
-                or (self.tiers is not None and bool(self.tiers.held)))
+                or self._pending is not None or (self.tiers is not None and bool(self.tiers.held)))
 
     def attach_tiers(self, tiers) -> None:
         """Keep KV blocks below the device pool (:class:`.kv_tiers.KvTiers`, built over this engine's cache)."""
@@ -203,9 +201,7 @@ class Engine:
     def draft_inputs(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
                      plane=None) -> list[DraftInput]:
         """Proposal requests for every running sequence that decodes next and speculates, with the
-        hidden states of ``layers`` (offered ones; None: all of them) on the CPU in ``dtype``, or,
-        given a data ``plane`` (:class:`workers.speculation.hidden_plane.PlaneWriter`), written to it
-        as one block and referred to by ``hidden_ref``."""
+        hidden states of ``layers`` as :meth:`take_verdicts` carries them."""
         if self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
             self.admission.immediate.extend(self.flush())  # (their deltas come with the next step)
         return self.news.inputs(self.scheduler.running, self.max_model_len, layers, dtype, plane)
@@ -222,8 +218,9 @@ class Engine:
 
     def take_verdicts(self, layers: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
                       plane=None) -> list[VerifyResult]:
-        """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered), or
-        their ``hidden_ref`` on a data ``plane`` (see :meth:`draft_inputs`)."""
+        """The latest steps' verdicts, with the hidden states of ``layers`` (None: all offered) on the
+        CPU in ``dtype``, or, given a data ``plane`` (:class:`workers.speculation.hidden_plane.PlaneWriter`),
+        written to it as one block and referred to by ``hidden_ref``."""
         return self.news.take_verdicts(layers, dtype, plane)
 
     def offer(self, proposals: list[DraftOutput]) -> None:
@@ -232,6 +229,13 @@ class Engine:
 
     def take_released(self) -> list[str]:
         return self.news.take_released()
+
+    def draft_news(self, layers: tuple[int, ...] | None, dtype: torch.dtype | None, plane, ask: bool,
+                   why: str = "draft_backoff") -> tuple[list[VerifyResult], list[str], list[DraftInput]]:
+        """One draft stream's verdicts, released sequences and, when ``ask``, requests (:meth:`.news.DraftNews.news`)."""
+        if ask and self._pending is not None:  # the draft proposes from the latest tokens: bring them to the host
+            self.admission.immediate.extend(self.flush())  # (their deltas come with the next step)
+        return self.news.news(self.scheduler.running, self.max_model_len, layers, dtype, plane, ask, why)
 
     def draft_news_by(self, groups: dict[str, tuple], asking: dict[str, tuple]) -> tuple[dict, dict, dict]:
         """Several draft streams (workers.target.placement): per draft worker id, the latest verdicts and

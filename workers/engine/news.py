@@ -70,6 +70,18 @@ class DraftNews:
             return []
         return self._inputs(requests, self.hidden_layers if layers is None else tuple(layers), dtype, plane)
 
+    def news(self, running: list[Sequence], max_model_len: int, layers: tuple[int, ...] | None,
+             dtype: torch.dtype | None, plane, ask: bool, why: str) -> tuple[list, list[str], list[DraftInput]]:
+        """One draft stream's news: the verdicts (:meth:`take_verdicts`) and released sequences since
+        the last call, and when ``ask`` this round's requests (:meth:`inputs`); else the sequences that
+        decode next do so plainly for ``why``. A round with none of them touches nothing else."""
+        verdicts = self.take_verdicts(layers, dtype, plane) if self.verdicts else []
+        released = self.take_released() if self.spec.released else []
+        if not ask:
+            self.spec.unasked(running, why)
+            return verdicts, released, []
+        return verdicts, released, self.inputs(running, max_model_len, layers, dtype, plane)
+
     def inputs_by(self, running: list[Sequence], max_model_len: int, groups: dict[str, Carry] | None,
                   carry: Carry = (None, None, None)) -> dict[str | None, list[DraftInput]]:
         """:meth:`inputs` per draft worker (``groups``: each one's :data:`Carry`; a sequence placed on

@@ -16,18 +16,20 @@ budget halves after a pass that accepts nothing and doubles after any hit. With 
 each step's budgets come from :func:`workers.engine.budget.plan` within those caps.
 
 When drafting does not pay, that costs a step next to nothing: a plan that is not drafted (it
-drafts nothing, or the realized rates veto it) holds for ``REPLAN_EVERY`` consecutive rounds
-while the same sequences decode with the same caps, and for twice as long each time the plan made
-then still drafts nothing, up to ``REPLAN_MAX`` (back to ``REPLAN_EVERY`` once a plan drafts).
-Nothing the plan reads changes meanwhile but the cost model's fit, by a few steps' weight (a
-sequence's acceptance moves only when its drafts are verified, and none are asked), so the plan
-would say the same; refitting the cost model and planning on every step of a fast target was the
-bulk of what the speculative path added to a step that did not speculate.
+drafts nothing, or the realized rates veto it) holds while the same sequences decode with the same
+caps (:class:`workers.engine.budget.PlanHold`). Nothing the plan reads changes meanwhile but the
+cost model's fit, by a few steps' weight (a sequence's acceptance moves only when its drafts are
+verified, and none are asked), so the plan would say the same; refitting the cost model and planning
+on every step of a fast target was the bulk of what the speculative path added to a step that did
+not speculate. While a plan that drafts nothing holds and the batch cannot change its caps (no
+sequence near its end, none paused), the rounds it holds are *quiet*: :meth:`Speculator.requests`
+only checks that the batch is the same (every sequence keeps its ``load`` reason).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import attrgetter
 
 import msgspec
 
@@ -38,17 +40,18 @@ from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput
 from ..speculation.staging import SPARE_MAX, Staged, StagedUse, position_problem
 from ..speculation.tree import tree_depths
-from .budget import Acceptance, Calibration, RealizedRates, StepCost, plan
+from .budget import REPLAN_EVERY, REPLAN_MAX, Acceptance, Calibration, PlanHold, RealizedRates, StepCost, plan  # noqa: F401
 from .sequence import Sequence
 from .spec_state import DRAFT_FAILED, Drafted, Request, SpecState  # noqa: F401 (importable from here, as before)
 
-REPLAN_EVERY = 8  # steps a plan not drafted holds while the batch and its caps stay the same
-REPLAN_MAX = 64  # ... doubling while the plans made keep drafting nothing, up to this
 # Pipelined seam: the news of round r goes out after a step; a draft that keeps up streams its answer
 # during the next step, and the target offers it before the one after, when news of round r + 1 has
 # gone too. So an answer offered with ``rounds asked - 1 - r`` at 0 or 1 kept up; at 2 or more the
 # draft took longer than a target step to answer (it is late, whatever it guessed).
 LATE_ROUNDS = 2
+
+
+_REQUEST_ID = attrgetter("request_id")
 
 
 class Speculator:
@@ -78,10 +81,9 @@ class Speculator:
         self.planned_draft_tokens = 0  # draft tokens asked for in the latest round (a gauge)
         self.unplanned_steps = 0  # rounds the load-aware plan chose not to speculate although it could
         self.plans = 0  # load-aware plans made (steps held on a plan that drafts nothing make none)
-        # the plan not drafted that holds: ((decoding, caps), the plan), and for how many more steps
-        self._held: tuple[tuple[int, dict[str, int]], dict[str, int]] | None = None
-        self._hold = 0
-        self._hold_for = REPLAN_EVERY  # how long the next plan not drafted holds
+        self._held = PlanHold()  # the plan not drafted that holds, for (decoding, caps)
+        self._quiet = 0  # rounds of the held plan left quiet (see the module's docstring)
+        self._quiet_ids: list[str] = []  # ... while the batch is these sequences
         self.dropped: dict[str, int] = {}  # proposals refused, by reason
         self.plain_steps: dict[str, int] = {}  # decode steps of speculating requests without a draft, by why
         self.released: list[str] = []  # sequences the draft worker knew and may forget
@@ -188,9 +190,16 @@ class Speculator:
 
     def requests(self, running: list[Sequence], max_model_len: int) -> list[Request]:
         """The sequences that decode next and should draft this round, with their budgets."""
+        if self._quiet > 0:
+            if not (self.pipelined or self.mixed) and list(map(_REQUEST_ID, running)) == self._quiet_ids:
+                self._quiet -= 1
+                self.unplanned_steps += 1
+                return []
+            self._quiet = 0
         caps: dict[str, int] = {}
         rooms: dict[str, int] = {}  # drafted tokens that can still be emitted
         decoding = 0
+        horizon = REPLAN_MAX  # rounds in which no sequence's cap or room would change (0: one is paused)
         for seq in running:
             if seq.num_uncomputed != 1:
                 continue
@@ -203,6 +212,7 @@ class Speculator:
                 if st.pause > 0:
                     st.pause -= 1
                     st.why_plain = "paused"
+                    horizon = 0
                     continue
                 st.adapted = 1
             # A chain is no longer than what can still be emitted; a tree keeps its node budget (its
@@ -212,17 +222,23 @@ class Speculator:
             if k > 0 and room > 0:
                 caps[seq.request_id], rooms[seq.request_id] = k, room
                 st.why_plain = "draft_late"  # until its proposal arrives
+                horizon = min(horizon, room - 1, max_model_len - len(seq) - 1 - st.adapted)
             else:
                 st.why_plain = "no_room"
+                horizon = 0
         # the synchronous seam plans before asking; the pipelined one when the proposals are in hand
         sync = {}
         if self.load_aware and caps:
             sync = caps if not (self.pipelined or self.mixed) else {
                 sid: k for sid, k in caps.items() if not self.pipelined_of(self.states[sid])}
         if sync:
-            planned = self._load_plan(sync, decoding)
+            planned = self._held.planned((decoding, sync), lambda: self._plan(sync, decoding), self.realized, decoding)
             if not any(planned.values()):
                 self.unplanned_steps += 1
+                if sync is caps and self._held.plan is planned and decoding == len(running) and horizon > 0:
+                    self._quiet = min(self._held.left, horizon)  # (the cost model declines: quiet rounds)
+                    self._held.left -= self._quiet
+                    self._quiet_ids = list(map(_REQUEST_ID, running))
             for sid, k in planned.items():
                 if k <= 0:
                     self.states[sid].why_plain = "load"
@@ -239,37 +255,6 @@ class Speculator:
                 st.asked = k
                 out.append(Request(seq, st, k, room if room < k else 0))
         return out
-
-    def _load_plan(self, caps: dict[str, int], decoding: int) -> dict[str, int]:
-        """The load-aware γ per sequence this step (synchronous seam): :func:`plan`, overruled where
-        the realized rates veto speculating (:meth:`RealizedRates.allow`, consulted on every step
-        the plan drafts, as its exploring schedule counts them). A plan that is not drafted (none
-        in it, or vetoed) holds for up to ``REPLAN_EVERY`` steps while the same sequences decode
-        with the same caps (twice as long after each such plan in a row, up to ``REPLAN_MAX``); a
-        step the realized rates let speculate plans afresh."""
-        key = (decoding, caps)
-        held = self._hold > 0 and self._held is not None and self._held[0] == key
-        if held:
-            self._hold -= 1
-            raw = self._held[1]
-        else:
-            raw = self._plan(caps, decoding)
-        planned = raw
-        if any(raw.values()):
-            if not self.realized.allow(decoding):
-                # speculating did worse here than the model thinks, or plain is due a measure: these
-                # sequences decode plainly because of load too (not "draft_late": nothing is asked)
-                planned = dict.fromkeys(raw, 0)
-            elif held:  # this step speculates (an exploring one): on a plan made now
-                raw = planned = self._plan(caps, decoding)
-                held = False
-        if not held:
-            if any(planned.values()):  # its verdicts will move the acceptance: plan afresh next step
-                self._held, self._hold, self._hold_for = None, 0, REPLAN_EVERY
-            else:
-                self._held, self._hold = (key, raw), self._hold_for - 1
-                self._hold_for = min(2 * self._hold_for, REPLAN_MAX)
-        return planned
 
     def _plan(self, caps: dict[str, int], decoding: int) -> dict[str, int]:
         self.plans += 1
@@ -424,7 +409,7 @@ class Speculator:
 
     def unasked(self, running: list[Sequence], why: str) -> None:
         """No proposals are asked for this round (``why``: no draft worker, or it is backed off)."""
-        self._hold = 0  # a plan holds over consecutive rounds only: the next one asked is planned afresh
+        self._held.left = self._quiet = 0  # a plan holds over consecutive rounds only: the next one asked is planned afresh
         for seq in running:
             st = self.states.get(seq.request_id)
             if st is not None and st.num_speculative_tokens > 0 and seq.num_uncomputed == 1:
@@ -441,7 +426,8 @@ class Speculator:
             self._tally(st, self.draft_of(st), 0)
         st.plain_steps[why] = st.plain_steps.get(why, 0) + 1
         self.plain_steps[why] = self.plain_steps.get(why, 0) + 1
-        st.why_plain = ""
+        if not self._quiet:  # (quiet rounds keep their sequences' reason, ``load``)
+            st.why_plain = ""
 
     @staticmethod
     def _tally(st: SpecState, draft: str, accepted: int) -> None:

@@ -81,17 +81,18 @@ class Drafting:
 
     def counts(self, contexts: tuple[DraftContext, ...]) -> tuple[int, list[tuple[int, int, int, int, int]]]:
         """Per stream, its draft's malformed proposals and staged use so far (engine's thread): a cycle's
-        share is what :meth:`shares` finds after the step, less these (plain ints: every step pays this)."""
+        share is what :meth:`shares` finds after the step, less these (plain ints)."""
         spec = self.engine.spec
         return spec.seen, [_counts(spec, c.draft_id) for c in contexts]
 
-    def shares(self, contexts: tuple[DraftContext, ...], before: tuple[int, list[tuple[int, int, int, int, int]]]
+    def shares(self, contexts: tuple[DraftContext, ...], before: tuple[int, list[tuple[int, int, int, int, int]]] | None
                ) -> dict[int, StreamNews]:
-        """Per stream, what this cycle's step saw of its proposals (its news follows: :meth:`messages`)."""
+        """Per stream, what this cycle's step saw of its proposals (its news follows: :meth:`messages`);
+        ``before``: :meth:`counts` before the step (None: it had none to see)."""
         spec = self.engine.spec
-        seen, counts = before
-        if spec.seen == seen:  # the step saw no proposal of any stream (a declined step: the usual one)
+        if before is None or spec.seen == before[0]:  # it saw no proposal of any stream (a declined step: the usual one)
             return {c.stream: StreamNews() for c in contexts}
+        counts = before[1]
         out = {}
         for c, (bad, looked, found, arrived, late) in zip(contexts, counts):
             now = _counts(spec, c.draft_id)
@@ -155,20 +156,16 @@ class Drafting:
     def messages(self, out: Cycle, contexts: tuple[DraftContext, ...]) -> None:
         """Per stream: verdicts, released sequences and the next round's requests, converted for the wire."""
         engine = self.engine
-        spec = engine.spec
-        running = engine.scheduler.running
         if len(contexts) == 1:  # every sequence speculates with the one stream (every step: kept lean)
             c = contexts[0]
-            news, dtype = out.news[c.stream], DTYPES.get(c.dtype)
-            self._verdicts(news, engine.take_verdicts(c.layers, dtype, c.plane), c.dtype)
-            news.released = engine.take_released()
-            if c.ask:
-                requests = engine.draft_inputs(c.layers, dtype, c.plane)
-                if requests:
-                    news.requests = self.converted(requests, c.dtype, "proposal request")
-            else:
-                spec.unasked(running, "draft_backoff")  # why the next step decodes plainly
+            news = out.news[c.stream]
+            verdicts, news.released, requests = engine.draft_news(c.layers, DTYPES.get(c.dtype), c.plane, c.ask)
+            if verdicts:
+                self._verdicts(news, verdicts, c.dtype)
+            if requests:
+                news.requests = self.converted(requests, c.dtype, "proposal request")
             return
+        spec, running = engine.spec, engine.scheduler.running
         self.placement.place(spec, (seq.request_id for seq in running), contexts)
         groups = {c.draft_id: (c.layers, DTYPES.get(c.dtype), c.plane) for c in contexts}
         asking = {d: g for d, g in groups.items() if any(c.ask for c in contexts if c.draft_id == d)}

@@ -248,8 +248,9 @@ class StepLoop:
             drafting.placement.sync(spec, contexts)
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        before = drafting.counts(contexts) if contexts else None
         answers, streamed = drafting.proposals(proposals, contexts) if contexts else ({}, [])
+        # what the step sees of the drafts' proposals, counted only where it can see any
+        before = drafting.counts(contexts) if contexts and (answers or streamed or spec.staged) else None
         if streamed:  # pipelined: streamed ahead; checked and kept until they fit
             engine.offer(streamed)
         added = engine.take_added()
@@ -270,9 +271,7 @@ class StepLoop:
             out.news = drafting.shares(contexts, before)
             drafting.messages(out, contexts)
         else:
-            engine.take_verdicts(())
-            engine.take_released()
-            engine.spec.unasked(engine.scheduler.running, "no_draft")  # why the next step decodes plainly
+            engine.draft_news((), None, None, False, "no_draft")  # (dropped) and why the next step decodes plainly
         out.kv_events = engine.drain_kv_events()
         out.has_work = engine.has_work()
         return out

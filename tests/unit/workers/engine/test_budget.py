@@ -369,3 +369,45 @@ def test_a_vetoed_plan_holds_and_the_realized_rates_explore_as_before(monkeypatc
     assert asked == [i for i in range(steps) if reference.allow(1)] == [15, 47]
     assert len(made) <= steps // REPLAN_EVERY + len(asked) and spec.plans == len(made)
     assert spec.unplanned_steps == steps - len(asked)
+
+
+def test_quiet_rounds_say_why_every_step_as_planning_each_step_would():
+    """While a plan that drafts nothing holds, its rounds are quiet (the batch is only checked to be the
+    same): every step still decodes plainly for ``load``, the last tokens a sequence may emit still say
+    ``no_room``, a batch that changes is planned at once, and a round not asked ends the quiet."""
+    from workers.engine.sequence import Sequence
+    from workers.engine.speculator import Speculator
+
+    def run(quiet: bool, max_tokens: int, steps: int):
+        spec = Speculator(100, 3, load_aware=True)
+        spec.cost = fitted(0.001, 0.01, wait=0.001, per_verify=0.001)  # every draft token costs 10 steps
+        seq = Sequence("a", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=max_tokens), num_computed=7)
+        spec.add("a", None, None, None)
+        reasons, quiet_rounds = [], 0
+        for _ in range(steps):
+            if not quiet:
+                spec._quiet = 0  # (reference: every round planned in full)
+            quiet_rounds += spec._quiet > 0
+            assert spec.requests([seq], 1024) == []
+            reasons.append(spec.states["a"].why_plain)
+            spec.count_plain(seq)
+            seq.token_ids.append(5)  # the step decodes one token plainly
+            seq.num_computed += 1
+            seq.num_generated += 1
+        return reasons, dict(spec.plain_steps), spec.unplanned_steps, quiet_rounds, spec, seq
+
+    for max_tokens in (40, 90):
+        quiet, reference = run(True, max_tokens, max_tokens), run(False, max_tokens, max_tokens)
+        assert quiet[:3] == reference[:3]
+        assert quiet[0][-1] == "no_room" and quiet[0][0] == "load"
+        assert quiet[3] > max_tokens // 2  # most rounds were quiet
+    # a sequence joins during a quiet stretch: planned at once; a round not asked ends the quiet
+    *_, spec, a = run(True, 200, 20)
+    assert spec._quiet > 0
+    b = Sequence("b", list(range(8)), 8, 0, SamplingParams(temperature=0, max_tokens=64), num_computed=7)
+    spec.add("b", None, None, None)
+    plans = spec.plans
+    assert spec.requests([a, b], 1024) == [] and spec.plans == plans + 1
+    assert spec.states["b"].why_plain == "load"
+    spec.unasked([a, b], "draft_backoff")
+    assert spec._quiet == 0 and spec.states["a"].why_plain == "draft_backoff"
