@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 RETRY_BASE_S = 2.0  # a draft worker that failed is skipped this long, doubling per failure in a row
 RETRY_MAX_S = 30.0
+REVISE_EVERY_S = 0.05  # the step loop's streams() looks at discovery again at most this often (at once
+# when a stream it was given broke, or while one opens)
 
 
 def rendezvous_rank(target_id: str, candidates: list[InstanceRecord]) -> list[InstanceRecord]:
@@ -86,6 +88,8 @@ class DraftPool:
         self._closed_bytes: dict[str, int] = {}  # hidden-state bytes of closed clients, by plane
         self._incarnations: dict[str, int] = {}  # draft id -> the newest incarnation known of it
         self.streams_fenced = 0  # streams dropped because a newer incarnation of their draft worker appeared
+        self._given: list[DraftClient] | None = None  # what streams() gave last, and until when it holds
+        self._given_until = 0.0
         self._closed_fenced = 0  # proposals of closed clients dropped as an older incarnation's
 
     @property
@@ -125,6 +129,7 @@ class DraftPool:
         """Let go of a stream now (its close runs in the background: the step loop never waits)."""
         if self.clients.get(client.draft_id) is client:
             del self.clients[client.draft_id]
+            self._given = None
         client._break(reason, quiet=reason in ("no longer preferred", "replaced"))
         self._retired.add(client)
         task = asyncio.create_task(self._close(client), name="draft-close")
@@ -216,6 +221,7 @@ class DraftPool:
             if client.draft_id not in live or self._stale(client.draft_id, client.incarnation):
                 if self.clients.get(client.draft_id) is client:
                     del self.clients[client.draft_id]
+                    self._given = None
                 client._break("deregistered")
                 await self._close(client)
 
@@ -250,6 +256,7 @@ class DraftPool:
         if old is not None:
             self._drop(old, "replaced")
         self.clients[choice.instance_id] = client
+        self._given = None
         return client
 
     async def get(self) -> DraftClient | None:
@@ -269,7 +276,13 @@ class DraftPool:
         """The healthy streams to use now, primary first, without waiting: for the target's step loop,
         which must not stall while a stream is opened (an unreachable draft worker takes up to the
         connect timeout). Streams the pool wants and lacks are opened in the background; a later call
-        picks them up."""
+        picks them up. The step loop asks before every step: between looks at discovery (at most every
+        ``REVISE_EVERY_S``) the same healthy streams are given again, as long as none of them broke
+        and no stream is opening."""
+        now = asyncio.get_running_loop().time()
+        given = self._given
+        if given is not None and now < self._given_until and not self._connecting and not any(c.broken for c in given):
+            return given
         for draft_id, task in list(self._connecting.items()):
             if task.done():
                 del self._connecting[draft_id]
@@ -278,7 +291,8 @@ class DraftPool:
         for choice in self._revise():
             if choice.instance_id not in self._connecting:
                 self._connecting[choice.instance_id] = asyncio.create_task(self._open(choice), name="draft-connect")
-        return self._healthy()
+        self._given, self._given_until = self._healthy(), now + REVISE_EVERY_S
+        return self._given
 
     async def poll(self) -> DraftClient | None:
         """The primary stream to use now, without waiting (see :meth:`streams`)."""
@@ -294,5 +308,6 @@ class DraftPool:
         for client in list(self.clients.values()):
             await self._close(client)
         self.clients.clear()
+        self._given = None
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)

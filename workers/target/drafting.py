@@ -48,6 +48,8 @@ class Drafting:
         self.pool = pool
         self.watch = watch  # the primary stream's judge; every other stream gets one like it (watch_of)
         self._clients: list[DraftClient] = []  # the streams the latest news went to (their seams hold the round)
+        self._contexts: tuple[DraftContext, ...] = ()  # what contexts() gave for them, and whether each asked
+        self._asks: tuple[bool, ...] = ()
         self._streams: tuple[int, ...] = ()  # their serials, primary first
         self._watches: dict[int, DraftWatch] = {}  # per stream but the primary's
         self.methods: dict[str, str] = {}  # draft id -> its method, for the spec-decode statistics
@@ -199,6 +201,9 @@ class Drafting:
         except Exception as exc:
             log.warning("choosing draft workers failed: %r", exc)
             clients = []
+        asks = tuple(self.watch_of(c.serial).allowed() for c in clients)
+        if clients is self._clients and asks == self._asks:  # the same streams as last cycle (the usual one)
+            return self._contexts
         serials = tuple(c.serial for c in clients)
         if serials != self._streams:
             known = set(self._streams)
@@ -213,10 +218,12 @@ class Drafting:
                 self.watch.reset()  # a different primary draft (or none)
             self._watches = {s: self._watches.get(s) or self._new_watch() for s in serials[1:]}
             self._streams = serials
-        self._clients = clients
-        return tuple(DraftContext(c.draft_id, tuple(c.hidden_layers), c.hidden_dtype, self.watch_of(c.serial).allowed(),
-                                  c.seam.pipelined, c.seam.plane, c.seam.send_prompts if c.seam.prompts_early else None,
-                                  c.serial, c.method, c.lora) for c in clients)
+            asks = tuple(self.watch_of(c.serial).allowed() for c in clients)  # (a primary's watch starts afresh)
+        self._clients, self._asks = clients, asks
+        self._contexts = tuple(DraftContext(c.draft_id, tuple(c.hidden_layers), c.hidden_dtype, ask, c.seam.pipelined,
+                                            c.seam.plane, c.seam.send_prompts if c.seam.prompts_early else None,
+                                            c.serial, c.method, c.lora) for c, ask in zip(clients, asks))
+        return self._contexts
 
     def watch_of(self, serial: int) -> DraftWatch:
         """The watch judging a stream: ``watch`` for the primary, one of its own for each other."""
