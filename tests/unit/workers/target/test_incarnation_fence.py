@@ -161,3 +161,31 @@ async def test_a_new_incarnation_hears_every_sequence_from_scratch(model, expect
         # mid-stream carries more), never a delta
         assert n >= len(PROMPTS[seq_id]) + (round_ > 0), (seq_id, round_, n)
     assert any(n > len(PROMPTS[s]) for s, (_, n) in new.first.items()), new.first  # mid-stream, some
+
+
+async def test_the_step_loop_gets_the_same_streams_between_looks_at_discovery_and_never_a_broken_one():
+    """The step loop asks the pool for its streams before every step: between looks at discovery
+    (``REVISE_EVERY_S``) it gets the very same list back, a draft that registers is streamed to soon
+    after, and a stream that broke is left out at once, inside the window."""
+    first, second = (DraftService(NgramProposer(1, 3), draft_id, 8, incarnation=1) for draft_id in ("d1", "d2"))
+    async with serving(first) as first_address:
+        records = [record("d1", first_address, 1)]
+        pool = DraftPool("t1", "m", VOCAB, lambda: list(records), streams=2)
+
+        async def streams(n: int):
+            got = await pool.streams()
+            return got if len(got) == n else None
+
+        try:
+            one = await eventually(lambda: streams(1), timeout=5, what="a stream to d1")
+            assert [c.draft_id for c in one] == ["d1"] and await pool.streams() is one
+            async with serving(second) as second_address:
+                records.append(record("d2", second_address, 1))
+                two = await eventually(lambda: streams(2), timeout=5, what="streams to d1 and d2")
+                assert sorted(c.draft_id for c in two) == ["d1", "d2"] and await pool.streams() is two
+            lost = next(c for c in two if c.draft_id == "d2")
+            await eventually(lambda: lost.broken, timeout=5, what="d2's stream broken")
+            got = await pool.streams()
+            assert lost not in got and [c.draft_id for c in got] == ["d1"]
+        finally:
+            await pool.close()
