@@ -78,6 +78,7 @@ class Driver:
 
     def __init__(self, loop, context):
         self.loop, self.context = loop, context
+        self.contexts = (context,) if context is not None else ()
         self.forward = 0.0  # engine-thread CPU seconds in the model's forward passes, running total
         self.outside: list[float] = []  # per cycle that stepped: its CPU seconds outside the forward pass
         runner, forward = loop.engine.runner, loop.engine.runner.forward
@@ -113,7 +114,7 @@ class Driver:
         answers = {r.seq_id: DraftOutput(r.seq_id, r.round, [self.draw.randrange(self.loop.engine.vocab_size)
                                                              for _ in range(r.num_speculative_tokens)])
                    for r in self.requests}
-        contexts = (self.context,) if self.context is not None else ()
+        contexts = self.contexts  # (the target's loop hands the same tuple while its streams are the same)
         proposals = {self.context.stream: Proposals(answers=answers)} if self.context is not None else {}
         started, wall, forward = time.thread_time(), time.perf_counter(), self.forward
         cycle = self.loop.run_cycle(self.commands, proposals, contexts, self.last, self.asked)

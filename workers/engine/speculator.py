@@ -188,6 +188,11 @@ class Speculator:
 
     # ------------------------------------------------------------------ asking
 
+    @property
+    def quiet(self) -> bool:
+        """A quiet stretch holds (see the module's docstring): the next round asks nothing if the batch is the same."""
+        return self._quiet > 0
+
     def requests(self, running: list[Sequence], max_model_len: int) -> list[Request]:
         """The sequences that decode next and should draft this round, with their budgets."""
         if self._quiet > 0:

@@ -50,6 +50,7 @@ class Drafting:
         self._clients: list[DraftClient] = []  # the streams the latest news went to (their seams hold the round)
         self._contexts: tuple[DraftContext, ...] = ()  # what contexts() gave for them, and whether each asked
         self._asks: tuple[bool, ...] = ()
+        self.synced: tuple[DraftContext, ...] | None = None  # the contexts placement last followed
         self._streams: tuple[int, ...] = ()  # their serials, primary first
         self._watches: dict[int, DraftWatch] = {}  # per stream but the primary's
         self.methods: dict[str, str] = {}  # draft id -> its method, for the spec-decode statistics
@@ -114,6 +115,14 @@ class Drafting:
                 log.warning("request %s: %s not sent to the draft (%r)", request.seq_id, what, exc)
                 self.engine.spec.forget_told(request.seq_id)
         return converted
+
+    def unchanged(self, contexts: tuple[DraftContext, ...], proposals: dict[int, Proposals]) -> bool:
+        """One stream, the very one placement followed last cycle (:meth:`contexts` reuses them), and
+        it brought nothing: a quiet round has no placement or proposals to look at."""
+        if contexts is not self.synced or len(contexts) != 1:
+            return False
+        got = proposals.get(contexts[0].stream)
+        return got is None or not (got.answers or got.streamed)
 
     def proposals(self, proposals: dict[int, Proposals], contexts: tuple[DraftContext, ...]
                    ) -> tuple[dict[str, DraftOutput], list[DraftOutput]]:

@@ -241,14 +241,18 @@ class StepLoop:
         if last_cycle and self.pool is not None:  # load-aware budgets learn what a whole cycle costs
             engine.observe_cycle(last_cycle, last_asked)
         spec, drafting = engine.spec, self.drafting
-        if contexts or drafting.placement.serials:
+        # a quiet round (the speculator's held plan drafts nothing for the same batch) on the stream of
+        # the last cycle, which brought nothing: nothing to place, hand over or count
+        quiet = spec.quiet and drafting.unchanged(contexts, proposals)
+        if not quiet and (contexts or drafting.placement.serials):
             # a new draft stream knows none of our sequences, even one to the same draft worker (a new
             # stream to it, or to a newer incarnation of it): its sequences are committed afresh, and
             # nothing the old stream sent is used
             drafting.placement.sync(spec, contexts)
+            drafting.synced = contexts
         for cmd in commands:
             out.results.append(self._apply(cmd))
-        answers, streamed = drafting.proposals(proposals, contexts) if contexts else ({}, [])
+        answers, streamed = drafting.proposals(proposals, contexts) if contexts and not quiet else ({}, [])
         # what the step sees of the drafts' proposals, counted only where it can see any
         before = drafting.counts(contexts) if contexts and (answers or streamed or spec.staged) else None
         if streamed:  # pipelined: streamed ahead; checked and kept until they fit
