@@ -193,14 +193,19 @@ class Speculator:
         """A quiet stretch holds (see the module's docstring): the next round asks nothing if the batch is the same."""
         return self._quiet > 0
 
+    def quiet_round(self, running: list[Sequence]) -> bool:
+        """Take one round of a quiet stretch if it holds for ``running`` (the same batch); else end it."""
+        if self._quiet > 0 and not (self.pipelined or self.mixed) and list(map(_REQUEST_ID, running)) == self._quiet_ids:
+            self._quiet -= 1
+            self.unplanned_steps += 1
+            return True
+        self._quiet = 0
+        return False
+
     def requests(self, running: list[Sequence], max_model_len: int) -> list[Request]:
         """The sequences that decode next and should draft this round, with their budgets."""
-        if self._quiet > 0:
-            if not (self.pipelined or self.mixed) and list(map(_REQUEST_ID, running)) == self._quiet_ids:
-                self._quiet -= 1
-                self.unplanned_steps += 1
-                return []
-            self._quiet = 0
+        if self._quiet and self.quiet_round(running):
+            return []
         caps: dict[str, int] = {}
         rooms: dict[str, int] = {}  # drafted tokens that can still be emitted
         decoding = 0

@@ -272,8 +272,11 @@ class StepLoop:
                 out.failed = self._step_failed(exc)
             out.stepped = True
         if contexts:
-            out.news = drafting.shares(contexts, before)
-            drafting.messages(out, contexts)
+            # a quiet round that goes on has nothing for the draft: no verdicts (it verified nothing),
+            # no sequence released, nothing asked
+            if not (quiet and contexts[0].ask and not spec.released and spec.quiet_round(engine.scheduler.running)):
+                out.news = drafting.shares(contexts, before)
+                drafting.messages(out, contexts)
         else:
             engine.draft_news((), None, None, False, "no_draft")  # (dropped) and why the next step decodes plainly
         out.kv_events = engine.drain_kv_events()
