@@ -50,7 +50,7 @@ class Drafting:
         self._clients: list[DraftClient] = []  # the streams the latest news went to (their seams hold the round)
         self._contexts: tuple[DraftContext, ...] = ()  # what contexts() gave for them, and whether each asked
         self._asks: tuple[bool, ...] = ()
-        self.synced: tuple[DraftContext, ...] | None = None  # the contexts placement last followed
+        self._synced: tuple[DraftContext, ...] | None = None  # the contexts placement last followed
         self._streams: tuple[int, ...] = ()  # their serials, primary first
         self._watches: dict[int, DraftWatch] = {}  # per stream but the primary's
         self.methods: dict[str, str] = {}  # draft id -> its method, for the spec-decode statistics
@@ -116,13 +116,24 @@ class Drafting:
                 self.engine.spec.forget_told(request.seq_id)
         return converted
 
+    def follow(self, contexts: tuple[DraftContext, ...]) -> None:
+        """Keep the placement of sequences in step with this cycle's streams (:meth:`.placement.Placement.sync`)."""
+        self.placement.sync(self.engine.spec, contexts)
+        self._synced = contexts
+
     def unchanged(self, contexts: tuple[DraftContext, ...], proposals: dict[int, Proposals]) -> bool:
         """One stream, the very one placement followed last cycle (:meth:`contexts` reuses them), and
         it brought nothing: a quiet round has no placement or proposals to look at."""
-        if contexts is not self.synced or len(contexts) != 1:
+        if contexts is not self._synced or len(contexts) != 1:
             return False
         got = proposals.get(contexts[0].stream)
         return got is None or not (got.answers or got.streamed)
+
+    def quiet_round(self, contexts: tuple[DraftContext, ...]) -> bool:
+        """Whether a quiet round goes on (the engine's speculator takes it): the draft has nothing to
+        hear this cycle, having verified nothing, released nothing and been asked nothing."""
+        spec = self.engine.spec
+        return contexts[0].ask and not spec.released and spec.quiet_round(self.engine.scheduler.running)
 
     def proposals(self, proposals: dict[int, Proposals], contexts: tuple[DraftContext, ...]
                    ) -> tuple[dict[str, DraftOutput], list[DraftOutput]]:

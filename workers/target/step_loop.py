@@ -248,8 +248,7 @@ class StepLoop:
             # a new draft stream knows none of our sequences, even one to the same draft worker (a new
             # stream to it, or to a newer incarnation of it): its sequences are committed afresh, and
             # nothing the old stream sent is used
-            drafting.placement.sync(spec, contexts)
-            drafting.synced = contexts
+            drafting.follow(contexts)
         for cmd in commands:
             out.results.append(self._apply(cmd))
         answers, streamed = drafting.proposals(proposals, contexts) if contexts and not quiet else ({}, [])
@@ -272,9 +271,7 @@ class StepLoop:
                 out.failed = self._step_failed(exc)
             out.stepped = True
         if contexts:
-            # a quiet round that goes on has nothing for the draft: no verdicts (it verified nothing),
-            # no sequence released, nothing asked
-            if not (quiet and contexts[0].ask and not spec.released and spec.quiet_round(engine.scheduler.running)):
+            if not (quiet and drafting.quiet_round(contexts)):
                 out.news = drafting.shares(contexts, before)
                 drafting.messages(out, contexts)
         else:
