@@ -40,7 +40,7 @@ from ..speculation.checks import proposal_problem
 from ..speculation.payloads import DraftOutput
 from ..speculation.staging import SPARE_MAX, Staged, StagedUse, position_problem
 from ..speculation.tree import tree_depths
-from .budget import REPLAN_EVERY, REPLAN_MAX, Acceptance, Calibration, PlanHold, RealizedRates, StepCost, plan  # noqa: F401
+from .budget import REPLAN_MAX, Acceptance, Calibration, PlanHold, RealizedRates, StepCost, plan
 from .sequence import Sequence
 from .spec_state import DRAFT_FAILED, Drafted, Request, SpecState  # noqa: F401 (importable from here, as before)
 

@@ -285,7 +285,8 @@ def test_a_plan_of_no_drafts_holds_while_the_batch_does(monkeypatch):
     once, and a cost model that turns in favour of drafting is heard within ``REPLAN_MAX`` steps."""
     from workers.engine import speculator as spec_module
     from workers.engine.sequence import Sequence
-    from workers.engine.speculator import REPLAN_EVERY, REPLAN_MAX, Speculator
+    from workers.engine.budget import REPLAN_EVERY, REPLAN_MAX
+    from workers.engine.speculator import Speculator
 
     made = []
 
@@ -342,7 +343,8 @@ def test_a_vetoed_plan_holds_and_the_realized_rates_explore_as_before(monkeypatc
     from workers.engine import speculator as spec_module
     from workers.engine.budget import RealizedRates
     from workers.engine.sequence import Sequence
-    from workers.engine.speculator import REPLAN_EVERY, Speculator
+    from workers.engine.budget import REPLAN_EVERY
+    from workers.engine.speculator import Speculator
 
     made = []
 

@@ -105,12 +105,18 @@ def fit(spec: Speculator, rid: str, draft: str, steps: int, accepted: int) -> No
     spec.states[rid].fit[draft] = [steps, accepted]
 
 
-def test_fit_tries_the_other_kind_when_the_first_gains_little_and_keeps_the_better():
-    spec, placement = speculator(1), Placement()
+def two_kinds(sequences: int = 1):
+    """A suffix draft and an EAGLE-3 head, ``sequences`` added and ``s0`` placed: (spec, placement, the streams,
+    the draft it was placed on)."""
+    spec, placement = speculator(sequences), Placement()
     kinds = (stream("sfx", 1, method="suffix"), stream("eagle", 2, method="eagle3"))
     placement.sync(spec, kinds)
     placement.place(spec, ["s0"], kinds)
-    first = spec.draft_of(spec.states["s0"])
+    return spec, placement, kinds, spec.draft_of(spec.states["s0"])
+
+
+def test_fit_tries_the_other_kind_when_the_first_gains_little_and_keeps_the_better():
+    spec, placement, kinds, first = two_kinds()
     other = "eagle" if first == "sfx" else "sfx"
     st = spec.states["s0"]
     st.told = 30
@@ -129,11 +135,7 @@ def test_fit_tries_the_other_kind_when_the_first_gains_little_and_keeps_the_bett
 
 
 def test_a_draft_that_serves_a_sequence_well_keeps_it_and_one_kind_never_explores():
-    spec, placement = speculator(2), Placement()
-    kinds = (stream("sfx", 1, method="suffix"), stream("eagle", 2, method="eagle3"))
-    placement.sync(spec, kinds)
-    placement.place(spec, ["s0"], kinds)
-    draft = spec.draft_of(spec.states["s0"])
+    spec, placement, kinds, draft = two_kinds(2)
     fit(spec, "s0", draft, FIT_STEPS, 3 * FIT_STEPS)
     placement.place(spec, ["s0"], kinds)
     assert spec.draft_of(spec.states["s0"]) == draft and spec.states["s0"].settled
@@ -194,11 +196,7 @@ def test_a_sequence_on_a_draft_outside_its_adapters_set_is_judged_by_nothing_and
 
 
 def test_new_sequences_start_on_the_kind_that_gained_settled_sequences_most():
-    spec, placement = speculator(1), Placement()
-    kinds = (stream("sfx", 1, method="suffix"), stream("eagle", 2, method="eagle3"))
-    placement.sync(spec, kinds)
-    placement.place(spec, ["s0"], kinds)
-    first = spec.draft_of(spec.states["s0"])
+    spec, placement, kinds, first = two_kinds()
     fit(spec, "s0", first, FIT_STEPS, 3 * FIT_STEPS)  # it served this sequence well: it settles there
     placement.place(spec, ["s0"], kinds)
     assert spec.states["s0"].settled
